@@ -1,0 +1,1 @@
+"""meshllm's common library: protocol, codec, bus, service config, admin app, metrics, logs."""

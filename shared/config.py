@@ -1,0 +1,90 @@
+"""Service configuration from `MESHLLM_*` environment variables (pydantic-settings).
+
+One settings class per service, all sharing `CommonSettings`. The same variable names appear in
+docker-compose.yml and are read by the local launcher, so the compose file is the single place
+where a deployment's configuration is written down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    cluster: str = "default"
+    instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    group: str = "0"  # worker group served by a scheduler / worker
+    host: str = "0.0.0.0"
+    port: int = 0
+    admin_token: str = ""  # empty = admin actions disabled
+    log_level: str = "INFO"
+    log_json: bool = True
+    stream_maxlen: int = 100_000  # approximate MAXLEN for every stream
+    claim_idle_ms: int = 15_000  # pending entries idle this long are claimed from dead consumers
+    heartbeat_interval_s: float = 1.0
+    shutdown_timeout_s: float = 30.0
+
+
+class ModelSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
+
+    model: str = ""  # HF safetensors dir or .gguf file; empty = embedded SmolLM2-135M-Instruct
+    served_model_name: str = ""  # name in the OpenAI API; default derived from `model`
+    model_cache_dir: str = Field(
+        default_factory=lambda: os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
+        + "/meshllm"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int = 0  # 0 = the model's own context length
+    block_size: int = 16
+
+
+class GatewaySettings(CommonSettings, ModelSettings):
+    port: int = 8000
+    api_keys: str = ""  # comma-separated; empty = no auth on /v1
+    max_pending_requests: int = 256  # past this, 429
+    max_n: int = 16
+    max_logprobs: int = 20
+    request_timeout_s: float = 600.0
+    grammar_url: str = "http://127.0.0.1:8003"
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+
+class SchedulerSettings(CommonSettings, ModelSettings):
+    port: int = 8001
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    enable_prefix_caching: bool = True
+    step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
+    worker_ready_timeout_s: float = 600.0
+
+
+class WorkerSettings(CommonSettings, ModelSettings):
+    port: int = 8002
+    kv_cache_bytes: int = 0  # 0 = kv_cache_memory_fraction of free memory
+    kv_cache_memory_fraction: float = 0.3
+    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+
+
+class GrammarSettings(CommonSettings, ModelSettings):
+    port: int = 8003
+    cache_entries: int = 512
+    compile_timeout_s: float = 10.0
+
+
+class KVStoreSettings(CommonSettings):
+    port: int = 8004
+    capacity_bytes: int = 2 * 1024**3
+    policy: str = "services.kvstore.lru.LRUPolicy"

@@ -1,0 +1,47 @@
+"""Liveness and capacity announcements on the heartbeat stream."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.protocol.base import Message, register
+
+ServiceName = Literal["gateway", "scheduler", "worker", "grammar", "kvstore"]
+
+
+@register
+class Heartbeat(Message):
+    """Sent periodically by every service. `incarnation` changes on every process start, so a
+    restarted worker is recognised as empty (its KV and persistent batch are gone)."""
+
+    TYPE = "heartbeat"
+    VERSION = 1
+
+    service: ServiceName
+    instance_id: str
+    incarnation: str
+    group: str = "0"
+    ready: bool = False
+    time: float = 0.0
+
+
+@register
+class WorkerReady(Message):
+    """A worker announces its model and KV capacity; its scheduler sizes the block pool by it."""
+
+    TYPE = "worker_ready"
+    VERSION = 1
+
+    worker_id: str
+    incarnation: str
+    group: str = "0"
+    model: str
+    num_kv_blocks: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    max_model_len: int = Field(ge=1)
+    eos_token_ids: list[int] = Field(default_factory=list)
+    num_moe_layers: int = 0
+    time: float = 0.0

@@ -1,0 +1,68 @@
+"""Packed binary field types for bus messages.
+
+Token ids, block ids, bitmasks and float arrays travel as little-endian packed bytes (msgpack
+`bin`), never as lists of Python ints: a 2,000-token prompt is 8 KB of bytes instead of 2,000
+msgpack integers, and decoding is one `numpy.frombuffer`.
+
+In Python the fields hold plain lists (ints or floats) so core logic stays simple; the
+conversion happens only at validation (bytes -> list) and serialization (list -> bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import PlainSerializer, PlainValidator
+
+
+def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
+    def validate(value: Any) -> list[Any]:
+        if isinstance(value, bytes | bytearray | memoryview):
+            raw = bytes(value)
+            if len(raw) % itemsize:
+                raise ValueError(f"packed {dtype} array has {len(raw)} bytes, not a multiple of {itemsize}")
+            return np.frombuffer(raw, dtype=dtype).tolist()
+        if isinstance(value, np.ndarray):
+            return value.astype(dtype, copy=False).tolist()
+        if isinstance(value, list | tuple):
+            out = []
+            for v in value:
+                if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+                    raise ValueError(f"expected {kind.__name__} items, got {type(v).__name__}")
+                if kind is int and not float(v).is_integer():
+                    raise ValueError(f"expected int items, got {v!r}")
+                out.append(kind(v))
+            return out
+        raise ValueError(f"expected packed bytes or a list, got {type(value).__name__}")
+
+    return validate
+
+
+def _packer(dtype: str) -> Any:
+    def serialize(value: list[Any]) -> bytes:
+        return np.asarray(value, dtype=dtype).tobytes()
+
+    return serialize
+
+
+#: int32 array (token ids, block ids, positions) packed as little-endian bytes.
+PackedInt32 = Annotated[
+    list[int], PlainValidator(_unpacker("<i4", 4, int)), PlainSerializer(_packer("<i4"))
+]
+#: float32 array (logprobs) packed as little-endian bytes.
+PackedFloat32 = Annotated[
+    list[float], PlainValidator(_unpacker("<f4", 4, float)), PlainSerializer(_packer("<f4"))
+]
+
+
+def _validate_blob(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    if isinstance(value, np.ndarray):
+        return value.tobytes()
+    raise ValueError(f"expected bytes, got {type(value).__name__}")
+
+
+#: Raw bytes (a bitmask already laid out by its producer), passed through unchanged.
+Blob = Annotated[bytes, PlainValidator(_validate_blob)]

@@ -1,0 +1,68 @@
+"""Gateway -> scheduler messages: a validated, tokenized request, and its abort."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shared.protocol.base import Message, Struct, register
+from shared.protocol.packed import PackedInt32
+
+
+class SamplingParams(Struct):
+    """Everything the worker needs to turn logits into the next token.
+
+    The gateway fills `seed` when the client gave none, so every sample can be reproduced and a
+    request restarted after a crash regenerates the same tokens.
+    """
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 = disabled
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int = Field(0, ge=0, lt=2**64)
+    max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: PackedInt32 = Field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    allowed_token_ids: PackedInt32 | None = None
+    bad_token_ids: PackedInt32 = Field(default_factory=list)
+    logprobs: int | None = Field(None, ge=0)  # top-k logprobs per generated token (0 = chosen only)
+
+
+class GrammarRef(Struct):
+    """A structured-output constraint. `key` names the compiled grammar in the grammar cache."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+    spec: str
+    key: str = ""
+
+
+@register
+class SubmitRequest(Message):
+    TYPE = "submit"
+    VERSION = 1
+
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_token_ids: PackedInt32 = Field(min_length=1)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    reply_stream: str = Field(min_length=1)
+    arrival_time: float = 0.0
+    grammar: GrammarRef | None = None
+    return_routed_experts: bool = False
+    routed_experts_prompt_start: int = Field(0, ge=0)
+    cache_salt: str | None = None
+
+
+@register
+class AbortRequest(Message):
+    TYPE = "abort"
+    VERSION = 1
+
+    request_id: str = Field(min_length=1, max_length=256)
+    reason: str = "client"

@@ -1,0 +1,89 @@
+"""Scheduler <-> worker messages: one StepPlan per step, one StepResult back.
+
+A StepPlan is a diff against the worker's persistent batch (vLLM v1's SchedulerOutput shape):
+requests the worker has not seen come in full (`new_requests`), requests it already holds come
+as the blocks appended since the last step (`cached_requests`). The worker remembers the tokens
+it sampled itself, so running requests never resend their history.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from shared.protocol.base import Message, Struct, register
+from shared.protocol.packed import Blob, PackedFloat32, PackedInt32
+from shared.protocol.requests import SamplingParams
+
+
+class NewRequestData(Struct):
+    """A request entering the worker's batch (first schedule, or resumed after preemption).
+
+    `token_ids` holds every token known so far (prompt, then output already generated before a
+    preemption); `num_computed_tokens` of them already have KV in the listed blocks (prefix hit).
+    """
+
+    request_id: str
+    token_ids: PackedInt32
+    num_prompt_tokens: int = Field(ge=1)
+    block_ids: list[PackedInt32]  # one list per KV cache group
+    num_computed_tokens: int = Field(ge=0)
+    sampling: SamplingParams
+    return_routed_experts: bool = False
+
+
+class CachedRequestData(Struct):
+    """A request already in the worker's batch: blocks appended since the previous step."""
+
+    request_id: str
+    new_block_ids: list[PackedInt32]  # one list per KV cache group; empty lists if none
+    num_computed_tokens: int = Field(ge=0)
+
+
+@register
+class StepPlan(Message):
+    """What the worker runs this step.
+
+    `num_scheduled_tokens[req]` tokens are computed for each scheduled request, starting at its
+    `num_computed_tokens`. A request is sampled this step iff its computed tokens reach the end of
+    its known tokens (prefill finished or decoding); otherwise it is a partial (chunked) prefill.
+    """
+
+    TYPE = "step_plan"
+    VERSION = 1
+
+    step_id: int = Field(ge=0)
+    scheduler_id: str
+    worker_incarnation: str = ""  # the worker this plan is for; others drop it
+    new_requests: list[NewRequestData] = Field(default_factory=list)
+    cached_requests: list[CachedRequestData] = Field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = Field(default_factory=dict)
+    finished_request_ids: list[str] = Field(default_factory=list)  # drop from the batch
+    preempted_request_ids: list[str] = Field(default_factory=list)  # drop; will come back as new
+    # Structured outputs: one packed int32 bitmask row (ceil(vocab/32) words) per listed request.
+    grammar_request_ids: list[str] = Field(default_factory=list)
+    grammar_bitmask: Blob = b""
+
+
+class SampledTokens(Struct):
+    """Tokens sampled for one request this step (one, or more with speculative decoding)."""
+
+    request_id: str
+    token_ids: PackedInt32
+    logprobs: PackedFloat32 | None = None  # logprob of each sampled token
+    top_token_ids: PackedInt32 | None = None  # [len(token_ids) * k], row-major
+    top_logprobs: PackedFloat32 | None = None  # same shape
+    routed_experts: PackedInt32 | None = None  # [positions * moe_layers * top_k], row-major
+    routed_experts_shape: list[int] | None = None  # [positions, moe_layers, top_k]
+
+
+@register
+class StepResult(Message):
+    TYPE = "step_result"
+    VERSION = 1
+
+    step_id: int = Field(ge=0)
+    worker_id: str
+    worker_incarnation: str = ""
+    sampled: list[SampledTokens] = Field(default_factory=list)
+    error: str | None = None  # the step failed; the scheduler recomputes its requests
+    execute_ms: float = 0.0

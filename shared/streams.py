@@ -1,0 +1,53 @@
+"""Redis stream and key names, in one place.
+
+Everything lives under `meshllm:<cluster>:`. Per-worker-group streams carry a Redis Cluster hash
+tag `{g<group>}` so one group's steps and results land on one shard.
+"""
+
+from __future__ import annotations
+
+
+class Streams:
+    def __init__(self, cluster: str = "default") -> None:
+        self.prefix = f"meshllm:{cluster}"
+
+    @property
+    def requests(self) -> str:
+        """Gateway -> schedulers (one consumer group `schedulers`)."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def aborts(self) -> str:
+        """Gateway -> every scheduler (fan-out: plain XREAD, no group)."""
+        return f"{self.prefix}:aborts"
+
+    @property
+    def heartbeats(self) -> str:
+        return f"{self.prefix}:heartbeats"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}:deadletter"
+
+    def steps(self, group: str) -> str:
+        """Scheduler -> the worker(s) of one group."""
+        return f"{self.prefix}:{{g{group}}}:steps"
+
+    def results(self, group: str) -> str:
+        """Worker rank 0 -> the group's scheduler."""
+        return f"{self.prefix}:{{g{group}}}:results"
+
+    def control(self, group: str) -> str:
+        """Worker -> scheduler announcements (WorkerReady) for one group."""
+        return f"{self.prefix}:{{g{group}}}:control"
+
+    def replies(self, gateway_id: str) -> str:
+        """Scheduler -> one gateway instance (TokenDelta)."""
+        return f"{self.prefix}:replies:{gateway_id}"
+
+    def state_key(self, service: str, instance: str) -> str:
+        """A service's small published state (readiness, scheduler queue snapshot)."""
+        return f"{self.prefix}:state:{service}:{instance}"
+
+
+SCHEDULER_GROUP = "schedulers"
