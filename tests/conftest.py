@@ -1,0 +1,48 @@
+"""Fixtures shared by every test layer: a real Redis, the embedded model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.redis_server import RedisServer
+
+MODEL_CACHE = Path(os.environ.get("MESHLLM_MODEL_CACHE_DIR", "~/.cache/meshllm")).expanduser()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One private redis-server for the whole session (tests flush it through `redis_url`)."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session Redis, emptied before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis of the test's own, for tests that stop or restart it."""
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a cached HF directory (converted once, ~20 s)."""
+    from shared.model_source import resolve_model
+
+    return resolve_model("", MODEL_CACHE).hf_dir
