@@ -251,6 +251,7 @@ async def serve(service: Service, *, sock: socket.socket | None = None) -> int:
         await asyncio.wait({start_task, shutdown_task, server_task}, return_when=FIRST)
         if start_task.done():
             start_task.result()
+            log.info("%s started", service.name, extra={"incarnation": service.incarnation})
             run_task = asyncio.create_task(service.run(), name=f"{service.name}-run")
             await asyncio.wait({run_task, shutdown_task, server_task}, return_when=FIRST)
             if run_task.done() and not shutdown.is_set() and run_task.exception() is None:

@@ -1,0 +1,1 @@
+"""kvstore service."""
