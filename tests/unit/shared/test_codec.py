@@ -1,0 +1,288 @@
+"""The msgpack codec: every registered message survives a round trip; bad bytes get a reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from shared.codec import CodecError, decode, encode
+from shared.protocol import (
+    MESSAGE_TYPES,
+    AbortRequest,
+    CachedRequestData,
+    GrammarRef,
+    Heartbeat,
+    Message,
+    NewRequestData,
+    RequestDelta,
+    SampledTokens,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+    TokenDelta,
+    WorkerReady,
+)
+
+INT32_EDGES = [0, 1, -1, 2**31 - 1, -(2**31), 49151]
+
+
+def sampling() -> SamplingParams:
+    return SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.05,
+        seed=2**64 - 1,
+        max_tokens=128,
+        min_tokens=2,
+        stop_token_ids=[2, 7],
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.1,
+        logit_bias={5: -100.0, 49151: 2.5},
+        allowed_token_ids=[1, 2, 3],
+        bad_token_ids=[9],
+        logprobs=5,
+    )
+
+
+# One fully populated instance per message type: every field, nested ones included, differs
+# from its default, so a field the codec drops or mangles cannot hide behind a default.
+SAMPLES: dict[str, Message] = {
+    m.TYPE: m
+    for m in [
+        SubmitRequest(
+            request_id="req-1",
+            prompt_token_ids=INT32_EDGES,
+            sampling=sampling(),
+            reply_stream="meshllm:default:replies:gw-1",
+            arrival_time=1_700_000_000.25,
+            grammar=GrammarRef(kind="json_schema", spec='{"type": "object"}', key="k1"),
+            return_routed_experts=True,
+            routed_experts_prompt_start=3,
+            cache_salt="salt",
+        ),
+        AbortRequest(request_id="req-1", reason="timeout"),
+        StepPlan(
+            step_id=2**40,
+            scheduler_id="sched-a",
+            worker_incarnation="inc-1",
+            new_requests=[
+                NewRequestData(
+                    request_id="req-1",
+                    token_ids=[11, 12, 13, 14],
+                    num_prompt_tokens=3,
+                    block_ids=[[1, 2], [3]],
+                    num_computed_tokens=2,
+                    sampling=sampling(),
+                    return_routed_experts=True,
+                )
+            ],
+            cached_requests=[
+                CachedRequestData(
+                    request_id="req-2", new_block_ids=[[4], []], num_computed_tokens=17
+                )
+            ],
+            num_scheduled_tokens={"req-1": 2, "req-2": 1},
+            finished_request_ids=["req-3"],
+            preempted_request_ids=["req-4"],
+            grammar_request_ids=["req-1"],
+            grammar_bitmask=np.array([-1, 0x0F0F0F0F], dtype="<i4").tobytes(),
+        ),
+        StepResult(
+            step_id=7,
+            worker_id="worker-0",
+            worker_incarnation="inc-1",
+            sampled=[
+                SampledTokens(
+                    request_id="req-1",
+                    token_ids=[42, 43],
+                    logprobs=[-0.5, -1.25],
+                    top_token_ids=[42, 7, 43, 8],
+                    top_logprobs=[-0.5, -2.0, -1.25, -3.0],
+                    routed_experts=[0, 3, 1, 2],
+                    routed_experts_shape=[2, 1, 2],
+                )
+            ],
+            error="cuda oom",
+            execute_ms=3.5,
+        ),
+        TokenDelta(
+            scheduler_id="sched-a",
+            deltas=[
+                RequestDelta(
+                    request_id="req-1",
+                    start_index=4,
+                    token_ids=[42],
+                    logprobs=[-0.5],
+                    top_token_ids=[42, 7],
+                    top_logprobs=[-0.5, -2.0],
+                    routed_experts=[5, 6],
+                    routed_experts_shape=[1, 1, 2],
+                    finish_reason="stop",
+                    stop_token_id=2,
+                    num_prompt_tokens=6,
+                    num_cached_tokens=4,
+                    error="none",
+                )
+            ],
+        ),
+        Heartbeat(
+            service="worker",
+            instance_id="host-1",
+            incarnation="inc-1",
+            group="1",
+            ready=True,
+            time=12.5,
+        ),
+        WorkerReady(
+            worker_id="worker-0",
+            incarnation="inc-1",
+            group="1",
+            model="SmolLM2-135M-Instruct",
+            num_kv_blocks=1024,
+            block_size=16,
+            vocab_size=49152,
+            max_model_len=8192,
+            eos_token_ids=[2],
+            num_moe_layers=4,
+            time=12.5,
+        ),
+    ]
+}
+
+
+def fields_left_default(model: BaseModel, path: str = "") -> list[str]:
+    """Dotted paths of fields (recursively) whose value equals the field's default."""
+    left = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        default = info.get_default(call_default_factory=True)
+        if default is not PydanticUndefined and value == default:
+            left.append(path + name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                left += fields_left_default(item, f"{path}{name}[{i}].")
+    return left
+
+
+def envelope(type_tag: Any, version: Any, body: Any) -> bytes:
+    return msgpack.packb({"t": type_tag, "v": version, "b": body}, use_bin_type=True)
+
+
+def reason_of(data: Any, **kwargs: Any) -> CodecError:
+    with pytest.raises(CodecError) as caught:
+        decode(data, **kwargs)
+    return caught.value
+
+
+def test_every_registered_type_has_a_fully_populated_sample() -> None:
+    assert set(SAMPLES) == set(MESSAGE_TYPES)
+    for sample in SAMPLES.values():
+        assert fields_left_default(sample) == [], type(sample).__name__
+
+
+@pytest.mark.parametrize("type_tag", sorted(MESSAGE_TYPES))
+def test_round_trip(type_tag: str) -> None:
+    sample = SAMPLES[type_tag]
+    data = encode(sample)
+    assert decode(data) == sample
+    assert decode(data, expected=type(sample)) == sample
+    assert type(decode(data)) is MESSAGE_TYPES[type_tag]
+
+
+def test_packed_fields_travel_as_little_endian_bytes() -> None:
+    body = msgpack.unpackb(encode(SAMPLES["submit"]), raw=False, strict_map_key=False)["b"]
+    assert body["prompt_token_ids"] == np.array(INT32_EDGES, dtype="<i4").tobytes()
+    assert body["sampling"]["seed"] == 2**64 - 1
+    assert body["sampling"]["logit_bias"] == {5: -100.0, 49151: 2.5}  # int keys on the wire
+    step = msgpack.unpackb(encode(SAMPLES["step_plan"]), raw=False, strict_map_key=False)["b"]
+    assert step["new_requests"][0]["block_ids"] == [
+        np.array([1, 2], "<i4").tobytes(),
+        np.array([3], "<i4").tobytes(),
+    ]
+
+
+def test_defaults_are_left_out_and_restored() -> None:
+    minimal = AbortRequest(request_id="r")
+    body = msgpack.unpackb(encode(minimal), raw=False)["b"]
+    assert body == {"request_id": "r"}
+    assert decode(encode(minimal)) == minimal
+
+
+def test_rejects_bytes_that_are_not_msgpack() -> None:
+    assert reason_of(b"\xc1\x00\x01").reason == "malformed"
+
+
+def test_rejects_a_truncated_encoding() -> None:
+    data = encode(SAMPLES["submit"])
+    for cut in (1, len(data) // 2, len(data) - 1):
+        assert reason_of(data[:cut]).reason == "malformed", cut
+
+
+def test_rejects_oversized_input() -> None:
+    data = encode(SAMPLES["abort"])
+    error = reason_of(data, max_bytes=len(data) - 1)
+    assert error.reason == "oversized"
+    assert decode(data, max_bytes=len(data)) == SAMPLES["abort"]
+
+
+def test_rejects_a_wrong_version() -> None:
+    error = reason_of(envelope("abort", AbortRequest.VERSION + 1, {"request_id": "r"}))
+    assert error.reason == "bad_version"
+
+
+def test_rejects_an_unknown_type() -> None:
+    assert reason_of(envelope("teleport", 1, {})).reason == "unknown_type"
+    assert reason_of(envelope(7, 1, {})).reason == "unknown_type"
+
+
+def test_rejects_a_type_other_than_expected() -> None:
+    error = reason_of(encode(SAMPLES["abort"]), expected=SubmitRequest)
+    assert error.reason == "unexpected_type"
+
+
+def test_rejects_extra_fields() -> None:
+    error = reason_of(envelope("abort", 1, {"request_id": "r", "priority": 9}))
+    assert error.reason == "invalid"
+    assert "priority" in error.detail
+
+
+def test_rejects_extra_fields_in_nested_models() -> None:
+    body = msgpack.unpackb(encode(SAMPLES["submit"]), raw=False, strict_map_key=False)["b"]
+    body["sampling"]["beam_width"] = 4
+    error = reason_of(envelope("submit", 1, body))
+    assert error.reason == "invalid"
+    assert "sampling.beam_width" in error.detail
+
+
+def test_rejects_packed_ints_whose_length_is_not_a_multiple_of_four() -> None:
+    body = {"request_id": "r", "prompt_token_ids": b"\x01\x00\x00\x00\x02", "reply_stream": "s"}
+    error = reason_of(envelope("submit", 1, body))
+    assert error.reason == "invalid"
+    assert "prompt_token_ids" in error.detail
+    assert "multiple of 4" in error.detail
+
+
+def test_rejects_a_body_that_breaks_the_schema() -> None:
+    error = reason_of(envelope("submit", 1, {"request_id": "r", "reply_stream": "s"}))
+    assert error.reason == "invalid"
+    assert "prompt_token_ids" in error.detail
+
+
+def test_rejects_a_bad_envelope() -> None:
+    assert reason_of(msgpack.packb([1, 2, 3])).reason == "bad_envelope"
+    assert reason_of(msgpack.packb({"t": "abort", "v": 1})).reason == "bad_envelope"
+    assert reason_of(envelope("abort", 1, ["r"])).reason == "bad_envelope"
+
+
+def test_rejects_input_that_is_not_bytes() -> None:
+    assert reason_of("not bytes").reason == "not_bytes"
