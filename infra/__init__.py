@@ -1,0 +1,1 @@
+"""Deployment: Dockerfile, local launcher, Redis configuration and ACLs."""

@@ -1,0 +1,252 @@
+"""`make up`: the mesh of docker-compose.yml as local processes.
+
+Reads the compose file (infra/compose_plan.py), starts a private redis-server with the rendered
+ACL, starts every mesh service with this interpreter, waits until each answers 200 on /ready,
+prints where the API is, and on Ctrl-C / SIGTERM stops everything: SIGTERM to each service
+(gateway first, so no new request enters while the rest drain), wait, SIGKILL what is left,
+then Redis. Children run in their own sessions so a terminal's Ctrl-C reaches only the
+launcher, which then stops them in that order.
+
+    python -m infra.launcher [--compose docker-compose.yml] [--profile gpu] [--services a,b]
+                             [--redis-port 6379] [--port-offset 0] [--log-dir DIR]
+
+Exit status: 0 after a requested stop, 1 when a service failed to start or died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from infra.compose_plan import LocalService, acl_environment, load_compose, plan
+from infra.redis.render_acl import render_acl
+
+ROOT = Path(__file__).resolve().parent.parent
+REDIS_CONF = ROOT / "infra" / "redis" / "redis.conf"
+STOP_TIMEOUT_S = 45.0  # the services' drain bound (30 s) plus closing
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int | None = None
+    log: IO[bytes] | None = field(default=None, repr=False)
+
+
+def module_exists(module: str) -> bool:
+    """`services.gateway` -> services/gateway/__main__.py exists under the repository root."""
+    return (ROOT / Path(*module.split(".")) / "__main__.py").is_file()
+
+
+def wait_redis(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    """Until redis answers (NOAUTH counts: the default user is disabled, the server is up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LaunchError(f"redis-server exited with status {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise LaunchError(f"redis-server did not answer on port {port} within {timeout_s:.0f} s")
+
+
+def is_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class Launcher:
+    def __init__(
+        self,
+        services: list[LocalService],
+        *,
+        redis_port: int,
+        acl_env: dict[str, str],
+        log_dir: Path | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.services = services
+        self.redis_port = redis_port
+        self.acl_env = acl_env
+        self.log_dir = log_dir
+        self.python = python
+        self.workdir = Path(tempfile.mkdtemp(prefix="meshllm-up-"))
+        self.redis: Child | None = None
+        self.children: list[Child] = []
+        self.stop_requested = False
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None) -> Child:
+        log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            start_new_session=True,
+        )
+        return Child(name, proc, log=log)
+
+    def start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise LaunchError("redis-server is not installed: run `make redis`")
+        acl = self.workdir / "users.acl"
+        acl.write_text(render_acl(self.acl_env))
+        argv = [binary, str(REDIS_CONF), "--bind", "127.0.0.1", "--port", str(self.redis_port),
+                "--aclfile", str(acl), "--dir", str(self.workdir)]  # fmt: skip
+        self.redis = self._spawn("redis", argv, None)
+        wait_redis(self.redis_port, self.redis.proc)
+        print(f"redis-server on 127.0.0.1:{self.redis_port}", flush=True)
+
+    def start_services(self) -> None:
+        for service in self.services:
+            if not module_exists(service.module):
+                raise LaunchError(f"{service.name}: module {service.module} does not exist")
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **service.env}
+            child = self._spawn(service.name, service.argv(self.python), env)
+            child.port = service.port
+            self.children.append(child)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        pending = {c.name: c for c in self.children}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if self.stop_requested:
+                raise LaunchError("stopped before the mesh was ready")
+            for name, child in list(pending.items()):
+                if child.proc.poll() is not None:
+                    raise LaunchError(f"{name} exited with status {child.proc.returncode}")
+                if child.port is not None and is_ready(child.port):
+                    print(f"{name} ready on http://127.0.0.1:{child.port}", flush=True)
+                    del pending[name]
+            if time.monotonic() > deadline:
+                raise LaunchError(f"not ready after {timeout_s:.0f} s: {', '.join(pending)}")
+            time.sleep(0.2)
+
+    def watch(self) -> None:
+        """Until a stop is requested; a service that dies is an error."""
+        while not self.stop_requested:
+            for child in [*self.children, *([self.redis] if self.redis else [])]:
+                if child.proc.poll() is not None:
+                    raise LaunchError(f"{child.name} exited with status {child.proc.returncode}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGTERM in start order (gateway first), wait, then SIGKILL stragglers; Redis last."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"{child.name} did not stop in time; killing it", flush=True)
+                child.proc.kill()
+                child.proc.wait()
+        if self.redis is not None and self.redis.proc.poll() is None:
+            self.redis.proc.terminate()
+            try:
+                self.redis.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.redis.proc.kill()
+                self.redis.proc.wait()
+        for child in [*self.children, *([self.redis] if self.redis else [])]:
+            if child.log is not None:
+                child.log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_requested = True
+
+
+def api_banner(services: list[LocalService]) -> str:
+    gateway = next((s for s in services if s.module == "services.gateway"), None)
+    if gateway is None:
+        return "meshllm is up (no gateway in this launch)"
+    return f"meshllm is up: OpenAI API at http://127.0.0.1:{gateway.port}/v1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the meshllm mesh as local processes.")
+    parser.add_argument("--compose", type=Path, default=ROOT / "docker-compose.yml")
+    parser.add_argument("--profile", action="append", default=[], help="compose profile")
+    parser.add_argument("--services", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--redis-port", type=int, default=6379)
+    parser.add_argument("--port-offset", type=int, default=0, help="added to every HTTP port")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", type=Path, help="one log file per service (default: here)")
+    args = parser.parse_args(argv)
+
+    compose = load_compose(args.compose)
+    services = plan(
+        compose,
+        os.environ,
+        redis_port=args.redis_port,
+        port_offset=args.port_offset,
+        profiles=frozenset(args.profile),
+    )
+    if args.services:
+        wanted = [s.strip() for s in args.services.split(",") if s.strip()]
+        unknown = set(wanted) - {s.name for s in services}
+        if unknown:
+            parser.error(f"unknown services: {', '.join(sorted(unknown))}")
+        services = [s for s in services if s.name in wanted]
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+
+    launcher = Launcher(
+        services,
+        redis_port=args.redis_port,
+        acl_env=acl_environment(compose, os.environ),
+        log_dir=args.log_dir,
+    )
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    status = 0
+    try:
+        launcher.start_redis()
+        launcher.start_services()
+        launcher.wait_ready(args.ready_timeout)
+        print(api_banner(services), flush=True)
+        launcher.watch()
+    except LaunchError as exc:
+        if not launcher.stop_requested:
+            print(f"launcher: {exc}", file=sys.stderr, flush=True)
+            status = 1
+    finally:
+        print("stopping meshllm ...", flush=True)
+        launcher.stop()
+        print("stopped", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Redis configuration and per-service ACL users."""
