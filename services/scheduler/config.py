@@ -1,0 +1,62 @@
+"""The scheduler core's configuration: the deployment's settings merged with what the worker
+announced (its KV capacity and block size are authoritative: they describe real tensors)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup
+from shared.config import SchedulerSettings
+from shared.protocol import WorkerReady
+
+
+class SchedulerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    block_size: int = Field(default=16, ge=1)
+    # Pool size, including the reserved null block 0.
+    num_gpu_blocks: int = Field(default=1024, ge=2)
+    max_num_seqs: int = Field(default=64, ge=1)  # running requests at most
+    # Tokens computed per step, all requests together (the chunked-prefill budget).
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    max_model_len: int = Field(default=2048, ge=1)  # prompt + output tokens at most
+    enable_prefix_caching: bool = True
+    eos_token_ids: list[int] = Field(default_factory=list)
+    # A request whose steps failed this many times finishes with "error" instead of recomputing
+    # forever (a request that crashes the worker would otherwise loop).
+    max_step_failures: int = Field(default=3, ge=1)
+    # Empty = one full-attention group at `block_size`.
+    kv_cache_groups: list[KVCacheGroup] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _default_groups(self) -> SchedulerConfig:
+        if not self.kv_cache_groups:
+            self.kv_cache_groups = [
+                KVCacheGroup(spec=FullAttentionSpec(block_size=self.block_size))
+            ]
+        for group in self.kv_cache_groups:
+            if group.spec.block_size != self.block_size:
+                raise ValueError(
+                    f"KV cache group block size {group.spec.block_size} != block_size "
+                    f"{self.block_size}"
+                )
+        return self
+
+    @classmethod
+    def from_worker(cls, settings: SchedulerSettings, ready: WorkerReady) -> SchedulerConfig:
+        """Settings for policy (batch limits, prefix caching), the worker for capacity.
+
+        `settings.max_model_len` may only shrink the worker's context length (0 = the worker's).
+        """
+        max_model_len = ready.max_model_len
+        if 0 < settings.max_model_len < max_model_len:
+            max_model_len = settings.max_model_len
+        return cls(
+            block_size=ready.block_size,
+            num_gpu_blocks=ready.num_kv_blocks,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            eos_token_ids=list(ready.eos_token_ids),
+        )

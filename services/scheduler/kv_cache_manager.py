@@ -1,0 +1,138 @@
+"""Request-level KV cache management: prefix lookup, admission estimates, allocation.
+
+The one invariant admission rests on: `estimate_blocks_to_allocate(...)` is exactly the number
+of blocks `allocate_slots(...)` with the same arguments takes out of the pool's free queue
+(new blocks plus prefix-hit blocks revived from the free queue). An over-estimate would starve
+a long request at the head of the queue forever; an under-estimate would over-commit the pool.
+Both calls go through the same per-group `get_num_blocks_to_allocate`, so they cannot drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator
+from services.scheduler.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per admission (not per lookup: a request blocked at the head of the queue
+    is looked up every step and would inflate the queries)."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self.coordinator = KVCacheCoordinator(
+            config.kv_cache_groups, self.pool, config.enable_prefix_caching
+        )
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return self.coordinator.empty_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of the request: blocks per group, and its token count.
+
+        Capped at `num_tokens - 1`: the last known token must be computed to get the logits
+        for the next one, so a fully cached prompt still recomputes its last block.
+        """
+        if not self.enable_caching:
+            return self.coordinator.empty_blocks(), 0
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+
+    def estimate_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int | None = None,
+    ) -> int:
+        """Blocks `allocate_slots` with these arguments would take from the pool."""
+        blocks = new_computed_blocks or self.coordinator.empty_blocks()
+        num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
+        return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens, blocks)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int | None = None,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for `num_new_tokens` more tokens after its computed ones
+        (including the prefix hit `new_computed_blocks`, for a request being admitted).
+
+        Returns the newly allocated blocks per group (not the hit blocks), or None, changing
+        nothing, if the pool cannot supply them.
+        """
+        blocks = new_computed_blocks or self.coordinator.empty_blocks()
+        request_id = request.request_id
+        # Skipped blocks go back before counting, so they can serve this very allocation.
+        self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
+        needed = self.coordinator.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        if needed > self.pool.num_free_blocks:
+            return None
+        if new_computed_blocks:
+            self.coordinator.save_new_computed_blocks(request_id, blocks)
+        return self.coordinator.allocate_new_blocks(request_id, num_tokens)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks made full by its first `num_computed_tokens` tokens
+        (call only once their KV is really written, i.e. after the worker's step)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(
+                request.request_id, request.block_hashes, num_computed_tokens
+            )
+
+    def free(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return [[b.block_id for b in g] for g in self.coordinator.get_blocks(request_id)]
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        return self.coordinator.num_blocks_for_tokens(num_tokens)
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def _num_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks,
+        num_new_computed_tokens: int | None,
+    ) -> int:
+        if num_new_computed_tokens is None:
+            num_new_computed_tokens = len(new_computed_blocks[0]) * self.block_size
+        return request.num_computed_tokens + num_new_computed_tokens + num_new_tokens

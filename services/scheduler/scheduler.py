@@ -1,0 +1,388 @@
+"""The scheduler core: turns queued requests into StepPlans and StepResults into token deltas.
+
+Policy (vLLM v1): every step, running requests first, in admission order, each getting its
+remaining tokens (1 when decoding, its next chunk when prefilling) within the step's token
+budget; then waiting requests FCFS while the budget and `max_num_seqs` allow, a prompt longer
+than the remaining budget being split across steps (chunked prefill). When a running request
+cannot get a block, the lowest-priority running request (the last admitted) is preempted by
+recompute: its blocks are freed and it goes back to the FRONT of the waiting queue, to be
+re-admitted later as a new request carrying prompt + outputs so far. No waiting request is
+admitted in a step that preempted, so a victim is never re-admitted in the plan that drops it.
+
+Step protocol: `schedule()` advances `num_computed_tokens` by what it schedules; the caller
+runs the plan and then calls `update_from_output(plan, result)` (or `step_failed`) before the
+next `schedule()`. Blocks are registered in the prefix cache only in the update, once the
+worker has written their KV. Plans are diffs: the scheduler tracks which requests the worker
+holds, so finished/preempted ids are sent only for requests the worker knows. The worker must
+apply `finished_request_ids` and `preempted_request_ids` before adding `new_requests`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
+from services.scheduler.stop import check_stop
+from shared.protocol import (
+    CachedRequestData,
+    FinishReason,
+    NewRequestData,
+    RequestDelta,
+    SampledTokens,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+)
+
+RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, scheduler_id: str) -> None:
+        self.config = config
+        self.scheduler_id = scheduler_id
+        self.worker_incarnation = ""  # stamped on every plan; set by reset_worker_state
+        self.kv = KVCacheManager(config)
+        self.requests: dict[str, Request] = {}  # every live (waiting or running) request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order = priority order
+        self.step_id = 0
+        self._eos = frozenset(config.eos_token_ids)
+        # Diff state towards the worker: which requests it holds, and removals not yet sent.
+        self._worker_known: set[str] = set()
+        self._finished_for_worker: list[str] = []
+        self._preempted_for_worker: list[str] = []
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_step_failures = 0
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def add_request(self, msg: SubmitRequest) -> RequestDelta | None:
+        """Queue a request. Returns None when accepted (or already known: redelivery of the
+        same request id is idempotent), or a finished "error" delta explaining the rejection."""
+        if msg.request_id in self.requests:
+            return None
+        error = self._admission_error(msg)
+        if error is not None:
+            return _final_delta(msg.request_id, 0, "error", error=error)
+        request = Request.from_submit(msg, self.config.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return None
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Finish a live request with "abort", freeing its blocks now. None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.num_aborted += 1
+        self._finish(request, "abort")
+        return _final_delta(request_id, request.num_output_tokens, "abort")
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # ----------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when nothing can run (pending removals then wait for
+        the next plan)."""
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        new: list[NewRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # already scheduled up to its known tokens
+                i += 1
+                continue
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            cached.append(
+                CachedRequestData.model_construct(
+                    request_id=request.request_id,
+                    new_block_ids=[[b.block_id for b in g] for g in new_blocks],
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            num_scheduled[request.request_id] = num_new
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            max_seqs = self.config.max_num_seqs
+            while self.waiting and budget > 0 and len(self.running) < max_seqs:
+                request = self.waiting[0]
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit, budget)
+                if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
+                    break  # FCFS: nobody overtakes the head of the queue
+                self.waiting.popleft()
+                kv.record_admission(request, num_hit)
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                request.status = RUNNING
+                self.running.append(request)
+                new.append(
+                    NewRequestData.model_construct(
+                        request_id=request.request_id,
+                        token_ids=list(request.all_token_ids),
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        block_ids=kv.get_block_ids(request.request_id),
+                        num_computed_tokens=num_hit,
+                        sampling=request.sampling,
+                        return_routed_experts=request.return_routed_experts,
+                    )
+                )
+                self._worker_known.add(request.request_id)
+                num_scheduled[request.request_id] = num_new
+                request.num_computed_tokens = num_hit + num_new
+                budget -= num_new
+
+        if not num_scheduled:
+            return None
+        plan = StepPlan.model_construct(
+            step_id=self.step_id,
+            scheduler_id=self.scheduler_id,
+            worker_incarnation=self.worker_incarnation,
+            new_requests=new,
+            cached_requests=cached,
+            num_scheduled_tokens=num_scheduled,
+            finished_request_ids=self._finished_for_worker,
+            preempted_request_ids=self._preempted_for_worker,
+            grammar_request_ids=[],
+            grammar_bitmask=b"",
+        )
+        self._finished_for_worker = []
+        self._preempted_for_worker = []
+        self.step_id += 1
+        return plan
+
+    # ------------------------------------------------------------------------------ update
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> SchedulerOutput:
+        """Apply a step's result: append sampled tokens, stop checks, prefix-cache the blocks
+        the step filled, free finished requests. Requests whose prefill chunk was partial get
+        no tokens; tokens after a stop are dropped."""
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
+        if result.error is not None:
+            return self.step_failed(plan, result.error)
+        out = SchedulerOutput()
+        sampled = {s.request_id: s for s in result.sampled}
+        missing: list[Request] = []
+        finished = False
+        kv = self.kv
+        for request_id in plan.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RUNNING:
+                continue  # aborted (or reset) while the step ran
+            kv.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # partial prefill: nothing sampled
+            tokens = sampled.get(request_id)
+            if tokens is None or not tokens.token_ids:
+                missing.append(request)
+                continue
+            if self._append_sampled(request, tokens, out):
+                finished = True
+        if finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        if missing:
+            self._recompute(missing, "the worker returned no token for a sampled request", out)
+        return out
+
+    def step_failed(self, plan: StepPlan, error: str) -> SchedulerOutput:
+        """The worker could not run `plan`: recompute its requests from scratch (their prefix
+        cache hits stay valid: a failed step only writes slots of uncached blocks). A request
+        failing `max_step_failures` times finishes with "error"."""
+        self.num_step_failures += 1
+        failed = [
+            r
+            for rid in plan.num_scheduled_tokens
+            if (r := self.requests.get(rid)) is not None and r.status is RUNNING
+        ]
+        out = SchedulerOutput()
+        self._recompute(failed, error, out)
+        return out
+
+    def reset_worker_state(self, worker_incarnation: str = "") -> None:
+        """The worker restarted and holds nothing: every running request recomputes (keeping
+        its outputs) and is sent again as new; the prefix cache is dropped, since no cached
+        block has KV on the new worker."""
+        for request in self.running:
+            self.kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        self._worker_known.clear()
+        self._finished_for_worker = []
+        self._preempted_for_worker = []
+        self.kv.reset_prefix_cache()
+        self.worker_incarnation = worker_incarnation
+
+    def snapshot(self) -> SchedulerSnapshot:
+        stats = self.kv.stats
+        return SchedulerSnapshot(
+            step_id=self.step_id,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_usable_blocks=self.kv.num_usable_blocks,
+            kv_usage_percent=100.0 * self.kv.usage,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            prefix_cache_hit_rate=stats.hit_rate,
+            num_preemptions=self.num_preemptions,
+            num_finished=self.num_finished,
+            num_aborted=self.num_aborted,
+            num_step_failures=self.num_step_failures,
+        )
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _append_sampled(
+        self, request: Request, sampled: SampledTokens, out: SchedulerOutput
+    ) -> bool:
+        """Append tokens one by one with a stop check after each; emit the delta. True if the
+        request finished."""
+        start = request.num_output_tokens
+        decision = None
+        for token in sampled.token_ids:
+            request.append_output_token(token)
+            decision = check_stop(request, self._eos, self.config.max_model_len)
+            if decision is not None:
+                break
+        n = request.num_output_tokens - start
+        delta = RequestDelta.model_construct(
+            request_id=request.request_id,
+            start_index=start,
+            token_ids=request.output_token_ids[start:],
+            logprobs=sampled.logprobs[:n] if sampled.logprobs is not None else None,
+            top_token_ids=None,
+            top_logprobs=None,
+            routed_experts=sampled.routed_experts,
+            routed_experts_shape=sampled.routed_experts_shape,
+            finish_reason=None,
+            stop_token_id=None,
+            num_prompt_tokens=0,
+            num_cached_tokens=0,
+            error=None,
+        )
+        if sampled.top_token_ids is not None and sampled.top_logprobs is not None:
+            k = len(sampled.top_token_ids) // len(sampled.token_ids)
+            delta.top_token_ids = sampled.top_token_ids[: n * k]
+            delta.top_logprobs = sampled.top_logprobs[: n * k]
+        if not request.first_delta_sent:
+            request.first_delta_sent = True
+            delta.num_prompt_tokens = request.num_prompt_tokens
+            delta.num_cached_tokens = max(request.num_cached_tokens, 0)
+        if decision is not None:
+            delta.finish_reason, delta.stop_token_id = decision
+            self._finish(request, decision[0])
+            out.finished_request_ids.append(request.request_id)
+        out.add(request.reply_stream, delta)
+        return decision is not None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Release everything the request holds; the caller removes it from its queue."""
+        request.status = RequestStatus.finished(reason)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.num_finished += 1
+        if request.request_id in self._worker_known:
+            self._worker_known.discard(request.request_id)
+            self._finished_for_worker.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: blocks freed (their cached prefix usually survives in the free
+        queue, so resumption is often a prefix hit), front of the waiting queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._drop_from_worker(request.request_id)
+
+    def _recompute(self, requests: list[Request], error: str, out: SchedulerOutput) -> None:
+        """Put running requests back at the front of the waiting queue, in their order; ones
+        that failed too often finish with "error"."""
+        if not requests:
+            return
+        requeue: list[Request] = []
+        for request in requests:
+            request.num_step_failures += 1
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self._drop_from_worker(request.request_id)
+            if request.num_step_failures >= self.config.max_step_failures:
+                self._finish(request, "error")
+                out.add(
+                    request.reply_stream,
+                    _final_delta(
+                        request.request_id, request.num_output_tokens, "error", error=error
+                    ),
+                )
+                out.finished_request_ids.append(request.request_id)
+            else:
+                request.status = RequestStatus.PREEMPTED
+                requeue.append(request)
+        gone = {id(r) for r in requests}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting.extendleft(reversed(requeue))
+
+    def _drop_from_worker(self, request_id: str) -> None:
+        if request_id in self._worker_known:
+            self._worker_known.discard(request_id)
+            self._preempted_for_worker.append(request_id)
+
+    def _admission_error(self, msg: SubmitRequest) -> str | None:
+        prompt_len = len(msg.prompt_token_ids)
+        max_len = self.config.max_model_len
+        if prompt_len > max_len:
+            return f"prompt has {prompt_len} tokens, more than max_model_len {max_len}"
+        # Peak KV slots: every token but the last sampled one (which finishes the request).
+        peak = max(prompt_len, min(prompt_len + msg.sampling.max_tokens - 1, max_len - 1))
+        needed = self.kv.num_blocks_for_tokens(peak)
+        if needed > self.kv.num_usable_blocks:
+            return (
+                f"request needs up to {needed} KV blocks ({peak} tokens), more than the "
+                f"{self.kv.num_usable_blocks} the cache holds"
+            )
+        return None
+
+
+def _final_delta(
+    request_id: str, start_index: int, reason: FinishReason, error: str | None = None
+) -> RequestDelta:
+    return RequestDelta(
+        request_id=request_id, start_index=start_index, finish_reason=reason, error=error
+    )

@@ -1,0 +1,150 @@
+"""Per-group block managers: one per KV cache group, all drawing from one BlockPool.
+
+A manager owns the block table of every request for its group. Block tables are append-only
+while a request runs (the worker indexes KV by table position, and a hit found earlier must not
+move), and are released whole by `free`. Groups that can drop blocks (sliding window) do it in
+`remove_skipped_blocks` by swapping entries for the null block, which keeps positions stable.
+
+Subclasses implement `find_longest_cache_hit` (the scan direction and hit rule are what differ
+between attention types) and may override `remove_skipped_blocks`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from services.scheduler.block_hash import BlockHash
+from services.scheduler.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+
+
+class SingleTypeKVCacheManager(ABC):
+    def __init__(
+        self, spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool
+    ) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching and spec.prefix_cacheable
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        return self.spec.prefix_cacheable
+
+    @abstractmethod
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """Blocks holding the longest cached prefix of at most `max_length` tokens (block
+        aligned). Nothing is touched: the result is only valid until the pool changes."""
+
+    def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Blocks the pool loses when this request grows to `num_tokens` slots: brand-new
+        blocks, plus prefix-hit blocks that are currently free (touching takes them out of the
+        free queue). Exactly what `save_new_computed_blocks` + `allocate_new_blocks` take."""
+        num_required = -(-num_tokens // self.block_size)
+        held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        num_new = max(0, num_required - held)
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new + num_revived
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Attach prefix-hit blocks to a request that holds no blocks yet."""
+        if not new_computed_blocks:
+            return
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if blocks:
+            raise RuntimeError(f"prefix hit for {request_id}, which already holds blocks")
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        # Hit blocks are cached already: never register them again.
+        self.num_cached_blocks[request_id] = len(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the request's table to cover `num_tokens` slots; returns only the new blocks."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = -(-num_tokens // self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> None:
+        """Register the request's blocks that are full within its first `num_tokens` computed
+        tokens. Only blocks not registered before are visited."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(block_hashes))
+        start = self.num_cached_blocks.get(request_id, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[request_id]
+        self.pool.cache_full_blocks(
+            blocks[start:num_full], block_hashes[start:num_full], self.group_id
+        )
+        self.num_cached_blocks[request_id] = num_full
+
+    @abstractmethod
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release blocks no future token will attend to (swap them for the null block).
+        Called before each allocation, so released blocks can serve it."""
+
+    def free(self, request_id: str) -> None:
+        """Release the request's whole table, tail first (see BlockPool.free_blocks)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """Scan left to right; the first miss ends the hit (a later block's hash names a prefix
+        that includes the missing one, so it cannot be valid KV on its own)."""
+        if not self.enable_caching:
+            return []
+        hits: list[KVCacheBlock] = []
+        cached = self.pool.cached
+        group_id = self.group_id
+        for block_hash in block_hashes[: max_length // self.block_size]:
+            block = cached.get((block_hash, group_id))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Every later token attends to every block: nothing is ever skipped."""
+        return None
+
+
+MANAGER_BY_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+}
+
+
+def make_manager(
+    spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool
+) -> SingleTypeKVCacheManager:
+    try:
+        cls = MANAGER_BY_SPEC[type(spec)]
+    except KeyError:
+        raise ValueError(f"no KV cache manager for spec {type(spec).__name__}") from None
+    return cls(spec, pool, group_id, enable_caching)
