@@ -1,0 +1,81 @@
+"""Build our model from a checkpoint: an HF safetensors directory or a GGUF file.
+
+The model is constructed on the meta device (no allocation, no random init) and the loaded
+tensors are assigned in place of its parameters, so loading costs one copy of the weights in the
+serving dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.worker.loader.checkpoint_names import CheckpointError, assemble
+from services.worker.loader.gguf_loader import iter_gguf, open_gguf
+from services.worker.loader.safetensors_loader import iter_safetensors
+from services.worker.models.config import ModelConfig
+from services.worker.models.registry import build_model
+from shared.model_source import ModelSource
+
+__all__ = ["CheckpointError", "load_model", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(
+    dtype: torch.dtype | str, config: ModelConfig, device: torch.device
+) -> torch.dtype:
+    """'auto' is the checkpoint's dtype, except float16 on CPU, which runs as bfloat16 (CPU
+    float16 matmuls are slow and bf16 has fp32's range)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected auto, {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    chosen = _DTYPES.get(config.torch_dtype, torch.float32)
+    if chosen == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return chosen
+
+
+def load_model(
+    source: ModelSource | str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    max_model_len: int = 0,
+) -> tuple[nn.Module, ModelConfig]:
+    """(model in eval mode on `device`, its config). `source` is a ModelSource, an HF dir or a
+    .gguf file. `max_model_len` (0 = the model's own) sizes the RoPE tables."""
+    path = Path(source.path if isinstance(source, ModelSource) else source).expanduser()
+    device = torch.device(device)
+    if path.suffix == ".gguf":
+        reader, config = open_gguf(path)
+        tensors = iter_gguf(reader, config)
+    elif path.is_dir():
+        config = ModelConfig.from_hf_dir(path)
+        tensors = iter_safetensors(path)
+    else:
+        raise FileNotFoundError(f"{path}: expected an HF directory or a .gguf file")
+    torch_dtype = resolve_dtype(dtype, config, device)
+    state = assemble(tensors, torch_dtype, device, config.tie_word_embeddings)
+    with torch.device("meta"):
+        model = build_model(config, max_model_len=max_model_len)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: checkpoint does not fit {config.architecture}: "
+            f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}"
+        )
+    for name, param in model.state_dict().items():
+        if state[name].shape != param.shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(state[name].shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary.materialize(device, torch_dtype)
+    return model.eval().requires_grad_(False), config

@@ -1,0 +1,284 @@
+"""One worker step: StepPlan in, StepResult out (no I/O here; the service owns the bus).
+
+`execute(plan)`:
+1. applies the plan's diff to the persistent batch (and the sampler's per-row state);
+2. builds the flat token batch with vectorized numpy gathers: for every scheduled request the
+   tokens [num_computed, num_computed + num_scheduled) of its known tokens, their positions and
+   KV slots. Decodes (one token) go first so attention handles them in one batched call;
+3. runs the model, computes logits only for requests whose computed tokens reach the end of
+   their known tokens (prefill finished, or decoding), and samples them;
+4. appends each sampled token to its request (the next plan schedules it without resending),
+   advances num_computed_tokens, and returns the sampled tokens.
+
+A plan that does not fit the batch raises `PlanError` before the model runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.worker.attention import AttentionMetadata
+from services.worker.input_batch import InputBatch, PlanError
+from services.worker.kv_cache import KVCache
+from services.worker.models.config import ModelConfig
+from services.worker.sampling import SamplerOutput, SamplingState
+from shared.protocol import SampledTokens, StepPlan, StepResult
+
+__all__ = ["ModelRunner", "PlanError", "StepInputs"]
+
+
+@dataclass
+class StepInputs:
+    """The host-side description of one forward, in flat-batch order (decodes first)."""
+
+    request_ids: list[str]
+    rows: np.ndarray  # [R] batch rows
+    query_lens: np.ndarray  # [R]
+    seq_lens: np.ndarray  # [R] computed tokens after this step
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    sample_mask: np.ndarray  # [R] bool: this request gets a token this step
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device | str = "cpu",
+        max_num_reqs: int = 256,
+        max_model_len: int = 0,
+        worker_id: str = "worker",
+        worker_incarnation: str = "",
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len or getattr(
+            model, "max_model_len", config.max_position_embeddings
+        )
+        self.block_size = kv_cache.block_size
+        self.worker_id = worker_id
+        self.worker_incarnation = worker_incarnation
+        self.batch = InputBatch(
+            max_num_reqs, self.max_model_len, self.block_size, num_cache_blocks=kv_cache.num_blocks
+        )
+        self.sampler = SamplingState(
+            max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
+        )
+
+    # -- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        self._apply(plan)
+        sampled: list[SampledTokens] = []
+        if plan.num_scheduled_tokens:
+            inputs = self.prepare_inputs(plan)
+            sampled = self._run(inputs, plan)
+        return StepResult(
+            step_id=plan.step_id,
+            worker_id=self.worker_id,
+            worker_incarnation=self.worker_incarnation,
+            sampled=sampled,
+            execute_ms=(time.perf_counter() - started) * 1000.0,
+        )
+
+    def _apply(self, plan: StepPlan) -> None:
+        changes = self.batch.apply(plan)
+        for row in changes.removed_rows:
+            self.sampler.remove_request(row)
+        for row, new in changes.added:
+            self.sampler.add_request(
+                row,
+                new.sampling,
+                list(new.token_ids[: new.num_prompt_tokens]),
+                list(new.token_ids[new.num_prompt_tokens :]),
+            )
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Flat token batch for the plan's scheduled requests (the diff already applied)."""
+        batch = self.batch
+        ids = list(plan.num_scheduled_tokens)
+        try:
+            rows = np.fromiter((batch.req_rows[r] for r in ids), dtype=np.int64, count=len(ids))
+        except KeyError as exc:
+            raise PlanError(f"{exc.args[0]}: scheduled but not in the worker's batch") from None
+        counts = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        order = np.argsort(counts != 1, kind="stable")  # decodes first, otherwise plan order
+        rows, counts = rows[order], counts[order]
+        ids = [ids[i] for i in order]
+        starts = batch.num_computed_tokens[rows]
+        ends = starts + counts
+        known = batch.num_tokens[rows]
+        self._check(ids, counts, ends, known, rows)
+        cu = np.cumsum(counts)
+        flat_rows = np.repeat(rows, counts)
+        positions = np.arange(int(cu[-1])) + np.repeat(starts - (cu - counts), counts)
+        blocks = batch.block_tables[0, flat_rows, positions // self.block_size]
+        return StepInputs(
+            request_ids=ids,
+            rows=rows,
+            query_lens=counts,
+            seq_lens=ends,
+            input_ids=batch.token_ids[flat_rows, positions],
+            positions=positions,
+            slot_mapping=blocks * self.block_size + positions % self.block_size,
+            sample_mask=ends == known,
+        )
+
+    def _check(
+        self,
+        ids: list[str],
+        counts: np.ndarray,
+        ends: np.ndarray,
+        known: np.ndarray,
+        rows: np.ndarray,
+    ) -> None:
+        bad = np.flatnonzero((counts < 1) | (ends > known))
+        if bad.size:
+            i = int(bad[0])
+            raise PlanError(
+                f"{ids[i]}: {int(counts[i])} tokens scheduled up to {int(ends[i])}, "
+                f"but {int(known[i])} tokens known"
+            )
+        needed = -(-ends // self.block_size)
+        short = np.flatnonzero(needed > self.batch.num_blocks[0, rows])
+        if short.size:
+            i = int(short[0])
+            raise PlanError(
+                f"{ids[i]}: {int(ends[i])} tokens need {int(needed[i])} blocks, "
+                f"it holds {int(self.batch.num_blocks[0, rows[i]])}"
+            )
+
+    def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens]:
+        attn = AttentionMetadata.build(
+            query_lens=inputs.query_lens,
+            seq_lens=inputs.seq_lens,
+            block_tables=self.batch.block_tables[0, inputs.rows],
+            block_size=self.block_size,
+            slot_mapping=inputs.slot_mapping,
+            device=self.device,
+        )
+        hidden = self.model(
+            self._to_device(inputs.input_ids),
+            self._to_device(inputs.positions),
+            attn,
+            self.kv_cache.layers,
+        )
+        self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        sample_idx = np.flatnonzero(inputs.sample_mask)
+        if not sample_idx.size:
+            return []
+        last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
+        logits = self.model.compute_logits(hidden[self._to_device(last_rows)])
+        rows = inputs.rows[sample_idx]
+        rows_t = self._to_device(rows)
+        bitmask = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
+        positions = self._to_device(inputs.seq_lens[sample_idx])  # = tokens before the new one
+        out = self.sampler.sample(logits, rows_t, positions, bitmask)
+        tokens = out.token_ids.to("cpu", torch.int64).numpy()
+        self.batch.append_sampled(rows, tokens)
+        self.sampler.record_sampled(rows_t, out.token_ids)
+        return self._sampled_tokens([inputs.request_ids[i] for i in sample_idx], rows, tokens, out)
+
+    def _sampled_tokens(
+        self, ids: list[str], rows: np.ndarray, tokens: np.ndarray, out: SamplerOutput
+    ) -> list[SampledTokens]:
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result = []
+        for i, (request_id, token) in enumerate(zip(ids, tokens.tolist(), strict=True)):
+            entry = SampledTokens(request_id=request_id, token_ids=[token])
+            params = self.batch.sampling[int(rows[i])]
+            if params is not None and params.logprobs is not None and logprobs is not None:
+                entry.logprobs = [logprobs[i]]
+                if params.logprobs and top_ids is not None and top_lp is not None:
+                    entry.top_token_ids = top_ids[i][: params.logprobs]
+                    entry.top_logprobs = top_lp[i][: params.logprobs]
+            result.append(entry)
+        return result
+
+    def _bitmask(self, plan: StepPlan, sampled_ids: list[str]) -> torch.Tensor | None:
+        """[sampled, ceil(vocab/32)] int32 aligned with the sampled rows; all-ones (no
+        constraint) for rows without a grammar. None when no sampled request has one."""
+        if not plan.grammar_request_ids:
+            return None
+        words = -(-self.config.vocab_size // 32)
+        packed = np.frombuffer(plan.grammar_bitmask, dtype="<i4")
+        if packed.size != words * len(plan.grammar_request_ids):
+            raise PlanError(
+                f"grammar_bitmask has {packed.size} words, expected "
+                f"{words} x {len(plan.grammar_request_ids)}"
+            )
+        position = {rid: i for i, rid in enumerate(sampled_ids)}
+        mask = np.full((len(sampled_ids), words), -1, dtype=np.int32)
+        hit = False
+        for i, rid in enumerate(plan.grammar_request_ids):
+            if rid in position:
+                mask[position[rid]] = packed[i * words : (i + 1) * words]
+                hit = True
+        return torch.from_numpy(mask).to(self.device) if hit else None
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    # -- startup ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int = 256, num_decodes: int = 8) -> float:
+        """Run real forwards (one prefill of `num_tokens`, one batch of `num_decodes` decodes)
+        on scratch slots, so the worker reports ready only after the model has really run.
+        Writes into the KV cache: call before serving requests. Returns seconds taken."""
+        started = time.perf_counter()
+        num_tokens = max(1, min(num_tokens, self.max_model_len, self.kv_cache.num_slots))
+        n_blocks = -(-num_tokens // self.block_size)
+        table = np.arange(n_blocks, dtype=np.int64)[None, :]
+        attn = AttentionMetadata.build(
+            query_lens=np.array([num_tokens]),
+            seq_lens=np.array([num_tokens]),
+            block_tables=table,
+            block_size=self.block_size,
+            slot_mapping=np.arange(num_tokens),
+            device=self.device,
+        )
+        positions = np.arange(num_tokens)
+        ids = positions % self.config.vocab_size
+        hidden = self.model(
+            self._to_device(ids), self._to_device(positions), attn, self.kv_cache.layers
+        )
+        self.model.compute_logits(hidden[-1:])
+        num_decodes = max(1, min(num_decodes, self.batch.max_num_reqs))
+        decode_lens = np.full(num_decodes, num_tokens)
+        attn = AttentionMetadata.build(
+            query_lens=np.ones(num_decodes, dtype=np.int64),
+            seq_lens=decode_lens,
+            block_tables=np.repeat(table, num_decodes, axis=0),
+            block_size=self.block_size,
+            slot_mapping=np.full(num_decodes, num_tokens - 1),
+            device=self.device,
+        )
+        hidden = self.model(
+            self._to_device(ids[-1:].repeat(num_decodes)),
+            self._to_device(decode_lens - 1),
+            attn,
+            self.kv_cache.layers,
+        )
+        logits = self.model.compute_logits(hidden)
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("profile run produced non-finite logits")
+        return time.perf_counter() - started
+
+    def warmup(self) -> float:
+        """A small profile run (first-call allocations, kernel selection)."""
+        return self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)

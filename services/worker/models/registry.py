@@ -1,0 +1,41 @@
+"""Architecture name (HF `architectures[0]`) -> the model class that runs it.
+
+Entries are import paths, not classes, so `ModelConfig` can ask which names are supported
+without importing every model module (and without an import cycle). A new family (Qwen2, Qwen3,
+Mistral with sliding windows, MoE) is one new module plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from services.worker.models.config import ModelConfig
+
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "services.worker.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> frozenset[str]:
+    return frozenset(_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    from services.worker.models.config import UnsupportedModelError
+
+    target = _ARCHITECTURES.get(architecture)
+    if target is None:
+        raise UnsupportedModelError(
+            f"unsupported architecture {architecture!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]
+
+
+def build_model(config: ModelConfig, max_model_len: int = 0) -> nn.Module:
+    """An un-initialised model (call under `torch.device('meta')` to allocate nothing)."""
+    return model_class(config.architecture)(config, max_model_len=max_model_len)
