@@ -224,8 +224,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(service: Service, *, sock: socket.socket | None = None) -> int:
-    """Run `service` until a signal or a failure; returns the process exit status."""
+async def serve(
+    service: Service,
+    *,
+    sock: socket.socket | None = None,
+    shutdown: asyncio.Event | None = None,
+) -> int:
+    """Run `service` until SIGTERM/SIGINT (or `shutdown` is set) or a failure; returns the
+    process exit status. `sock` and `shutdown` let tests run a service in-process."""
     settings = service.settings
     sock = sock or bind_socket(settings.host, settings.port)
     config = uvicorn.Config(
@@ -237,7 +243,7 @@ async def serve(service: Service, *, sock: socket.socket | None = None) -> int:
     )
     server = _AdminServer(config)
     server_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
-    shutdown = asyncio.Event()
+    shutdown = shutdown or asyncio.Event()
     shutdown_task = asyncio.create_task(shutdown.wait(), name="shutdown-signal")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -268,8 +274,6 @@ async def serve(service: Service, *, sock: socket.socket | None = None) -> int:
         log.exception("%s failed", service.name)
         status = 1
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         shutdown_task.cancel()
         if service.started:
             await service.begin_drain()
@@ -283,6 +287,9 @@ async def serve(service: Service, *, sock: socket.socket | None = None) -> int:
         except Exception:
             log.exception("closing %s failed", service.name)
         sock.close()
+        # Removed only now: a second Ctrl-C during the drain must not raise KeyboardInterrupt.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
     return status
 
 
