@@ -1,0 +1,88 @@
+"""The gateway service: the OpenAI API on the admin app's port, in front of the mesh.
+
+Start-up order: the HTTP app is served first (so /health answers), then `start()` connects the
+bus, loads the tokenizer and model facts (off the event loop: the first start may convert the
+embedded model, ~20 s) and starts the reply reader. Until then the API answers 503 and /ready
+says not ready. Draining stops new requests (503) and waits for those in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+
+from services.gateway.bus_client import GatewayBusClient
+from services.gateway.frontend import Frontend
+from services.gateway.model_info import ModelInfo
+from services.gateway.routes import openai_router
+from services.gateway.tokenization import PromptTokenizer
+from shared.config import GatewaySettings
+from shared.model_source import resolve_model
+from shared.service import Service
+
+
+class GatewayService(Service):
+    name = "gateway"
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        super().__init__(settings)
+        self.settings: GatewaySettings = settings
+        self.frontend: Frontend | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        tokenizer, model = await asyncio.to_thread(self._load_model)
+        client = GatewayBusClient(
+            self.bus,
+            self.streams,
+            self.settings.instance_id,
+            max_pending=self.settings.max_pending_requests,
+        )
+        await client.start()
+        self.frontend = Frontend(self.settings, tokenizer, model, client)
+
+    def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
+        s = self.settings
+        source = resolve_model(s.model, s.model_cache_dir, s.served_model_name)
+        model = ModelInfo.from_hf_dir(source.name, source.hf_dir, s.max_model_len)
+        return PromptTokenizer.from_dir(source.hf_dir), model
+
+    async def run(self) -> None:
+        await self.stopping.wait()
+
+    async def drain(self) -> None:
+        if self.frontend is not None:
+            self.frontend.accepting = False
+            await self.frontend.client.wait_idle()
+
+    async def close(self) -> None:
+        if self.frontend is not None:
+            await self.frontend.client.stop()
+        await super().close()
+
+    async def check_ready(self) -> tuple[bool, dict[str, Any]]:
+        ready, details = await super().check_ready()
+        loaded = self.frontend is not None
+        details["checks"]["model"] = "ok" if loaded else "loading"
+        return ready and loaded, details
+
+    def routes(self) -> list[APIRouter]:
+        return [openai_router(lambda: self.frontend)]
+
+    def state(self) -> dict[str, Any]:
+        out = super().state()
+        if self.frontend is not None:
+            model = self.frontend.model
+            out["gateway"] = {
+                "model": model.name,
+                "max_model_len": model.max_model_len,
+                "moe": model.is_moe,
+                "in_flight": self.frontend.client.in_flight,
+                "max_pending_requests": self.settings.max_pending_requests,
+                "reply_stream": self.frontend.client.reply_stream,
+                "accepting": self.frontend.accepting,
+                "api_keys": self.frontend.auth.enabled,
+            }
+        return out

@@ -1,0 +1,40 @@
+"""Gateway test fixtures: the SmolLM2 tokenizer (loaded once) and a tiny MoE model dir."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from services.gateway.tokenization import PromptTokenizer
+from tests.unit.gateway.harness import load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir: Path) -> PromptTokenizer:
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Qwen3-MoE config (2 layers, 4 experts, top-2) with SmolLM2's tokenizer: the
+    gateway reads only the config and the tokenizer, never weights."""
+    from transformers import Qwen3MoeConfig
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    Qwen3MoeConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    ).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, out / name)
+    return out

@@ -1,0 +1,143 @@
+"""A gateway wired to a real Redis, and a scheduler's side of the bus driven by the test.
+
+The gateway part is the real thing (Frontend, GatewayBusClient, the OpenAI router); only the
+scheduler is absent: tests read the SubmitRequests it would read and publish the TokenDeltas it
+would publish, built from real tokenizer ids. `serve=True` also runs the app in a real uvicorn
+server (for the `openai` client, streaming and disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from services.gateway.bus_client import GatewayBusClient
+from services.gateway.frontend import Frontend
+from services.gateway.model_info import ModelInfo
+from services.gateway.routes import openai_router
+from services.gateway.tokenization import PromptTokenizer
+from shared.bus import Bus
+from shared.config import GatewaySettings
+from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
+from shared.streams import Streams
+
+MODEL_NAME = "smollm2"
+WAIT_S = 10.0
+
+
+@dataclass
+class GatewayHarness:
+    settings: GatewaySettings
+    tokenizer: PromptTokenizer
+    model: ModelInfo
+    frontend: Frontend
+    app: FastAPI
+    http: httpx.AsyncClient
+    scheduler_bus: Bus
+    streams: Streams
+    base_url: str = ""  # set when served by uvicorn
+    _read_ids: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def reply_stream(self) -> str:
+        return self.frontend.client.reply_stream
+
+    async def next_submit(self) -> SubmitRequest:
+        msg = await self._next(self.streams.requests)
+        assert isinstance(msg, SubmitRequest)
+        return msg
+
+    async def next_abort(self) -> AbortRequest:
+        msg = await self._next(self.streams.aborts)
+        assert isinstance(msg, AbortRequest)
+        return msg
+
+    async def _next(self, stream: str) -> Any:
+        """The next entry of `stream` this harness has not read (blocking read, no sleeps)."""
+        ids = {stream: self._read_ids.get(stream, "0-0")}
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                got = await self.scheduler_bus.read(ids, count=1, block_ms=200)
+                if got:
+                    self._read_ids[stream] = ids[stream]
+                    return got[0].message
+
+    async def stream_len(self, stream: str) -> int:
+        return int(await self.scheduler_bus.redis.xlen(stream))
+
+    async def reply(self, *deltas: RequestDelta) -> None:
+        """Publish one TokenDelta on the gateway's reply stream, as a scheduler would."""
+        msg = TokenDelta(scheduler_id="test-scheduler", deltas=list(deltas))
+        await self.scheduler_bus.publish(self.reply_stream, msg)
+
+
+def load_tokenizer(hf_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer.from_dir(hf_dir)
+
+
+@contextlib.asynccontextmanager
+async def gateway_harness(
+    redis_url: str,
+    tokenizer: PromptTokenizer,
+    hf_dir: Path,
+    *,
+    serve: bool = False,
+    **overrides: Any,
+) -> AsyncIterator[GatewayHarness]:
+    options: dict[str, Any] = {"instance_id": "gw-test", "served_model_name": MODEL_NAME}
+    options.update(overrides)
+    settings = GatewaySettings(redis_url=redis_url, model=str(hf_dir), **options)
+    model = ModelInfo.from_hf_dir(MODEL_NAME, hf_dir, settings.max_model_len)
+    streams = Streams(settings.cluster)
+    gateway_bus = Bus(redis_url, consumer=settings.instance_id)
+    scheduler_bus = Bus(redis_url, consumer="test-scheduler")
+    await gateway_bus.connect()
+    await scheduler_bus.connect()
+    client = GatewayBusClient(
+        gateway_bus, streams, settings.instance_id, max_pending=settings.max_pending_requests
+    )
+    await client.start()
+    frontend = Frontend(settings, tokenizer, model, client)
+    app = FastAPI()
+    app.include_router(openai_router(lambda: frontend))
+    server: uvicorn.Server | None = None
+    server_task: asyncio.Task[None] | None = None
+    if serve:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=2)
+        server = uvicorn.Server(config)
+        server_task = asyncio.create_task(server.serve(sockets=[sock]))
+        async with asyncio.timeout(WAIT_S):
+            while not server.started:  # uvicorn exposes a flag, not an event
+                await asyncio.sleep(0.01)
+        base_url = f"http://127.0.0.1:{port}"
+        http = httpx.AsyncClient(base_url=base_url, timeout=WAIT_S)
+    else:
+        base_url = ""
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=WAIT_S
+        )
+    harness = GatewayHarness(
+        settings, tokenizer, model, frontend, app, http, scheduler_bus, streams, base_url
+    )
+    try:
+        yield harness
+    finally:
+        await http.aclose()
+        if server is not None and server_task is not None:
+            server.should_exit = True
+            await server_task
+        await client.stop()
+        await gateway_bus.close()
+        await scheduler_bus.close()

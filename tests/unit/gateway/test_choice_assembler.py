@@ -1,0 +1,117 @@
+"""A choice assembled from deltas of real token ids: text, counts, stop handling, logprobs."""
+
+from __future__ import annotations
+
+from services.gateway.choice_assembler import ChoiceAssembler
+from services.gateway.tokenization import PromptTokenizer
+from shared.protocol import RequestDelta
+
+EOS = 2
+
+
+def assembler(tok: PromptTokenizer, stop: list[str] | None = None, **kw: bool) -> ChoiceAssembler:
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    options = {"logprobs": False, "routed_experts": False, **kw}
+    return ChoiceAssembler(0, tok, prompt, stop=stop or [], **options)
+
+
+def deltas(ids: list[int], size: int, **last: object) -> list[RequestDelta]:
+    out = []
+    for start in range(0, len(ids), size):
+        extra = last if start + size >= len(ids) else {}
+        out.append(
+            RequestDelta(
+                request_id="x", start_index=start, token_ids=ids[start : start + size], **extra
+            )
+        )  # type: ignore[arg-type]
+    return out
+
+
+def test_text_equals_decode_and_eos_counted_not_rendered(tokenizer: PromptTokenizer) -> None:
+    ids = [*tokenizer.encode(" Paris is the capital 🇫🇷.", add_special_tokens=False), EOS]
+    choice = assembler(tokenizer)
+    for d in deltas(ids, 3, finish_reason="stop", stop_token_id=EOS):
+        choice.consume(d)
+    assert choice.text == tokenizer.decode(ids[:-1]) == " Paris is the capital 🇫🇷."
+    assert choice.num_tokens == len(ids)
+    assert choice.finish_reason == "stop"
+
+
+def test_non_special_stop_token_id_is_not_rendered(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode(" one two.", add_special_tokens=False)
+    choice = assembler(tokenizer)
+    choice.consume(
+        RequestDelta(
+            request_id="x",
+            start_index=0,
+            token_ids=ids,
+            finish_reason="stop",
+            stop_token_id=ids[-1],
+        )
+    )
+    assert choice.text == tokenizer.decode(ids[:-1])
+    assert choice.num_tokens == len(ids)
+
+
+def test_stop_string_across_deltas_ends_the_choice(tokenizer: PromptTokenizer) -> None:
+    text = " alpha beta END gamma delta"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    choice = assembler(tokenizer, stop=["END"])
+    updates = [choice.consume(d) for d in deltas(ids, 1)]
+    stopped = [u for u in updates if u.stopped_on_string]
+    assert len(stopped) == 1 and stopped[0].finish_reason == "stop"
+    assert choice.text == " alpha beta "
+    # Tokens up to the one completing "END" are counted; later ones are not.
+    upto = next(i for i in range(len(ids)) if "END" in tokenizer.decode(ids[: i + 1]))
+    assert choice.num_tokens == upto + 1
+    assert all(u.text == "" and u.finish_reason is None for u in updates[upto + 1 :])
+
+
+def test_held_text_released_on_length_finish(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode(" ends with EN", add_special_tokens=False)
+    choice = assembler(tokenizer, stop=["END"])
+    for d in deltas(ids, 2, finish_reason="length"):
+        choice.consume(d)
+    assert choice.text == " ends with EN" and choice.finish_reason == "length"
+
+
+def test_logprobs_and_top_alternatives_per_token(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode(" hi there", add_special_tokens=False)
+    n = len(ids)
+    choice = assembler(tokenizer, logprobs=True)
+    choice.consume(
+        RequestDelta(
+            request_id="x",
+            start_index=0,
+            token_ids=ids,
+            logprobs=[-0.5] * n,
+            top_token_ids=[t for i in ids for t in (i, 7)],
+            top_logprobs=[-0.5, -3.0] * n,
+            finish_reason="length",
+        )
+    )
+    assert [e.token_id for e in choice.logprobs] == ids
+    assert all(e.top == [(t, -0.5), (7, -3.0)] for e, t in zip(choice.logprobs, ids, strict=True))
+
+
+def test_missing_logprobs_is_an_error_not_a_crash(tokenizer: PromptTokenizer) -> None:
+    choice = assembler(tokenizer, logprobs=True)
+    update = choice.consume(RequestDelta(request_id="x", start_index=0, token_ids=[5]))
+    assert update.finish_reason == "error" and update.error
+
+
+def test_routed_rows_nested_per_position_and_layer(tokenizer: PromptTokenizer) -> None:
+    # 1 prompt row + 2 token rows, 2 layers, top-2.
+    flat = list(range(12))
+    choice = assembler(tokenizer, routed_experts=True)
+    choice.consume(
+        RequestDelta(
+            request_id="x",
+            start_index=0,
+            token_ids=[100, 101],
+            routed_experts=flat,
+            routed_experts_shape=[3, 2, 2],
+            finish_reason="length",
+        )
+    )
+    assert choice.routed_rows == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]

@@ -1,0 +1,84 @@
+"""Prompt forms and the chat template, checked against transformers itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.errors import OpenAIError
+from services.gateway.protocol_openai import ChatMessage
+from services.gateway.tokenization import PromptTokenizer
+
+
+def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:
+    return [ChatMessage(role=role, content=content) for role, content in pairs]  # type: ignore[arg-type]
+
+
+def reference_ids(
+    tok: PromptTokenizer, conversation: list[dict[str, str]], **kw: bool
+) -> list[int]:
+    out = tok.hf.apply_chat_template(conversation, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_chat_template_matches_apply_chat_template(tokenizer: PromptTokenizer) -> None:
+    chat = messages(
+        ("system", "Be brief."),
+        ("user", "Hi"),
+        ("assistant", "Hello!"),
+        ("user", "Capital of France?"),
+    )
+    got = tokenizer.chat_prompt(chat)
+    conversation = [{"role": m.role, "content": m.content or ""} for m in chat]
+    assert got.token_ids == reference_ids(tokenizer, conversation, add_generation_prompt=True)
+    assert got.text.endswith("<|im_start|>assistant\n")
+    # The template writes the special tokens itself; none are added twice.
+    assert got.token_ids.count(tokenizer.hf.convert_tokens_to_ids("<|im_start|>")) == 5
+
+
+def test_default_system_prompt_and_no_generation_prompt(tokenizer: PromptTokenizer) -> None:
+    got = tokenizer.chat_prompt(messages(("user", "Hi")), add_generation_prompt=False)
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert got.token_ids == reference_ids(tokenizer, conversation, add_generation_prompt=False)
+    assert "You are a helpful AI assistant named SmolLM" in got.text
+
+
+def test_text_parts_join_and_developer_is_system(tokenizer: PromptTokenizer) -> None:
+    parts = ChatMessage.model_validate(
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    )
+    dev = ChatMessage(role="developer", content="Rules.")
+    got = tokenizer.chat_prompt([dev, parts])
+    conversation = [{"role": "system", "content": "Rules."}, {"role": "user", "content": "a\nb"}]
+    assert got.token_ids == reference_ids(tokenizer, conversation, add_generation_prompt=True)
+
+
+def test_continue_final_message_leaves_the_turn_open(tokenizer: PromptTokenizer) -> None:
+    chat = messages(("user", "Count"), ("assistant", "1, 2,"))
+    got = tokenizer.chat_prompt(chat, add_generation_prompt=False, continue_final_message=True)
+    assert got.text.endswith("1, 2,")
+
+
+def test_completion_prompt_forms(tokenizer: PromptTokenizer) -> None:
+    text = tokenizer.completion_prompt("Hello world")
+    assert text.token_ids == tokenizer.hf("Hello world")["input_ids"]
+    assert text.text == "Hello world"
+    ids = tokenizer.completion_prompt(text.token_ids)
+    assert ids.token_ids == text.token_ids and ids.text == "Hello world"
+
+
+def test_token_bytes_rebuild_split_characters(tokenizer: PromptTokenizer) -> None:
+    ids = tokenizer.encode("é😀", add_special_tokens=False)
+    joined = b"".join(tokenizer.token_bytes(t) for t in ids)
+    assert joined == "é😀".encode()
+    assert tokenizer.token_text(tokenizer.hf.eos_token_id) == "<|im_end|>"
+
+
+def test_model_without_chat_template_is_a_400(tokenizer: PromptTokenizer) -> None:
+    saved = tokenizer.hf.chat_template
+    tokenizer.hf.chat_template = None
+    try:
+        with pytest.raises(OpenAIError) as err:
+            tokenizer.chat_prompt(messages(("user", "Hi")))
+    finally:
+        tokenizer.hf.chat_template = saved
+    assert err.value.status == 400 and err.value.param == "messages"
