@@ -1,14 +1,22 @@
 """Per-row sampling state of the worker's persistent batch, and the sampling step.
 
-PLACEHOLDER: greedy and plain temperature sampling only. The sampling issue replaces the body
-with the Murmur3 Gumbel-max sampler and the full parameter set, keeping this API:
-
-- rows are slots of the persistent batch (0 .. max_num_reqs-1); a request keeps its row while
-  it lives in the batch;
-- `add_request` / `remove_request` when the batch composition changes (not every step);
-- `record_sampled` after each step, vectorized (penalties and min_tokens need output counts);
+- Rows are slots of the persistent batch (0 .. max_num_reqs-1); a request keeps its row while
+  it lives in the batch.
+- `add_request` / `remove_request` when the batch composition changes (not every step): all
+  per-request work — parameter tensors, sparse token lists, prompt-token presence — is done
+  there, so a step does no Python work per request.
+- `record_sampled` after each step, vectorized (penalties and min_tokens need output counts).
 - `sample(logits, rows, positions, bitmask)`: `positions[i]` is the sequence position of the
-  token being sampled for row `rows[i]` (the counter of the RNG).
+  token being sampled for row `rows[i]` — the counter of the RNG. A row with seed s at position
+  p draws the same token whatever else is in the batch and in whichever batch slot it sits.
+
+Processing order and its reasons: transforms.py. The draw: gumbel.py (CPU) and
+kernels/sampling.py (CUDA), bit-identical. Logprobs: logprobs.py.
+
+Optional stages (penalties, bias, truncation, ...) are skipped unless some request in the
+state uses them; the host-side sets below say which, so skipping costs no device sync. When a
+stage runs it runs over the whole batch with neutral parameters for the rows that do not use
+it, which leaves those rows bit-identical.
 """
 
 from __future__ import annotations
@@ -17,7 +25,23 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.sampling.bitmask import allowed_mask
+from services.worker.sampling.gumbel import gumbel_argmax
+from services.worker.sampling.logprobs import model_logprobs, pick_logprobs
+from services.worker.sampling.row_tokens import RowTokens
+from services.worker.sampling.transforms import (
+    add_entries,
+    apply_penalties,
+    keep_only_entries,
+    mask_entries,
+    truncation_mask,
+)
 from shared.protocol import SamplingParams
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the scores.
+GREEDY_TEMPERATURE = 1e-5
+# OpenAI's range for logit_bias values; larger values are clamped, as vLLM does.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 @dataclass
@@ -36,13 +60,42 @@ class SamplingState:
         device: torch.device | str = "cpu",
         eos_token_ids: list[int] | None = None,
     ) -> None:
+        if max_num_reqs <= 0 or vocab_size <= 0:
+            raise ValueError("max_num_reqs and vocab_size must be positive")
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.eos_token_ids = list(eos_token_ids or [])
-        self.temperature = torch.zeros(max_num_reqs, dtype=torch.float32, device=self.device)
-        self.seed = torch.zeros(max_num_reqs, dtype=torch.int64, device=self.device)
+        self.eos_token_ids = [t for t in (eos_token_ids or []) if 0 <= t < vocab_size]
+        rows, dev = max_num_reqs, self.device
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
+        # float32(1/T), 0 for greedy rows: the draw multiplies by it (see gumbel.py).
+        self.inv_temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(rows, dtype=torch.int64, device=dev)  # uint64 bit pattern
+        self.top_k = torch.full((rows,), vocab_size, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(rows, dtype=torch.float32, device=dev)
+        self.min_p = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.repetition = torch.ones(rows, dtype=torch.float32, device=dev)
+        self.frequency = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.presence = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.min_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.num_output = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.restricted = torch.zeros(rows, dtype=torch.bool, device=dev)  # has allowed ids
+        # Dense [rows, V] history for penalties, allocated when a request first needs it.
+        self.prompt_mask: torch.Tensor | None = None
+        self.output_counts: torch.Tensor | None = None
+        self.logit_bias = RowTokens(dev)
+        self.allowed = RowTokens(dev)
+        self.banned = RowTokens(dev)
+        self.min_tokens_stops = RowTokens(dev)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self._random_rows: set[int] = set()
+        self._top_k_rows: dict[int, int] = {}
+        self._top_p_rows: set[int] = set()
+        self._min_p_rows: set[int] = set()
+        self._penalty_rows: set[int] = set()
+        self._logprob_rows: dict[int, int] = {}
+
+    # ---- batch composition -------------------------------------------------------------
 
     def add_request(
         self,
@@ -51,15 +104,104 @@ class SamplingState:
         prompt_token_ids: list[int],
         output_token_ids: list[int],
     ) -> None:
+        """Put a request in `row` (replacing whatever was there). Bad token ids: ValueError."""
+        self._check_row(row)
+        bias_ids = [int(t) for t in params.logit_bias]
+        self._check_ids("logit_bias", bias_ids)
+        self._check_ids("bad_token_ids", params.bad_token_ids)
+        if params.allowed_token_ids is not None:
+            if not params.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            self._check_ids("allowed_token_ids", params.allowed_token_ids)
+        self._check_ids("prompt_token_ids", prompt_token_ids)
+        self._check_ids("output_token_ids", output_token_ids)
+        self.remove_request(row)
         self.params[row] = params
-        self.temperature[row] = params.temperature
-        self.seed[row] = params.seed & 0x7FFFFFFFFFFFFFFF
+
+        greedy = params.temperature < GREEDY_TEMPERATURE
+        self.temperature[row] = 0.0 if greedy else params.temperature
+        self.inv_temperature[row] = 0.0 if greedy else 1.0 / params.temperature
+        if not greedy:
+            self._random_rows.add(row)
+        seed = params.seed
+        self.seed[row] = seed - 2**64 if seed >= 2**63 else seed
+        if 0 < params.top_k < self.vocab_size:
+            self.top_k[row] = params.top_k
+            self._top_k_rows[row] = params.top_k
+        if params.top_p < 1.0:
+            self.top_p[row] = params.top_p
+            self._top_p_rows.add(row)
+        if params.min_p > 0.0:
+            self.min_p[row] = params.min_p
+            self._min_p_rows.add(row)
+
+        if bias_ids:
+            values = [
+                max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+                for v in params.logit_bias.values()
+            ]
+            self.logit_bias.set(row, bias_ids, values)
+        if params.allowed_token_ids is not None:
+            self.allowed.set(row, list(params.allowed_token_ids))
+            self.restricted[row] = True
+        self.banned.set(row, list(params.bad_token_ids))
+
+        self.num_output[row] = len(output_token_ids)
+        self.min_tokens[row] = params.min_tokens
+        stops = {t for t in params.stop_token_ids if 0 <= t < self.vocab_size}
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        if params.min_tokens > len(output_token_ids) and stops:
+            self.min_tokens_stops.set(row, sorted(stops))
+
+        if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+            self._set_penalties(row, params, prompt_token_ids, output_token_ids)
+        if params.logprobs is not None:
+            self._logprob_rows[row] = params.logprobs
 
     def remove_request(self, row: int) -> None:
+        """Free `row`; every per-row parameter returns to its neutral value."""
+        self._check_row(row)
         self.params[row] = None
+        self.temperature[row] = 0.0
+        self.inv_temperature[row] = 0.0
+        self.top_k[row] = self.vocab_size
+        self.top_p[row] = 1.0
+        self.min_p[row] = 0.0
+        self.repetition[row] = 1.0
+        self.frequency[row] = 0.0
+        self.presence[row] = 0.0
+        self.min_tokens[row] = 0
+        self.restricted[row] = False
+        for table in (self.logit_bias, self.allowed, self.banned, self.min_tokens_stops):
+            table.clear(row)
+        for rows in (self._random_rows, self._top_p_rows, self._min_p_rows, self._penalty_rows):
+            rows.discard(row)
+        self._top_k_rows.pop(row, None)
+        self._logprob_rows.pop(row, None)
 
     def record_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Rows `rows` just produced `token_ids` (1-D, same length)."""
+        """Rows `rows` just produced `token_ids` (1-D, same length; a row may repeat).
+
+        Ids outside the vocabulary (placeholders) count for nothing. No host sync.
+        """
+        rows = rows.to(self.device, torch.int64)
+        token_ids = token_ids.to(self.device, torch.int64)
+        if rows.shape != token_ids.shape or rows.dim() != 1:
+            raise ValueError(
+                f"rows {tuple(rows.shape)} and token_ids {tuple(token_ids.shape)} must be "
+                "1-D of the same length"
+            )
+        valid = (token_ids >= 0) & (token_ids < self.vocab_size)
+        self.num_output.index_add_(0, rows, valid.to(torch.int64))
+        if self.output_counts is not None:
+            self.output_counts.index_put_(
+                (rows, token_ids.clamp(0, self.vocab_size - 1)),
+                valid.to(torch.int32),
+                accumulate=True,
+            )
+
+    # ---- the step ----------------------------------------------------------------------
 
     def sample(
         self,
@@ -67,12 +209,138 @@ class SamplingState:
         rows: torch.Tensor,
         positions: torch.Tensor,
         bitmask: torch.Tensor | None = None,
+        *,
+        bitmask_index: torch.Tensor | None = None,
+        position_salt: int = 0,
     ) -> SamplerOutput:
-        logits = logits.float()
-        temps = self.temperature[rows]
-        greedy = logits.argmax(dim=-1)
-        if bool((temps == 0).all()):
-            return SamplerOutput(token_ids=greedy)
-        probs = torch.softmax(logits / temps.clamp_min(1e-6).unsqueeze(1), dim=-1)
-        sampled = torch.multinomial(probs, 1).squeeze(1)
-        return SamplerOutput(token_ids=torch.where(temps == 0, greedy, sampled))
+        """One token per batch row: logits [B, V], rows [B] (state rows), positions [B].
+
+        bitmask: packed int32 [G, ceil(V/32)] (bit j of word w allows token 32w + j); batch
+        row i uses bitmask row `bitmask_index[i]` (-1: unconstrained), or row i when no index
+        is given and G == B. `position_salt` is added to every position (draft sampling uses
+        2^30 so its noise differs from the target's).
+        """
+        batch, vocab = self._check_batch(logits, rows, positions)
+        rows = rows.to(self.device, torch.int64)
+        positions = positions.to(self.device, torch.int64) + position_salt
+        if bitmask is not None and bitmask_index is None:
+            bitmask_index = torch.arange(batch, device=self.device)
+        work = logits.to(torch.float32, copy=True)
+
+        truncating = bool(self._top_k_rows or self._top_p_rows or self._min_p_rows)
+        want_logprobs = bool(self._logprob_rows)
+        fused_bitmask = bitmask
+        if bitmask is not None and (truncating or want_logprobs):
+            # Truncation and logprobs must see the grammar's distribution: mask up front.
+            assert bitmask_index is not None
+            work.masked_fill_(~allowed_mask(bitmask, bitmask_index, vocab), float("-inf"))
+            fused_bitmask = None
+        logprobs = model_logprobs(work) if want_logprobs else None
+
+        batch_pos = torch.full((self.max_num_reqs,), -1, dtype=torch.int64, device=self.device)
+        batch_pos[rows] = torch.arange(batch, device=self.device)
+        if self.allowed:
+            keep_only_entries(work, self.restricted[rows], self.allowed.in_batch(batch_pos))
+        if self.banned:
+            mask_entries(work, self.banned.in_batch(batch_pos))
+        if self.min_tokens_stops:
+            below_min = self.num_output < self.min_tokens
+            mask_entries(work, self.min_tokens_stops.in_batch(batch_pos, below_min))
+        if self.logit_bias:
+            add_entries(work, self.logit_bias.in_batch(batch_pos))
+        if self._penalty_rows:
+            assert self.prompt_mask is not None and self.output_counts is not None
+            work = apply_penalties(
+                work,
+                self.prompt_mask[rows],
+                self.output_counts[rows],
+                self.repetition[rows],
+                self.frequency[rows],
+                self.presence[rows],
+            )
+
+        inv_temperature = self.inv_temperature[rows]
+        if truncating:
+            # Greedy rows are scaled by 1: no truncation ever removes the argmax.
+            scale = torch.where(inv_temperature == 0, 1.0, inv_temperature)
+            removed = truncation_mask(
+                work * scale.unsqueeze(1),
+                self.min_p[rows] if self._min_p_rows else None,
+                self.top_k[rows] if self._top_k_rows else None,
+                self.top_p[rows] if self._top_p_rows else None,
+                max_top_k=max(self._top_k_rows.values(), default=None),
+            )
+            work.masked_fill_(removed, float("-inf"))
+
+        draw = gumbel_argmax
+        if work.is_cuda:
+            from kernels.sampling import gumbel_argmax_triton as draw
+        token_ids = draw(
+            work,
+            inv_temperature,
+            self.seed[rows],
+            positions,
+            fused_bitmask,
+            bitmask_index if fused_bitmask is not None else None,
+        )
+        if logprobs is None:
+            return SamplerOutput(token_ids=token_ids)
+        k = max(self._logprob_rows.values())
+        chosen, top_ids, top_values = pick_logprobs(logprobs, token_ids, k)
+        return SamplerOutput(token_ids, chosen, top_ids, top_values)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _set_penalties(
+        self,
+        row: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+    ) -> None:
+        shape = (self.max_num_reqs, self.vocab_size)
+        if self.prompt_mask is None or self.output_counts is None:
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.repetition[row] = params.repetition_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.presence[row] = params.presence_penalty
+        self.prompt_mask[row] = False
+        self.prompt_mask[
+            row, torch.tensor(prompt_token_ids, dtype=torch.int64, device=self.device)
+        ] = True
+        counts = torch.zeros(self.vocab_size, dtype=torch.int32)
+        counts.index_add_(
+            0,
+            torch.tensor(output_token_ids, dtype=torch.int64),
+            torch.ones(len(output_token_ids), dtype=torch.int32),
+        )
+        self.output_counts[row] = counts.to(self.device)
+        self._penalty_rows.add(row)
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_num_reqs:
+            raise ValueError(f"row {row} outside the batch [0, {self.max_num_reqs})")
+
+    def _check_ids(self, name: str, ids: list[int]) -> None:
+        if not len(ids):
+            return
+        t = torch.as_tensor(ids, dtype=torch.int64)
+        bad = t[(t < 0) | (t >= self.vocab_size)]
+        if bad.numel():
+            raise ValueError(
+                f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5].tolist()}"
+            )
+
+    def _check_batch(
+        self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[int, int]:
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(
+                f"logits must be [batch, {self.vocab_size}], got {tuple(logits.shape)}"
+            )
+        batch = logits.shape[0]
+        for name, t in (("rows", rows), ("positions", positions)):
+            if t.shape != (batch,):
+                raise ValueError(f"{name} must be [{batch}], got {tuple(t.shape)}")
+        return batch, logits.shape[1]
