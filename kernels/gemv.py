@@ -1,0 +1,177 @@
+"""Decode GEMV / skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..16, and its reference.
+
+At decode batch sizes the weights dominate the bytes moved (W is N*K, x and y are M*(N+K)), so
+the kernel is bound by weight bandwidth: every weight element is read exactly once, in
+16-byte-wide rows along K, and nothing else is re-read from HBM (x is tiny and stays in L2).
+The product is computed as W_tile @ x^T so the big dimension N feeds the tensor cores' M side
+and the batch, padded to 16, their N side; accumulation is fp32.
+
+Too few output tiles (N / BLOCK_N) to fill the GPU are made up for by split-K: SPLIT_K
+programs share a tile, each covering a K range, writing fp32 partials [SPLIT_K, M, N] that a
+reduce kernel sums in a fixed order. The result is therefore deterministic (atomics would sum
+in arrival order) at the cost of one small extra pass (SPLIT_K*M*N*4 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tensor_checks import check_tensor, interpreting
+
+MAX_BATCH = 16
+WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Measured on the H200 by bench/gpu/kernels_check.py (best of its sweep per (N, K));
+# shapes not listed fall back to `heuristic_config`.
+H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {}
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_valid = offs_n < N
+    m_valid = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_rows + offs_k[None, :])
+        else:
+            w = tl.load(
+                w_rows + offs_k[None, :],
+                mask=n_valid[:, None] & (offs_k < k_end)[None, :],
+                other=0.0,
+            )
+        x = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+            mask=m_valid[None, :] & (offs_k < k_end)[:, None],
+            other=0.0,
+        )
+        if FP32_DOT:
+            acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w, x)
+    mask = n_valid[:, None] & m_valid[None, :]
+    if SPLIT_K == 1:
+        tl.store(
+            out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        part = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+        tl.store(part, acc, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < M * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=valid, other=0.0)
+    m = offs // N
+    n = offs % N
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def heuristic_config(n: int, k: int, num_sms: int) -> GemvConfig:
+    """Split K until there are about two programs per SM, keeping >= 4 K-steps each."""
+    block_n, block_k = 64, 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 2 * num_sms and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype."""
+    x = check_tensor("x", x, dtypes=WEIGHT_DTYPES, ndim=2, last_dim_contiguous=True)
+    weight = check_tensor(
+        "weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device, last_dim_contiguous=True
+    )
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight is [N, K] = {tuple(weight.shape)} but x has K = {k}")
+    if not 1 <= m <= MAX_BATCH:
+        raise ValueError(f"gemv takes 1..{MAX_BATCH} rows, got {m}; use a GEMM for more")
+    if n == 0 or k == 0:
+        raise ValueError(f"empty product: weight shape {tuple(weight.shape)}")
+    cfg = config or H200_CONFIGS.get((n, k)) or heuristic_config(n, k, _num_sms(x.device))
+    if cfg.split_k < 1 or cfg.block_k < 16 or cfg.block_n < 16:
+        raise ValueError(f"invalid gemv config {cfg}")
+    if interpreting():
+        cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, weight, out, part, m, n, k, k_per_split,
+        x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        EVEN_K=k % k_per_split == 0 and k_per_split % cfg.block_k == 0,
+        EVEN_N=n % cfg.block_n == 0,
+        FP32_DOT=interpreting() or x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block
+        )
+    return out
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 product rounded to x's dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)

@@ -1,0 +1,309 @@
+"""Paged decode attention: one query per sequence, split-K over long contexts.
+
+Batch-1 decode of a 32k context has only num_kv_heads programs' worth of work per sequence if
+each program walks the whole context, which leaves most of the GPU idle. So the key range
+[lo, seq_len) is cut into `num_splits` pieces: each program handles one (sequence, kv head,
+piece), all query heads of the kv head's group at once (the K/V tile is read once per group),
+and writes a partial output normalized by its own softmax sum plus its log-sum-exp (log2
+domain). A reduce kernel then weights the pieces by exp2(lse - max lse). With one split the
+first kernel writes the output directly.
+
+Pieces are computed from each sequence's own length at run time, so any num_splits is correct
+for any mix of lengths (empty pieces carry lse = -inf and weigh nothing); num_splits only
+changes speed. Window: the query at position seq_len - 1 sees keys > seq_len - 1 - W.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_cache import (
+    check_block_tables,
+    check_kv_cache,
+    check_seq_lens,
+    check_window,
+    fp8_scales,
+    gather_sequence_kv,
+)
+from kernels.tensor_checks import MODEL_DTYPES, check_tensor, interpreting, next_power_of_2
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 256
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    sm_scale_log2,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_bt,
+    k_scale_stride,
+    v_scale_stride,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(0, seq_len - window)
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_valid = offs_g < GROUP
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
+    v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
+    qk_scale = sm_scale_log2 * k_scale
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        block_ids = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
+        slots = block_ids * stride_block + (offs_n % PAGE) * stride_slot + kv_head * stride_head
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(cache_ptr + slots[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(
+            cache_ptr + stride_kv + slots[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
+            qk = tl.dot(q, tl.trans(k))
+        qk = tl.where(n_valid[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP32_DOT:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc * (v_scale / l_safe)[:, None]
+    out_mask = g_valid[:, None] & d_valid[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        # Partials are contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and lse [B, Hq, NUM_SPLITS].
+        row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < NUM_SPLITS
+    d_valid = offs_d < HEAD_DIM
+    base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0.0, total, 1.0)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough pieces for about two waves of programs, each piece at least 256 keys long."""
+    programs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = triton.cdiv(2 * num_sms, programs)
+    by_length = triton.cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    sm_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence, q [B, Hq, D], over its paged context.
+
+    `num_splits` fixes the split-K factor (1 = single pass); otherwise it is chosen from
+    `max_seq_len`, which is read back from seq_lens (a host sync) when not given.
+    """
+    q = check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
+    device = q.device
+    geo = check_kv_cache(kv_cache, device)
+    num_seqs, num_heads, head_dim = q.shape
+    if head_dim != geo.head_dim:
+        raise ValueError(f"q head_dim {head_dim} != kv_cache head_dim {geo.head_dim}")
+    if num_heads % geo.num_kv_heads != 0:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of kv heads ({geo.num_kv_heads})"
+        )
+    lens = check_seq_lens(seq_lens, num_seqs, device)
+    tables = check_block_tables(block_tables, num_seqs, device)
+    window = check_window(sliding_window)
+    ks, ks_stride, vs, vs_stride = fp8_scales(geo, k_scale, v_scale, device)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != device:
+        raise ValueError("out must match q in shape, dtype and device")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    if device.type == "cpu" or (num_splits is None and max_seq_len is None):
+        capacity = tables.shape[1] * geo.block_size
+        longest = int(lens.max()) if num_seqs else 0
+        if num_seqs and (int(lens.min()) < 0 or longest > capacity):
+            raise ValueError(f"seq_lens must lie in 0..{capacity} (the block table's capacity)")
+        max_seq_len = longest if max_seq_len is None else max_seq_len
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        span = min(max_seq_len, window) if window else max_seq_len
+        num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, _num_sms(device))
+
+    group = num_heads // geo.num_kv_heads
+    block_d = max(16, next_power_of_2(head_dim))
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
+        )
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = out  # unused by the single-pass specialization
+    _decode_partial_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
+        q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse,
+        scale * LOG2E, window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        tables.stride(0), ks_stride, vs_stride,
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE=geo.block_size, GROUP=group,
+        BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=16 if interpreting() else 64, WINDOWED=window > 0,
+        FP32_DOT=interpreting() or q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        )  # fmt: skip
+    return out
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    sm_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same attention in plain PyTorch: fp32 softmax over each sequence's visible keys."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // kv_cache.shape[3]
+    scale = 1.0 / math.sqrt(q.shape[2]) if sm_scale is None else sm_scale
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo = max(0, seq_len - sliding_window) if sliding_window else 0
+        k, v = gather_sequence_kv(kv_cache, block_tables[i], seq_len, k_scale, v_scale)
+        k = k[lo:].repeat_interleave(group, dim=1)
+        v = v[lo:].repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("hd,khd->hk", q[i].float(), k) * scale, dim=-1)
+        out[i] = torch.einsum("hk,khd->hd", probs, v).to(q.dtype)
+    return out

@@ -1,0 +1,68 @@
+"""Decode GEMV / skinny GEMM against an fp32 product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gemv import GemvConfig, gemv, gemv_reference, heuristic_config
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_fp32_product(device, batch, dtype) -> None:  # type: ignore[no-untyped-def]
+    # N and K deliberately not multiples of the tiles: masked edges on both.
+    x = torch.randn(batch, 328, device=device).to(dtype)
+    weight = torch.randn(200, 328, device=device).to(dtype)
+    ref = (x.double() @ weight.double().t()).float()
+    for config in (None, GemvConfig(block_n=64, block_k=64, split_k=1),
+                   GemvConfig(block_n=32, block_k=64, split_k=3)):  # fmt: skip
+        out = gemv(x, weight, config)
+        assert out.shape == (batch, 200) and out.dtype == dtype
+        assert _relative_error(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3), config
+        torch.testing.assert_close(out, gemv_reference(x, weight), rtol=2e-2, atol=2e-2)
+
+
+def test_split_k_is_deterministic_and_agrees_with_one_pass(device) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(4, 512, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(64, 512, device=device, dtype=torch.bfloat16)
+    split = GemvConfig(block_n=32, block_k=64, split_k=4)
+    first = gemv(x, weight, split)
+    assert torch.equal(first, gemv(x, weight, split))
+    one_pass = gemv(x, weight, GemvConfig(block_n=32, block_k=64, split_k=1))
+    torch.testing.assert_close(first.float(), one_pass.float(), rtol=1e-2, atol=5e-2)
+
+
+def test_heuristic_splits_until_the_gpu_is_busy() -> None:
+    # 4096x4096 on 132 SMs: 64 tiles of 64 rows, split 8 for >= 2 programs per SM.
+    assert heuristic_config(4096, 4096, 132).split_k == 8
+    # The LM head already has 2004 tiles.
+    assert heuristic_config(128256, 4096, 132).split_k == 1
+    # Never below 4 K-steps (of 128) per split.
+    assert heuristic_config(64, 1024, 132).split_k == 2
+    assert heuristic_config(64, 512, 132).split_k == 1
+
+
+@pytest.mark.parametrize(
+    ("exc", "message", "x_shape", "w_shape", "w_dtype"),
+    [
+        (ValueError, "1..16 rows, got 17", (17, 64), (32, 64), torch.bfloat16),
+        (ValueError, "x has K = 64", (2, 64), (32, 48), torch.bfloat16),
+        (TypeError, "weight has dtype torch.float16", (2, 64), (32, 64), torch.float16),
+        (ValueError, "weight must have 2 dimensions", (2, 64), (32, 64, 1), torch.bfloat16),
+    ],
+)
+def test_input_errors(exc, message, x_shape, w_shape, w_dtype) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(*x_shape, dtype=torch.bfloat16)
+    weight = torch.randn(*w_shape).to(w_dtype)
+    with pytest.raises(exc, match=message):
+        gemv(x, weight)
+
+
+def test_rejects_integer_inputs() -> None:
+    with pytest.raises(TypeError, match=r"x has dtype torch\.int32"):
+        gemv(torch.ones(1, 8, dtype=torch.int32), torch.ones(8, 8, dtype=torch.int32))

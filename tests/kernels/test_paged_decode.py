@@ -1,0 +1,99 @@
+"""Paged decode attention: split-K against single-pass and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.paged_decode import (
+    default_num_splits,
+    paged_decode_attention,
+    paged_decode_reference,
+)
+from kernels.tensor_checks import FP8_E4M3
+from tests.kernels.paged_batch import make_paged_batch, tolerance
+
+SEQ_LENS = [1, 37, 150, 64]  # one key only, ragged, long enough for many tiles, page-aligned
+
+
+def _decode(batch, **kw) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(
+        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, out=out,
+        **batch.scales, **kw,
+    )  # fmt: skip
+    assert not out.isnan().any(), "some output rows were never written"
+    return out.float()
+
+
+def _batch(device, dtype=torch.float16, **kw):  # type: ignore[no-untyped-def]
+    return make_paged_batch(
+        SEQ_LENS, [1] * len(SEQ_LENS), num_heads=kw.pop("num_heads", 8),
+        num_kv_heads=kw.pop("num_kv_heads", 2), head_dim=32, page=kw.pop("page", 16),
+        dtype=dtype, device=device, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_split_k_matches_single_pass_and_reference(device, dtype, window) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(device, dtype)
+    ref = paged_decode_reference(
+        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, sliding_window=window
+    ).float()
+    single = _decode(batch, num_splits=1, sliding_window=window)
+    torch.testing.assert_close(single, ref, atol=tolerance(dtype), rtol=0)
+    # 3 and 7 pieces: uneven splits, and pieces left empty for the 1-key sequence.
+    for splits in (3, 7):
+        split = _decode(batch, num_splits=splits, sliding_window=window)
+        torch.testing.assert_close(split, ref, atol=tolerance(dtype), rtol=0)
+        torch.testing.assert_close(split, single, atol=tolerance(dtype), rtol=0)
+
+
+def test_default_split_choice_matches_reference(device) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(device, num_heads=4, num_kv_heads=4, page=4)
+    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
+    torch.testing.assert_close(_decode(batch), ref.float(), atol=tolerance(torch.float16), rtol=0)
+
+
+@pytest.mark.parametrize("per_head_scale", [False, True])
+def test_fp8_cache(device, per_head_scale) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(device, cache_dtype=FP8_E4M3, per_head_scale=per_head_scale)
+    ref = paged_decode_reference(
+        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, **batch.scales
+    ).float()
+    for splits in (1, 4):
+        torch.testing.assert_close(
+            _decode(batch, num_splits=splits), ref, atol=tolerance(torch.float16), rtol=0
+        )
+
+
+def test_decode_equals_prefill_of_one_token(device) -> None:  # type: ignore[no-untyped-def]
+    from kernels.paged_attention import paged_prefill_attention
+
+    batch = _batch(device)
+    cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=device)
+    prefill = paged_prefill_attention(
+        batch.q, batch.kv_cache, batch.block_tables, cu, batch.seq_lens
+    ).float()
+    torch.testing.assert_close(
+        _decode(batch, num_splits=5), prefill, atol=tolerance(torch.float16), rtol=0
+    )
+
+
+def test_padded_sequence_of_length_zero_gives_zeros(device) -> None:  # type: ignore[no-untyped-def]
+    """CUDA-graph padding rows have seq_len 0: finite zeros, never NaN."""
+    batch = _batch(device)
+    batch.seq_lens[0] = 0
+    for splits in (1, 3):
+        out = _decode(batch, num_splits=splits)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+def test_default_num_splits() -> None:
+    # Batch 1, 8 kv heads, 32k context on 132 SMs: enough pieces for two waves.
+    assert default_num_splits(1, 8, 32768, 132) == 33
+    # A short context is never cut below 256 keys a piece.
+    assert default_num_splits(1, 8, 300, 132) == 2
+    # A large batch already fills the GPU.
+    assert default_num_splits(64, 8, 32768, 132) == 1

@@ -1,0 +1,79 @@
+"""Staged host->device copies: values, bounds, and the no-reuse-while-in-flight rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.staged_copy import CpuGpuBuffer, stage_to_device
+
+
+class RecordingFence:
+    """Stands in for a CUDA event, which cannot exist without a GPU: logs record/synchronize."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def record(self) -> None:
+        self.log.append("record")
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+def test_copy_to_gpu_copies_the_first_rows(device) -> None:  # type: ignore[no-untyped-def]
+    buf = CpuGpuBuffer(8, 3, dtype=torch.int64, device=device)
+    buf.cpu[:5] = torch.arange(15).reshape(5, 3)
+    out = buf.copy_to_gpu(5)
+    assert out.device.type == device.type and out.shape == (5, 3)
+    assert torch.equal(out.cpu(), torch.arange(15).reshape(5, 3))
+    assert torch.equal(buf.gpu[5:].cpu(), torch.zeros(3, 3, dtype=torch.int64))
+    assert buf.gpu.data_ptr() != buf.cpu.data_ptr()  # two buffers even on a CPU-only machine
+
+
+def test_host_side_writes_after_a_copy_do_not_reach_the_device(device) -> None:  # type: ignore[no-untyped-def]
+    """Writing `.cpu` right after copy_to_gpu must not change what the device received."""
+    buf = CpuGpuBuffer(1 << 20, dtype=torch.float32, device=device)
+    buf.np[:] = 1.0
+    out = buf.copy_to_gpu()
+    buf.cpu.fill_(2.0)  # waits for the copy before handing out the host memory
+    assert bool((out == 1.0).all())
+
+
+def test_host_access_waits_for_the_copy_in_flight() -> None:
+    log: list[str] = []
+    buf = CpuGpuBuffer(4, dtype=torch.int32, device="cpu", fence=RecordingFence(log))
+    buf.cpu[:] = 1
+    assert log == []  # nothing in flight yet: no wait
+    buf.copy_to_gpu(2)
+    assert log == ["record"]
+    _ = buf.cpu
+    assert log == ["record", "synchronize"]
+    _ = buf.cpu
+    assert log == ["record", "synchronize"]  # waited once; the copy is done
+
+
+def test_copy_bounds() -> None:
+    buf = CpuGpuBuffer(4, dtype=torch.int32, device="cpu")
+    with pytest.raises(ValueError, match=r"copy_to_gpu\(n=5\) outside the buffer's 4 rows"):
+        buf.copy_to_gpu(5)
+    assert buf.copy_to_gpu(0).shape == (0,)
+
+
+def test_stage_to_device(device) -> None:  # type: ignore[no-untyped-def]
+    arr = np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2]  # non-contiguous source
+    out = stage_to_device(arr, device)
+    assert out.device.type == device.type
+    assert torch.equal(out.cpu(), torch.from_numpy(np.ascontiguousarray(arr)))
+    src = torch.arange(6)
+    copy = stage_to_device(src, device)
+    src[0] = 99  # the result is a copy, not a view of the source
+    assert int(copy[0]) == 0
+
+
+def test_stage_to_device_rejects_device_sources() -> None:
+    with pytest.raises(ValueError, match="copies from host memory"):
+        stage_to_device(torch.zeros(2, device="meta"), "cpu")
+    with pytest.raises(TypeError, match="takes a tensor or ndarray"):
+        stage_to_device([1, 2], "cpu")  # type: ignore[arg-type]
