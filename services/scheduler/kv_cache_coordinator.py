@@ -33,6 +33,7 @@ class KVCacheCoordinator:
             make_manager(g.spec, pool, i, enable_caching) for i, g in enumerate(groups)
         ]
         self.num_groups = len(self.managers)
+        self._dropping = [m for m in self.managers if m.drops_blocks]
 
     def empty_blocks(self) -> KVCacheBlocks:
         return [[] for _ in self.managers]
@@ -52,17 +53,17 @@ class KVCacheCoordinator:
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
     ) -> int:
-        return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
-            for i, m in enumerate(self.managers)
-        )
+        total = 0
+        for manager, blocks in zip(self.managers, new_computed_blocks, strict=True):
+            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        return total
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks a request of `num_tokens` slots holds at its peak with no prefix hit."""
         return self.num_groups * -(-num_tokens // self.block_size)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for m in self.managers:
+        for m in self._dropping:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: KVCacheBlocks) -> None:

@@ -39,6 +39,7 @@ class KVCacheManager:
             config.kv_cache_groups, self.pool, config.enable_prefix_caching
         )
         self.stats = PrefixCacheStats()
+        self._no_blocks = self.coordinator.empty_blocks()  # read-only "no prefix hit"
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,7 +74,7 @@ class KVCacheManager:
         num_new_computed_tokens: int | None = None,
     ) -> int:
         """Blocks `allocate_slots` with these arguments would take from the pool."""
-        blocks = new_computed_blocks or self.coordinator.empty_blocks()
+        blocks = new_computed_blocks or self._no_blocks
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
         return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens, blocks)
 
@@ -90,7 +91,7 @@ class KVCacheManager:
         Returns the newly allocated blocks per group (not the hit blocks), or None, changing
         nothing, if the pool cannot supply them.
         """
-        blocks = new_computed_blocks or self.coordinator.empty_blocks()
+        blocks = new_computed_blocks or self._no_blocks
         request_id = request.request_id
         # Skipped blocks go back before counting, so they can serve this very allocation.
         self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)

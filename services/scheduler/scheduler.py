@@ -26,6 +26,7 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
 from services.scheduler.stop import check_stop
+from services.scheduler.trusted_message import TrustedBuilder
 from shared.protocol import (
     CachedRequestData,
     FinishReason,
@@ -38,6 +39,10 @@ from shared.protocol import (
 )
 
 RUNNING = RequestStatus.RUNNING
+_new_request_data = TrustedBuilder(NewRequestData)
+_cached_request_data = TrustedBuilder(CachedRequestData)
+_step_plan = TrustedBuilder(StepPlan)
+_request_delta = TrustedBuilder(RequestDelta)
 
 
 class Scheduler:
@@ -124,7 +129,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             cached.append(
-                CachedRequestData.model_construct(
+                _cached_request_data(
                     request_id=request.request_id,
                     new_block_ids=[[b.block_id for b in g] for g in new_blocks],
                     num_computed_tokens=request.num_computed_tokens,
@@ -150,7 +155,7 @@ class Scheduler:
                 request.status = RUNNING
                 self.running.append(request)
                 new.append(
-                    NewRequestData.model_construct(
+                    _new_request_data(
                         request_id=request.request_id,
                         token_ids=list(request.all_token_ids),
                         num_prompt_tokens=request.num_prompt_tokens,
@@ -167,7 +172,7 @@ class Scheduler:
 
         if not num_scheduled:
             return None
-        plan = StepPlan.model_construct(
+        plan = _step_plan(
             step_id=self.step_id,
             scheduler_id=self.scheduler_id,
             worker_incarnation=self.worker_incarnation,
@@ -281,25 +286,20 @@ class Scheduler:
             if decision is not None:
                 break
         n = request.num_output_tokens - start
-        delta = RequestDelta.model_construct(
+        delta = _request_delta(
             request_id=request.request_id,
             start_index=start,
             token_ids=request.output_token_ids[start:],
-            logprobs=sampled.logprobs[:n] if sampled.logprobs is not None else None,
-            top_token_ids=None,
-            top_logprobs=None,
-            routed_experts=sampled.routed_experts,
-            routed_experts_shape=sampled.routed_experts_shape,
-            finish_reason=None,
-            stop_token_id=None,
-            num_prompt_tokens=0,
-            num_cached_tokens=0,
-            error=None,
         )
+        if sampled.logprobs is not None:
+            delta.logprobs = sampled.logprobs[:n]
         if sampled.top_token_ids is not None and sampled.top_logprobs is not None:
             k = len(sampled.top_token_ids) // len(sampled.token_ids)
             delta.top_token_ids = sampled.top_token_ids[: n * k]
             delta.top_logprobs = sampled.top_logprobs[: n * k]
+        if sampled.routed_experts is not None:
+            delta.routed_experts = sampled.routed_experts
+            delta.routed_experts_shape = sampled.routed_experts_shape
         if not request.first_delta_sent:
             request.first_delta_sent = True
             delta.num_prompt_tokens = request.num_prompt_tokens

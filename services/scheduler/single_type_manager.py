@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import ClassVar
 
 from services.scheduler.block_hash import BlockHash
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
@@ -20,6 +21,10 @@ from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 
 
 class SingleTypeKVCacheManager(ABC):
+    #: Whether `remove_skipped_blocks` can ever release anything (lets the coordinator skip
+    #: the per-step call for groups that never drop blocks).
+    drops_blocks: ClassVar[bool] = True
+
     def __init__(
         self, spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool
     ) -> None:
@@ -55,6 +60,8 @@ class SingleTypeKVCacheManager(ABC):
         num_required = -(-num_tokens // self.block_size)
         held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         num_new = max(0, num_required - held)
+        if not new_computed_blocks:
+            return num_new
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new + num_revived
 
@@ -113,6 +120,8 @@ class SingleTypeKVCacheManager(ABC):
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
+    drops_blocks = False
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> list[KVCacheBlock]:

@@ -240,3 +240,20 @@ def test_config_from_worker_takes_capacity_from_the_worker() -> None:
     assert config.kv_cache_groups[0].spec.block_size == 32
     unlimited = SchedulerConfig.from_worker(SchedulerSettings(max_model_len=0), ready)
     assert unlimited.max_model_len == 4096
+
+
+def test_waiting_queue_is_fcfs_a_blocked_head_is_not_overtaken() -> None:
+    d = make(num_gpu_blocks=5)  # 4 usable blocks of 4
+    d.scheduler.add_request(submit("a", [1, 2, 3, 4, 5], max_tokens=3))  # 2 blocks
+    d.step()
+    d.scheduler.add_request(submit("big", list(range(10, 22)), max_tokens=1))  # 3 blocks
+    d.scheduler.add_request(submit("small", [30, 31], max_tokens=1))  # 1 block: would fit
+    plan = d.step()
+    assert plan is not None and plan.num_scheduled_tokens == {"a": 1}
+    d.run()
+    first_plan_of = {
+        rid: next(i for i, p in enumerate(d.plans) if rid in p.num_scheduled_tokens)
+        for rid in ("big", "small")
+    }
+    assert first_plan_of["big"] <= first_plan_of["small"]
+    assert set(d.client.finish) == {"a", "big", "small"}
