@@ -63,6 +63,7 @@ class PlanDriver:
         self._finished_pending: list[str] = []
         self._preempted_pending: list[str] = []
         self.plans: list[StepPlan] = []
+        self.results: list[StepResult] = []  # one per step, in step order
 
     def add(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> DriverRequest:
         req = DriverRequest(request_id, list(prompt), sampling, tokens=list(prompt))
@@ -158,6 +159,7 @@ class PlanDriver:
         plan = self.build_plan()
         self.plans.append(plan)
         result = self.runner.execute(plan)
+        self.results.append(result)
         self.step_id += 1
         for req_id, n in plan.num_scheduled_tokens.items():
             req = self.requests[req_id]

@@ -73,14 +73,12 @@ class ModelConfig(BaseModel):
     torch_dtype: str = "float32"
 
     @model_validator(mode="after")
-    def _check_heads(self) -> ModelConfig:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise UnsupportedModelError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act={self.hidden_act!r}: only 'silu' is supported")
+    def _check_supported(self) -> ModelConfig:
+        # Raised inside pydantic this surfaces as a ValidationError (also a ValueError);
+        # from_hf_dict checks the same first so that checkpoints get UnsupportedModelError.
+        problem = _unsupported(self.num_attention_heads, self.num_key_value_heads, self.hidden_act)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
@@ -125,6 +123,10 @@ class ModelConfig(BaseModel):
             raise UnsupportedModelError("sliding-window attention is not supported yet")
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        problem = _unsupported(heads, kv_heads, str(hf.get("hidden_act", "silu")))
+        if problem:
+            raise UnsupportedModelError(problem)
         eos = _merge_ids(hf.get("eos_token_id"), (generation or {}).get("eos_token_id"))
         return cls(
             architecture=known[0],
@@ -132,7 +134,7 @@ class ModelConfig(BaseModel):
             hidden_size=hidden,
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=int(hf.get("head_dim") or hidden // heads),
             intermediate_size=int(hf["intermediate_size"]),
             vocab_size=int(hf["vocab_size"]),
@@ -166,6 +168,14 @@ def parse_rope(hf: dict[str, Any]) -> RopeScaling:
     if params.get("factor") is None:
         params.pop("factor", None)
     return RopeScaling(rope_type=rope_type, **params)
+
+
+def _unsupported(heads: int, kv_heads: int, hidden_act: str) -> str:
+    if heads % kv_heads:
+        return f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+    if hidden_act != "silu":
+        return f"hidden_act={hidden_act!r}: only 'silu' is supported"
+    return ""
 
 
 def _merge_ids(*values: int | list[int] | None) -> list[int]:

@@ -1,0 +1,85 @@
+"""Tiny random-weight Llama checkpoints built with transformers (the reference implementation),
+saved to disk so our loader reads them like any HF directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from services.worker.kv_cache import KVCache
+from services.worker.loader import load_model
+from services.worker.model_runner import ModelRunner
+
+
+def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+    """GQA 4 heads / 2 KV heads, 3 layers, vocab 512, untied unless overridden. The larger
+    than usual init spread makes logits peaked, so greedy choices are not near-ties."""
+    settings: dict[str, Any] = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.15,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_runner(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_reqs: int = 8,
+) -> ModelRunner:
+    model, config = load_model(path, dtype)
+    kv = KVCache.allocate(config, num_blocks, block_size, dtype, "cpu")
+    return ModelRunner(model, config, kv, max_num_reqs=max_num_reqs)
+
+
+def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy generate, stopping at eos like the driver does."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+        )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+
+
+def reference_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """Logits at every position of one full forward [len(tokens), vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]  # type: ignore[no-any-return]
+
+
+class LogitsCapture:
+    """Records every logits tensor the runner computes (instrumentation, not a substitute)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.calls: list[torch.Tensor] = []
+        original = runner.model.compute_logits
+
+        def capture(hidden: torch.Tensor) -> torch.Tensor:
+            logits = original(hidden)
+            self.calls.append(logits.detach().clone())
+            return logits
+
+        runner.model.compute_logits = capture  # type: ignore[method-assign]

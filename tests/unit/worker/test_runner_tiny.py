@@ -1,0 +1,229 @@
+"""ModelRunner on tiny random-weight Llamas: tokens and logits equal transformers' for the same
+weights, through batching, chunked prefill, prefix hits and preemption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.input_batch import PlanError
+from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from tests.support.plans import PlanDriver
+from tests.support.tiny_llama import (
+    LogitsCapture,
+    make_tiny_llama,
+    reference_greedy,
+    reference_logits,
+    tiny_runner,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [
+    [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5],
+    [1, 400],
+    [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71],
+    [9],
+]
+
+ROPE_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    # positions run past original_max_position_embeddings, where the scaling really acts
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    },
+    "yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+    },
+    "linear": {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}},
+    "tied_with_biases": {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return path, make_tiny_llama(path)
+
+
+def check_run_against_reference(driver: PlanDriver, reference: Any, capture: LogitsCapture) -> None:
+    """Every request's tokens equal transformers' greedy generate, and the logits the runner
+    sampled from equal a full transformers forward at the same positions."""
+    per_request: dict[str, list[torch.Tensor]] = {rid: [] for rid in driver.requests}
+    sampling_steps = [r for r in driver.results if r.sampled]  # one logits call each
+    assert len(sampling_steps) == len(capture.calls)
+    seen = 0
+    for result, logits in zip(sampling_steps, capture.calls, strict=True):
+        for sampled, row in zip(result.sampled, logits, strict=True):
+            per_request[sampled.request_id].append(row)
+            seen += 1
+    assert seen > 0
+    for rid, request in driver.requests.items():
+        expected = reference_greedy(reference, request.prompt, request.sampling.max_tokens)
+        assert request.output == expected, rid
+        full = reference_logits(reference, request.tokens)
+        start = len(request.prompt) - 1
+        ours = torch.stack(per_request[rid])
+        torch.testing.assert_close(ours, full[start : start + len(ours)], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_batched_greedy_equals_transformers(tmp_path: Path, variant: str) -> None:
+    reference = make_tiny_llama(tmp_path, **ROPE_VARIANTS[variant])
+    runner = tiny_runner(tmp_path)
+    if variant == "tied_with_biases":
+        assert runner.model.lm_head is None
+    capture = LogitsCapture(runner)
+    driver = PlanDriver(runner)
+    for i, prompt in enumerate(PROMPTS):
+        driver.add(f"r{i}", prompt, GREEDY)
+    driver.run()
+    check_run_against_reference(driver, reference, capture)
+
+
+def test_chunked_prefill_mixed_with_decodes(tiny: tuple[Path, Any]) -> None:
+    path, reference = tiny
+    runner = tiny_runner(path)
+    capture = LogitsCapture(runner)
+    driver = PlanDriver(runner, chunk_size=3, token_budget=8)
+    driver.add("early", PROMPTS[1], GREEDY)
+    driver.step()
+    driver.step()  # "early" decodes while the long prompts arrive in chunks
+    driver.add("long", PROMPTS[2], GREEDY)
+    driver.add("mid", PROMPTS[0], GREEDY)
+    driver.run()
+    chunked = [p for p in driver.plans if any(r.request_id == "long" for r in p.cached_requests)]
+    assert any(p.num_scheduled_tokens.get("long", 0) == 3 for p in chunked)
+    mixed = [p for p in driver.plans if len(set(p.num_scheduled_tokens.values())) > 1]
+    assert mixed, "some step must mix a decode with a prefill chunk"
+    check_run_against_reference(driver, reference, capture)
+
+
+def test_prefix_hit_reuses_blocks_filled_by_an_earlier_request(tiny: tuple[Path, Any]) -> None:
+    path, reference = tiny
+    runner = tiny_runner(path)
+    driver = PlanDriver(runner, prefix_caching=True)
+    shared = PROMPTS[2][:13]
+    driver.add("first", [*shared, 100, 101], GREEDY)
+    driver.run()
+    second = driver.add("second", [*shared, 200, 201, 202], GREEDY)
+    assert second.num_computed == 12  # three full blocks of 4 come from "first"
+    driver.run()
+    new = next(r for p in driver.plans for r in p.new_requests if r.request_id == "second")
+    assert new.num_computed_tokens == 12
+    first_scheduled = next(p for p in driver.plans if "second" in p.num_scheduled_tokens)
+    assert first_scheduled.num_scheduled_tokens["second"] == len(second.prompt) - 12
+    assert second.output == reference_greedy(reference, second.prompt, GREEDY.max_tokens)
+
+
+def test_preempted_request_resumes_with_the_same_tokens(tiny: tuple[Path, Any]) -> None:
+    path, reference = tiny
+    runner = tiny_runner(path)
+    driver = PlanDriver(runner)
+    request = driver.add("p", PROMPTS[0], GREEDY)
+    other = driver.add("q", PROMPTS[2], GREEDY)
+    for _ in range(4):
+        driver.step()
+    driver.preempt("p")
+    driver.run()
+    resumed = next(r for p in driver.plans[1:] for r in p.new_requests if r.request_id == "p")
+    assert len(resumed.token_ids) > len(PROMPTS[0])  # it came back with its outputs
+    assert request.output == reference_greedy(reference, PROMPTS[0], GREEDY.max_tokens)
+    assert other.output == reference_greedy(reference, PROMPTS[2], GREEDY.max_tokens)
+
+
+def plan_for(runner_tokens: list[int], scheduled: int, blocks: list[int]) -> StepPlan:
+    return StepPlan(
+        step_id=0,
+        scheduler_id="s",
+        new_requests=[
+            NewRequestData(
+                request_id="a",
+                token_ids=runner_tokens,
+                num_prompt_tokens=len(runner_tokens),
+                block_ids=[blocks],
+                num_computed_tokens=0,
+                sampling=GREEDY,
+            )
+        ],
+        num_scheduled_tokens={"a": scheduled},
+    )
+
+
+def test_bad_plans_are_plan_errors(tiny: tuple[Path, Any]) -> None:
+    path, _ = tiny
+    runner = tiny_runner(path)
+    with pytest.raises(PlanError, match="tokens known"):
+        runner.execute(plan_for([1, 2, 3], scheduled=4, blocks=[0]))
+    runner = tiny_runner(path)
+    with pytest.raises(PlanError, match="need 2 blocks"):
+        runner.execute(plan_for([1, 2, 3, 4, 5], scheduled=5, blocks=[0]))
+    runner = tiny_runner(path)
+    with pytest.raises(PlanError, match="not in the worker's batch"):
+        runner.execute(StepPlan(step_id=0, scheduler_id="s", num_scheduled_tokens={"zz": 1}))
+    with pytest.raises(PlanError, match="grammar_bitmask"):
+        plan = plan_for([1, 2], scheduled=2, blocks=[0])
+        plan.grammar_request_ids = ["a"]
+        plan.grammar_bitmask = b"\x00" * 8
+        runner.execute(plan)
+
+
+def test_partial_prefill_samples_nothing_and_advances(tiny: tuple[Path, Any]) -> None:
+    path, _ = tiny
+    runner = tiny_runner(path)
+    result = runner.execute(plan_for([1, 2, 3, 4, 5, 6], scheduled=4, blocks=[0, 1]))
+    assert result.sampled == []
+    assert runner.batch.num_computed_tokens[runner.batch.row_of("a")] == 4
+    follow = StepPlan(
+        step_id=1,
+        scheduler_id="s",
+        cached_requests=[
+            CachedRequestData(request_id="a", new_block_ids=[[]], num_computed_tokens=4)
+        ],
+        num_scheduled_tokens={"a": 2},
+    )
+    result = runner.execute(follow)
+    assert [s.request_id for s in result.sampled] == ["a"]
+    assert len(runner.batch.tokens_of("a")) == 7
+    assert result.step_id == 1 and result.execute_ms > 0
+    empty = runner.execute(StepPlan(step_id=2, scheduler_id="s", finished_request_ids=["a"]))
+    assert empty.sampled == [] and "a" not in runner.batch
+
+
+def test_profile_run_and_warmup(tiny: tuple[Path, Any]) -> None:
+    path, _ = tiny
+    runner = tiny_runner(path)
+    assert runner.profile_run(num_tokens=40, num_decodes=3) > 0
+    assert runner.warmup() > 0
+    assert len(runner.batch) == 0  # no request state left behind
+
+
+def test_bfloat16_runs_close_to_float32(tiny: tuple[Path, Any]) -> None:
+    path, _ = tiny
+    outputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = tiny_runner(path, dtype=dtype)
+        capture = LogitsCapture(runner)
+        driver = PlanDriver(runner)
+        driver.add("a", PROMPTS[2], GREEDY)
+        driver.step()
+        outputs[dtype] = capture.calls[0].float()
+        assert runner.kv_cache.layers[0].dtype == dtype
+    diff = (outputs[torch.float32] - outputs[torch.bfloat16]).abs().max().item()
+    assert diff < 0.1, diff
+    assert np.isfinite(diff)
