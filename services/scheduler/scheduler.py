@@ -55,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order = priority order
         self.step_id = 0
+        # Plans handed out and not yet updated. A result for any other step (one that ran on
+        # a worker since reset, or a duplicate) is ignored: its requests have moved on.
+        self._in_flight: set[int] = set()
         self._eos = frozenset(config.eos_token_ids)
         # Diff state towards the worker: which requests it holds, and removals not yet sent.
         self._worker_known: set[str] = set()
@@ -186,6 +189,7 @@ class Scheduler:
         )
         self._finished_for_worker = []
         self._preempted_for_worker = []
+        self._in_flight.add(self.step_id)
         self.step_id += 1
         return plan
 
@@ -199,6 +203,8 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         if result.error is not None:
             return self.step_failed(plan, result.error)
+        if not self._settle(plan):
+            return SchedulerOutput()
         out = SchedulerOutput()
         sampled = {s.request_id: s for s in result.sampled}
         missing: list[Request] = []
@@ -227,6 +233,8 @@ class Scheduler:
         """The worker could not run `plan`: recompute its requests from scratch (their prefix
         cache hits stay valid: a failed step only writes slots of uncached blocks). A request
         failing `max_step_failures` times finishes with "error"."""
+        if not self._settle(plan):
+            return SchedulerOutput()
         self.num_step_failures += 1
         failed = [
             r
@@ -248,6 +256,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self._worker_known.clear()
+        self._in_flight.clear()
         self._finished_for_worker = []
         self._preempted_for_worker = []
         self.kv.reset_prefix_cache()
@@ -358,6 +367,13 @@ class Scheduler:
         gone = {id(r) for r in requests}
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting.extendleft(reversed(requeue))
+
+    def _settle(self, plan: StepPlan) -> bool:
+        """Mark the plan's step as answered; False if it was not in flight (stale or repeat)."""
+        if plan.step_id not in self._in_flight:
+            return False
+        self._in_flight.discard(plan.step_id)
+        return True
 
     def _drop_from_worker(self, request_id: str) -> None:
         if request_id in self._worker_known:

@@ -257,3 +257,35 @@ def test_waiting_queue_is_fcfs_a_blocked_head_is_not_overtaken() -> None:
     }
     assert first_plan_of["big"] <= first_plan_of["small"]
     assert set(d.client.finish) == {"a", "big", "small"}
+
+
+def test_results_of_steps_not_in_flight_are_ignored() -> None:
+    d = make()
+    d.scheduler.add_request(submit("a", [1, 2, 3], max_tokens=5))
+    d.step()
+    stale_plan = d.scheduler.schedule()  # in flight when the worker dies
+    assert stale_plan is not None
+    stale_result = d.worker.run(stale_plan)
+    d.scheduler.reset_worker_state("w1")
+    d.worker = WorkerDouble(block_size=4, incarnation="w1")
+    fresh = d.scheduler.schedule()  # "a" is running again, resent as new, in flight
+    assert fresh is not None and [n.request_id for n in fresh.new_requests] == ["a"]
+    assert d.scheduler.update_from_output(stale_plan, stale_result).deltas == {}
+    failed = StepResult(step_id=stale_plan.step_id, worker_id="w", error="late")
+    assert d.scheduler.update_from_output(stale_plan, failed).deltas == {}
+    assert d.scheduler.running and d.scheduler.snapshot().num_step_failures == 0
+    out = d.scheduler.update_from_output(fresh, d.worker.run(fresh))
+    for stream, deltas in out.deltas.items():
+        for delta in deltas:
+            d.client.apply(stream, delta)
+    d.plans.append(fresh)
+    # A repeated result of a step already applied is ignored too.
+    repeat = d.plans[-1]
+    again = StepResult(
+        step_id=repeat.step_id,
+        worker_id="w",
+        sampled=[SampledTokens(request_id="a", token_ids=[5])],
+    )
+    assert d.scheduler.update_from_output(repeat, again).deltas == {}
+    d.run()
+    assert d.client.outputs["a"] == [token_at("a", p) for p in range(3, 8)]
