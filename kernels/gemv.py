@@ -56,7 +56,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    USE_PARTIALS: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
@@ -91,7 +91,7 @@ def _gemv_kernel(
         else:
             acc += tl.dot(w, x)
     mask = n_valid[:, None] & m_valid[None, :]
-    if SPLIT_K == 1:
+    if not USE_PARTIALS:
         tl.store(
             out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
             acc.to(out_ptr.dtype.element_ty),
@@ -158,7 +158,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, out, part, m, n, k, k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=split > 1,
         EVEN_K=k % k_per_split == 0 and k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
         FP32_DOT=interpreting() or x.dtype == torch.float32,

@@ -7,7 +7,9 @@ are identical: RoPE rounding and fp8 rounding cannot drift between a forward pas
 context-only insert (prefix loading, draft context) of the same tokens.
 
 Rotation is in fp32: neox style rotates the halves (x[:r/2], x[r/2:r]), gpt-j style the
-interleaved pairs (x[2i], x[2i+1]); dims past the rotary width r pass through. cos/sin come
+interleaved pairs (x[2i], x[2i+1]); dims past the rotary width r pass through. The kernel is
+compiled without FMA contraction, so each product and difference rounds as in the PyTorch
+reference and a GPU insert writes the same bytes as the CPU path. cos/sin come
 from a cache [max_position, r] holding cos in its first half and sin in its second, indexed by
 each token's position. fp8 e4m3: x / scale (correctly rounded), clamped to +-448.
 
@@ -274,7 +276,7 @@ def _launch(
         BLOCK_D=next_power_of_2(geo.head_dim), ROT_HALF=rot_half,
         BLOCK_HALF=next_power_of_2(max(rot_half, 1)), PASS_DIM=pass_dim,
         BLOCK_PASS=next_power_of_2(max(pass_dim, 1)), BLOCK_T=block_t, IS_NEOX=bool(is_neox),
-        FP8=geo.is_fp8, num_warps=4,
+        FP8=geo.is_fp8, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out
 
