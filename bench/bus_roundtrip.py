@@ -82,7 +82,8 @@ async def echo_raw(url: str, ready: Any) -> None:
     await r.xgroup_create(ping, GROUP, id="0", mkstream=True)
     ready.set()
     while True:
-        for _, entries in await r.xreadgroup(GROUP, "echo", {ping: ">"}, count=64, block=1000):
+        response: Any = await r.xreadgroup(GROUP, "echo", {ping: ">"}, count=64, block=1000)
+        for _, entries in response:
             for entry_id, _fields in entries:
                 await r.xadd(pong, reply, maxlen=MAXLEN, approximate=True)  # type: ignore[arg-type]
                 await r.xack(ping, GROUP, entry_id)
@@ -132,7 +133,7 @@ class RawCaller:
 
     async def round_trip(self, step: int) -> None:
         await self.redis.xadd(self.ping, self.payload, maxlen=MAXLEN, approximate=True)  # type: ignore[arg-type]
-        got: list[Any] = []
+        got: Any = []
         while not got:
             got = await self.redis.xread(self.last, count=1, block=1000)  # type: ignore[arg-type]
         self.last[self.pong] = got[0][1][-1][0]

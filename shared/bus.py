@@ -17,26 +17,24 @@ ensured and recreates them when Redis answers NOGROUP.
 Blocking reads go through a second client without a socket timeout, each bounded instead by
 `asyncio.timeout(block + op_timeout_s)`: a read that outlives its BLOCK by that much is on a dead
 connection, is dropped, and retried. Everything else uses `redis` with `op_timeout_s` socket
-timeouts. redis-py's own retries are off: one retry policy, here.
+timeouts. redis-py's own retries are off: one retry policy, in `shared.bus_retry`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.bus_backoff import Backoff
 from shared.bus_entry import DEAD_LETTERS, FIELD, Delivery, Rejected, decode_entry
+from shared.bus_retry import BusUnavailable, retry
 from shared.codec import encode
 from shared.protocol import Message
 
@@ -44,17 +42,8 @@ __all__ = ["DEAD_LETTERS", "Bus", "BusUnavailable", "Delivery"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-# Builtin TimeoutError also covers asyncio's (the per-read deadline).
-_TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
-
 # Raw XREAD/XREADGROUP/XAUTOCLAIM entries: [(entry_id, {field: value}), ...] per stream.
 RawEntries = Sequence[tuple[bytes | None, dict[bytes, bytes] | None]]
-
-
-class BusUnavailable(ConnectionError):
-    """Redis stayed unreachable past an operation's deadline (publish, ack, connect)."""
 
 
 class Bus:
@@ -91,7 +80,7 @@ class Bus:
 
     async def connect(self) -> None:
         """Wait for Redis to answer a PING (it may still be starting); BusUnavailable if not."""
-        await self._retry("connect", self.redis.ping, self.connect_timeout_s)
+        await retry("connect", self.redis.ping, self.connect_timeout_s)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -100,13 +89,14 @@ class Bus:
     # --- producing ---------------------------------------------------------------------------
 
     async def publish(self, stream: str, msg: Message) -> str:
-        """XADD with approximate MAXLEN trimming; returns the entry id."""
+        """XADD with approximate MAXLEN trimming; returns the entry id. A message over the codec's
+        size limit raises CodecError("oversized") before anything is sent."""
         fields = {FIELD: encode(msg)}
 
-        async def xadd() -> bytes:
+        async def xadd() -> Any:
             return await self.redis.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
 
-        entry_id = await self._retry("publish", xadd, self.publish_timeout_s)
+        entry_id = await retry("publish", xadd, self.publish_timeout_s)
         return entry_id.decode()
 
     async def publish_many(self, items: list[tuple[str, Message]]) -> list[str]:
@@ -115,13 +105,13 @@ class Bus:
             return []
         encoded = [(stream, {FIELD: encode(msg)}) for stream, msg in items]
 
-        async def xadds() -> list[bytes]:
+        async def xadds() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for stream, fields in encoded:
                 pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
             return await pipe.execute()
 
-        ids = await self._retry("publish_many", xadds, self.publish_timeout_s)
+        ids = await retry("publish_many", xadds, self.publish_timeout_s)
         return [entry_id.decode() for entry_id in ids]
 
     # --- consumer groups ---------------------------------------------------------------------
@@ -129,7 +119,7 @@ class Bus:
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create the group (and the stream) unless it exists; remembered for NOGROUP recovery."""
         self._groups[(stream, group)] = start_id
-        await self._retry(
+        await retry(
             "ensure_group",
             lambda: self._create_group(stream, group, start_id),
             self.publish_timeout_s,
@@ -164,7 +154,7 @@ class Bus:
 
         while True:
             try:
-                response = await self._retry("read_group", xreadgroup, None)
+                response = await retry("read_group", xreadgroup, None)
                 break
             except ResponseError as exc:
                 await self._recover_group(exc, group, streams)
@@ -185,7 +175,7 @@ class Bus:
             await pipe.execute()
 
         try:
-            await self._retry("ack", xack, self.publish_timeout_s)
+            await retry("ack", xack, self.publish_timeout_s)
         except ResponseError as exc:
             if not _is_nogroup(exc):
                 raise
@@ -209,7 +199,7 @@ class Bus:
                 )
 
             try:
-                reply = await self._retry("claim_idle", xautoclaim, None)
+                reply = await retry("claim_idle", xautoclaim, None)
             except ResponseError as exc:
                 await self._recover_group(exc, group, [stream])
                 cursor = "0-0"
@@ -227,7 +217,8 @@ class Bus:
     ) -> list[Delivery]:
         """Plain XREAD after `last_ids` (stream -> id), which advance in place past everything
         read, bad entries included. A "$" is pinned to the stream's current last entry on first
-        use, so nothing published between two calls is missed."""
+        use, so nothing published between two calls is missed. Nothing is acked here, and every
+        fan-out reader dead-letters the bad entries it meets (one record per reader)."""
         _check_block(block_ms)
         if "$" in last_ids.values():
             await self._pin_latest(last_ids)
@@ -238,7 +229,7 @@ class Bus:
             async with asyncio.timeout(limit_s):
                 return await self._reader.xread(ids, count=count, block=block_ms)  # type: ignore[arg-type]
 
-        response = await self._retry("read", xread, None)
+        response = await retry("read", xread, None)
         for name, entries in response:
             if entries:
                 last_ids[name.decode()] = entries[-1][0].decode()
@@ -248,42 +239,6 @@ class Bus:
 
     def _read_limit_s(self, block_ms: int | None) -> float:
         return (block_ms or 0) / 1000 + self.op_timeout_s
-
-    async def _retry(self, what: str, op: Callable[[], Awaitable[T]], limit_s: float | None) -> T:
-        """Run `op`, retrying while Redis is unreachable; BusUnavailable past `limit_s`."""
-        backoff: Backoff | None = None
-        started = 0.0
-        while True:
-            try:
-                result = await op()
-            except _TRANSIENT as exc:
-                if backoff is None:
-                    backoff, started = Backoff(), time.monotonic()
-                    log.warning(
-                        "redis unreachable during %s, retrying: %s",
-                        what,
-                        exc,
-                        extra={"op": what, "error": str(exc)},
-                    )
-                delay = backoff.next_delay()
-                waited = time.monotonic() - started
-                if limit_s is not None and waited + delay > limit_s:
-                    message = f"{what}: Redis unreachable for {waited:.1f} s: {exc}"
-                    raise BusUnavailable(message) from exc
-                await asyncio.sleep(delay)
-                continue
-            if backoff is not None:
-                log.info(
-                    "redis reachable again for %s after %d retries",
-                    what,
-                    backoff.attempts,
-                    extra={
-                        "op": what,
-                        "retries": backoff.attempts,
-                        "outage_s": round(time.monotonic() - started, 3),
-                    },
-                )
-            return result
 
     async def _create_group(self, stream: str, group: str, start_id: str) -> None:
         try:
@@ -304,10 +259,8 @@ class Bus:
             extra={"group": group, "streams": streams},
         )
         for stream in streams:
-            start_id = self._groups[(stream, group)]
-            await self._retry(
-                "ensure_group", lambda s=stream, i=start_id: self._create_group(s, group, i), None
-            )
+            create = partial(self._create_group, stream, group, self._groups[(stream, group)])
+            await retry("ensure_group", create, None)
 
     async def _pin_latest(self, last_ids: dict[str, str]) -> None:
         pinned = [stream for stream, last in last_ids.items() if last == "$"]
@@ -318,7 +271,7 @@ class Bus:
                 pipe.xrevrange(stream, count=1)
             return await pipe.execute()
 
-        for stream, newest in zip(pinned, await self._retry("read", xrevranges, None), strict=True):
+        for stream, newest in zip(pinned, await retry("read", xrevranges, None), strict=True):
             last_ids[stream] = newest[0][0].decode() if newest else "0-0"
 
     async def _sort(
@@ -391,7 +344,7 @@ class Bus:
                 await pipe.execute()
 
         try:
-            await self._retry("dead_letter", record, self.publish_timeout_s)
+            await retry("dead_letter", record, self.publish_timeout_s)
         except (BusUnavailable, ResponseError) as exc:
             log.error("could not record dead letters: %s", exc, extra={"error": str(exc)})
 

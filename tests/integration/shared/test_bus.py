@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import redis
 from prometheus_client import REGISTRY
-from redis.exceptions import ResponseError
+from redis.exceptions import AuthenticationError, ResponseError
 
 from shared.bus import Bus, BusUnavailable, Delivery
 from shared.codec import encode
@@ -365,3 +365,14 @@ async def test_a_read_on_a_frozen_redis_times_out_and_retries(
         assert messages(got) == [abort(1)]
     finally:
         await bus.close()
+
+
+async def test_a_refused_login_fails_at_once_instead_of_retrying() -> None:
+    server = RedisServer(extra_args=["--requirepass", "right"]).start()
+    bus = Bus(f"redis://:wrong@127.0.0.1:{server.port}/0", "consumer-a", connect_timeout_s=60)
+    try:
+        with pytest.raises(AuthenticationError):  # not BusUnavailable after a minute of retries
+            await bus.connect()
+    finally:
+        await bus.close()
+        server.stop()
