@@ -201,7 +201,9 @@ class CompletionRequest(SamplingFields):
             )
         if all(isinstance(v, str) for v in value):
             return list(value)
-        if all(_is_token_id(v) for v in value):
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            if not all(_is_token_id(v) for v in value):
+                raise ValueError("token ids must be non-negative integers")
             return [list(value)]
         if all(isinstance(v, list) for v in value):
             for i, ids in enumerate(value):
