@@ -1,8 +1,9 @@
 """Host time of one scheduler step (schedule() + update_from_output()), no bus, no worker.
 
 A batch of requests decodes in steady state; the "worker" answers each plan with one token
-per sampled request (a StepResult built outside the timed region). Reports the median and p99
-of the timed part per step, at each batch size.
+per sampled request (a StepResult built outside the timed region). Reports, per step, the
+median and p99 wall time of the timed part, and its median CPU time (thread CPU clock: on a
+shared machine, wall time also counts time spent waiting for a core).
 
     .venv/bin/python -m bench.scheduler_step --batch 1 8 64 256
 """
@@ -27,7 +28,7 @@ def result_for(plan: StepPlan, scheduler: Scheduler) -> StepResult:
     return StepResult(step_id=plan.step_id, worker_id="bench", sampled=sampled)
 
 
-def measure(batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
+def measure(batch: int, prompt_len: int, steps: int) -> tuple[float, float, float]:
     config = SchedulerConfig(
         block_size=16,
         num_gpu_blocks=batch * ((prompt_len + steps + 64) // 16 + 2) + 1,
@@ -53,19 +54,21 @@ def measure(batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
         plan = scheduler.schedule()
         assert plan is not None
         scheduler.update_from_output(plan, result_for(plan, scheduler))
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         plan = scheduler.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         assert plan is not None and len(plan.num_scheduled_tokens) == batch
         result = result_for(plan, scheduler)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         scheduler.update_from_output(plan, result)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
         times.append((t1 - t0) + (t3 - t2))
+        cpu.append((c1 - c0) + (c3 - c2))
     times.sort()
-    return statistics.median(times) * 1e6, times[int(len(times) * 0.99)] * 1e6
+    p99 = times[int(len(times) * 0.99)]
+    return statistics.median(times) * 1e6, p99 * 1e6, statistics.median(cpu) * 1e6
 
 
 def main() -> None:
@@ -74,11 +77,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
-    print("| running requests | schedule+update median (us) | p99 (us) | per request (us) |")
-    print("|---|---|---|---|")
+    print("| running | wall median (us) | wall p99 (us) | CPU median (us) | CPU per request (us) |")
+    print("|---|---|---|---|---|")
     for batch in args.batch:
-        median, p99 = measure(batch, args.prompt_len, args.steps)
-        print(f"| {batch} | {median:.0f} | {p99:.0f} | {median / batch:.2f} |")
+        median, p99, cpu = measure(batch, args.prompt_len, args.steps)
+        print(f"| {batch} | {median:.0f} | {p99:.0f} | {cpu:.0f} | {cpu / batch:.2f} |")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ class KVCacheCoordinator:
         ]
         self.num_groups = len(self.managers)
         self._dropping = [m for m in self.managers if m.drops_blocks]
+        self.drops_blocks = bool(self._dropping)
 
     def empty_blocks(self) -> KVCacheBlocks:
         return [[] for _ in self.managers]
@@ -53,6 +54,10 @@ class KVCacheCoordinator:
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
     ) -> int:
+        if self.num_groups == 1:
+            return self.managers[0].get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[0]
+            )
         total = 0
         for manager, blocks in zip(self.managers, new_computed_blocks, strict=True):
             total += manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)

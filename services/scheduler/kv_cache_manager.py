@@ -88,20 +88,24 @@ class KVCacheManager:
         """Give the request slots for `num_new_tokens` more tokens after its computed ones
         (including the prefix hit `new_computed_blocks`, for a request being admitted).
 
-        Returns the newly allocated blocks per group (not the hit blocks), or None, changing
-        nothing, if the pool cannot supply them.
+        Returns the newly allocated blocks per group (not the hit blocks; read-only lists), or
+        None, changing nothing, if the pool cannot supply them.
         """
+        coordinator = self.coordinator
         blocks = new_computed_blocks or self._no_blocks
         request_id = request.request_id
-        # Skipped blocks go back before counting, so they can serve this very allocation.
-        self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        if coordinator.drops_blocks:
+            # Skipped blocks go back before counting, so they can serve this very allocation.
+            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
-        needed = self.coordinator.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        if needed == 0 and new_computed_blocks is None:
+            return self._no_blocks  # the common decode step: its last block has room
         if needed > self.pool.num_free_blocks:
             return None
         if new_computed_blocks:
-            self.coordinator.save_new_computed_blocks(request_id, blocks)
-        return self.coordinator.allocate_new_blocks(request_id, num_tokens)
+            coordinator.save_new_computed_blocks(request_id, blocks)
+        return coordinator.allocate_new_blocks(request_id, num_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks made full by its first `num_computed_tokens` tokens

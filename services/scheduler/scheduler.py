@@ -210,11 +210,14 @@ class Scheduler:
         missing: list[Request] = []
         finished = False
         kv = self.kv
-        for request_id in plan.num_scheduled_tokens:
+        block_size = self.config.block_size
+        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RUNNING:
                 continue  # aborted (or reset) while the step ran
-            kv.cache_blocks(request, request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            if (computed - num_scheduled) // block_size != computed // block_size:
+                kv.cache_blocks(request, computed)  # the step filled at least one block
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill: nothing sampled
             tokens = sampled.get(request_id)

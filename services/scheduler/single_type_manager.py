@@ -57,9 +57,12 @@ class SingleTypeKVCacheManager(ABC):
         """Blocks the pool loses when this request grows to `num_tokens` slots: brand-new
         blocks, plus prefix-hit blocks that are currently free (touching takes them out of the
         free queue). Exactly what `save_new_computed_blocks` + `allocate_new_blocks` take."""
-        num_required = -(-num_tokens // self.block_size)
-        held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
-        num_new = max(0, num_required - held)
+        blocks = self.req_to_blocks.get(request_id)
+        num_new = -(-num_tokens // self.block_size) - len(new_computed_blocks)
+        if blocks:
+            num_new -= len(blocks)
+        if num_new < 0:
+            num_new = 0
         if not new_computed_blocks:
             return num_new
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)

@@ -39,10 +39,10 @@ class TrustedBuilder(Generic[M]):
                 self.defaults[name] = field.default
 
     def __call__(self, **values: Any) -> M:
-        missing = self.required.difference(values)
-        if missing:
-            raise TypeError(f"{self.cls.__name__} needs {sorted(missing)}")
-        data = dict(self.defaults)
+        if not self.required <= values.keys():
+            missing = sorted(self.required.difference(values))
+            raise TypeError(f"{self.cls.__name__} needs {missing}")
+        data = self.defaults.copy()
         for name, factory in self.factories.items():
             if name not in values:
                 data[name] = factory()
