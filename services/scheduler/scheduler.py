@@ -386,10 +386,13 @@ class Scheduler:
     def _admission_error(self, msg: SubmitRequest) -> str | None:
         prompt_len = len(msg.prompt_token_ids)
         max_len = self.config.max_model_len
-        if prompt_len > max_len:
-            return f"prompt has {prompt_len} tokens, more than max_model_len {max_len}"
+        if prompt_len >= max_len:
+            # max_model_len bounds prompt + output: a prompt that fills it leaves no room.
+            return (
+                f"prompt has {prompt_len} tokens; max_model_len {max_len} leaves no room for output"
+            )
         # Peak KV slots: every token but the last sampled one (which finishes the request).
-        peak = max(prompt_len, min(prompt_len + msg.sampling.max_tokens - 1, max_len - 1))
+        peak = min(prompt_len + msg.sampling.max_tokens - 1, max_len - 1)
         needed = self.kv.num_blocks_for_tokens(peak)
         if needed > self.kv.num_usable_blocks:
             return (

@@ -146,7 +146,7 @@ def test_missing_sample_for_a_sampled_request_recomputes_it() -> None:
 
 def test_rejections_and_idempotent_resubmission() -> None:
     d = make(max_model_len=16, num_gpu_blocks=4)  # 3 usable blocks of 4 = 12 slots
-    too_long = d.scheduler.add_request(submit("x", list(range(17))))
+    too_long = d.scheduler.add_request(submit("x", list(range(16))))  # no room for output
     assert too_long is not None and too_long.finish_reason == "error"
     assert "max_model_len" in (too_long.error or "")
     too_big = d.scheduler.add_request(submit("y", list(range(10)), max_tokens=5))

@@ -82,6 +82,14 @@ def test_max_model_len_finishes_with_length() -> None:
     assert d.client.finish["r"] == "length"
 
 
+def test_prompt_one_short_of_max_model_len_gets_exactly_one_token() -> None:
+    d = make(max_model_len=4)
+    d.scheduler.add_request(submit("r", PROMPT, max_tokens=100))
+    d.run()
+    assert d.client.outputs["r"] == expected("r", 1)
+    assert d.client.finish["r"] == "length"
+
+
 def test_tokens_after_a_stop_in_one_step_are_dropped() -> None:
     d = make()
     d.worker.overrides[("r", 3)] = [40, EOS, 41, 42]  # several tokens in one step
