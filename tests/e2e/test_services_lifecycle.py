@@ -1,0 +1,235 @@
+"""Each service as a real process: ready, metrics, admin auth, heartbeats, SIGTERM -> 0.
+Then the local launcher (`python -m infra.launcher`) bringing the mesh up and down.
+
+The gateway is tested by its owner; the launcher test starts it only once
+services/gateway/__main__.py exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from infra.launcher import module_exists
+from shared.codec import decode
+from shared.config import (
+    GatewaySettings,
+    GrammarSettings,
+    KVStoreSettings,
+    SchedulerSettings,
+    WorkerSettings,
+)
+from shared.protocol import Heartbeat
+from shared.streams import Streams
+from tests.conftest import MODEL_CACHE
+from tests.support.mesh import REPO, Mesh
+from tests.support.redis_server import free_port
+
+pytestmark = pytest.mark.e2e
+
+SHELLS = ("grammar", "kvstore", "scheduler", "worker")
+TOKEN = "e2e-admin-token"
+DEFAULT_PORTS = {
+    name: cls.model_fields["port"].default
+    for name, cls in [
+        ("gateway", GatewaySettings),
+        ("scheduler", SchedulerSettings),
+        ("worker", WorkerSettings),
+        ("grammar", GrammarSettings),
+        ("kvstore", KVStoreSettings),
+    ]
+}
+FAST_BEATS = {"MESHLLM_HEARTBEAT_INTERVAL_S": "0.2", "MESHLLM_LOG_LEVEL": "INFO"}
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[Mesh]:
+    with Mesh(services=SHELLS, env={**FAST_BEATS, "MESHLLM_ADMIN_TOKEN": TOKEN}) as m:
+        yield m
+
+
+def heartbeats(mesh: Mesh, service: str) -> list[Heartbeat]:
+    client = redis.Redis.from_url(mesh.redis.url)
+    entries = client.xrange(Streams(mesh.cluster).heartbeats)
+    client.close()
+    beats = [decode(fields[b"m"], Heartbeat) for _, fields in entries]
+    return [b for b in beats if b.service == service]
+
+
+def healthcheck(port: int) -> int:
+    env = {**os.environ, "MESHLLM_PORT": str(port)}
+    return subprocess.run(
+        [sys.executable, "-m", "infra.healthcheck"], cwd=REPO, env=env, capture_output=True
+    ).returncode
+
+
+@pytest.mark.parametrize("name", SHELLS)
+def test_ready_health_metrics(mesh: Mesh, name: str) -> None:
+    base = mesh.url(name)
+    ready = httpx.get(f"{base}/ready").json()
+    assert ready["ready"] is True and ready["service"] == name
+    # the base checks; a service that outgrew its shell (the worker's model) adds its own
+    assert ready["checks"]["service"] == "ok" and ready["checks"]["redis"] == "ok"
+    assert set(ready["checks"].values()) == {"ok"}
+    assert httpx.get(f"{base}/health").status_code == 200
+    metrics = httpx.get(f"{base}/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert f'meshllm:service_ready{{service="{name}"}} 1.0' in metrics.text
+    assert f'meshllm:heartbeats_sent_total{{service="{name}"}}' in metrics.text
+    assert healthcheck(mesh.ports[name]) == 0
+
+
+@pytest.mark.parametrize("name", SHELLS)
+def test_admin_auth(mesh: Mesh, name: str) -> None:
+    base = mesh.url(name)
+    assert httpx.get(f"{base}/admin/state").status_code == 401
+    wrong = {"Authorization": "Bearer not-the-token"}
+    assert httpx.get(f"{base}/admin/state", headers=wrong).status_code == 403
+    assert httpx.post(f"{base}/admin/actions/drain", headers=wrong).status_code == 403
+    state = mesh.admin_state(name)
+    assert state["service"] == name and state["started"] is True
+    assert state["config"]["admin_token"] == "***"
+
+
+@pytest.mark.parametrize("name", SHELLS)
+def test_heartbeats_carry_the_incarnation(mesh: Mesh, name: str) -> None:
+    incarnation = mesh.admin_state(name)["incarnation"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        beats = [b for b in heartbeats(mesh, name) if b.ready]
+        if len(beats) >= 2:
+            break
+        time.sleep(0.1)
+    assert len(beats) >= 2
+    assert {b.incarnation for b in beats} == {incarnation}
+    assert {b.instance_id for b in beats} == {f"{name}-0"}
+
+
+@pytest.mark.parametrize("name", SHELLS)
+def test_sigterm_exits_0(mesh: Mesh, name: str) -> None:
+    mesh.procs[name].send_signal(signal.SIGTERM)
+    assert mesh.procs[name].wait(10) == 0, mesh.tail(name)
+    assert "shutting down" in mesh.tail(name)
+
+
+def test_drain_action_then_sigterm() -> None:
+    with Mesh(services=("kvstore",), env={**FAST_BEATS, "MESHLLM_ADMIN_TOKEN": TOKEN}) as m:
+        base = m.url("kvstore")
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        resp = httpx.post(f"{base}/admin/actions/drain", headers=auth)
+        assert resp.json() == {"action": "drain", "result": {"drained": True, "stopping": True}}
+        ready = httpx.get(f"{base}/ready")
+        assert ready.status_code == 503 and ready.json()["checks"]["service"] == "draining"
+        assert healthcheck(m.ports["kvstore"]) == 1
+        assert httpx.get(f"{base}/health").status_code == 200  # alive, just not taking work
+        m.procs["kvstore"].send_signal(signal.SIGTERM)
+        assert m.procs["kvstore"].wait(10) == 0
+
+
+def test_without_admin_token_actions_are_disabled() -> None:
+    with Mesh(services=("grammar",), env={**FAST_BEATS, "MESHLLM_ADMIN_TOKEN": ""}) as m:
+        base = m.url("grammar")
+        assert httpx.get(f"{base}/admin/state").status_code == 200
+        resp = httpx.post(f"{base}/admin/actions/drain")
+        assert resp.status_code == 403
+        assert "MESHLLM_ADMIN_TOKEN" in resp.json()["error"]["message"]
+        assert httpx.get(f"{base}/ready").status_code == 200
+
+
+# --- the local launcher -----------------------------------------------------------------------
+
+
+def free_port_block(count: int = 5, base: int = 8000) -> int:
+    """An offset such that base+offset .. base+offset+count-1 are all free."""
+    for _ in range(200):
+        offset = random.randrange(20000, 40000, 10)
+        try:
+            socks = []
+            for i in range(count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + offset + i))
+            return offset
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free block of ports")
+
+
+def read_lines(stream: object, into: queue.Queue[str]) -> None:
+    for line in iter(stream.readline, ""):  # type: ignore[attr-defined]
+        into.put(line)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_launcher_brings_the_mesh_up_and_down(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    present = [n for n in ("gateway", *SHELLS) if module_exists(f"services.{n}")]
+    if "gateway" in present:
+        request.getfixturevalue("smollm2_dir")  # the gateway loads the tokenizer at start
+    offset, redis_port = free_port_block(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHLLM_")}
+    env.update(
+        {
+            "MESHLLM_CLUSTER": "launch",
+            "MESHLLM_MODEL_CACHE_DIR": str(MODEL_CACHE),
+            "MESHLLM_REDIS_PASSWORD_ADMIN": "launch-admin",
+            "MESHLLM_REDIS_PASSWORD_WORKER": "launch-worker-pw",
+            **FAST_BEATS,
+        }
+    )
+    argv = [sys.executable, "-m", "infra.launcher", "--services", ",".join(present),
+            "--redis-port", str(redis_port), "--port-offset", str(offset),
+            "--log-dir", str(tmp_path), "--ready-timeout", "240"]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not any("meshllm is up" in line for line in seen):
+            assert proc.poll() is None, "".join(seen)
+            assert time.monotonic() < deadline, "".join(seen)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        for name in present:
+            port = DEFAULT_PORTS[name] + offset
+            assert httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, name
+        if "gateway" in present:
+            assert f"http://127.0.0.1:{8000 + offset}/v1" in "".join(seen)
+
+        # every service authenticated as its own ACL user and heartbeats on the stream
+        admin = redis.Redis(port=redis_port, username="admin", password="launch-admin")
+        beats = [decode(f[b"m"], Heartbeat) for _, f in admin.xrange("meshllm:launch:heartbeats")]
+        assert {b.service for b in beats} == set(present)
+        users = {c["user"] for c in admin.client_list()}
+        assert set(present) <= users
+        admin.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(90)
+    assert status == 0, "".join(seen)
+    assert not port_open(redis_port)
+    for name in present:
+        assert not port_open(DEFAULT_PORTS[name] + offset), name
