@@ -40,7 +40,14 @@ class RequestTimedOut(Exception):
 
 
 class Generation:
-    def __init__(self, handle: RequestHandle, tok: PromptTokenizer, timeout_s: float) -> None:
+    def __init__(
+        self,
+        handle: RequestHandle,
+        tok: PromptTokenizer,
+        timeout_s: float,
+        arrival: float | None = None,
+    ) -> None:
+        """`arrival` is the request's `time.monotonic()` at the HTTP edge (for TTFT)."""
         self.handle = handle
         self.plan = handle.plan
         self.tok = tok
@@ -57,13 +64,17 @@ class Generation:
             for i in range(plan.num_choices)
         ]
         self.timers = [
-            ChoiceTimer(plan.model, len(plan.prompt_of(i).token_ids))
+            ChoiceTimer(plan.model, len(plan.prompt_of(i).token_ids), arrival)
             for i in range(plan.num_choices)
         ]
         self.deadline = time.monotonic() + timeout_s
         self.timed_out = False
 
     def close(self) -> None:
+        """Abort what still runs (the client left, or the deadline passed) and count it."""
+        for choice in self.choices:
+            if not choice.finished:
+                self.timers[choice.index].finished("abort", choice.num_tokens)
         self.handle.close("timeout" if self.timed_out else "client")
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:

@@ -4,8 +4,10 @@ Observed per scheduler request (per choice), like vLLM, labelled by the served m
 - time_to_first_token_seconds: arrival -> first output token;
 - inter_token_latency_seconds: between consecutive token arrivals (a delta with k tokens after
   a gap g counts k gaps of g/k: speculative decoding delivers several tokens at once);
+  arrival is when the HTTP request came in, before tokenization;
 - e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens and
-  request_success_total{finished_reason} once the choice ends.
+  request_success_total{finished_reason} once the choice ends (a client that went away or a
+  timeout counts as "abort"; an engine error is not a success and is not counted).
 """
 
 from __future__ import annotations
@@ -90,13 +92,14 @@ class ChoiceTimer:
         self._done = False
 
     def tokens(self, count: int) -> None:
+        """`count` tokens arrived now. The first arrival gives the TTFT; tokens that came with
+        the first one have no gap of their own and are not counted as inter-token latency."""
         if count <= 0:
             return
         now = time.monotonic()
         if self._last is None:
             TIME_TO_FIRST_TOKEN.labels(self.model_name).observe(now - self.arrival)
-            count -= 1
-        if count > 0 and self._last is not None:
+        else:
             gap = (now - self._last) / count
             for _ in range(count):
                 INTER_TOKEN_LATENCY.labels(self.model_name).observe(gap)

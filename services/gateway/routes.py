@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -74,15 +75,19 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
-        return await _generate(frontend, request, frontend.plan_completion(await request.body()))
+        plan = frontend.plan_completion(await request.body())
+        return await _generate(frontend, request, plan, arrival)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
-        return await _generate(frontend, request, frontend.plan_chat(await request.body()))
+        plan = frontend.plan_chat(await request.body())
+        return await _generate(frontend, request, plan, arrival)
 
     return router
 
@@ -96,10 +101,13 @@ def _frontend(get_frontend: FrontendGetter) -> Frontend:
     return frontend
 
 
-async def _generate(frontend: Frontend, request: Request, plan: RequestPlan) -> Response:
+async def _generate(
+    frontend: Frontend, request: Request, plan: RequestPlan, arrival: float
+) -> Response:
     bind_request_id(plan.request_id)
     handle = await frontend.client.submit(plan)
-    generation = Generation(handle, frontend.tokenizer, frontend.settings.request_timeout_s)
+    timeout_s = frontend.settings.request_timeout_s
+    generation = Generation(handle, frontend.tokenizer, timeout_s, arrival)
     if plan.stream:
         return StreamingResponse(
             _closing(generation), media_type="text/event-stream", headers=SSE_HEADERS

@@ -21,6 +21,7 @@ def sampling_params(
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
+        seed=0,  # placeholder: GatewayBusClient.submit sets the real one per choice
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []),

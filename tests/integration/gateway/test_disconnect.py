@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from services.gateway.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
@@ -59,7 +60,13 @@ async def test_stream_disconnect_mid_stream_aborts_every_choice(
     )
 
 
+def aborted_count() -> float:
+    labels = {"model_name": MODEL_NAME, "finished_reason": "abort"}
+    return REGISTRY.get_sample_value("meshllm:request_success_total", labels) or 0.0
+
+
 async def test_non_streaming_disconnect_aborts(gateway: GatewayHarness) -> None:
+    before = aborted_count()
     async with httpx.AsyncClient(base_url=gateway.base_url) as http:
         task = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
         sub = await gateway.next_submit()
@@ -68,6 +75,7 @@ async def test_non_streaming_disconnect_aborts(gateway: GatewayHarness) -> None:
             await task
     abort = await gateway.next_abort()
     assert (abort.request_id, abort.reason) == (sub.request_id, "client")
+    assert aborted_count() == before + 1
 
 
 async def test_finished_request_sends_no_abort(gateway: GatewayHarness) -> None:

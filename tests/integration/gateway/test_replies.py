@@ -14,6 +14,7 @@ from typing import Any
 
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from services.gateway.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
@@ -49,6 +50,11 @@ def pieces(request_id: str, ids: list[int], size: int, **last: Any) -> list[Requ
             )
         )
     return out
+
+
+def itl_count() -> float:
+    labels = {"model_name": MODEL_NAME}
+    return REGISTRY.get_sample_value("meshllm:inter_token_latency_seconds_count", labels) or 0.0
 
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Capital of France?"}]}
@@ -88,6 +94,7 @@ async def test_chat_streaming_chunks_and_usage(
         )
         return [chunk async for chunk in stream]
 
+    itl_before = itl_count()
     task = asyncio.create_task(consume())
     sub = await gateway.next_submit()
     deltas = pieces(sub.request_id, ids, 1, finish_reason="stop", stop_token_id=EOS)
@@ -105,6 +112,8 @@ async def test_chat_streaming_chunks_and_usage(
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == len(ids)
     assert all(c.usage is None for c in chunks[:-1])
+    # One token per delta: every token after the first has a gap; repeats add none.
+    assert itl_count() == itl_before + len(ids) - 1
 
 
 async def test_completion_stream_stop_string_across_deltas_is_cut_and_aborted(

@@ -1,0 +1,74 @@
+"""/tokenize, /detokenize and /v1/models answer from the real tokenizer (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.gateway.protocol_openai import ChatMessage
+from services.gateway.tokenization import PromptTokenizer
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+
+
+@pytest.fixture
+async def gateway(
+    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
+) -> AsyncIterator[GatewayHarness]:
+    async with gateway_harness(redis_url, tokenizer, smollm2_dir, max_model_len=2048) as h:
+        yield h
+
+
+async def test_tokenize_prompt_and_roundtrip(
+    gateway: GatewayHarness, tokenizer: PromptTokenizer
+) -> None:
+    text = "Héllo wörld 😀"
+    resp = await gateway.http.post(
+        "/tokenize", json={"model": MODEL_NAME, "prompt": text, "return_token_strs": True}
+    )
+    body = resp.json()
+    assert body["tokens"] == tokenizer.hf(text)["input_ids"]
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 2048
+    assert body["token_strs"] == tokenizer.hf.convert_ids_to_tokens(body["tokens"])
+    back = await gateway.http.post(
+        "/detokenize", json={"model": MODEL_NAME, "tokens": body["tokens"]}
+    )
+    assert back.json() == {"prompt": text}
+
+
+async def test_tokenize_messages_uses_the_chat_template(
+    gateway: GatewayHarness, tokenizer: PromptTokenizer
+) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    resp = await gateway.http.post("/tokenize", json={"messages": messages})
+    expected = tokenizer.chat_prompt([ChatMessage.model_validate(m) for m in messages])
+    assert resp.json()["tokens"] == expected.token_ids
+    assert resp.json()["token_strs"] is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/detokenize", {"tokens": [1, 49152]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, None),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "b"}]}, "messages[0].role"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ],
+)
+async def test_bad_tokenize_bodies(
+    gateway: GatewayHarness, path: str, body: dict, param: str | None
+) -> None:
+    resp = await gateway.http.post(path, json=body)
+    assert resp.status_code in (400, 404)
+    assert resp.json()["error"]["param"] == param
+
+
+async def test_models_lists_the_served_model(gateway: GatewayHarness) -> None:
+    body = (await gateway.http.get("/v1/models")).json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [
+        (MODEL_NAME, "model", 2048)
+    ]
