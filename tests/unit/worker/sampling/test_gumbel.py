@@ -47,12 +47,15 @@ def test_gumbel_matches_the_float64_formula() -> None:
 
 
 def test_gumbel_tail_keeps_full_resolution_near_zero() -> None:
-    r = torch.arange(0, 4096, dtype=torch.int64)  # u = (r + 0.5) / 2^32: the far tail
+    # Every word of the far tail, u = (r + 0.5) / 2^32 < 2.5e-4 (g > 8.3): where sampling a
+    # token 18-20 logits down is decided, and where a naive float32 log(1 - u) collapses.
+    r = torch.arange(0, 1 << 20, dtype=torch.int64)
     u = uniform_from_bits(r)
     g = gumbel_from_uniform(u)
     exact = -torch.log(-torch.log1p(-u.double()))
-    assert torch.allclose(g.double(), exact, rtol=2e-7, atol=0)
-    assert bool((g[1:] < g[:-1]).all())  # every tail word gives its own, larger noise
+    assert torch.allclose(g.double(), exact, rtol=3e-7, atol=0)
+    assert bool((g[1:] <= g[:-1]).all())  # monotone: a smaller word never gives less noise
+    assert bool((g[1:4096] < g[:4095]).all())  # and the first words are all distinct
     assert g[0].item() == pytest.approx(33 * math.log(2), abs=1e-5)  # u = 2^-33
     top = gumbel_from_uniform(uniform_from_bits(torch.tensor([0xFFFFFFFF])))
     assert top.item() == pytest.approx(-math.log(24 * math.log(2)), abs=1e-5)

@@ -10,7 +10,8 @@ token 0 only if g_j >= g_0 + gap, i.e. only if its hash word r_j is below a boun
 2^32·e^-(gap + g_0), ~65 words on average). The Murmur3 finalization, the token round and
 the key scrambling are bijections on 32-bit words, so the tokens with r < R are found by
 inverting the hash for r = 0 .. R-1 (a check re-hashes them forward). Their noise comes from
-the sampler's own functions; every other token provably loses. A few draws are then replayed
+the sampler's own functions; every other token provably loses (checked at the bound; g is
+monotone in r, test_gumbel.py). A few draws are then replayed
 through the real `gumbel_argmax` over the full vocabulary, which must pick the same tokens.
 """
 
@@ -76,6 +77,10 @@ def _tail_winners(gap: float) -> tuple[torch.Tensor, torch.Tensor]:
     # Words whose noise could reach g_top + gap (1e-3 of slack over float32 error).
     u_cut = -torch.expm1(-torch.exp(-(g_top.double() + gap - 1e-3)))
     bound = (u_cut * 2**32).ceil().to(torch.int64) + 1
+    # The premise, checked on the implementation: the first word left out already loses to
+    # token 0, so by the monotonicity of g (test_gumbel.py) every larger word does too.
+    first_out = gumbel_from_uniform(uniform_from_bits(bound))
+    assert bool((torch.tensor(-gap, dtype=torch.float32) + first_out < g_top).all())
     round_input = _unmix_to_round_input(torch.arange(int(bound.max())))
     best_token = torch.zeros(DRAWS, dtype=torch.int64)
     best_score = g_top.clone()  # token 0's score: logit 0 plus its noise
