@@ -9,7 +9,7 @@ STAMP := $(VENV)/.meshllm-installed
 TORCH_CPU ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
-BENCH_MODULES ?= bench.bus_roundtrip bench.baseline_transformers bench.worker_step
+BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
 .PHONY: help venv redis up test lint format bench clean
 
@@ -17,7 +17,7 @@ help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1)"
 	@echo "make test   the whole test suite (what CI runs)"
 	@echo "make lint   ruff check + ruff format --check"
-	@echo "make bench  the benchmark scripts in BENCH_MODULES"
+	@echo "make bench  the CPU benchmark scripts in BENCH_MODULES (bench.serve needs a running mesh)"
 	@echo "make venv   create/refresh $(VENV) (re-runs only when pyproject.toml changes)"
 	@echo "make redis  install redis-server with apt when it is missing"
 
