@@ -28,6 +28,7 @@ from fastapi import APIRouter, FastAPI
 from prometheus_client import Gauge
 
 from shared.admin import build_admin_app, describe_settings, package_version
+from shared.bus import Bus
 from shared.config import CommonSettings
 from shared.heartbeat import INCARNATION, Heartbeater
 from shared.logs import configure_logging
@@ -35,7 +36,6 @@ from shared.metrics import metric_name
 from shared.streams import Streams
 
 if TYPE_CHECKING:
-    from shared.bus import Bus
     from shared.protocol.health import ServiceName
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,6 @@ class Service(abc.ABC):
 
     async def start(self) -> None:
         """Connect the bus and start heartbeating. Subclasses set up after `super().start()`."""
-        from shared.bus import Bus  # the bus is imported late: admin-only tools skip Redis
-
         self.bus = Bus(
             self.settings.redis_url,
             consumer=self.settings.instance_id,
@@ -114,8 +112,9 @@ class Service(abc.ABC):
             self._heartbeat_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat_task
-        if self.started:
-            await self.bus.close()
+        bus: Bus | None = getattr(self, "bus", None)  # absent when start() never ran
+        if bus is not None:
+            await bus.close()
 
     def begin_drain(self) -> asyncio.Task[bool]:
         """Set `stopping` and run `drain()` once, bounded by `shutdown_timeout_s`.
