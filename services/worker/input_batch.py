@@ -65,6 +65,10 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.req_rows)
 
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_rows)
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.req_rows
 

@@ -98,12 +98,24 @@ class ModelRunner:
         for row in changes.removed_rows:
             self.sampler.remove_request(row)
         for row, new in changes.added:
-            self.sampler.add_request(
-                row,
-                new.sampling,
-                list(new.token_ids[: new.num_prompt_tokens]),
-                list(new.token_ids[new.num_prompt_tokens :]),
-            )
+            try:
+                self.sampler.add_request(
+                    row,
+                    new.sampling,
+                    list(new.token_ids[: new.num_prompt_tokens]),
+                    list(new.token_ids[new.num_prompt_tokens :]),
+                )
+            except ValueError as exc:  # e.g. token ids outside the vocabulary
+                self.batch.remove(new.request_id)
+                raise PlanError(f"{new.request_id}: {exc}") from exc
+
+    def reset(self) -> None:
+        """Forget every request (after a failed step: the scheduler recomputes them). The KV
+        cache tensors stay; their contents are simply no longer referenced."""
+        for request_id in list(self.batch.req_rows):
+            row = self.batch.remove(request_id)
+            if row is not None:
+                self.sampler.remove_request(row)
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flat token batch for the plan's scheduled requests (the diff already applied)."""
@@ -183,9 +195,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._to_device(last_rows)])
         rows = inputs.rows[sample_idx]
         rows_t = self._to_device(rows)
-        bitmask = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
+        bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
         positions = self._to_device(inputs.seq_lens[sample_idx])  # = tokens before the new one
-        out = self.sampler.sample(logits, rows_t, positions, bitmask)
+        out = self.sampler.sample(logits, rows_t, positions, bitmask, bitmask_index=bitmask_index)
         tokens = out.token_ids.to("cpu", torch.int64).numpy()
         self.batch.append_sampled(rows, tokens)
         self.sampler.record_sampled(rows_t, out.token_ids)
@@ -209,26 +221,27 @@ class ModelRunner:
             result.append(entry)
         return result
 
-    def _bitmask(self, plan: StepPlan, sampled_ids: list[str]) -> torch.Tensor | None:
-        """[sampled, ceil(vocab/32)] int32 aligned with the sampled rows; all-ones (no
-        constraint) for rows without a grammar. None when no sampled request has one."""
+    def _bitmask(
+        self, plan: StepPlan, sampled_ids: list[str]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(bitmask [G, W] int32, index [sampled]: bitmask row of each sampled row or -1).
+        (None, None) when no sampled request has a grammar this step."""
         if not plan.grammar_request_ids:
-            return None
-        words = -(-self.config.vocab_size // 32)
-        packed = np.frombuffer(plan.grammar_bitmask, dtype="<i4")
-        if packed.size != words * len(plan.grammar_request_ids):
+            return None, None
+        groups = len(plan.grammar_request_ids)
+        raw = plan.grammar_bitmask
+        packed = np.frombuffer(raw[: len(raw) - len(raw) % 4], dtype="<i4")
+        if len(raw) % 4 or packed.size == 0 or packed.size % groups:
             raise PlanError(
-                f"grammar_bitmask has {packed.size} words, expected "
-                f"{words} x {len(plan.grammar_request_ids)}"
+                f"grammar_bitmask has {len(raw)} bytes, not a positive multiple of 4 bytes x "
+                f"{groups} grammar requests"
             )
-        position = {rid: i for i, rid in enumerate(sampled_ids)}
-        mask = np.full((len(sampled_ids), words), -1, dtype=np.int32)
-        hit = False
-        for i, rid in enumerate(plan.grammar_request_ids):
-            if rid in position:
-                mask[position[rid]] = packed[i * words : (i + 1) * words]
-                hit = True
-        return torch.from_numpy(mask).to(self.device) if hit else None
+        position = {rid: i for i, rid in enumerate(plan.grammar_request_ids)}
+        index = np.array([position.get(rid, -1) for rid in sampled_ids], dtype=np.int64)
+        if not (index >= 0).any():
+            return None, None
+        bitmask = torch.from_numpy(packed.reshape(groups, -1).copy()).to(self.device)
+        return bitmask, self._to_device(index)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)

@@ -176,11 +176,47 @@ def test_bad_plans_are_plan_errors(tiny: tuple[Path, Any]) -> None:
     runner = tiny_runner(path)
     with pytest.raises(PlanError, match="not in the worker's batch"):
         runner.execute(StepPlan(step_id=0, scheduler_id="s", num_scheduled_tokens={"zz": 1}))
-    with pytest.raises(PlanError, match="grammar_bitmask"):
+    for bad in (b"", b"\x00" * 6):
+        runner = tiny_runner(path)
         plan = plan_for([1, 2], scheduled=2, blocks=[0])
         plan.grammar_request_ids = ["a"]
-        plan.grammar_bitmask = b"\x00" * 8
-        runner.execute(plan)
+        plan.grammar_bitmask = bad
+        with pytest.raises(PlanError, match="grammar_bitmask"):
+            runner.execute(plan)
+    runner = tiny_runner(path)
+    with pytest.raises(PlanError, match=r"vocab|token"):
+        runner.execute(plan_for([1, 9999], scheduled=2, blocks=[0]))  # id outside the vocab
+    assert len(runner.batch) == 0
+
+
+def test_grammar_bitmask_constrains_only_its_request(tiny: tuple[Path, Any]) -> None:
+    path, reference = tiny
+    runner = tiny_runner(path)
+    free = reference_greedy(reference, PROMPTS[0], 1)[0]
+    forced = (free + 7) % 512
+    words = np.zeros((1, 512 // 32), dtype="<i4")
+    words[0, forced // 32] = np.int32(np.uint32(1 << (forced % 32)).view(np.int32))
+    plan = StepPlan(
+        step_id=0,
+        scheduler_id="s",
+        new_requests=[
+            NewRequestData(
+                request_id=rid,
+                token_ids=PROMPTS[0],
+                num_prompt_tokens=len(PROMPTS[0]),
+                block_ids=[blocks],
+                num_computed_tokens=0,
+                sampling=GREEDY,
+            )
+            for rid, blocks in (("free", [0, 1, 2]), ("constrained", [3, 4, 5]))
+        ],
+        num_scheduled_tokens={"free": len(PROMPTS[0]), "constrained": len(PROMPTS[0])},
+        grammar_request_ids=["constrained"],
+        grammar_bitmask=words.tobytes(),
+    )
+    result = runner.execute(plan)
+    tokens = {s.request_id: s.token_ids for s in result.sampled}
+    assert tokens == {"free": [free], "constrained": [forced]}
 
 
 def test_partial_prefill_samples_nothing_and_advances(tiny: tuple[Path, Any]) -> None:
