@@ -174,7 +174,7 @@ def _gumbel_argmax_kernel(
     h = _murmur_round(h, seed.to(tl.uint32))
     h = _murmur_round(h, (seed >> 32).to(tl.uint32))
     prefix = _murmur_round(h, position.to(tl.uint32))
-    mask_row = -1
+    mask_row = tl.full((), -1, tl.int32)
     if HAS_BITMASK:
         mask_row = tl.load(bitmask_index_ptr + row).to(tl.int32)
 

@@ -335,6 +335,8 @@ class SamplingState:
     def _check_batch(
         self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
     ) -> tuple[int, int]:
+        if logits.device != self.device:
+            raise ValueError(f"logits are on {logits.device}, the sampling state on {self.device}")
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(
                 f"logits must be [batch, {self.vocab_size}], got {tuple(logits.shape)}"

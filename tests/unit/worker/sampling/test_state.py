@@ -326,6 +326,8 @@ def test_bad_shapes_and_rows_are_rejected() -> None:
         state.add_request(0, SamplingParams(), [V], [])
     with pytest.raises(ValueError, match="logits must be"):
         state.sample(torch.zeros(1, V + 1), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="logits are on meta"):
+        state.sample(torch.zeros(1, V, device="meta"), torch.tensor([0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="positions must be"):
         state.sample(torch.zeros(2, V), torch.tensor([0, 1]), torch.tensor([0]))
     with pytest.raises(ValueError, match="1-D of the same length"):
