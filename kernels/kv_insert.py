@@ -148,11 +148,13 @@ def _kv_insert_kernel(
             cs_mask = t_valid[:, None] & (offs_h < ROT_HALF)[None, :]
             cos = tl.load(cs, mask=cs_mask, other=0.0).to(tl.float32)
             sin = tl.load(cs + ROT_HALF, mask=cs_mask, other=0.0).to(tl.float32)
+        # Names differ between the branches: Triton requires a variable assigned in both
+        # branches of a run-time `if` to have one type, and q_out and the cache may not.
         if head < NUM_Q_HEADS:
-            src = q_ptr + rows * stride_qt + head * stride_qh
-            dst = q_out_ptr + rows * stride_qot + head * stride_qoh
+            q_src = q_ptr + rows * stride_qt + head * stride_qh
+            q_dst = q_out_ptr + rows * stride_qot + head * stride_qoh
             _rope_store(
-                src, dst, cos, sin, t_valid, 1.0, offs_h, offs_p,
+                q_src, q_dst, cos, sin, t_valid, 1.0, offs_h, offs_p,
                 ROT_HALF, PASS_DIM, IS_NEOX, False, q_out_ptr.dtype.element_ty,
             )  # fmt: skip
         else:
@@ -160,19 +162,19 @@ def _kv_insert_kernel(
             slot = tl.load(slots_ptr + rows, mask=t_valid, other=-1)
             write = t_valid & (slot >= 0)
             slot = tl.where(write, slot, 0)
-            dst = cache_ptr + (
+            kv_dst = cache_ptr + (
                 (slot // PAGE) * stride_block + (slot % PAGE) * stride_slot + kv_head * stride_head
             )
             k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
             v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
             cache_dtype = cache_ptr.dtype.element_ty
             _rope_store(
-                k_ptr + rows * stride_kt + kv_head * stride_kh, dst, cos, sin, write, k_scale,
+                k_ptr + rows * stride_kt + kv_head * stride_kh, kv_dst, cos, sin, write, k_scale,
                 offs_h, offs_p, ROT_HALF, PASS_DIM, IS_NEOX, FP8, cache_dtype,
             )  # fmt: skip
             # V is not rotated: all of it goes through the pass-through path.
             _rope_store(
-                v_ptr + rows * stride_vt + kv_head * stride_vh, dst + stride_kv, cos, sin,
+                v_ptr + rows * stride_vt + kv_head * stride_vh, kv_dst + stride_kv, cos, sin,
                 write, v_scale, offs_h, tl.arange(0, BLOCK_D),
                 0, HEAD_DIM, IS_NEOX, FP8, cache_dtype,
             )  # fmt: skip

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_step import AttentionTiles, attend_tile
 from kernels.paged_cache import (
     check_block_tables,
     check_kv_cache,
@@ -44,6 +45,9 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
+# Small tiles under the interpreter exercise the multi-tile paths on small test sequences.
+INTERPRETER_TILES = AttentionTiles(block_m=16, block_n=16)
+PREFILL_TILES = AttentionTiles(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -103,58 +107,51 @@ def _prefill_kernel(
     if FP32_DOT:
         q = q.to(tl.float32)
     pos_m = ctx_len + offs_m
+    pos_first = ctx_len + m_tile * BLOCK_M
+    pos_last = ctx_len + tl.minimum((m_tile + 1) * BLOCK_M, q_len) - 1
 
     k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
     v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
     qk_scale = sm_scale_log2 * k_scale
 
-    hi = seq_len
+    # Key ranges: [lo, mid_lo) and [mid_hi, hi) need masks (window edge, causal diagonal,
+    # sequence end); in [mid_lo, mid_hi) every valid query of the tile sees every key.
     if CAUSAL:
-        hi = tl.minimum(seq_len, ctx_len + (m_tile + 1) * BLOCK_M)
+        hi = pos_last + 1
+        mid_hi = ((pos_first + 1) // BLOCK_N) * BLOCK_N
+    else:
+        hi = seq_len
+        mid_hi = (seq_len // BLOCK_N) * BLOCK_N
     lo = 0
+    mid_lo = 0
     if WINDOWED:
-        lo = tl.maximum(0, ctx_len + m_tile * BLOCK_M - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        lo = (tl.maximum(0, pos_first - window + 1) // BLOCK_N) * BLOCK_N
+        mid_lo = tl.cdiv(tl.maximum(0, pos_last - window + 1), BLOCK_N) * BLOCK_N
+    first_end = tl.minimum(mid_lo, hi)
+    last_start = tl.maximum(mid_lo, mid_hi)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        block_ids = tl.load(table + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
-        slots = block_ids * stride_block + (offs_n % PAGE) * stride_slot + kv_head * stride_head
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(cache_ptr + slots[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(
-            cache_ptr + stride_kv + slots[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-        )
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            k = k.to(q_ptr.dtype.element_ty)
-            v = v.to(q_ptr.dtype.element_ty)
-            qk = tl.dot(q, tl.trans(k))
-
-        mask = n_valid[None, :]
-        if CAUSAL:
-            mask = mask & (offs_n[None, :] <= pos_m[:, None])
-        if WINDOWED:
-            mask = mask & (offs_n[None, :] > pos_m[:, None] - window)
-        qk = tl.where(mask, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if FP32_DOT:  # noqa: SIM108 (constexpr branch: only one side is compiled)
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    for start_n in range(lo, first_end, BLOCK_N):
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, cache_ptr, table, start_n, hi, kv_head, pos_m, window, qk_scale,
+            stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM, BLOCK_D,
+            BLOCK_N, True, CAUSAL, WINDOWED, FP32_DOT,
+        )  # fmt: skip
+    for start_n in range(mid_lo, mid_hi, BLOCK_N):
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, cache_ptr, table, start_n, hi, kv_head, pos_m, window, qk_scale,
+            stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM, BLOCK_D,
+            BLOCK_N, False, CAUSAL, WINDOWED, FP32_DOT,
+        )  # fmt: skip
+    for start_n in range(last_start, hi, BLOCK_N):
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, cache_ptr, table, start_n, hi, kv_head, pos_m, window, qk_scale,
+            stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM, BLOCK_D,
+            BLOCK_N, True, CAUSAL, WINDOWED, FP32_DOT,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc * (v_scale / l_safe)[:, None]
@@ -200,6 +197,7 @@ def paged_prefill_attention(
     v_scale: float | torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     out: torch.Tensor | None = None,
+    tiles: AttentionTiles | None = None,
 ) -> torch.Tensor:
     """Attention of flat queries [T, Hq, D] over their paged sequences; returns [T, Hq, D].
 
@@ -244,9 +242,10 @@ def paged_prefill_attention(
         return out
 
     fp32_dot = interpreting() or q.dtype == torch.float32
-    block_m, block_n = (16, 16) if interpreting() else (64, 64)
+    tiles = tiles or (INTERPRETER_TILES if interpreting() else PREFILL_TILES)
+    tiles.check()
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    grid = (num_seqs, triton.cdiv(max_seqlen_q, block_m), num_heads)
+    grid = (num_seqs, triton.cdiv(max_seqlen_q, tiles.block_m), num_heads)
     _prefill_kernel[grid](
         q, out, kv_cache, tables, cu, lens, ks, vs,
         scale * LOG2E, window,
@@ -254,9 +253,9 @@ def paged_prefill_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         tables.stride(0), ks_stride, vs_stride,
         PAGE=geo.block_size, GROUP=num_heads // geo.num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), WINDOWED=window > 0, FP32_DOT=fp32_dot,
-        num_warps=4, num_stages=2,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, CAUSAL=bool(causal), WINDOWED=window > 0, FP32_DOT=fp32_dot,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out
 

@@ -34,6 +34,7 @@ class Paged:
     cu: torch.Tensor
     lens: torch.Tensor
     scales: dict[str, torch.Tensor]
+    max_len: int = 0
 
 
 def make_paged(
@@ -73,7 +74,7 @@ def make_paged(
     cu[1:] = torch.tensor(q_lens).cumsum(0)
     q = torch.randn(int(cu[-1]), HEADS, HEAD_DIM, device=dev).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-    return Paged(q, cache, tables, cu.to(dev), lens, scales)
+    return Paged(q, cache, tables, cu.to(dev), lens, scales, max(seq_lens))
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
