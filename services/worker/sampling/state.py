@@ -53,6 +53,10 @@ class SamplerOutput:
 
 
 class SamplingState:
+    # Persistent tensors are created outside inference mode even when the caller is inside it
+    # (the model runner is): they are updated in place from both sides, which PyTorch refuses
+    # for inference tensors.
+    @torch.inference_mode(False)
     def __init__(
         self,
         max_num_reqs: int,
@@ -172,6 +176,7 @@ class SamplingState:
         self.frequency[row] = 0.0
         self.presence[row] = 0.0
         self.min_tokens[row] = 0
+        self.num_output[row] = 0
         self.restricted[row] = False
         for table in (self.logit_bias, self.allowed, self.banned, self.min_tokens_stops):
             table.clear(row)
@@ -291,6 +296,7 @@ class SamplingState:
 
     # ---- helpers -----------------------------------------------------------------------
 
+    @torch.inference_mode(False)
     def _set_penalties(
         self,
         row: int,

@@ -332,3 +332,18 @@ def test_bad_shapes_and_rows_are_rejected() -> None:
         state.sample(torch.zeros(2, V), torch.tensor([0, 1]), torch.tensor([0]))
     with pytest.raises(ValueError, match="1-D of the same length"):
         state.record_sampled(torch.tensor([0, 1]), torch.tensor([3]))
+
+
+def test_state_works_inside_and_outside_inference_mode() -> None:
+    with torch.inference_mode():
+        state = _state()  # built where the model runner builds it
+        state.add_request(0, SamplingParams(temperature=1.0, repetition_penalty=1.2), [1], [])
+        out = state.sample(torch.randn(1, V), torch.tensor([0]), torch.tensor([0]))
+        state.record_sampled(torch.tensor([0]), out.token_ids)
+    state.record_sampled(torch.tensor([0]), out.token_ids)
+    state.add_request(1, SamplingParams(presence_penalty=1.0), [5], [6])
+    state.remove_request(0)
+    with torch.inference_mode():
+        state.record_sampled(torch.tensor([1]), torch.tensor([7]))
+    assert state.num_output[:2].tolist() == [0, 2]
+    assert state.output_counts is not None and state.output_counts[1, 7].item() == 1
