@@ -212,7 +212,9 @@ class _AdminServer(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before serving so a port clash fails start-up with a clear error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only
+    # then, and without it every keep-alive response stalls ~40 ms (Nagle + delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
