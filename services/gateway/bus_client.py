@@ -92,7 +92,11 @@ class GatewayBusClient:
         return len(self._subs)
 
     async def start(self) -> None:
-        self._reader = asyncio.create_task(self._read_replies(), name="gateway-replies")
+        # Pin the read position now, not when the reader task first runs: a reply published
+        # between start() and that first read would otherwise be skipped.
+        last_ids = {self.reply_stream: "$"}
+        await self.bus.read(last_ids, block_ms=None)
+        self._reader = asyncio.create_task(self._read_replies(last_ids), name="gateway-replies")
 
     async def stop(self) -> None:
         if self._reader is not None:
@@ -170,10 +174,9 @@ class GatewayBusClient:
 
     # --- replies -----------------------------------------------------------------------------
 
-    async def _read_replies(self) -> None:
+    async def _read_replies(self, last_ids: dict[str, str]) -> None:
         """Runs for the client's life. The bus retries through Redis outages itself; anything
         else is logged and reading goes on, so one bad reply never stops all the others."""
-        last_ids = {self.reply_stream: "$"}
         while True:
             try:
                 deliveries = await self.bus.read(last_ids, count=256, block_ms=READ_BLOCK_MS)

@@ -4,6 +4,7 @@ request, and a drain that refuses new work but finishes what is in flight."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -157,3 +158,24 @@ async def test_drain_refuses_new_requests_and_finishes_in_flight(
         await scheduler.finish(sub, [28120, 2])
         assert (await in_flight).status_code == 200
         assert await asyncio.wait_for(task, 30) == 0
+
+
+async def test_served_connections_have_tcp_nodelay() -> None:
+    """Without TCP_NODELAY every keep-alive response (headers, then body) waits ~40 ms for a
+    delayed ACK; asyncio sets it only on sockets created with proto IPPROTO_TCP."""
+    sock = bind_socket("127.0.0.1", 0)
+    accepted: asyncio.Queue[int] = asyncio.Queue()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raw = writer.get_extra_info("socket")
+        accepted.put_nowait(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, sock=sock)
+    try:
+        _reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        assert await asyncio.wait_for(accepted.get(), 10) != 0
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -112,7 +112,7 @@ async def gateway_harness(
     server: uvicorn.Server | None = None
     server_task: asyncio.Task[None] | None = None
     if serve:
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         config = uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=2)

@@ -82,3 +82,9 @@ def test_model_without_chat_template_is_a_400(tokenizer: PromptTokenizer) -> Non
     finally:
         tokenizer.hf.chat_template = saved
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_decode_matches_transformers(tokenizer: PromptTokenizer) -> None:
+    ids = [*tokenizer.encode("Hi 😀 there", add_special_tokens=False), 2, 1]
+    for skip in (True, False):
+        assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)
