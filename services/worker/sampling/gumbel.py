@@ -26,7 +26,7 @@ import torch
 
 from services.worker.sampling.bitmask import allowed_mask
 from services.worker.sampling.murmur3 import (
-    murmur3_finish,
+    murmur3_finish_bits,
     murmur3_prefix,
     split_seed,
     uniform32,
@@ -194,12 +194,12 @@ def _gumbel_argmax_rows(
     num_candidates = int(candidate.sum())
     if num_candidates * _SPARSE_FRACTION >= candidate.numel():
         token_ids = torch.arange(logits.shape[1], dtype=torch.int64, device=logits.device)
-        u = uniform_from_bits(murmur3_finish(prefix.unsqueeze(1), token_ids))
+        u = uniform_from_bits(murmur3_finish_bits(prefix.unsqueeze(1), token_ids))
         score = scaled + gumbel_from_uniform(u)
     else:
         score = torch.full_like(scaled, float("-inf"))
         row_idx, tok_idx = candidate.nonzero(as_tuple=True)
-        u = uniform_from_bits(murmur3_finish(prefix[row_idx], tok_idx))
+        u = uniform_from_bits(murmur3_finish_bits(prefix[row_idx], tok_idx))
         score[row_idx, tok_idx] = scaled[row_idx, tok_idx] + gumbel_from_uniform(u)
     out[rand] = score.argmax(dim=1)
     return out

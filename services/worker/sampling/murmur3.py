@@ -11,10 +11,11 @@ body rounds (c1 = 0xCC9E2D51, c2 = 0x1B873593, rotl 15 then rotl 13, h = 5h + 0x
 tail, `h ^= 16` (the key length in bytes, as Murmur3 mixes it in), then fmix32. So
 `mmh3.hash(key, DOMAIN, signed=False)` reproduces it, and so does any Murmur3 implementation.
 
-Arithmetic: torch 2.13 on CPU has no shifts or adds for uint32, so words live in int64 tensors
-holding values in [0, 2^32) and every step that can leave that range is masked back. A product
-of two such words can exceed 2^63 and wrap in int64; the wrap is modulo 2^64, so its low 32 bits
-(the only ones kept) are still exact.
+Arithmetic: torch 2.13 on CPU has no shifts or adds for uint32, so the hot path works on int32
+tensors holding the same bit patterns: multiplies and adds wrap modulo 2^32 as uint32 ones do
+(two's complement), and a logical right shift is an arithmetic one with the sign bits masked
+off. The public word functions return int64 in [0, 2^32), the plain value of each word. Every
+result is checked against mmh3 and a scalar implementation in the tests.
 """
 
 from __future__ import annotations
@@ -41,17 +42,39 @@ ONE_BELOW_F32 = 1.0 - 2.0**-24
 ONE_BELOW_F64 = 1.0 - 2.0**-53
 
 
+def _signed(value: int) -> int:
+    """The int32 holding the bit pattern of a 32-bit constant."""
+    return value - 2**32 if value >= 2**31 else value
+
+
+_C1 = _signed(C1)
+_C2 = _signed(C2)
+_ROUND_ADD = _signed(0xE6546B64)
+_FMIX1 = _signed(0x85EBCA6B)
+_FMIX2 = _signed(0xC2B2AE35)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """int32 bit patterns of integer values taken modulo 2^32 (a new tensor)."""
+    return x.to(torch.int64, copy=True).bitwise_and_(MASK32).to(torch.int32)
+
+
+def _shr(x: torch.Tensor, r: int) -> torch.Tensor:
+    """Logical right shift of int32 bit patterns (a new tensor)."""
+    return torch.bitwise_right_shift(x, r).bitwise_and_((1 << (32 - r)) - 1)
+
+
 def _rotl_(x: torch.Tensor, r: int) -> torch.Tensor:
-    """Rotate the 32-bit words in `x` left by r, in place (x holds values in [0, 2^32))."""
-    high = x >> (32 - r)
-    return x.bitwise_left_shift_(r).bitwise_and_(MASK32).bitwise_or_(high)
+    """Rotate int32 bit patterns left by r, in place."""
+    high = _shr(x, 32 - r)
+    return x.bitwise_left_shift_(r).bitwise_or_(high)
 
 
 def _fmix32_(h: torch.Tensor) -> torch.Tensor:
-    """Murmur3's final avalanche, in place."""
-    h.bitwise_xor_(h >> 16).mul_(0x85EBCA6B).bitwise_and_(MASK32)
-    h.bitwise_xor_(h >> 13).mul_(0xC2B2AE35).bitwise_and_(MASK32)
-    return h.bitwise_xor_(h >> 16)
+    """Murmur3's final avalanche on int32 bit patterns, in place."""
+    h.bitwise_xor_(_shr(h, 16)).mul_(_FMIX1)
+    h.bitwise_xor_(_shr(h, 13)).mul_(_FMIX2)
+    return h.bitwise_xor_(_shr(h, 16))
 
 
 def split_seed(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,32 +84,43 @@ def split_seed(seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mix_word(word: torch.Tensor) -> torch.Tensor:
-    k = (word.to(torch.int64) & MASK32).mul_(C1).bitwise_and_(MASK32)
-    return _rotl_(k, 15).mul_(C2).bitwise_and_(MASK32)
+    k = _bits(word).mul_(_C1)
+    return _rotl_(k, 15).mul_(_C2)
 
 
 def _round(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
-    """One Murmur3 body round; returns a new tensor (h broadcast against word)."""
-    h = h ^ _mix_word(word)
-    return _rotl_(h, 13).mul_(5).add_(0xE6546B64).bitwise_and_(MASK32)
+    """One Murmur3 body round on int32 bit patterns; a new tensor (h broadcast against word)."""
+    h = torch.bitwise_xor(h, _mix_word(word))
+    return _rotl_(h, 13).mul_(5).add_(_ROUND_ADD)
+
+
+def _word_values(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int64).bitwise_and_(MASK32)
 
 
 def murmur3_prefix(
     seed_lo: torch.Tensor, seed_hi: torch.Tensor, position: torch.Tensor, domain: int = DOMAIN
 ) -> torch.Tensor:
-    """The hash state after the three words a sampled row shares (seed low, high, position).
-
-    Split out so a [B, V] draw hashes these once per row, not once per token.
+    """The hash state after the three words a sampled row shares (seed low, high, position);
+    int64 in [0, 2^32). Split out so a [B, V] draw hashes these once per row, not per token.
     """
-    h = torch.full((), domain, dtype=torch.int64, device=seed_lo.device)
+    h = torch.full((), _signed(domain), dtype=torch.int32, device=seed_lo.device)
     for word in (seed_lo, seed_hi, position):
         h = _round(h, word)
-    return h
+    return _word_values(h)
+
+
+def murmur3_finish_bits(prefix: torch.Tensor, token_id: torch.Tensor) -> torch.Tensor:
+    """Mix in the token id, the key length and the final avalanche; int32 bit patterns.
+
+    The sampler's hot path: uniform_from_bits takes these directly.
+    """
+    return _fmix32_(_round(_bits(prefix), token_id).bitwise_xor_(KEY_BYTES))
 
 
 def murmur3_finish(prefix: torch.Tensor, token_id: torch.Tensor) -> torch.Tensor:
-    """Mix in the token id, the key length, and the final avalanche; int64 in [0, 2^32)."""
-    return _fmix32_(_round(prefix, token_id).bitwise_xor_(KEY_BYTES))
+    """murmur3_finish_bits as int64 word values in [0, 2^32)."""
+    return _word_values(murmur3_finish_bits(prefix, token_id))
 
 
 def murmur3_words(
@@ -107,6 +141,8 @@ def murmur3_words(
 def uniform_from_bits(r: torch.Tensor) -> torch.Tensor:
     """float32 uniform in (0, 1) from 32 random bits, losing none of them ("split-16").
 
+    r: int32 bit patterns or int64 values in [0, 2^32).
+
     u = (r >> 16)·2^-16 + ((r & 0xFFFF) + 0.5)·2^-32: both terms are exact in float32 (16 and
     17 significant bits) and their float32 sum is one correctly rounded addition, so u is the
     correctly rounded (r + 0.5)/2^32. The smallest value is 2^-33, never 0. The top 128 words
@@ -115,7 +151,7 @@ def uniform_from_bits(r: torch.Tensor) -> torch.Tensor:
     The result is bit-identical on every IEEE device, which is what lets the Triton kernel and
     this reference agree bit for bit.
     """
-    hi = (r >> 16).to(torch.float32).mul_(_TWO_M16)
+    hi = _shr(r, 16).to(torch.float32).mul_(_TWO_M16)
     lo = (r & 0xFFFF).to(torch.float32).add_(0.5).mul_(_TWO_M32)
     return hi.add_(lo).clamp_max_(ONE_BELOW_F32)
 

@@ -13,9 +13,11 @@ from services.worker.sampling.murmur3 import (
     DOMAIN,
     DOMAIN_64,
     murmur3_finish,
+    murmur3_finish_bits,
     murmur3_prefix,
     murmur3_words,
     split_seed,
+    uniform_from_bits,
 )
 
 M32 = 0xFFFFFFFF
@@ -110,3 +112,16 @@ def test_prefix_then_finish_equals_full_hash_with_broadcast() -> None:
     assert torch.equal(grid, full)
     assert grid.shape == (2, 50)
     assert grid.min() >= 0 and grid.max() <= M32
+
+
+def test_int32_bit_patterns_and_int64_words_agree() -> None:
+    prefix = torch.tensor([[0], [M32], [2**31]])
+    tokens = torch.arange(4096)
+    bits = murmur3_finish_bits(prefix, tokens)
+    words = murmur3_finish(prefix, tokens)
+    assert bits.dtype == torch.int32 and words.dtype == torch.int64
+    assert torch.equal(bits.to(torch.int64) & M32, words)
+    assert bool((bits < 0).any())  # high words really take the sign bit
+    assert torch.equal(
+        uniform_from_bits(bits).view(torch.int32), uniform_from_bits(words).view(torch.int32)
+    )
