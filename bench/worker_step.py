@@ -6,6 +6,9 @@ model forward (30 layers), logits + sampling, and the host overhead outside both
 index building, result objects).
 
     .venv/bin/python -m bench.worker_step --threads 2
+    python -m bench.worker_step --device cuda --random llama3-8b --batch 1 8 64 --dtype bfloat16
+
+`--random` builds the named shape with random weights (speed does not depend on the values).
 """
 
 from __future__ import annotations
@@ -21,16 +24,40 @@ import torch
 from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.models.config import ModelConfig, RopeScaling
+from services.worker.models.registry import build_model
 from shared.model_source import resolve_model
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
+
+RANDOM_SHAPES = {
+    "llama3-8b": ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rms_norm_eps=1e-5,
+        rope=RopeScaling(
+            rope_type="llama3",
+            theta=500000.0,
+            factor=8.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=131072,
+    ),
+}
 
 
 class Timer:
     """Accumulates wall time of one callable (instrumentation for the breakdown only)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], sync: bool) -> None:
         self.fn = fn
+        self.sync = sync
         self.total = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -38,19 +65,46 @@ class Timer:
         try:
             return self.fn(*args, **kwargs)
         finally:
+            if self.sync:
+                torch.cuda.synchronize()
             self.total += time.perf_counter() - started
 
 
-def bench(model_dir: str, dtype: torch.dtype, batch: int, prompt_len: int, steps: int) -> dict:
-    model, config = load_model(model_dir, dtype)
-    kv = KVCache.allocate(
-        config, num_blocks=batch * 16 + 8, block_size=16, dtype=dtype, device="cpu"
-    )
-    runner = ModelRunner(model, config, kv, max_model_len=1024)
+def random_model(name: str, dtype: torch.dtype, device: str) -> tuple[Any, ModelConfig]:
+    config = RANDOM_SHAPES[name]
+    with torch.device(device):
+        model = build_model(config, max_model_len=1024).to(dtype)
+        for param in model.parameters():
+            param.data.normal_(0.0, 0.02)
+    model.rotary.materialize(device, dtype)
+    return model.eval().requires_grad_(False), config
+
+
+def bench(
+    model_dir: str,
+    random: str,
+    device: str,
+    dtype: torch.dtype,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+) -> dict:
+    if random:
+        model, config = random_model(random, dtype, device)
+    else:
+        model, config = load_model(model_dir, dtype, device)
+    blocks = batch * (-(-(prompt_len + steps + 1) // 16)) + 8
+    kv = KVCache.allocate(config, num_blocks=blocks, block_size=16, dtype=dtype, device=device)
+    runner = ModelRunner(model, config, kv, device, max_num_reqs=max(batch, 8), max_model_len=1024)
     runner.warmup()
-    forward = Timer(model.forward)
-    logits = Timer(model.compute_logits)
-    sample = Timer(runner.sampler.sample)
+    # A decode step reads every weight once, except the embedding (a few rows) when untied.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not config.tie_word_embeddings:
+        weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    sync = torch.device(device).type == "cuda"
+    forward = Timer(model.forward, sync)
+    logits = Timer(model.compute_logits, sync)
+    sample = Timer(runner.sampler.sample, sync)
     model.forward, model.compute_logits = forward, logits  # type: ignore[method-assign]
     runner.sampler.sample = sample  # type: ignore[method-assign]
     driver = PlanDriver(runner)
@@ -78,12 +132,15 @@ def bench(model_dir: str, dtype: torch.dtype, batch: int, prompt_len: int, steps
         "logits_sample_ms": head * 1000,
         "overhead_ms": (execute - fwd - head) * 1000,
         "driver_ms": (wall - execute) * 1000,
+        "gb_s": weight_bytes / execute / 1e9,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--random", default="", choices=["", *RANDOM_SHAPES])
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64)
@@ -91,22 +148,28 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_dir = str(resolve_model(args.model, "~/.cache/meshllm").path)
+    model_dir = "" if args.random else str(resolve_model(args.model, "~/.cache/meshllm").path)
+    name = args.random or "SmolLM2"
     header = (
         f"{'dtype':<9} {'batch':>5} {'step ms':>8} {'tok/s':>7} {'forward':>8} "
-        f"{'logits+sample':>13} {'overhead':>8}"
+        f"{'logits+sample':>13} {'overhead':>8} {'GB/s':>6}"
     )
     print(
-        f"SmolLM2 ModelRunner decode, {args.threads} threads, prompt {args.prompt_len}, "
-        f"{args.steps} steps (median ms per step)"
+        f"{name} ModelRunner decode on {args.device}, {args.threads} threads, "
+        f"prompt {args.prompt_len}, {args.steps} steps (median ms per step; GB/s = weight "
+        "bytes read per step / step time)"
     )
     print(header)
     for dtype_name in args.dtype:
         for batch in args.batch:
-            r = bench(model_dir, getattr(torch, dtype_name), batch, args.prompt_len, args.steps)
+            dtype = getattr(torch, dtype_name)
+            r = bench(
+                model_dir, args.random, args.device, dtype, batch, args.prompt_len, args.steps
+            )
             print(
                 f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>7.1f} "
-                f"{r['forward_ms']:>8.2f} {r['logits_sample_ms']:>13.2f} {r['overhead_ms']:>8.2f}"
+                f"{r['forward_ms']:>8.2f} {r['logits_sample_ms']:>13.2f} {r['overhead_ms']:>8.2f} "
+                f"{r['gb_s']:>6.1f}"
             )
 
 

@@ -45,10 +45,11 @@ def tiny_runner(
     num_blocks: int = 64,
     block_size: int = 4,
     max_num_reqs: int = 8,
+    device: str = "cpu",
 ) -> ModelRunner:
-    model, config = load_model(path, dtype)
-    kv = KVCache.allocate(config, num_blocks, block_size, dtype, "cpu")
-    return ModelRunner(model, config, kv, max_num_reqs=max_num_reqs)
+    model, config = load_model(path, dtype, device)
+    kv = KVCache.allocate(config, num_blocks, block_size, dtype, device)
+    return ModelRunner(model, config, kv, device, max_num_reqs=max_num_reqs)
 
 
 def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from services.worker.loader.checkpoint_names import CheckpointError, assemble
-from services.worker.loader.gguf_loader import iter_gguf, open_gguf
 from services.worker.loader.safetensors_loader import iter_safetensors
 from services.worker.models.config import ModelConfig
 from services.worker.models.registry import build_model
@@ -52,6 +51,9 @@ def load_model(
     path = Path(source.path if isinstance(source, ModelSource) else source).expanduser()
     device = torch.device(device)
     if path.suffix == ".gguf":
+        # Imported here: the gguf package is only needed when a GGUF file is served.
+        from services.worker.loader.gguf_loader import iter_gguf, open_gguf
+
         reader, config = open_gguf(path)
         tensors = iter_gguf(reader, config)
     elif path.is_dir():
@@ -78,4 +80,23 @@ def load_model(
             )
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.materialize(device, torch_dtype)
+    if device.type == "cpu" and torch_dtype == torch.float32:
+        store_weights_column_major(model)
     return model.eval().requires_grad_(False), config
+
+
+def store_weights_column_major(model: nn.Module) -> None:
+    """Re-lay every 2-D weight [out, in] as a transposed view of an [in, out] buffer.
+
+    Same shapes and values; only the memory order changes, so `F.linear` hands MKL an
+    untransposed B operand. Measured on the 2-core dev machine (fp32, SmolLM2 shapes): skinny
+    GEMMs (decode batches of 2-64 rows) run up to 2-3x faster, batch 1 and long prefills the
+    same or slightly faster. bf16 goes through oneDNN, which prefers the checkpoint order, so
+    only fp32 weights on CPU are re-laid. The embedding lookup then reads strided rows, which
+    costs microseconds per token.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter) and weight.dim() == 2:
+                weight.data = weight.data.t().contiguous().t()

@@ -263,3 +263,23 @@ def test_bfloat16_runs_close_to_float32(tiny: tuple[Path, Any]) -> None:
     diff = (outputs[torch.float32] - outputs[torch.bfloat16]).abs().max().item()
     assert diff < 0.1, diff
     assert np.isfinite(diff)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runner_matches_transformers(tiny: tuple[Path, Any]) -> None:
+    """The same code path on a GPU: batched, chunked, prefix hit; tokens equal the CPU
+    transformers reference."""
+    path, reference = tiny
+    runner = tiny_runner(path, device="cuda")
+    assert runner.kv_cache.layers[0].is_cuda
+    driver = PlanDriver(runner, chunk_size=5, token_budget=12, prefix_caching=True)
+    for i, prompt in enumerate(PROMPTS):
+        driver.add(f"r{i}", prompt, GREEDY)
+        driver.step()
+    driver.add("hit", [*PROMPTS[2][:13], 300], GREEDY)
+    outputs = driver.run()
+    assert driver.requests["hit"].num_cached_prompt_tokens == 12
+    for i, prompt in enumerate(PROMPTS):
+        assert outputs[f"r{i}"] == reference_greedy(reference, prompt, GREEDY.max_tokens)
+    hit_prompt = driver.requests["hit"].prompt
+    assert outputs["hit"] == reference_greedy(reference, hit_prompt, GREEDY.max_tokens)
