@@ -92,7 +92,9 @@ def _rope_store(
         tl.store(dst_ptrs[:, None] + ip[None, :], _to_cache(xp, scale, FP8, dtype), mask=p_mask)
 
 
-@triton.jit
+# num_tokens is not specialized: Triton would otherwise compile separate variants for 1 and
+# for multiples of 16 tokens, i.e. recompile mid-serving as batch sizes change.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _kv_insert_kernel(
     q_ptr,
     q_out_ptr,

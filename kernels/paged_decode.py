@@ -36,8 +36,11 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
 INTERPRETER_TILES = AttentionTiles(block_n=16)
-# H200 sweep, batch 1 at 32k context: 128-key tiles beat 64 (42.7 vs 47.3 us, graph time).
+# H200, graph time: split-K launches (small batches, long contexts) run best on 128-key tiles
+# (batch 1 at 32k: 43 vs 47 us with 64), single-pass ones (large batches) on 64-key tiles
+# (batch 64 at 4k: 251 vs 286 us with 128).
 DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
+DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -240,10 +243,15 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
+        assert max_seq_len is not None  # read back above when neither was given
         span = min(max_seq_len, window) if window else max_seq_len
         num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, _num_sms(device))
 
-    tiles = tiles or (INTERPRETER_TILES if interpreting() else DECODE_TILES)
+    if tiles is None:
+        if interpreting():
+            tiles = INTERPRETER_TILES
+        else:
+            tiles = DECODE_TILES if num_splits > 1 else DECODE_TILES_SINGLE_PASS
     tiles.check()
     group = num_heads // geo.num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))

@@ -27,7 +27,7 @@ from kernels.attention_step import AttentionTiles
 from kernels.gemv import GemvConfig, gemv, heuristic_config
 from kernels.kv_insert import insert_kv, insert_qkv
 from kernels.paged_attention import paged_prefill_attention
-from kernels.paged_decode import DECODE_TILES, paged_decode_attention
+from kernels.paged_decode import paged_decode_attention
 from kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from kernels.staged_copy import CpuGpuBuffer
 from kernels.tensor_checks import FP8_E4M3
@@ -169,7 +169,7 @@ def time_gemv(report: Report) -> dict[tuple[int, int], GemvConfig]:
     return best
 
 
-def _decode_calls(batches: list, tiles: AttentionTiles, splits: int | None) -> list:  # type: ignore[type-arg]
+def _decode_calls(batches: list, tiles: AttentionTiles | None, splits: int | None) -> list:  # type: ignore[type-arg]
     return [
         lambda b=b: paged_decode_attention(
             b.q, b.cache, b.tables, b.lens, max_seq_len=b.max_len, num_splits=splits,
@@ -204,9 +204,8 @@ def time_decode(report: Report) -> None:
         nbytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * elem + 2 * bs[0].q.numel() * 2
         flops = 4 * HEADS * HEAD_DIM * sum(lens)
         shape = f"{label} B={len(lens)} ctx={lens[0]}"
-        default = DECODE_TILES
-        ms = graph_ms(_decode_calls(bs, default, None))
-        ms_1 = graph_ms(_decode_calls(bs, default, 1))
+        ms = graph_ms(_decode_calls(bs, None, None))  # the launcher's own tile choice
+        ms_1 = graph_ms(_decode_calls(bs, None, 1))
         best_t, best_s = sweep[0][1], sweep[0][2]
         ms_best = graph_ms(_decode_calls(bs, best_t, best_s))
         report.timing(
@@ -293,10 +292,9 @@ def time_kv_insert(report: Report) -> None:
         report.timing(
             "kv_insert KV-only (graph)", f"{label} T={tokens}", ms, bytes_moved=kv_in + kv_out
         )
-    for t in (1, 64):  # decode-sized inserts: latency
-        ms = graph_ms(
-            [lambda t=t: insert_qkv(q[:t], k[:t], v[:t], cache, slots[:t], pos[:t], cs, **scales)]
-        )
+    for t in (1, 2, 16, 64, 1):  # decode-sized inserts (fp8 cache): latency; T=1 twice
+        args = (q[:t], k[:t], v[:t], cache, slots[:t], pos[:t], cs)
+        ms = graph_ms([lambda a=args: insert_qkv(*a, **scales)])
         report.timing("kv_insert Q+KV (graph)", f"fp8 T={t}", ms)
 
 

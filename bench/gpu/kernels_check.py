@@ -1,6 +1,6 @@
 """One command on the H200: every kernel vs its reference at Llama-3-8B sizes, then timings.
 
-    python3 bench/gpu/kernels_check.py [--out PATH] [--skip-timings] [--skip-checks]
+    python3 bench/gpu/kernels_check.py [--out PATH] [--skip-timings] [--skip-checks] [--only a,b]
 
 Writes a JSON (default $OUT/kernels_check.json, else bench/gpu/kernels_check.json) and prints
 a markdown table last. Every part runs in its own try/except: a failure is reported and the
@@ -32,6 +32,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--skip-timings", action="store_true")
+    parser.add_argument(
+        "--only", default="", help="comma-separated substrings of part names to run (e.g. decode)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernels_check needs a CUDA GPU", file=sys.stderr)
@@ -58,6 +61,9 @@ def main() -> int:
         parts = ([] if args.skip_checks else ALL_CHECKS) + (
             [] if args.skip_timings else ALL_TIMINGS
         )
+        if args.only:
+            wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+            parts = [(n, f) for n, f in parts if any(w in n for w in wanted)]
     best_gemv = {}
     for name, fn in parts:
         with report.part(name):
