@@ -37,7 +37,7 @@ def _percentiles(values: list[float], prefix: str) -> dict[str, float]:
     if not values:
         return {f"mean_{prefix}_ms": 0.0, f"median_{prefix}_ms": 0.0, f"p99_{prefix}_ms": 0.0}
     ms = sorted(v * 1000 for v in values)
-    p99 = ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
+    p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
     return {
         f"mean_{prefix}_ms": statistics.fmean(ms),
         f"median_{prefix}_ms": statistics.median(ms),
@@ -47,7 +47,11 @@ def _percentiles(values: list[float], prefix: str) -> dict[str, float]:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str, output_len: int,
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int] | str,
+    output_len: int,
     headers: dict[str, str],
 ) -> RequestRecord:
     body = {

@@ -1,15 +1,71 @@
-"""The scheduler service (engine core: queues, block manager, step loop).
+"""The scheduler service: the bus edge around the scheduler core.
 
-This is the service shell: it connects to Redis, serves its admin app, heartbeats and drains on
-SIGTERM. The lead replaces `run()` with the step loop built on the scheduler's core objects.
+Tasks, all in one event loop:
+- intake: SubmitRequests from the shared `requests` stream through the consumer group
+  `schedulers` (data-parallel scheduler replicas split them). An entry is acknowledged only when
+  its request finished, so a scheduler that dies leaves its requests pending: its restart (same
+  consumer name) re-reads them with `own_pending`, or another replica claims them once idle.
+  While a request lives here, its entry is re-claimed to this consumer every few seconds so a
+  long generation is never mistaken for a dead consumer's.
+- aborts: the fan-out `aborts` stream (every replica sees every abort; unknown ids are kept in
+  a bounded set in case the abort overtakes its request).
+- worker watch: WorkerReady announcements on the group's `control` stream. A new incarnation
+  means the worker restarted empty: every running request is recomputed. Silence longer than
+  `worker_timeout_s` means it died.
+- step loop: schedule -> publish StepPlan -> await the StepResult with the same step id ->
+  update -> publish TokenDelta batches (one pipelined round trip) -> ack finished requests.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import asdict
 from typing import Any
 
+from prometheus_client import Gauge, Histogram
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduler_output import SchedulerOutput
+from shared.bus import Delivery
 from shared.config import SchedulerSettings
+from shared.metrics import metric_name
+from shared.protocol import (
+    AbortRequest,
+    RequestDelta,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+    TokenDelta,
+    WorkerReady,
+)
 from shared.service import Service
+from shared.streams import SCHEDULER_GROUP
+
+log = logging.getLogger(__name__)
+
+NUM_RUNNING = Gauge(metric_name("num_requests_running"), "Requests in the running batch")
+NUM_WAITING = Gauge(metric_name("num_requests_waiting"), "Requests waiting to be scheduled")
+KV_USAGE = Gauge(metric_name("kv_cache_usage_perc"), "KV cache usage, 0 to 1")
+NUM_PREEMPTIONS = Gauge(metric_name("num_preemptions"), "Preemptions since start")
+PREFIX_HIT_RATE = Gauge(metric_name("prefix_cache_hit_rate"), "Prefix cache hit rate, 0 to 1")
+STEP_SECONDS = Histogram(
+    metric_name("scheduler_step_seconds"),
+    "Wall time of one step seen by the scheduler (plan published -> result applied)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+OVERHEAD_SECONDS = Histogram(
+    metric_name("scheduler_overhead_seconds"),
+    "Per-step time outside the worker's execute: scheduling, bus hops, updates",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+
+ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
+CLAIM_REFRESH_S = 2.0
 
 
 class SchedulerService(Service):
@@ -18,9 +74,320 @@ class SchedulerService(Service):
     def __init__(self, settings: SchedulerSettings) -> None:
         super().__init__(settings)
         self.settings: SchedulerSettings = settings
+        self.core: Scheduler | None = None
+        self.worker: WorkerReady | None = None
+        self.worker_seen_at = 0.0
+        # request id -> (its submit message, its bus entry), for acks and rebuilds
+        self.inflight: dict[str, tuple[SubmitRequest, Delivery]] = {}
+        self.backlog: list[SubmitRequest] = []  # arrived before any worker announced itself
+        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.wakeup = asyncio.Event()
+        self.worker_changed = asyncio.Event()
+        self.results: dict[int, asyncio.Future[StepResult]] = {}
+        self.steps_run = 0
+
+    @property
+    def worker_timeout_s(self) -> float:
+        return max(5.0, 5 * self.settings.heartbeat_interval_s)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await super().start()
+        await self.bus.ensure_group(self.streams.requests, SCHEDULER_GROUP)
 
     async def run(self) -> None:
-        await self.stopping.wait()
+        tasks = [
+            asyncio.create_task(coro, name=coro.__name__)
+            for coro in (
+                self._intake(),
+                self._aborts(),
+                self._watch_worker(),
+                self._results(),
+                self._keep_claims(),
+                self._step_loop(),
+            )
+        ]
+        stop = asyncio.create_task(self.stopping.wait())
+        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for task in done:
+            if task is not stop and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+
+    async def drain(self) -> None:
+        """Stop admitting (intake stops with `stopping`); unacked requests stay pending in the
+        group and are picked up by the restarted or another scheduler."""
+        return None
+
+    async def check_ready(self) -> tuple[bool, dict[str, Any]]:
+        ready, info = await super().check_ready()
+        worker_ok = self._worker_alive()
+        info["checks"]["worker"] = "ok" if worker_ok else "no worker announced"
+        return ready and worker_ok, info
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "role": "shell"}
+        core = self.core
+        return {
+            **super().state(),
+            "worker": self.worker.model_dump() if self.worker else None,
+            "worker_alive": self._worker_alive(),
+            "scheduler": asdict(core.snapshot()) if core else None,
+            "running_request_ids": [r.request_id for r in core.running] if core else [],
+            "waiting_request_ids": [r.request_id for r in core.waiting] if core else [],
+            "inflight_entries": len(self.inflight),
+            "steps_run": self.steps_run,
+        }
+
+    # --- intake ------------------------------------------------------------------------------
+
+    async def _intake(self) -> None:
+        """Own pending entries first (a restart with the same consumer name), then new ones."""
+        own = await self.bus.read_group(
+            SCHEDULER_GROUP, [self.streams.requests], count=1000, own_pending=True
+        )
+        await self._accept(own)
+        while not self.stopping.is_set():
+            deliveries = await self.bus.read_group(
+                SCHEDULER_GROUP, [self.streams.requests], count=256, block_ms=1000
+            )
+            await self._accept(deliveries)
+
+    async def _accept(self, deliveries: list[Delivery]) -> None:
+        rejected: list[tuple[str, RequestDelta]] = []
+        done: list[Delivery] = []
+        for delivery in deliveries:
+            msg = delivery.message
+            if not isinstance(msg, SubmitRequest):
+                log.warning("unexpected %s on the requests stream", msg.TYPE)
+                done.append(delivery)
+                continue
+            if msg.request_id in self.aborted:
+                self.aborted.pop(msg.request_id)
+                done.append(delivery)
+                continue
+            if msg.request_id in self.inflight:
+                continue  # redelivered while we hold it
+            self.inflight[msg.request_id] = (msg, delivery)
+            if self.core is None:
+                self.backlog.append(msg)
+                continue
+            delta = self.core.add_request(msg)
+            if delta is not None:
+                rejected.append((msg.reply_stream, delta))
+                done.append(self.inflight.pop(msg.request_id)[1])
+        if rejected:
+            await self._publish_deltas(rejected)
+        if done:
+            await self.bus.ack(SCHEDULER_GROUP, done)
+        self.wakeup.set()
+
+    async def _aborts(self) -> None:
+        last = {self.streams.aborts: "$"}
+        while not self.stopping.is_set():
+            for delivery in await self.bus.read(last, count=256, block_ms=1000):
+                msg = delivery.message
+                if isinstance(msg, AbortRequest):
+                    await self._abort(msg.request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        entry = self.inflight.get(request_id)
+        if entry is None:
+            self.aborted[request_id] = None
+            while len(self.aborted) > ABORTED_MEMORY:
+                self.aborted.popitem(last=False)
+            return
+        submit, delivery = entry
+        delta = self.core.abort_request(request_id) if self.core else None
+        if self.core is None:
+            self.backlog = [m for m in self.backlog if m.request_id != request_id]
+        if delta is None:
+            delta = RequestDelta(request_id=request_id, start_index=0, finish_reason="abort")
+        await self._publish_deltas([(submit.reply_stream, delta)])
+        del self.inflight[request_id]
+        await self.bus.ack(SCHEDULER_GROUP, [delivery])
+        log.info("aborted", extra={"request_id": request_id})
+        self.wakeup.set()
+
+    async def _keep_claims(self) -> None:
+        """Refresh the idle time of entries we hold (so nobody claims a live scheduler's
+        requests) and take over entries idle past `claim_idle_ms` (a dead scheduler's)."""
+        redis = self.bus.redis
+        while not self.stopping.is_set():
+            await asyncio.sleep(CLAIM_REFRESH_S)
+            ids = [d.entry_id for _, d in self.inflight.values()]
+            if ids:
+                with contextlib.suppress(Exception):
+                    await redis.xclaim(
+                        self.streams.requests,
+                        SCHEDULER_GROUP,
+                        self.bus.consumer,
+                        0,
+                        ids,
+                        justid=True,
+                    )
+            claimed = await self.bus.claim_idle(
+                self.streams.requests, SCHEDULER_GROUP, self.settings.claim_idle_ms
+            )
+            if claimed:
+                log.info("claimed %d requests of a dead scheduler", len(claimed))
+                await self._accept(claimed)
+
+    # --- the worker --------------------------------------------------------------------------
+
+    def _worker_alive(self) -> bool:
+        return (
+            self.worker is not None
+            and time.monotonic() - self.worker_seen_at < self.worker_timeout_s
+        )
+
+    async def _watch_worker(self) -> None:
+        last = {self.streams.control(self.settings.group): "$"}
+        while not self.stopping.is_set():
+            for delivery in await self.bus.read(last, count=64, block_ms=1000):
+                msg = delivery.message
+                if isinstance(msg, WorkerReady):
+                    self._on_worker(msg)
+
+    def _on_worker(self, ready: WorkerReady) -> None:
+        known = self.worker
+        self.worker_seen_at = time.monotonic()
+        if known is not None and known.incarnation == ready.incarnation:
+            return
+        self.worker = ready
+        log.info(
+            "worker %s (incarnation %s) ready: %d KV blocks of %d tokens",
+            ready.worker_id,
+            ready.incarnation,
+            ready.num_kv_blocks,
+            ready.block_size,
+        )
+        config = SchedulerConfig.from_worker(self.settings, ready)
+        if self.core is None or self.core.config != config:
+            self._rebuild_core(config)
+        self.core.reset_worker_state(ready.incarnation)  # type: ignore[union-attr]
+        self.worker_changed.set()
+        self.wakeup.set()
+
+    def _rebuild_core(self, config: SchedulerConfig) -> None:
+        """A first worker, or one of another shape: start a core and (re)queue every request
+        we hold. Requests restart from their first token; the gateway drops repeated indexes."""
+        if self.core is not None:
+            log.warning("worker capacity changed: requests restart on the new KV cache")
+        self.core = Scheduler(config, self.settings.instance_id)
+        self.backlog = []
+        for submit, _ in list(self.inflight.values()):
+            self.core.add_request(submit)
+
+    async def _results(self) -> None:
+        last = {self.streams.results(self.settings.group): "$"}
+        while not self.stopping.is_set():
+            for delivery in await self.bus.read(last, count=64, block_ms=1000):
+                msg = delivery.message
+                if not isinstance(msg, StepResult):
+                    continue
+                future = self.results.pop(msg.step_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
+
+    # --- the step loop -----------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while not self.stopping.is_set():
+            core = self.core
+            if core is None or not self._worker_alive():
+                await self._wait(self.wakeup, 0.5)
+                continue
+            t0 = time.perf_counter()
+            plan = core.schedule()
+            if plan is None:
+                self._update_metrics(core)
+                await self._wait(self.wakeup, 0.5)
+                continue
+            plan.worker_incarnation = core.worker_incarnation
+            result = await self._run_step(plan)
+            if result is None:
+                continue  # worker gone; requests were reset to recompute
+            out = core.update_from_output(plan, result)
+            if result.error is not None:
+                # The worker dropped its whole batch after the failure (its state may be
+                # half-applied): every request it held is sent again as new.
+                core.reset_worker_state(core.worker_incarnation)
+            await self._finish_step(out)
+            self.steps_run += 1
+            elapsed = time.perf_counter() - t0
+            STEP_SECONDS.observe(elapsed)
+            OVERHEAD_SECONDS.observe(max(0.0, elapsed - result.execute_ms / 1000))
+            self._update_metrics(core)
+
+    async def _run_step(self, plan: StepPlan) -> StepResult | None:
+        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self.results[plan.step_id] = future
+        self.worker_changed.clear()
+        await self.bus.publish(self.streams.steps(self.settings.group), plan)
+        changed = asyncio.create_task(self.worker_changed.wait())
+        deadline = time.monotonic() + self.settings.step_timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._worker_alive():
+                    log.error("step %d: worker silent; recomputing its requests", plan.step_id)
+                    self.core.reset_worker_state("")  # type: ignore[union-attr]
+                    self.worker = None
+                    return None
+                done, _ = await asyncio.wait(
+                    [future, changed],
+                    timeout=min(remaining, 1.0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if future in done:
+                    result = future.result()
+                    if result.worker_incarnation != plan.worker_incarnation:
+                        return None
+                    return result
+                if changed in done:
+                    return None  # a new incarnation: _on_worker already reset the core
+        finally:
+            changed.cancel()
+            self.results.pop(plan.step_id, None)
+
+    async def _finish_step(self, out: SchedulerOutput) -> None:
+        if out.deltas:
+            await self.bus.publish_many(out.token_deltas(self.settings.instance_id))
+        if out.finished_request_ids:
+            finished = [
+                entry[1]
+                for rid in out.finished_request_ids
+                if (entry := self.inflight.pop(rid, None)) is not None
+            ]
+            await self.bus.ack(SCHEDULER_GROUP, finished)
+
+    async def _publish_deltas(self, deltas: list[tuple[str, RequestDelta]]) -> None:
+        by_stream: dict[str, list[RequestDelta]] = {}
+        for stream, delta in deltas:
+            by_stream.setdefault(stream, []).append(delta)
+        await self.bus.publish_many(
+            [
+                (stream, TokenDelta(scheduler_id=self.settings.instance_id, deltas=items))
+                for stream, items in by_stream.items()
+            ]
+        )
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+        event.clear()
+
+    @staticmethod
+    def _update_metrics(core: Scheduler) -> None:
+        snap = core.snapshot()
+        NUM_RUNNING.set(snap.num_running)
+        NUM_WAITING.set(snap.num_waiting)
+        KV_USAGE.set(snap.kv_usage_percent / 100)
+        NUM_PREEMPTIONS.set(snap.num_preemptions)
+        PREFIX_HIT_RATE.set(snap.prefix_cache_hit_rate)

@@ -1,16 +1,42 @@
-"""The worker service (model runner).
+"""The worker service: the bus edge around the ModelRunner.
 
-This is the service shell: it connects to Redis, serves its admin app, heartbeats and drains on
-SIGTERM. No model is loaded here; the lead replaces `run()` with the runner loop (and readiness
-then waits for the model and one real forward).
+Plans arrive on the group's `steps` stream, read with plain XREAD from the position recorded
+*before* the worker first announces itself, so no plan meant for this incarnation is missed.
+Each plan names the incarnation it was made for: plans for an earlier life of this worker (its
+KV cache is gone) are dropped; the scheduler sees the new incarnation in WorkerReady and
+re-sends its requests to be recomputed. WorkerReady is re-announced every heartbeat interval:
+it is the worker's liveness signal for its scheduler and lets a scheduler that starts later
+find it. Steps run in a thread so announcements continue during a long prefill.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
 from typing import Any
 
+import torch
+from prometheus_client import Counter, Histogram
+
+from services.worker.bootstrap import build_runner
+from services.worker.model_runner import ModelRunner
 from shared.config import WorkerSettings
+from shared.metrics import metric_name
+from shared.model_source import resolve_model
+from shared.protocol import StepPlan, StepResult, WorkerReady
 from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+STEP_EXECUTE = Histogram(
+    metric_name("worker_step_execute_seconds"),
+    "Time of ModelRunner.execute per step",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+STEP_FAILURES = Counter(metric_name("worker_step_failures_total"), "Steps that raised")
+STALE_PLANS = Counter(metric_name("worker_stale_plans_total"), "Plans for another incarnation")
 
 
 class WorkerService(Service):
@@ -19,9 +45,85 @@ class WorkerService(Service):
     def __init__(self, settings: WorkerSettings) -> None:
         super().__init__(settings)
         self.settings: WorkerSettings = settings
+        self.runner: ModelRunner | None = None
+        self.announcement: WorkerReady | None = None
+        self.load_error: str | None = None
+        self.steps_run = 0
+        self._busy = asyncio.Lock()
+
+    async def start(self) -> None:
+        await super().start()
+        if self.settings.num_threads:
+            torch.set_num_threads(self.settings.num_threads)
+        source = resolve_model(
+            self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
+        )
+        self.runner, self.announcement = await asyncio.to_thread(
+            build_runner, source, self.settings, self.incarnation
+        )
 
     async def run(self) -> None:
-        await self.stopping.wait()
+        steps = self.streams.steps(self.settings.group)
+        last = {steps: "$"}
+        await self.bus.read(last, block_ms=None)  # pins "$" before we announce ourselves
+        announcer = asyncio.create_task(self._announce(), name="announce")
+        try:
+            while not self.stopping.is_set():
+                for delivery in await self.bus.read(last, count=16, block_ms=500):
+                    if isinstance(delivery.message, StepPlan):
+                        await self._execute(delivery.message)
+        finally:
+            announcer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await announcer
+
+    async def _announce(self) -> None:
+        control = self.streams.control(self.settings.group)
+        while not self.stopping.is_set():
+            assert self.announcement is not None
+            self.announcement.time = time.time()
+            await self.bus.publish(control, self.announcement)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _execute(self, plan: StepPlan) -> None:
+        runner = self.runner
+        assert runner is not None
+        if plan.worker_incarnation != self.incarnation:
+            STALE_PLANS.inc()
+            return
+        async with self._busy:
+            t0 = time.perf_counter()
+            try:
+                result = await asyncio.to_thread(runner.execute, plan)
+            except Exception as exc:
+                log.exception("step %d failed", plan.step_id)
+                STEP_FAILURES.inc()
+                runner.reset()
+                result = StepResult(
+                    step_id=plan.step_id,
+                    worker_id=self.settings.instance_id,
+                    worker_incarnation=self.incarnation,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            STEP_EXECUTE.observe(time.perf_counter() - t0)
+        await self.bus.publish(self.streams.results(self.settings.group), result)
+        self.steps_run += 1
+
+    async def drain(self) -> None:
+        async with self._busy:  # let the step in flight finish and reply
+            return None
+
+    async def check_ready(self) -> tuple[bool, dict[str, Any]]:
+        ready, info = await super().check_ready()
+        loaded = self.runner is not None
+        info["checks"]["model"] = "ok" if loaded else "loading"
+        return ready and loaded, info
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "role": "shell"}
+        runner = self.runner
+        return {
+            **super().state(),
+            "model": self.announcement.model_dump() if self.announcement else None,
+            "steps_run": self.steps_run,
+            "batch_size": runner.batch.num_reqs if runner else 0,
+        }

@@ -44,9 +44,7 @@ class InProcessEngine:
         self.model, self.model_config = model, config
         self.kv_cache = KVCache.allocate(config, num_blocks, block_size, dtype, "cpu")
         max_model_len = min(config.max_position_embeddings, 4096)
-        self.runner = ModelRunner(
-            model, config, self.kv_cache, "cpu", max_model_len=max_model_len
-        )
+        self.runner = ModelRunner(model, config, self.kv_cache, "cpu", max_model_len=max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=block_size,

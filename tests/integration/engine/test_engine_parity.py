@@ -24,7 +24,7 @@ CHATS = [
     "Explain photosynthesis in one sentence.",
 ]
 PLAIN = [
-    "The quick brown fox",
+    "The quick brown fox jumps over the lazy dog, and then",
     "def fibonacci(n):\n    ",
     "Once upon a time, in a small village near the mountains, there lived an old clockmaker "
     "who had never once been late for anything in his whole life. One morning,",
@@ -43,10 +43,10 @@ def tokenizer(smollm2_dir):
 def prompts(tokenizer) -> dict[str, list[int]]:
     out = {}
     for i, text in enumerate(CHATS):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
-        out[f"chat{i}"] = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        out[f"chat{i}"] = tokenizer(chat, add_special_tokens=False)["input_ids"]
     for i, text in enumerate(PLAIN):
         out[f"plain{i}"] = tokenizer(text)["input_ids"]
     assert len({tuple(p) for p in out.values()}) == 8
@@ -62,10 +62,12 @@ def reference(smollm2_dir, prompts) -> dict[str, list[int]]:
     with torch.inference_mode():
         for rid, ids in prompts.items():
             gen = model.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=NEW_TOKENS,
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
                 pad_token_id=model.config.eos_token_id,
             )
-            out[rid] = gen[0, len(ids):].tolist()
+            out[rid] = gen[0, len(ids) :].tolist()
     return out
 
 
@@ -79,8 +81,9 @@ def engine(ours, **kw) -> InProcessEngine:
 
 
 def test_each_prompt_alone_matches_transformers(ours, prompts, reference):
+    eng = engine(ours)  # one request at a time: each runs as a batch of one
     for rid, ids in prompts.items():
-        got = engine(ours).generate({rid: ids}, GREEDY)
+        got = eng.generate({rid: ids}, GREEDY)
         assert got[rid].token_ids == reference[rid], rid
 
 
@@ -93,7 +96,7 @@ def test_all_eight_in_one_batch_match_transformers(ours, prompts, reference):
 
 
 def test_chunked_prefill_matches_transformers(ours, prompts, reference):
-    budget = 7  # smaller than every prompt: each prefill is split over several steps
+    budget = 5  # smaller than every prompt: each prefill is split over several steps
     assert all(len(p) > budget for p in prompts.values())
     eng = engine(ours, max_num_batched_tokens=budget)
     got = eng.generate(prompts, GREEDY)
@@ -128,7 +131,7 @@ def test_prefix_hit_reuses_blocks_and_keeps_output(ours, tokenizer):
 def test_free_blocks_return_after_100_requests(ours, tokenizer):
     eng = engine(ours, num_blocks=256)
     free_at_start = eng.scheduler.kv.num_free_blocks
-    params = SamplingParams(temperature=0.0, max_tokens=2)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     base = tokenizer("Count with me: one two three four five six seven eight")["input_ids"]
     for i in range(100):
         eng.submit(f"r{i}", base + [200 + i % 50] * (1 + i % 20), params)

@@ -1,0 +1,78 @@
+"""Building a ready-to-serve ModelRunner from the worker's settings (no I/O beyond files)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.worker.kv_cache import KVCache
+from services.worker.loader import load_model
+from services.worker.model_runner import ModelRunner
+from shared.config import WorkerSettings
+from shared.model_source import ModelSource
+from shared.protocol import WorkerReady
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def build_runner(
+    source: ModelSource, settings: WorkerSettings, incarnation: str
+) -> tuple[ModelRunner, WorkerReady]:
+    """Load weights, size the KV cache from the budget, run one real forward (readiness means
+    the model has computed something), and describe the result for the scheduler."""
+    t0 = time.monotonic()
+    device = pick_device(settings.device)
+    model, config = load_model(source, settings.dtype, device, settings.max_model_len)
+    dtype = next(model.parameters()).dtype
+    max_model_len = settings.max_model_len or config.max_position_embeddings
+    kv_cache = KVCache.from_budget(
+        config,
+        settings.block_size,
+        dtype,
+        device,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        memory_fraction=settings.kv_cache_memory_fraction,
+    )
+    runner = ModelRunner(
+        model,
+        config,
+        kv_cache,
+        device,
+        max_model_len=max_model_len,
+        worker_id=settings.instance_id,
+        worker_incarnation=incarnation,
+    )
+    warmup_s = runner.warmup()
+    log.info(
+        "model %s loaded on %s as %s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
+        "tokens (%.0f MiB)",
+        source.name,
+        device,
+        dtype,
+        time.monotonic() - t0,
+        warmup_s,
+        kv_cache.num_blocks,
+        kv_cache.block_size,
+        kv_cache.nbytes / 2**20,
+    )
+    ready = WorkerReady(
+        worker_id=settings.instance_id,
+        incarnation=incarnation,
+        group=settings.group,
+        model=source.name,
+        num_kv_blocks=kv_cache.num_blocks,
+        block_size=kv_cache.block_size,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=list(config.eos_token_ids),
+        num_moe_layers=getattr(config, "num_moe_layers", 0),
+    )
+    return runner, ready
