@@ -1,0 +1,31 @@
+"""End-to-end fixtures: the real mesh as separate processes, talked to with real clients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.mesh import Mesh
+
+#: Small KV cache (fast to allocate), 2 torch threads: what a CI machine has.
+E2E_ENV = {"MESHLLM_KV_CACHE_BYTES": str(256 * 2**20), "MESHLLM_NUM_THREADS": "2"}
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2_dir: Path) -> Iterator[Mesh]:
+    """gateway + scheduler + worker on a private Redis, shared by a test module."""
+    with Mesh(env=E2E_ENV) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
