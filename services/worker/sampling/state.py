@@ -341,8 +341,11 @@ class SamplingState:
     def _check_batch(
         self, logits: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
     ) -> tuple[int, int]:
-        if logits.device != self.device:
-            raise ValueError(f"logits are on {logits.device}, the sampling state on {self.device}")
+        here = self.device
+        if logits.device.type != here.type or (
+            here.index is not None and logits.device.index != here.index
+        ):  # "cuda" names the current GPU, which logits report as "cuda:N"
+            raise ValueError(f"logits are on {logits.device}, the sampling state on {here}")
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
             raise ValueError(
                 f"logits must be [batch, {self.vocab_size}], got {tuple(logits.shape)}"
