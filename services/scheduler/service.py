@@ -309,6 +309,7 @@ class SchedulerService(Service):
                 await self._wait(self.wakeup, 0.5)
                 continue
             plan.worker_incarnation = core.worker_incarnation
+            plan.scheduler_incarnation = self.incarnation
             result = await self._run_step(plan)
             if result is None:
                 continue  # worker gone; requests were reset to recompute

@@ -49,6 +49,7 @@ class WorkerService(Service):
         self.announcement: WorkerReady | None = None
         self.load_error: str | None = None
         self.steps_run = 0
+        self.scheduler_incarnation = ""
         self._busy = asyncio.Lock()
 
     async def start(self) -> None:
@@ -91,6 +92,11 @@ class WorkerService(Service):
         if plan.worker_incarnation != self.incarnation:
             STALE_PLANS.inc()
             return
+        if plan.scheduler_incarnation != self.scheduler_incarnation:
+            if self.scheduler_incarnation:
+                log.info("a new scheduler incarnation: dropping the batch of the previous one")
+                runner.reset()
+            self.scheduler_incarnation = plan.scheduler_incarnation
         async with self._busy:
             t0 = time.perf_counter()
             try:

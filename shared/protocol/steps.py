@@ -54,6 +54,9 @@ class StepPlan(Message):
     step_id: int = Field(ge=0)
     scheduler_id: str
     worker_incarnation: str = ""  # the worker this plan is for; others drop it
+    # The scheduler process that made it: a worker seeing a new one (the scheduler restarted)
+    # drops its batch, since the requests it holds belong to the dead scheduler's plans.
+    scheduler_incarnation: str = ""
     new_requests: list[NewRequestData] = Field(default_factory=list)
     cached_requests: list[CachedRequestData] = Field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = Field(default_factory=dict)
