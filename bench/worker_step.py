@@ -107,7 +107,7 @@ def bench(
     sample = Timer(runner.sampler.sample, sync)
     model.forward, model.compute_logits = forward, logits  # type: ignore[method-assign]
     runner.sampler.sample = sample  # type: ignore[method-assign]
-    driver = PlanDriver(runner)
+    driver = PlanDriver(runner, token_budget=batch * prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(batch):
         prompt = [(17 * i + 31 * j) % config.vocab_size for j in range(prompt_len)]

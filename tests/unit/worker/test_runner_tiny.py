@@ -265,18 +265,28 @@ def test_bfloat16_runs_close_to_float32(tiny: tuple[Path, Any]) -> None:
     assert np.isfinite(diff)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_runner_matches_transformers(tiny: tuple[Path, Any]) -> None:
-    """The same code path on a GPU: batched, chunked, prefix hit; tokens equal the CPU
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_runner_on_device_matches_transformers(tiny: tuple[Path, Any], device: str) -> None:
+    """The same code path on each device: batched, chunked, prefix hit; tokens equal the CPU
     transformers reference."""
     path, reference = tiny
-    runner = tiny_runner(path, device="cuda")
-    assert runner.kv_cache.layers[0].is_cuda
+    runner = tiny_runner(path, device=device)
+    assert runner.kv_cache.layers[0].device.type == device
     driver = PlanDriver(runner, chunk_size=5, token_budget=12, prefix_caching=True)
     for i, prompt in enumerate(PROMPTS):
         driver.add(f"r{i}", prompt, GREEDY)
         driver.step()
-    driver.add("hit", [*PROMPTS[2][:13], 300], GREEDY)
+    driver.run()
+    driver.add("hit", [*PROMPTS[2][:13], 300], GREEDY)  # blocks of r2's prompt are cached
     outputs = driver.run()
     assert driver.requests["hit"].num_cached_prompt_tokens == 12
     for i, prompt in enumerate(PROMPTS):
