@@ -49,7 +49,8 @@ class InputBatch:
         self.block_size = block_size
         self.num_kv_groups = num_kv_groups
         self.max_blocks_per_req = -(-max_model_len // block_size)
-        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        # int32 like the wire format: at a 128k context and 256 rows this is 128 MiB, not 256.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.worker.input_batch import PlanError
+from services.worker.sampling import SamplingState
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import (
@@ -293,3 +294,60 @@ def test_runner_on_device_matches_transformers(tiny: tuple[Path, Any], device: s
         assert outputs[f"r{i}"] == reference_greedy(reference, prompt, GREEDY.max_tokens)
     hit_prompt = driver.requests["hit"].prompt
     assert outputs["hit"] == reference_greedy(reference, hit_prompt, GREEDY.max_tokens)
+
+
+def test_logprobs_are_the_models_log_softmax(tiny: tuple[Path, Any]) -> None:
+    path, reference = tiny
+    runner = tiny_runner(path)
+    driver = PlanDriver(runner)
+    with_top = driver.add(
+        "top", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3)
+    )
+    chosen_only = driver.add(
+        "chosen", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    )
+    plain = driver.add("plain", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=3))
+    driver.run()
+    entries = {rid: [] for rid in ("top", "chosen", "plain")}
+    for result in driver.results:
+        for sampled in result.sampled:
+            entries[sampled.request_id].append(sampled)
+    expected = torch.log_softmax(reference_logits(reference, with_top.tokens), dim=-1)
+    start = len(with_top.prompt) - 1
+    for i, entry in enumerate(entries["top"]):
+        row = expected[start + i]
+        assert entry.logprobs == pytest.approx([row[entry.token_ids[0]].item()], abs=1e-4)
+        assert entry.top_token_ids == row.topk(3).indices.tolist()
+        assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    assert all(e.logprobs is not None and e.top_token_ids is None for e in entries["chosen"])
+    assert all(e.logprobs is None for e in entries["plain"])
+    assert len(chosen_only.output) == len(plain.output) == 3
+
+
+def test_seeded_sampling_is_independent_of_batch_and_chunking(tiny: tuple[Path, Any]) -> None:
+    """The sampler's RNG is keyed by (seed, position): the runner must pass each token's true
+    position, whatever the batch composition, row or chunking."""
+    path, reference = tiny
+    params = SamplingParams(temperature=1.5, seed=1234, max_tokens=10)
+
+    def run(chunk_size: int, companions: int) -> list[int]:
+        driver = PlanDriver(tiny_runner(path), chunk_size=chunk_size)
+        for i in range(companions):
+            driver.add(f"c{i}", PROMPTS[i % 3], SamplingParams(temperature=1.0, seed=i))
+        target = driver.add("t", PROMPTS[2], params)
+        driver.run()
+        return target.output
+
+    alone = run(chunk_size=0, companions=0)
+    # the first token is the draw at position len(prompt) (the tokens before it)
+    state = SamplingState(4, 512)
+    state.add_request(2, params, PROMPTS[2], [])
+    logits = reference_logits(reference, PROMPTS[2])[-1:]
+    first = state.sample(logits, torch.tensor([2]), torch.tensor([len(PROMPTS[2])]))
+    assert alone[0] == int(first.token_ids[0])
+    assert run(chunk_size=0, companions=3) == alone
+    assert run(chunk_size=3, companions=2) == alone
+    other_seed = PlanDriver(tiny_runner(path))
+    other = other_seed.add("t", PROMPTS[2], params.model_copy(update={"seed": 99}))
+    other_seed.run()
+    assert other.output != alone  # the seed really drives the draw
