@@ -14,7 +14,7 @@ instead of pydantic's per-union-member noise.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -36,9 +37,47 @@ MAX_STOP_STRING_CHARS = 1024
 LOGIT_BIAS_LIMIT = 100.0
 #: Seeds are drawn as 63-bit numbers; choice i of n uses seed + i, which stays below 2**64.
 MAX_SEED = 2**63
+#: The worker keeps sampling parameters in int32/float32 tensors: a larger top_k or penalty
+#: would overflow there (and fail the whole step), so it is refused here. A top_k past the
+#: vocabulary already means "disabled", and no useful penalty comes near float32's maximum.
+MAX_TOP_K = 2**31 - 1
+MAX_REPETITION_PENALTY = 3.4028234663852886e38
 
 
 M = TypeVar("M", bound=BaseModel)
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+#: `stop` and `prompt` as the API takes them (a string or a list), for the OpenAPI document;
+#: their annotations are the normalised forms the "before" validators produce.
+StopStrings = Annotated[
+    list[str] | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_CHARS},
+                    "maxItems": MAX_STOP_STRINGS,
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+Prompts = Annotated[
+    list[str | list[int]],
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ]
+        }
+    ),
+]
 
 
 class ApiModel(BaseModel):
@@ -109,14 +148,14 @@ class SamplingFields(ApiModel):
     # OpenAI accepts temperatures in [0, 2]; so do we (vLLM takes any value >= 0).
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 and 0 both mean "disabled"
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # vLLM: -1 and 0 mean "disabled"
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
-    stop: list[str] | None = None
+    stop: StopStrings = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -182,7 +221,7 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is normalised to a list of prompts, each a string or a
     list of token ids; OpenAI's default of 16 new tokens applies."""
 
-    prompt: list[str | list[int]]
+    prompt: Prompts
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
@@ -312,13 +351,24 @@ def _is_token_id(value: Any) -> bool:
 
 
 def parse_request(cls: type[M], raw: bytes) -> M:
-    """A JSON body as `cls`; any failure is a 400 naming the field (never FastAPI's 422)."""
+    """A JSON body as `cls`; any failure is a 400 naming the field (never FastAPI's 422).
+
+    Strict JSON only: Python's parser also takes NaN and Infinity, which no field can honour,
+    and `\\ud800` escapes that decode to lone surrogates, which no tokenizer, msgpack or UTF-8
+    response can carry. Both are refused here, so nothing downstream meets them."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except ValueError as exc:
         raise invalid_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise invalid_request("the body must be a JSON object")
+    bad = _lone_surrogate_at(data, ())
+    if bad is not None:
+        param = param_path(bad)
+        raise invalid_request(
+            f"{param or 'the body'}: a string holds a lone UTF-16 surrogate (not valid Unicode)",
+            param,
+        )
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -326,3 +376,34 @@ def parse_request(cls: type[M], raw: bytes) -> M:
         param = param_path(first.get("loc", ()))
         message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
         raise invalid_request(f"{param}: {message}" if param else message, param) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _lone_surrogate_at(value: Any, loc: tuple[int | str, ...]) -> tuple[int | str, ...] | None:
+    """Where the first string (or object key) holding a lone surrogate is, or None."""
+    if isinstance(value, str):
+        return loc if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _has_surrogate(key):
+                return (*loc, key.encode("utf-8", "backslashreplace").decode())
+            found = _lone_surrogate_at(item, (*loc, key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_at(item, (*loc, i))
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

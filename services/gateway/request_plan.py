@@ -109,6 +109,7 @@ def plan_completion(
             model,
             prompt_param="prompt",
             max_tokens_param="max_tokens",
+            min_tokens=req.min_tokens,
         )
         samplings.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs))
     return _plan(
@@ -139,6 +140,7 @@ def plan_chat(
         model,
         prompt_param="messages",
         max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        min_tokens=req.min_tokens,
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     sampling = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)

@@ -26,6 +26,13 @@ from starlette.responses import Response
 from services.gateway.errors import OpenAIError, error_body
 from services.gateway.frontend import Frontend
 from services.gateway.generation import Generation
+from services.gateway.openapi_bodies import request_body
+from services.gateway.protocol_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from services.gateway.request_plan import RequestPlan
 from shared.logs import bind_request_id
 
@@ -65,15 +72,15 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
     async def models() -> dict[str, Any]:
         return _frontend(get_frontend).models()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict[str, Any]:
         return _frontend(get_frontend).tokenize(await request.body())
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
         return _frontend(get_frontend).detokenize(await request.body())
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         frontend = _frontend(get_frontend)
@@ -81,7 +88,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         plan = frontend.plan_completion(await request.body())
         return await _generate(frontend, request, plan, arrival)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         frontend = _frontend(get_frontend)

@@ -24,6 +24,11 @@ def check_request(
     _check_common(req, settings, model)
     if isinstance(req, CompletionRequest):
         _check_completion(req, settings)
+        # Token-id prompts are decoded (for echo) before check_prompt sees them: an id past the
+        # vocabulary must be refused first, or the decoder fails on it.
+        for prompt in req.prompt:
+            for token in prompt if isinstance(prompt, list) else ():
+                _check_token_id(token, model, "prompt")
     else:
         _check_chat(req, settings)
 
@@ -115,11 +120,13 @@ def check_prompt(
     *,
     prompt_param: str,
     max_tokens_param: str,
+    min_tokens: int = 0,
 ) -> int:
     """Check a tokenized prompt against the context; return the max_tokens to run with.
 
     `max_tokens` None means "the rest of the context" (chat without a limit). The prompt must
-    leave room for at least one new token.
+    leave room for at least one new token, and for `min_tokens` (which check_request could
+    compare only with an explicit max_tokens).
     """
     if not prompt_ids:
         raise invalid_request("the prompt is empty", prompt_param)
@@ -133,7 +140,14 @@ def check_prompt(
             prompt_param,
         )
     if max_tokens is None:
-        return limit - len(prompt_ids)
+        room = limit - len(prompt_ids)
+        if min_tokens > room:
+            raise invalid_request(
+                f"min_tokens ({min_tokens}) is more than the {room} tokens the context leaves "
+                "for output",
+                "min_tokens",
+            )
+        return room
     if len(prompt_ids) + max_tokens > limit:
         raise invalid_request(
             f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context "
