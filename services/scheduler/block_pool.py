@@ -116,15 +116,17 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         block_hashes: Sequence[BlockHash],
         group_id: int,
-    ) -> None:
-        """Register full blocks under their prefix hashes (blocks[i] holds block_hashes[i]).
+    ) -> list[KVCacheBlock]:
+        """Register full blocks under their prefix hashes (blocks[i] holds block_hashes[i]);
+        returns the blocks that got registered now.
 
         If another block already holds the same prefix (two requests computed it at the same
         time), the first one stays the cached copy and this one stays anonymous: a block's
         identity in a request's block table never changes, and it is simply reused when freed.
         """
+        registered: list[KVCacheBlock] = []
         if not self.enable_caching:
-            return
+            return registered
         cached = self.cached
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             if block.block_hash is not None or block.is_null:
@@ -133,6 +135,15 @@ class BlockPool:
             if key not in cached:
                 block.block_hash = key
                 cached[key] = block
+                registered.append(block)
+        return registered
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Make blocks unfindable again (their KV was never written: the step that was to write
+        it failed). Blocks stay wherever they are (a request's table, the free queue)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the worker lost its KV). Only valid with no block in use,

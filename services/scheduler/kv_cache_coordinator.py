@@ -80,9 +80,14 @@ class KVCacheCoordinator:
 
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
-    ) -> None:
+    ) -> list[KVCacheBlock]:
+        """Register full blocks in every group; returns the blocks registered now."""
+        if self.num_groups == 1:
+            return self.managers[0].cache_blocks(request_id, block_hashes, num_tokens)
+        registered: list[KVCacheBlock] = []
         for m in self.managers:
-            m.cache_blocks(request_id, block_hashes, num_tokens)
+            registered += m.cache_blocks(request_id, block_hashes, num_tokens)
+        return registered
 
     def free(self, request_id: str) -> None:
         for m in self.managers:

@@ -5,13 +5,25 @@ of blocks `allocate_slots(...)` with the same arguments takes out of the pool's 
 (new blocks plus prefix-hit blocks revived from the free queue). An over-estimate would starve
 a long request at the head of the queue forever; an under-estimate would over-commit the pool.
 Both calls go through the same per-group `get_num_blocks_to_allocate`, so they cannot drift.
+
+Prefix-cache registration happens at allocation (as in vLLM v1): `allocate_slots` registers
+every block that the planned step makes full, before the worker has written it. That is what
+lets n sibling requests admitted in one step share their prompt: the 2nd..nth find the 1st's
+blocks. It is sound because the worker writes the K/V of the whole flat batch into the cache,
+layer by layer, before any attention of that layer reads it (services/worker/attention.py:
+`paged_attention` calls `write_kv` first), so a request reading a block that another request
+of the same step fills sees it written. Until the step succeeds, the blocks it registered are
+"unwritten": `take_newly_cached` hands them to the scheduler, which keeps them per step and
+calls `uncache` if the step fails, so a failed step never leaves a findable hash on a block
+without its KV.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.scheduler.block_pool import BlockPool
+from services.scheduler.block_pool import BlockPool, KVCacheBlock
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator
 from services.scheduler.request import Request
@@ -40,6 +52,8 @@ class KVCacheManager:
         )
         self.stats = PrefixCacheStats()
         self._no_blocks = self.coordinator.empty_blocks()  # read-only "no prefix hit"
+        # Blocks registered by allocations since the last `take_newly_cached` (not yet written).
+        self._newly_cached: list[KVCacheBlock] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +103,9 @@ class KVCacheManager:
         (including the prefix hit `new_computed_blocks`, for a request being admitted).
 
         Returns the newly allocated blocks per group (not the hit blocks; read-only lists), or
-        None, changing nothing, if the pool cannot supply them.
+        None, changing nothing, if the pool cannot supply them. On success, the blocks these
+        tokens make full are registered in the prefix cache (see the module docstring), so a
+        request allocated after this one in the same step can hit them.
         """
         coordinator = self.coordinator
         blocks = new_computed_blocks or self._no_blocks
@@ -100,16 +116,39 @@ class KVCacheManager:
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
         if needed == 0 and new_computed_blocks is None:
-            return self._no_blocks  # the common decode step: its last block has room
-        if needed > self.pool.num_free_blocks:
+            new_blocks = self._no_blocks  # the common decode step: its last block has room
+        elif needed > self.pool.num_free_blocks:
             return None
-        if new_computed_blocks:
-            coordinator.save_new_computed_blocks(request_id, blocks)
-        return coordinator.allocate_new_blocks(request_id, num_tokens)
+        else:
+            if new_computed_blocks:
+                coordinator.save_new_computed_blocks(request_id, blocks)
+            new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens)
+        # Only blocks with known tokens can be full: slots reserved past them (lookahead)
+        # hold nothing hashable yet.
+        num_cached = min(num_tokens, request.num_tokens)
+        block_size = self.block_size
+        if self.enable_caching and num_cached // block_size > (num_tokens - num_new_tokens) // (
+            block_size
+        ):  # this step fills at least one block (most decode steps do not)
+            self._newly_cached += coordinator.cache_blocks(
+                request_id, request.block_hashes, num_cached
+            )
+        return new_blocks
+
+    def take_newly_cached(self) -> list[KVCacheBlock]:
+        """The blocks registered by allocations since the last call, whose KV the planned step
+        is yet to write; the caller owns the list (and `uncache`s it if the step fails)."""
+        blocks, self._newly_cached = self._newly_cached, []
+        return blocks
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the prefix hashes of blocks whose KV was never written (a failed step)."""
+        self.pool.uncache_blocks(blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's blocks made full by its first `num_computed_tokens` tokens
-        (call only once their KV is really written, i.e. after the worker's step)."""
+        """Register the request's blocks made full by its first `num_computed_tokens` tokens,
+        whose KV is already written. (`allocate_slots` registers what each planned step fills;
+        this is for callers that manage slots themselves.)"""
         if self.enable_caching:
             self.coordinator.cache_blocks(
                 request.request_id, request.block_hashes, num_computed_tokens

@@ -11,16 +11,19 @@ admitted in a step that preempted, so a victim is never re-admitted in the plan 
 
 Step protocol: `schedule()` advances `num_computed_tokens` by what it schedules; the caller
 runs the plan and then calls `update_from_output(plan, result)` (or `step_failed`) before the
-next `schedule()`. Blocks are registered in the prefix cache only in the update, once the
-worker has written their KV. Plans are diffs: the scheduler tracks which requests the worker
-holds, so finished/preempted ids are sent only for requests the worker knows. The worker must
-apply `finished_request_ids` and `preempted_request_ids` before adding `new_requests`.
+next `schedule()`. Blocks are registered in the prefix cache when they are allocated for the
+step that fills them (KVCacheManager explains why that is sound), so n siblings admitted in one
+step compute their shared prompt once; a failed step unregisters the blocks it was to write.
+Plans are diffs: the scheduler tracks which requests the worker holds, so finished/preempted
+ids are sent only for requests the worker knows. The worker must apply `finished_request_ids`
+and `preempted_request_ids` before adding `new_requests`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from services.scheduler.block_pool import KVCacheBlock
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
@@ -58,6 +61,11 @@ class Scheduler:
         # Plans handed out and not yet updated. A result for any other step (one that ran on
         # a worker since reset, or a duplicate) is ignored: its requests have moved on.
         self._in_flight: set[int] = set()
+        # Per in-flight step: the blocks it registered in the prefix cache at allocation, whose
+        # KV it is yet to write. Invariant: a hash in the prefix cache names a block whose KV is
+        # written, or will be by a step still in flight; `step_failed` unregisters that step's
+        # blocks, and `reset_worker_state` drops the whole cache.
+        self._unwritten: dict[int, list[KVCacheBlock]] = {}
         self._eos = frozenset(config.eos_token_ids)
         # Diff state towards the worker: which requests it holds, and removals not yet sent.
         self._worker_known: set[str] = set()
@@ -190,15 +198,17 @@ class Scheduler:
         self._finished_for_worker = []
         self._preempted_for_worker = []
         self._in_flight.add(self.step_id)
+        if unwritten := kv.take_newly_cached():
+            self._unwritten[self.step_id] = unwritten
         self.step_id += 1
         return plan
 
     # ------------------------------------------------------------------------------ update
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> SchedulerOutput:
-        """Apply a step's result: append sampled tokens, stop checks, prefix-cache the blocks
-        the step filled, free finished requests. Requests whose prefill chunk was partial get
-        no tokens; tokens after a stop are dropped."""
+        """Apply a step's result: append sampled tokens, stop checks, free finished requests.
+        Requests whose prefill chunk was partial get no tokens; tokens after a stop are
+        dropped."""
         if result.step_id != plan.step_id:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         if result.error is not None:
@@ -209,15 +219,10 @@ class Scheduler:
         sampled = {s.request_id: s for s in result.sampled}
         missing: list[Request] = []
         finished = False
-        kv = self.kv
-        block_size = self.config.block_size
-        for request_id, num_scheduled in plan.num_scheduled_tokens.items():
+        for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status is not RUNNING:
                 continue  # aborted (or reset) while the step ran
-            computed = request.num_computed_tokens
-            if (computed - num_scheduled) // block_size != computed // block_size:
-                kv.cache_blocks(request, computed)  # the step filled at least one block
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill: nothing sampled
             tokens = sampled.get(request_id)
@@ -233,11 +238,15 @@ class Scheduler:
         return out
 
     def step_failed(self, plan: StepPlan, error: str) -> SchedulerOutput:
-        """The worker could not run `plan`: recompute its requests from scratch (their prefix
-        cache hits stay valid: a failed step only writes slots of uncached blocks). A request
+        """The worker could not run `plan`: recompute its requests from scratch. The blocks the
+        plan registered at allocation may hold no (or half-written) KV, so they are unregistered
+        first; hits on blocks of earlier, successful steps stay valid (a step only writes slots
+        at or after each request's computed tokens, never a block cached before it). A request
         failing `max_step_failures` times finishes with "error"."""
-        if not self._settle(plan):
+        if plan.step_id not in self._in_flight:
             return SchedulerOutput()
+        self.kv.uncache(self._unwritten.get(plan.step_id, ()))
+        self._settle(plan)
         self.num_step_failures += 1
         failed = [
             r
@@ -260,6 +269,7 @@ class Scheduler:
         self.running = []
         self._worker_known.clear()
         self._in_flight.clear()
+        self._unwritten.clear()
         self._finished_for_worker = []
         self._preempted_for_worker = []
         self.kv.reset_prefix_cache()
@@ -376,6 +386,7 @@ class Scheduler:
         if plan.step_id not in self._in_flight:
             return False
         self._in_flight.discard(plan.step_id)
+        self._unwritten.pop(plan.step_id, None)  # written now (or unregistered by step_failed)
         return True
 
     def _drop_from_worker(self, request_id: str) -> None:

@@ -94,20 +94,22 @@ class SingleTypeKVCacheManager(ABC):
 
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
-    ) -> None:
-        """Register the request's blocks that are full within its first `num_tokens` computed
-        tokens. Only blocks not registered before are visited."""
+    ) -> list[KVCacheBlock]:
+        """Register the request's blocks that are full within its first `num_tokens` tokens
+        (computed, or being computed by the step being planned). Only blocks not registered
+        before are visited; returns those registered now."""
         if not self.enable_caching:
-            return
+            return []
         num_full = min(num_tokens // self.block_size, len(block_hashes))
         start = self.num_cached_blocks.get(request_id, 0)
         if num_full <= start:
-            return
+            return []
         blocks = self.req_to_blocks[request_id]
-        self.pool.cache_full_blocks(
+        registered = self.pool.cache_full_blocks(
             blocks[start:num_full], block_hashes[start:num_full], self.group_id
         )
         self.num_cached_blocks[request_id] = num_full
+        return registered
 
     @abstractmethod
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:

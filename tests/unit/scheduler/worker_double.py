@@ -4,9 +4,15 @@ output is known in advance whatever preemption, chunking or restarts happen on t
 
 It also checks the plan protocol as the real worker relies on it, failing the test on any
 violation: removals refer to requests it holds, new requests are unknown to it, cached requests
-carry its own num_computed_tokens, no block written this step belongs to another request, and
-every prefix-hit block really holds that request's tokens (its "KV" records which token was
-written into each slot).
+carry its own num_computed_tokens, no block is written by two requests in one step, a block
+written this step is in another request's table only as a full block of that request's
+computed prefix (a prefix hit on it), and every prefix-hit block really holds that request's
+tokens (its "KV" records which token was written into each slot).
+
+Like the real worker (attention.py writes the K/V of the whole flat batch before any attention
+reads it), the double writes every scheduled token first and reads prefix-hit blocks after: a
+request may hit a block that another request of the same step fills (n siblings admitted
+together share their prompt that way; the scheduler registers blocks at allocation).
 """
 
 from __future__ import annotations
@@ -50,7 +56,6 @@ class WorkerDouble:
             assert new.request_id not in self.held, f"{new.request_id} sent as new twice"
             assert len(new.block_ids) == 1
             held = HeldRequest(list(new.token_ids), list(new.block_ids[0]), new.num_computed_tokens)
-            self._check_prefix_content(new.request_id, held)
             self.held[new.request_id] = held
         for cached in plan.cached_requests:
             held = self.held[cached.request_id]
@@ -73,11 +78,18 @@ class WorkerDouble:
                 ids = self.overrides.get((rid, end), [token_at(rid, end)])
                 held.tokens.extend(ids)
                 sampled.append(SampledTokens(request_id=rid, token_ids=ids))
+        hit_now = {new.request_id: new.num_computed_tokens for new in plan.new_requests}
         for block_id, rid in written_by.items():
             for other, held in self.held.items():
-                assert other == rid or block_id not in held.block_ids, (
-                    f"block {block_id} written by {rid} is also in {other}'s table"
+                if other == rid or block_id not in held.block_ids:
+                    continue
+                index = held.block_ids.index(block_id)
+                assert (index + 1) * self.block_size <= hit_now.get(other, 0), (
+                    f"block {block_id} written by {rid} is also in {other}'s table, "
+                    "and not as a prefix hit of a request admitted in this step"
                 )
+        for rid, num_hit in hit_now.items():  # read after the step's writes, as attention does
+            self._check_prefix_content(rid, self.held[rid], num_hit)
         return StepResult(
             step_id=plan.step_id,
             worker_id="double",
@@ -85,8 +97,8 @@ class WorkerDouble:
             sampled=sampled,
         )
 
-    def _check_prefix_content(self, rid: str, held: HeldRequest) -> None:
-        for pos in range(held.num_computed):
+    def _check_prefix_content(self, rid: str, held: HeldRequest, num_hit: int) -> None:
+        for pos in range(num_hit):
             block_id = held.block_ids[pos // self.block_size]
             slots = self.kv.get(block_id)
             assert slots is not None and slots[pos % self.block_size] == held.tokens[pos], (
