@@ -1,16 +1,45 @@
-"""The kvstore service (KV offload tier: block metadata, LRU policy, pins).
+"""The kvstore service: the offload tier's policy state, behind `/v1/kv/*` (see http_api).
 
-This is the service shell: it connects to Redis, serves its admin app, heartbeats and drains on
-SIGTERM. The offload policy (CONTRACTS.md, KV offload tier) and its bus handlers come with the
-KV offload issue.
+It owns which chunks exist, their recency and their pins (`OffloadTier` around the configured
+policy); workers own the payload bytes in Redis. Its own Redis work is small: metadata hashes
+for ready chunks, deleting payload + metadata together on eviction, and rebuilding the table
+from the metadata on start (so the tier survives a kvstore restart; recovered chunks are ready
+and ordered by their store sequence).
+
+A call changes the in-memory state first and then does its Redis work. Evicted keys are removed
+from the table before their Redis delete is awaited, so nothing can pin them meanwhile; a delete
+that fails (Redis unreachable) is kept and retried by `run()` until it succeeds.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from typing import Any
 
+from fastapi import APIRouter
+
+from services.kvstore.http_api import (
+    ChunkRef,
+    FinishedBody,
+    LoadBody,
+    LoadedBody,
+    LookupBody,
+    StoreBody,
+    StoredBody,
+    kv_router,
+)
+from services.kvstore.offload_tier import ChunkOffer, OffloadTier
+from services.kvstore.policy import load_policy
+from services.kvstore.redis_index import RedisOffloadIndex, StoredChunk, store_seq
 from shared.config import KVStoreSettings
 from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+RETRY_DELETES_S = 1.0
+MISSING = "missing"
 
 
 class KVStoreService(Service):
@@ -19,9 +48,116 @@ class KVStoreService(Service):
     def __init__(self, settings: KVStoreSettings) -> None:
         super().__init__(settings)
         self.settings: KVStoreSettings = settings
+        self.tier: OffloadTier | None = None  # set once start() has rebuilt it: routes 503 before
+        self.index: RedisOffloadIndex
+        self.undeleted: set[str] = set()  # evicted payload keys whose Redis delete failed
+        self.recovered = 0
+
+    async def start(self) -> None:
+        await super().start()
+        policy = load_policy(self.settings.policy, self.settings.capacity_bytes)
+        self.index = RedisOffloadIndex(self.bus.redis, self.settings.cluster)
+        dropped = []
+        for chunk in await self.index.scan_meta():
+            if policy.restore(chunk.payload_key, chunk.nbytes):
+                self.recovered += 1
+            else:
+                dropped.append(chunk.payload_key)  # over the (possibly smaller) capacity now
+        await self.index.delete(dropped)
+        self.tier = OffloadTier(policy)
+        log.info("kvstore ready: %d chunks recovered, %d dropped", self.recovered, len(dropped))
 
     async def run(self) -> None:
-        await self.stopping.wait()
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), RETRY_DELETES_S)
+            if self.undeleted:
+                await self._delete(list(self.undeleted))
+
+    def routes(self) -> list[APIRouter]:
+        return [kv_router(lambda: self if self.tier is not None else None)]
+
+    # --- the API (called by http_api once started) ---------------------------------------------
+
+    def _tier(self) -> OffloadTier:
+        assert self.tier is not None, "routes answer 503 until start() has set the tier"
+        return self.tier
+
+    def lookup(self, body: LookupBody) -> dict[str, Any]:
+        space = body.space(self.settings.cluster)
+        names = [space.payload_key(c.key()) for c in body.chunks]
+        statuses = self._tier().lookup(names)
+        return {"statuses": [MISSING if s is None else s.value for s in statuses]}
+
+    async def store(self, body: StoreBody) -> dict[str, Any]:
+        space = body.space(self.settings.cluster)
+        refs = {space.payload_key(c.key()): c for c in body.chunks}
+        offers = [ChunkOffer(name, c.end, c.nbytes) for name, c in refs.items()]
+        plan = self._tier().store(body.request_id, offers)
+        await self._delete(plan.evicted)
+        return {
+            "write": [_ref(refs[k]) for k in plan.write],
+            "present": [_ref(refs[k]) for k in plan.present],
+            "refused": [_ref(refs[k]) for k in plan.refused],
+            "evicted": len(plan.evicted),
+        }
+
+    async def stored(self, body: StoredBody) -> dict[str, Any]:
+        space = body.space(self.settings.cluster)
+        tier = self._tier()
+        chunks = {space.payload_key(c.key()): c for c in body.chunks}
+        writing = tier.writing(chunks)
+        if body.ok and writing:
+            # Metadata first, while the chunks are still WRITING and so cannot be evicted: an
+            # eviction can then never run before the metadata it must delete exists.
+            seq = store_seq()
+            await self.index.write_meta(
+                [StoredChunk(k, chunks[k].nbytes, chunks[k].end, seq) for k in writing]
+            )
+        completed = tier.stored(writing, body.ok)
+        if not body.ok:
+            await self.index.delete_payloads(completed)
+        return {"completed": len(completed)}
+
+    def load(self, body: LoadBody) -> dict[str, Any]:
+        space = body.space(self.settings.cluster)
+        refs = {space.payload_key(c.key()): c for c in body.chunks}
+        reads = [(name, c.end) for name, c in refs.items()]
+        pinned = self._tier().load(body.holder, reads, internal=body.internal)
+        return {"pinned": [_ref(refs[k]) for k in pinned]}
+
+    def loaded(self, body: LoadedBody) -> dict[str, Any]:
+        space = body.space(self.settings.cluster)
+        names = [space.payload_key(c.key()) for c in body.chunks]
+        return {"released": self._tier().loaded(body.holder, names)}
+
+    def request_finished(self, body: FinishedBody) -> dict[str, Any]:
+        record = self._tier().request_finished(body.request_id)
+        return {"request_id": body.request_id, **(record.summary() if record else {"keys": 0})}
+
+    async def _delete(self, payload_keys: list[str]) -> None:
+        if not payload_keys:
+            return
+        try:
+            await self.index.delete(payload_keys)
+        except Exception as exc:
+            log.warning(
+                "deleting %d evicted chunks failed (%s); will retry", len(payload_keys), exc
+            )
+            self.undeleted.update(payload_keys)
+        else:
+            self.undeleted.difference_update(payload_keys)
 
     def state(self) -> dict[str, Any]:
-        return {**super().state(), "role": "shell"}
+        out = {**super().state(), "role": "kvstore"}
+        if self.tier is not None:
+            out["kvstore"] = {
+                **self.tier.state(),
+                "recovered": self.recovered,
+                "undeleted": len(self.undeleted),
+            }
+        return out
+
+
+def _ref(chunk: ChunkRef) -> dict[str, Any]:
+    return {"group": chunk.group, "hash": chunk.hash.lower()}
