@@ -88,7 +88,8 @@ class RedisOffloadIndex:
                     chunks.append(parsed)
         if dangling:
             await self.redis.unlink(*dangling)
-        chunks.sort(key=lambda c: c.seq)
+        # Oldest store first; within one store, tail first so the head is restored most recent.
+        chunks.sort(key=lambda c: (c.seq, -c.end))
         return chunks
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 from fastapi import APIRouter
@@ -94,11 +95,11 @@ class KVStoreService(Service):
         refs = {space.payload_key(c.key()): c for c in body.chunks}
         offers = [ChunkOffer(name, c.end, c.nbytes) for name, c in refs.items()]
         plan = self._tier().store(body.request_id, offers)
-        await self._delete(plan.evicted)
+        await self._delete(_names(plan.evicted))
         return {
-            "write": [_ref(refs[k]) for k in plan.write],
-            "present": [_ref(refs[k]) for k in plan.present],
-            "refused": [_ref(refs[k]) for k in plan.refused],
+            "write": [_ref(refs[k]) for k in _names(plan.write)],
+            "present": [_ref(refs[k]) for k in _names(plan.present)],
+            "refused": [_ref(refs[k]) for k in _names(plan.refused)],
             "evicted": len(plan.evicted),
         }
 
@@ -106,7 +107,7 @@ class KVStoreService(Service):
         space = body.space(self.settings.cluster)
         tier = self._tier()
         chunks = {space.payload_key(c.key()): c for c in body.chunks}
-        writing = tier.writing(chunks)
+        writing = _names(tier.writing(chunks))
         if body.ok and writing:
             # Metadata first, while the chunks are still WRITING and so cannot be evicted: an
             # eviction can then never run before the metadata it must delete exists.
@@ -114,7 +115,7 @@ class KVStoreService(Service):
             await self.index.write_meta(
                 [StoredChunk(k, chunks[k].nbytes, chunks[k].end, seq) for k in writing]
             )
-        completed = tier.stored(writing, body.ok)
+        completed = _names(tier.stored(writing, body.ok))
         if not body.ok:
             await self.index.delete_payloads(completed)
         return {"completed": len(completed)}
@@ -124,7 +125,7 @@ class KVStoreService(Service):
         refs = {space.payload_key(c.key()): c for c in body.chunks}
         reads = [(name, c.end) for name, c in refs.items()]
         pinned = self._tier().load(body.holder, reads, internal=body.internal)
-        return {"pinned": [_ref(refs[k]) for k in pinned]}
+        return {"pinned": [_ref(refs[k]) for k in _names(pinned)]}
 
     def loaded(self, body: LoadedBody) -> dict[str, Any]:
         space = body.space(self.settings.cluster)
@@ -157,6 +158,11 @@ class KVStoreService(Service):
                 "undeleted": len(self.undeleted),
             }
         return out
+
+
+def _names(keys: Iterable[Hashable]) -> list[str]:
+    """The tier's keys here are payload key names (see OffloadTier: keys are opaque to it)."""
+    return [str(k) for k in keys]
 
 
 def _ref(chunk: ChunkRef) -> dict[str, Any]:
