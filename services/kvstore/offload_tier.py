@@ -12,7 +12,8 @@ service maps it to HTTP and Redis):
 - `request_finished`: the request's one access goes to the policy; pins it still holds are
   released, so a lost `loaded` cannot pin a chunk forever.
 Pins are counted per holder, so releasing twice (a retried `loaded`, then the finish) never
-unpins a chunk held by someone else.
+unpins a chunk held by someone else. A write that never reports back (its worker died) would
+hold its bytes forever: `expire_writes` fails writes older than a deadline.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class OffloadTier:
         self.policy = policy
         self.records: dict[str, RequestRecord] = {}
         self._pins: dict[str, Counter[Key]] = {}
+        self._writing_since: dict[Key, float] = {}
 
     def _record(self, request_id: str) -> RequestRecord:
         record = self.records.get(request_id)
@@ -58,7 +60,7 @@ class OffloadTier:
         when a request finishes."""
         return [self.policy.status(k) for k in keys]
 
-    def store(self, request_id: str, offers: Sequence[ChunkOffer]) -> StorePlan:
+    def store(self, request_id: str, offers: Sequence[ChunkOffer], now: float = 0.0) -> StorePlan:
         record = self._record(request_id)
         for offer in offers:
             record.offered(offer.key, offer.end)
@@ -77,6 +79,7 @@ class OffloadTier:
             if admission.inserted:
                 record.was_inserted(offer.key)
                 plan.write.append(offer.key)
+                self._writing_since[offer.key] = now
             else:
                 plan.refused.append(offer.key)
         return plan
@@ -88,7 +91,16 @@ class OffloadTier:
     def stored(self, keys: Iterable[Key], ok: bool) -> list[Key]:
         """Complete writes; returns the keys that were being written (others are ignored, so a
         retried report is harmless)."""
-        return [k for k in keys if self.policy.complete_store(k, ok)]
+        done = [k for k in keys if self.policy.complete_store(k, ok)]
+        for key in done:
+            self._writing_since.pop(key, None)
+        return done
+
+    def expire_writes(self, now: float, max_age: float) -> list[Key]:
+        """Fail the writes started before `now - max_age`; returns their keys (their partial
+        payloads, if any, are the caller's to delete)."""
+        old = [k for k, t in self._writing_since.items() if now - t > max_age]
+        return self.stored(old, ok=False)
 
     def load(
         self, holder: str, reads: Sequence[tuple[Key, int]], *, internal: bool = False

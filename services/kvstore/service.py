@@ -8,7 +8,8 @@ and ordered by their store sequence).
 
 A call changes the in-memory state first and then does its Redis work. Evicted keys are removed
 from the table before their Redis delete is awaited, so nothing can pin them meanwhile; a delete
-that fails (Redis unreachable) is kept and retried by `run()` until it succeeds.
+that fails (Redis unreachable) is kept and retried by `run()` until it succeeds; `run()` also
+fails writes that were never reported within WRITE_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Hashable, Iterable
 from typing import Any
 
@@ -40,6 +42,7 @@ from shared.service import Service
 log = logging.getLogger(__name__)
 
 RETRY_DELETES_S = 1.0
+WRITE_TIMEOUT_S = 300.0  # a store not reported by then failed (its worker died)
 MISSING = "missing"
 
 
@@ -74,6 +77,11 @@ class KVStoreService(Service):
                 await asyncio.wait_for(self.stopping.wait(), RETRY_DELETES_S)
             if self.undeleted:
                 await self._delete(list(self.undeleted))
+            expired = _names(self._tier().expire_writes(time.monotonic(), WRITE_TIMEOUT_S))
+            if expired:
+                log.warning("%d chunk writes never completed; dropped", len(expired))
+                with contextlib.suppress(Exception):  # a leftover partial payload is harmless
+                    await self.index.delete_payloads(expired)
 
     def routes(self) -> list[APIRouter]:
         return [kv_router(lambda: self if self.tier is not None else None)]
@@ -94,7 +102,7 @@ class KVStoreService(Service):
         space = body.space(self.settings.cluster)
         refs = {space.payload_key(c.key()): c for c in body.chunks}
         offers = [ChunkOffer(name, c.end, c.nbytes) for name, c in refs.items()]
-        plan = self._tier().store(body.request_id, offers)
+        plan = self._tier().store(body.request_id, offers, now=time.monotonic())
         await self._delete(_names(plan.evicted))
         return {
             "write": [_ref(refs[k]) for k in _names(plan.write)],

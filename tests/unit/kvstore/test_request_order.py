@@ -195,3 +195,15 @@ def test_policies_load_by_module_path() -> None:
     for bad in ("LRUPolicy", "services.kvstore.lru.Nope", "services.nope.X", "builtins.dict"):
         with pytest.raises(ValueError, match="policy"):
             load_policy(bad, 10)
+
+
+def test_writes_never_reported_expire_and_free_their_bytes() -> None:
+    (a, a_end), (b, b_end) = prefix_chunks(2)
+    tier = OffloadTier(LRUPolicy(2 * NBYTES))
+    tier.store("r1", [ChunkOffer(a, a_end, NBYTES)], now=10.0)
+    tier.store("r2", [ChunkOffer(b, b_end, NBYTES)], now=50.0)
+    assert tier.expire_writes(now=60.0, max_age=30.0) == [a]
+    assert tier.policy.status(a) is None and tier.policy.table.used_bytes == NBYTES
+    assert tier.stored([a], ok=True) == []  # the late report of the dead writer is ignored
+    assert tier.stored([b], ok=True) == [b]
+    assert tier.expire_writes(now=1000.0, max_age=30.0) == []
