@@ -51,9 +51,13 @@ class RedisOffloadIndex:
         """Delete payloads and their metadata together (one transaction)."""
         if not payload_keys:
             return
-        names = [n for k in payload_keys for n in (k, meta_key_of_payload(k))]
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.unlink(*names)
+            for key in payload_keys:
+                # One UNLINK per key: the ACL grants payload deletes through a selector and
+                # metadata through the root rules, and Redis checks a multi-key command against
+                # one of them at a time, so a combined UNLINK would be refused.
+                pipe.unlink(key)
+                pipe.unlink(meta_key_of_payload(key))
             await pipe.execute()
 
     async def delete_payloads(self, payload_keys: Sequence[str]) -> None:
