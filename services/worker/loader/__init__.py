@@ -15,6 +15,7 @@ from torch import nn
 from services.worker.loader.checkpoint_names import CheckpointError, assemble
 from services.worker.loader.safetensors_loader import iter_safetensors
 from services.worker.models.config import ModelConfig
+from services.worker.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
 from services.worker.models.registry import build_model
 from shared.model_source import ModelSource
 
@@ -82,6 +83,10 @@ def load_model(
     model.rotary.materialize(device, torch_dtype)
     if device.type == "cpu" and torch_dtype == torch.float32:
         store_weights_column_major(model)
+    elif packing_supported(torch_dtype, device):
+        pack_linear_layers(model)
+        if model.lm_head is None:  # tied: the head gets its own packed copy of the embedding
+            model.lm_head = PackedLinear(model.embed_tokens.weight, None)
     return model.eval().requires_grad_(False), config
 
 

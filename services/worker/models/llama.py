@@ -114,6 +114,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] of the sampled rows -> logits [R, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        """hidden [R, H] of the sampled rows -> logits [R, vocab].
+
+        With tied embeddings `lm_head` is None and the embedding matrix is the projection,
+        unless the loader installed a separately laid-out head (see packed_linear.py)."""
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)  # type: ignore[no-any-return]

@@ -1,4 +1,5 @@
-"""RMSNorm and the gated MLP equal transformers' Llama modules (bit-exact in fp32)."""
+"""RMSNorm and the gated MLP equal transformers' Llama modules; packed bf16 linears equal
+F.linear."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from services.worker.models.layers import GatedMLP, RMSNorm
+from services.worker.models.packed_linear import (
+    PackedLinear,
+    pack_linear_layers,
+    packing_supported,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,3 +45,29 @@ def test_gated_mlp_matches_transformers() -> None:
         ours.down_proj.bias.copy_(reference.down_proj.bias)
         x = torch.randn(5, 32)
         torch.testing.assert_close(ours(x), reference(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    not packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="this torch build has no packed bf16 oneDNN linear",
+)
+def test_packed_bf16_linear_equals_f_linear() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 200, bias=True).to(torch.bfloat16)
+    container = torch.nn.Sequential(layer)
+    assert pack_linear_layers(container) == 1
+    packed = container[0]
+    assert isinstance(packed, PackedLinear)
+    assert "packed_weight" not in container.state_dict()  # derived, never saved or loaded
+    for rows in (1, 8, 300):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        with torch.inference_mode():
+            expected = torch.nn.functional.linear(x, layer.weight, layer.bias).float()
+            got = packed(x).float()
+        # same bf16 result up to the last bit of the largest values
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_packing_is_refused_off_cpu_bf16() -> None:
+    assert not packing_supported(torch.float32, torch.device("cpu"))
+    assert not packing_supported(torch.bfloat16, torch.device("meta"))
