@@ -50,7 +50,7 @@ class SubmitRequest(Message):
 
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: PackedInt32 = Field(min_length=1)
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams())
     reply_stream: str = Field(min_length=1)
     arrival_time: float = 0.0
     grammar: GrammarRef | None = None
