@@ -150,14 +150,16 @@ class InputBatch:
         return row
 
     def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Append one sampled token to each row (the next step computes its KV)."""
-        if rows.size == 0:
-            return
+        """Append one sampled token to each row (the next step computes its KV).
+
+        A row already holding max_model_len tokens keeps none: its token is still returned to
+        the scheduler, which finishes the request ("length"); scheduling it again would then
+        be a PlanError (more tokens scheduled than known).
+        """
         ends = self.num_tokens[rows]
-        full = ends >= self.max_model_len
-        if full.any():
-            raise PlanError(f"rows {rows[full].tolist()} reached max_model_len")
-        self.token_ids[rows, ends] = token_ids
+        room = ends < self.max_model_len
+        rows, ends = rows[room], ends[room]
+        self.token_ids[rows, ends] = np.asarray(token_ids)[room]
         self.num_tokens[rows] = ends + 1
 
     def tokens_of(self, request_id: str) -> list[int]:

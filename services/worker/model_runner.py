@@ -10,7 +10,9 @@
 4. appends each sampled token to its request (the next plan schedules it without resending),
    advances num_computed_tokens, and returns the sampled tokens.
 
-A plan that does not fit the batch raises `PlanError` before the model runs.
+A plan that does not fit the batch raises `PlanError` before the model runs; part of its diff
+may already be applied, so the caller `reset()`s the runner and the scheduler recomputes the
+requests (as after any failed step).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class ModelRunner:
         self.max_model_len = max_model_len or getattr(
             model, "max_model_len", config.max_position_embeddings
         )
+        rope_positions = model.rotary.max_position
+        if self.max_model_len > rope_positions:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's RoPE table of "
+                f"{rope_positions} positions (load_model(..., max_model_len=...))"
+            )
         self.block_size = kv_cache.block_size
         self.worker_id = worker_id
         self.worker_incarnation = worker_incarnation
@@ -210,15 +218,17 @@ class ModelRunner:
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
+        # model_construct: the values are ints and floats this process just made, so pydantic's
+        # per-item validation (~5 us per message) is skipped on this per-step path.
         for i, (request_id, token) in enumerate(zip(ids, tokens.tolist(), strict=True)):
-            entry = SampledTokens(request_id=request_id, token_ids=[token])
+            fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}
             params = self.batch.sampling[int(rows[i])]
             if params is not None and params.logprobs is not None and logprobs is not None:
-                entry.logprobs = [logprobs[i]]
+                fields["logprobs"] = [logprobs[i]]
                 if params.logprobs and top_ids is not None and top_lp is not None:
-                    entry.top_token_ids = top_ids[i][: params.logprobs]
-                    entry.top_logprobs = top_lp[i][: params.logprobs]
-            result.append(entry)
+                    fields["top_token_ids"] = top_ids[i][: params.logprobs]
+                    fields["top_logprobs"] = top_lp[i][: params.logprobs]
+            result.append(SampledTokens.model_construct(**fields))  # type: ignore[arg-type]
         return result
 
     def _bitmask(

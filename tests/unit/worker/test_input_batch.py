@@ -109,5 +109,5 @@ def test_batch_full_and_max_model_len_on_append() -> None:
     with pytest.raises(PlanError, match="batch full"):
         batch.apply(plan(new_requests=[new("b", [1], [1])]))
     batch.append_sampled(np.array([0]), np.array([5]))
-    with pytest.raises(PlanError, match="max_model_len"):
-        batch.append_sampled(np.array([0]), np.array([6]))
+    batch.append_sampled(np.array([0]), np.array([6]))  # full: returned, not stored
+    assert batch.tokens_of("a") == [1, 2, 3, 5]

@@ -12,7 +12,14 @@ import torch
 
 from services.worker.input_batch import PlanError
 from services.worker.sampling import SamplingState
-from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from shared.codec import decode, encode
+from shared.protocol import (
+    CachedRequestData,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import (
     LogitsCapture,
@@ -236,6 +243,7 @@ def test_partial_prefill_samples_nothing_and_advances(tiny: tuple[Path, Any]) ->
     )
     result = runner.execute(follow)
     assert [s.request_id for s in result.sampled] == ["a"]
+    assert decode(encode(result), StepResult) == result  # built without validation, still valid
     assert len(runner.batch.tokens_of("a")) == 7
     assert result.step_id == 1 and result.execute_ms > 0
     empty = runner.execute(StepPlan(step_id=2, scheduler_id="s", finished_request_ids=["a"]))
@@ -310,6 +318,7 @@ def test_logprobs_are_the_models_log_softmax(tiny: tuple[Path, Any]) -> None:
     driver.run()
     entries = {rid: [] for rid in ("top", "chosen", "plain")}
     for result in driver.results:
+        assert decode(encode(result), StepResult) == result
         for sampled in result.sampled:
             entries[sampled.request_id].append(sampled)
     expected = torch.log_softmax(reference_logits(reference, with_top.tokens), dim=-1)
