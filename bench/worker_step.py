@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from services.worker.kv_cache import KVCache
-from services.worker.loader import load_model
+from services.worker.loader import load_model, prepare_for_device
 from services.worker.model_runner import ModelRunner
 from services.worker.models.config import ModelConfig, RopeScaling
 from services.worker.models.registry import build_model
@@ -31,6 +31,21 @@ from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 
 RANDOM_SHAPES = {
+    "smollm2": ModelConfig(
+        architecture="LlamaForCausalLM",
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rms_norm_eps=1e-5,
+        rope=RopeScaling(theta=100000.0),
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_ids=[2],
+    ),
     "llama3-8b": ModelConfig(
         architecture="LlamaForCausalLM",
         hidden_size=4096,
@@ -70,13 +85,17 @@ class Timer:
             self.total += time.perf_counter() - started
 
 
-def random_model(name: str, dtype: torch.dtype, device: str) -> tuple[Any, ModelConfig]:
+def random_model(
+    name: str, dtype: torch.dtype, device: str, plain_weights: bool
+) -> tuple[Any, ModelConfig]:
     config = RANDOM_SHAPES[name]
     with torch.device(device):
         model = build_model(config, max_model_len=1024).to(dtype)
         for param in model.parameters():
             param.data.normal_(0.0, 0.02)
     model.rotary.materialize(device, dtype)
+    if not plain_weights:
+        prepare_for_device(model, dtype, torch.device(device))
     return model.eval().requires_grad_(False), config
 
 
@@ -88,9 +107,10 @@ def bench(
     batch: int,
     prompt_len: int,
     steps: int,
+    plain_weights: bool = False,
 ) -> dict:
     if random:
-        model, config = random_model(random, dtype, device)
+        model, config = random_model(random, dtype, device, plain_weights)
     else:
         model, config = load_model(model_dir, dtype, device)
     blocks = batch * (-(-(prompt_len + steps + 1) // 16)) + 8
@@ -144,6 +164,11 @@ def main() -> None:
     parser.add_argument("--model", default="", help="HF dir or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--random", default="", choices=["", *RANDOM_SHAPES])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--plain-weights",
+        action="store_true",
+        help="with --random: skip the CPU weight layouts (column-major fp32, packed bf16)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64)
@@ -167,7 +192,14 @@ def main() -> None:
         for batch in args.batch:
             dtype = getattr(torch, dtype_name)
             r = bench(
-                model_dir, args.random, args.device, dtype, batch, args.prompt_len, args.steps
+                model_dir,
+                args.random,
+                args.device,
+                dtype,
+                batch,
+                args.prompt_len,
+                args.steps,
+                args.plain_weights,
             )
             print(
                 f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>7.1f} "

@@ -19,7 +19,7 @@ from services.worker.models.packed_linear import PackedLinear, pack_linear_layer
 from services.worker.models.registry import build_model
 from shared.model_source import ModelSource
 
-__all__ = ["CheckpointError", "load_model", "resolve_dtype"]
+__all__ = ["CheckpointError", "load_model", "prepare_for_device", "resolve_dtype"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,13 +81,19 @@ def load_model(
             )
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.materialize(device, torch_dtype)
-    if device.type == "cpu" and torch_dtype == torch.float32:
+    prepare_for_device(model, torch_dtype, device)
+    return model.eval().requires_grad_(False), config
+
+
+def prepare_for_device(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Lay the loaded weights out for the fastest CPU matmuls of their dtype (no-op on GPU).
+    Values are unchanged; state_dict() of an fp32 model is unchanged too."""
+    if device.type == "cpu" and dtype == torch.float32:
         store_weights_column_major(model)
-    elif packing_supported(torch_dtype, device):
+    elif packing_supported(dtype, device):
         pack_linear_layers(model)
         if model.lm_head is None:  # tied: the head gets its own packed copy of the embedding
             model.lm_head = PackedLinear(model.embed_tokens.weight, None)
-    return model.eval().requires_grad_(False), config
 
 
 def store_weights_column_major(model: nn.Module) -> None:
