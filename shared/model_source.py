@@ -97,7 +97,7 @@ def _convert(gguf: Path, out: Path) -> None:
     log.info("conversion: tokenizer read (%.1f s); dequantizing weights", time.monotonic() - t0)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     log.info("conversion: weights dequantized (%.1f s); writing", time.monotonic() - t0)
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # dequantized: no quantizer
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out, safe_serialization=True)
