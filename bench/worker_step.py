@@ -108,12 +108,13 @@ def bench(
     prompt_len: int,
     steps: int,
     plain_weights: bool = False,
+    profile: bool = False,
 ) -> dict:
     if random:
         model, config = random_model(random, dtype, device, plain_weights)
     else:
         model, config = load_model(model_dir, dtype, device)
-    blocks = batch * (-(-(prompt_len + steps + 1) // 16)) + 8
+    blocks = batch * (-(-(prompt_len + steps + 12) // 16)) + 8
     kv = KVCache.allocate(config, num_blocks=blocks, block_size=16, dtype=dtype, device=device)
     runner = ModelRunner(model, config, kv, device, max_num_reqs=max(batch, 8), max_model_len=1024)
     runner.warmup()
@@ -130,7 +131,7 @@ def bench(
     model.forward, model.compute_logits = forward, logits  # type: ignore[method-assign]
     runner.sampler.sample = sample  # type: ignore[method-assign]
     driver = PlanDriver(runner, token_budget=batch * prompt_len)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True)
     for i in range(batch):
         prompt = [(17 * i + 31 * j) % config.vocab_size for j in range(prompt_len)]
         driver.add(f"req-{i}", prompt, params)
@@ -143,6 +144,14 @@ def bench(
         wall = time.perf_counter() - started
         assert len(result.sampled) == batch
         rows.append((wall, result.execute_ms / 1000, forward.total, logits.total + sample.total))
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                driver.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     wall, execute, fwd, head = med
     return {
@@ -169,6 +178,7 @@ def main() -> None:
         action="store_true",
         help="with --random: skip the CPU weight layouts (column-major fp32, packed bf16)",
     )
+    parser.add_argument("--profile", action="store_true", help="print a torch profile table")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64)
@@ -200,6 +210,7 @@ def main() -> None:
                 args.prompt_len,
                 args.steps,
                 args.plain_weights,
+                args.profile,
             )
             print(
                 f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>7.1f} "
