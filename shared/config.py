@@ -82,6 +82,11 @@ class GrammarSettings(CommonSettings, ModelSettings):
     port: int = 8003
     cache_entries: int = 512
     compile_timeout_s: float = 10.0
+    compile_workers: int = 2  # compiler processes (each compiles one grammar at a time)
+    compile_threads: int = 1  # xgrammar threads per compilation
+    compile_memory_mb: int = 2048  # address space a compilation may add before it is refused
+    cache_ttl_s: int = 7 * 86400  # compiled grammars in Redis; refreshed on every use
+    max_compiled_bytes: int = 64 * 2**20  # larger serialized grammars are refused
 
 
 class KVStoreSettings(CommonSettings):

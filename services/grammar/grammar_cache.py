@@ -1,0 +1,202 @@
+"""Compiled grammars by key: memory (bounded LRU), then Redis, then the compiler pool.
+
+Invariants:
+- Every key this returns is in Redis, with the tokenizer info it needs, when the call returns:
+  the gateway puts the key on the bus right after, and a scheduler reads it from Redis. A
+  memory hit therefore refreshes the Redis entry's TTL and rewrites it when Redis lost it
+  (evicted, or Redis restarted empty).
+- One compilation per key at a time: concurrent requests for one spec share it (single
+  flight), and a caller that goes away does not cancel it for the others.
+- A spec that failed is remembered (bounded) and refused at once, so a pathological spec sent
+  again does not occupy a compiler process for another time limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NoReturn, TypeVar
+
+from prometheus_client import Counter, Histogram
+from redis.exceptions import RedisError
+
+from services.grammar.compiler_pool import CompilerPool
+from services.grammar.compiler_process import CompileError
+from services.grammar.grammar_spec import CompileJob, GrammarSpecError, compile_job, grammar_key
+from services.grammar.tokenizer_identity import TokenizerIdentity
+from shared.grammar_store import GrammarEntry, GrammarEntryError, GrammarKeys
+from shared.metrics import metric_name
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+log = logging.getLogger(__name__)
+
+COMPILE_SECONDS = Histogram(
+    metric_name("grammar_compile_seconds"),
+    "Time to compile and serialize one grammar (in the compiler process)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+CACHE_HITS = Counter(
+    metric_name("grammar_cache_hits"), "Grammar requests served from a cache", ["tier"]
+)
+CACHE_MISSES = Counter(metric_name("grammar_cache_misses"), "Grammar requests that compiled")
+COMPILE_FAILURES = Counter(
+    metric_name("grammar_compile_failures"), "Grammar specs refused (invalid, too slow, too big)"
+)
+
+FAILURES_REMEMBERED = 1024
+T = TypeVar("T")
+
+Source = Literal["memory", "redis", "compiled"]
+
+
+class GrammarRefused(Exception):
+    """The spec is invalid or cannot be compiled within the limits (HTTP 400)."""
+
+
+class GrammarStoreUnavailable(Exception):
+    """Redis cannot be reached, so no key can be handed out (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class GrammarInfo:
+    key: str
+    kind: str
+    source: Source
+    compiled_bytes: int
+    compile_seconds: float = 0.0
+
+
+class GrammarCache:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: GrammarKeys,
+        pool: CompilerPool,
+        tokenizer: TokenizerIdentity,
+        *,
+        entries: int = 512,
+        ttl_s: int = 7 * 86400,
+        compile_timeout_s: float = 10.0,
+        max_compiled_bytes: int = 64 * 2**20,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.entries = max(1, entries)
+        self.ttl_s = ttl_s
+        self.compile_timeout_s = compile_timeout_s
+        self.max_compiled_bytes = max_compiled_bytes
+        self._memory: OrderedDict[str, GrammarEntry] = OrderedDict()
+        self._failures: OrderedDict[str, str] = OrderedDict()
+        self._inflight: dict[str, asyncio.Task[GrammarInfo]] = {}
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._memory)
+
+    async def publish_tokenizer(self) -> None:
+        await self.redis.set(self.keys.tokenizer(self.tokenizer.hash), self.tokenizer.info_json)
+
+    async def get(self, kind: str, spec: str) -> GrammarInfo:
+        """The key of (kind, spec) compiled for the served tokenizer, stored in Redis.
+        Raises GrammarRefused (400) or GrammarStoreUnavailable (503)."""
+        try:
+            job = compile_job(kind, spec)
+        except GrammarSpecError as exc:
+            COMPILE_FAILURES.inc()
+            raise GrammarRefused(str(exc)) from None
+        key = grammar_key(kind, spec, self.tokenizer.hash, self.tokenizer.xgrammar_version)
+        if key in self._failures:
+            self._failures.move_to_end(key)
+            raise GrammarRefused(self._failures[key])
+        entry = self._memory.get(key)
+        if entry is not None:
+            self._memory.move_to_end(key)
+            await self._ensure_stored(key, entry)
+            CACHE_HITS.labels("memory").inc()
+            return GrammarInfo(key, kind, "memory", len(entry.compiled))
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.create_task(self._load_or_compile(key, kind, job))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _load_or_compile(self, key: str, kind: str, job: CompileJob) -> GrammarInfo:
+        stored = await self._redis(self.redis.get(self.keys.grammar(key)))
+        if stored is not None:
+            entry = self._usable(stored)
+            if entry is not None:
+                self._remember(key, entry)
+                await self._ensure_stored(key, entry)
+                CACHE_HITS.labels("redis").inc()
+                return GrammarInfo(key, kind, "redis", len(entry.compiled))
+        CACHE_MISSES.inc()
+        try:
+            compiled = await self.pool.compile(job, self.compile_timeout_s)
+        except CompileError as exc:
+            self._refuse(key, str(exc))
+        COMPILE_SECONDS.observe(compiled.seconds)
+        if len(compiled.serialized) > self.max_compiled_bytes:
+            self._refuse(
+                key,
+                f"the compiled grammar takes {len(compiled.serialized)} bytes, more than the "
+                f"{self.max_compiled_bytes} allowed; simplify the spec",
+            )
+        entry = GrammarEntry(
+            kind, compiled.serialized, self.tokenizer.hash, self.tokenizer.xgrammar_version
+        )
+        await self._redis(self.redis.set(self.keys.grammar(key), entry.encode(), ex=self.ttl_s))
+        self._remember(key, entry)
+        return GrammarInfo(key, kind, "compiled", len(entry.compiled), compiled.seconds)
+
+    def _usable(self, raw: bytes) -> GrammarEntry | None:
+        try:
+            entry = GrammarEntry.decode(raw)
+        except GrammarEntryError as exc:
+            log.warning("ignoring an unreadable grammar cache entry: %s", exc)
+            return None
+        same = (entry.tokenizer_hash, entry.xgrammar_version) == (
+            self.tokenizer.hash,
+            self.tokenizer.xgrammar_version,
+        )
+        return entry if same else None
+
+    def _remember(self, key: str, entry: GrammarEntry) -> None:
+        self._memory[key] = entry
+        self._memory.move_to_end(key)
+        while len(self._memory) > self.entries:
+            self._memory.popitem(last=False)
+
+    def _refuse(self, key: str, message: str) -> NoReturn:
+        COMPILE_FAILURES.inc()
+        self._failures[key] = message
+        while len(self._failures) > FAILURES_REMEMBERED:
+            self._failures.popitem(last=False)
+        raise GrammarRefused(message)
+
+    async def _ensure_stored(self, key: str, entry: GrammarEntry) -> None:
+        """Refresh the TTL; rewrite the entry (and the tokenizer info) if Redis lost them."""
+        grammar_key_name = self.keys.grammar(key)
+        tokenizer_key_name = self.keys.tokenizer(self.tokenizer.hash)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.expire(grammar_key_name, self.ttl_s)
+        pipe.exists(tokenizer_key_name)
+        grammar_present, tokenizer_present = await self._redis(pipe.execute())
+        if not grammar_present:
+            await self._redis(self.redis.set(grammar_key_name, entry.encode(), ex=self.ttl_s))
+        if not tokenizer_present:
+            await self._redis(self.publish_tokenizer())
+
+    @staticmethod
+    async def _redis(awaitable: Awaitable[T]) -> T:
+        try:
+            return await awaitable
+        except (RedisError, OSError) as exc:
+            raise GrammarStoreUnavailable(f"Redis is unreachable: {exc}") from None
