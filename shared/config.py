@@ -69,6 +69,12 @@ class SchedulerSettings(CommonSettings, ModelSettings):
     enable_prefix_caching: bool = True
     step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
     worker_ready_timeout_s: float = 600.0
+    # Structured outputs with a reasoning model: token ids of the markers that end / start its
+    # reasoning (e.g. `</think>` / `<think>`; JSON lists). Empty end marker = no reasoning
+    # parser: the grammar applies from the first output token.
+    reasoning_end_token_ids: list[int] = Field(default_factory=list)
+    reasoning_start_token_ids: list[int] = Field(default_factory=list)
+    structured_outputs_enable_in_reasoning: bool = False  # constrain the reasoning too
 
 
 class WorkerSettings(CommonSettings, ModelSettings):

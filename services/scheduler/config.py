@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup
+from services.scheduler.structured_output.reasoning import ReasoningConfig
 from shared.config import SchedulerSettings
 from shared.protocol import WorkerReady
 
@@ -27,6 +28,8 @@ class SchedulerConfig(BaseModel):
     max_step_failures: int = Field(default=3, ge=1)
     # Empty = one full-attention group at `block_size`.
     kv_cache_groups: list[KVCacheGroup] = Field(default_factory=list)
+    # Structured outputs: where reasoning ends (the grammar applies after it).
+    reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
 
     @model_validator(mode="after")
     def _default_groups(self) -> SchedulerConfig:
@@ -59,4 +62,9 @@ class SchedulerConfig(BaseModel):
             max_model_len=max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
             eos_token_ids=list(ready.eos_token_ids),
+            reasoning=ReasoningConfig(
+                end_token_ids=tuple(settings.reasoning_end_token_ids),
+                start_token_ids=tuple(settings.reasoning_start_token_ids),
+                enable_in_reasoning=settings.structured_outputs_enable_in_reasoning,
+            ),
         )

@@ -22,6 +22,7 @@ and `preempted_request_ids` before adding `new_requests`.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 from services.scheduler.block_pool import KVCacheBlock
 from services.scheduler.config import SchedulerConfig
@@ -29,6 +30,7 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
 from services.scheduler.stop import check_stop
+from services.scheduler.structured_output import StructuredOutputManager
 from services.scheduler.trusted_message import TrustedBuilder
 from shared.protocol import (
     CachedRequestData,
@@ -40,6 +42,9 @@ from shared.protocol import (
     StepResult,
     SubmitRequest,
 )
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 RUNNING = RequestStatus.RUNNING
 _new_request_data = TrustedBuilder(NewRequestData)
@@ -75,18 +80,26 @@ class Scheduler:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_step_failures = 0
+        self.structured = StructuredOutputManager(config.reasoning)
 
     # ----------------------------------------------------------------- requests in and out
 
-    def add_request(self, msg: SubmitRequest) -> RequestDelta | None:
+    def add_request(
+        self, msg: SubmitRequest, grammar: CompiledGrammar | None = None
+    ) -> RequestDelta | None:
         """Queue a request. Returns None when accepted (or already known: redelivery of the
-        same request id is idempotent), or a finished "error" delta explaining the rejection."""
+        same request id is idempotent), or a finished "error" delta explaining the rejection.
+        A structured-output request comes with its compiled grammar, loaded by the caller."""
         if msg.request_id in self.requests:
             return None
         error = self._admission_error(msg)
+        if error is None and msg.grammar is not None and grammar is None:
+            error = "the request's structured-output grammar is not loaded"
         if error is not None:
             return _final_delta(msg.request_id, 0, "error", error=error)
         request = Request.from_submit(msg, self.config.block_size)
+        if grammar is not None:
+            self.structured.add(request.request_id, grammar)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         return None
@@ -183,6 +196,7 @@ class Scheduler:
 
         if not num_scheduled:
             return None
+        grammar_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled)
         plan = _step_plan(
             step_id=self.step_id,
             scheduler_id=self.scheduler_id,
@@ -192,8 +206,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             finished_request_ids=self._finished_for_worker,
             preempted_request_ids=self._preempted_for_worker,
-            grammar_request_ids=[],
-            grammar_bitmask=b"",
+            grammar_request_ids=grammar_ids,
+            grammar_bitmask=grammar_bitmask,
         )
         self._finished_for_worker = []
         self._preempted_for_worker = []
@@ -302,11 +316,17 @@ class Scheduler:
         request finished."""
         start = request.num_output_tokens
         decision = None
-        for token in sampled.token_ids:
+        tokens = sampled.token_ids
+        grammar = self.structured.accept(request.request_id, request.all_token_ids, tokens)
+        if grammar is not None:  # a constrained request: tokens past a rejection are dropped
+            tokens = tokens[: grammar.num_tokens]
+        for token in tokens:
             request.append_output_token(token)
             decision = check_stop(request, self._eos, self.config.max_model_len)
             if decision is not None:
                 break
+        if decision is None and grammar is not None and grammar.finish_reason is not None:
+            decision = grammar.finish_reason, grammar.stop_token_id
         n = request.num_output_tokens - start
         delta = _request_delta(
             request_id=request.request_id,
@@ -328,6 +348,8 @@ class Scheduler:
             delta.num_cached_tokens = max(request.num_cached_tokens, 0)
         if decision is not None:
             delta.finish_reason, delta.stop_token_id = decision
+            if grammar is not None and decision[0] == "error":
+                delta.error = grammar.error
             self._finish(request, decision[0])
             out.finished_request_ids.append(request.request_id)
         out.add(request.reply_stream, delta)
@@ -337,6 +359,7 @@ class Scheduler:
         """Release everything the request holds; the caller removes it from its queue."""
         request.status = RequestStatus.finished(reason)
         self.kv.free(request)
+        self.structured.remove(request.request_id)
         del self.requests[request.request_id]
         self.num_finished += 1
         if request.request_id in self._worker_known:
@@ -380,6 +403,19 @@ class Scheduler:
         gone = {id(r) for r in requests}
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting.extendleft(reversed(requeue))
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], bytes]:
+        """One bitmask row per constrained request that samples this step (its computed
+        tokens reach its known tokens; a partial prefill samples nothing)."""
+        if not self.structured:
+            return [], b""
+        sampling = [
+            (rid, request.all_token_ids)
+            for rid in num_scheduled
+            if rid in self.structured
+            and (request := self.requests[rid]).num_computed_tokens >= request.num_tokens
+        ]
+        return self.structured.grammar_bitmask(sampling)
 
     def _settle(self, plan: StepPlan) -> bool:
         """Mark the plan's step as answered; False if it was not in flight (stale or repeat)."""

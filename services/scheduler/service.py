@@ -24,15 +24,17 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_output import SchedulerOutput
+from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
 from shared.bus import Delivery
 from shared.config import SchedulerSettings
+from shared.grammar_store import GrammarKeys
 from shared.metrics import metric_name
 from shared.protocol import (
     AbortRequest,
@@ -45,6 +47,9 @@ from shared.protocol import (
 )
 from shared.service import Service
 from shared.streams import SCHEDULER_GROUP
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +84,9 @@ class SchedulerService(Service):
         self.worker_seen_at = 0.0
         # request id -> (its submit message, its bus entry), for acks and rebuilds
         self.inflight: dict[str, tuple[SubmitRequest, Delivery]] = {}
+        # Compiled grammars of the structured-output requests in `inflight`, loaded at intake.
+        self.grammars: dict[str, CompiledGrammar] = {}
+        self.grammar_loader: GrammarLoader | None = None
         self.backlog: list[SubmitRequest] = []  # arrived before any worker announced itself
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.wakeup = asyncio.Event()
@@ -95,6 +103,7 @@ class SchedulerService(Service):
     async def start(self) -> None:
         await super().start()
         await self.bus.ensure_group(self.streams.requests, SCHEDULER_GROUP)
+        self.grammar_loader = GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster))
 
     async def run(self) -> None:
         tasks = [
@@ -172,19 +181,50 @@ class SchedulerService(Service):
                 continue
             if msg.request_id in self.inflight:
                 continue  # redelivered while we hold it
+            if msg.grammar is not None:
+                error = await self._load_grammar(msg)
+                if msg.request_id in self.inflight:
+                    continue  # taken by a concurrent intake (a claim) while it loaded
+                if msg.request_id in self.aborted:  # aborted while it loaded
+                    self.aborted.pop(msg.request_id)
+                    self.grammars.pop(msg.request_id, None)
+                    done.append(delivery)
+                    continue
+                if error is not None:
+                    rejected.append((msg.reply_stream, error))
+                    done.append(delivery)
+                    continue
             self.inflight[msg.request_id] = (msg, delivery)
             if self.core is None:
                 self.backlog.append(msg)
                 continue
-            delta = self.core.add_request(msg)
+            delta = self.core.add_request(msg, self.grammars.get(msg.request_id))
             if delta is not None:
                 rejected.append((msg.reply_stream, delta))
-                done.append(self.inflight.pop(msg.request_id)[1])
+                done.append(self._forget(msg.request_id)[1])
         if rejected:
             await self._publish_deltas(rejected)
         if done:
             await self.bus.ack(SCHEDULER_GROUP, done)
         self.wakeup.set()
+
+    async def _load_grammar(self, msg: SubmitRequest) -> RequestDelta | None:
+        """Load the request's compiled grammar before the core sees it (the core never waits
+        on I/O); an "error" delta when it cannot be loaded."""
+        assert msg.grammar is not None and self.grammar_loader is not None
+        try:
+            self.grammars[msg.request_id] = await self.grammar_loader.load(msg.grammar.key)
+        except GrammarUnavailable as exc:
+            log.warning("structured output refused: %s", exc, extra={"request_id": msg.request_id})
+            return RequestDelta(
+                request_id=msg.request_id, start_index=0, finish_reason="error", error=str(exc)
+            )
+        return None
+
+    def _forget(self, request_id: str) -> tuple[SubmitRequest, Delivery]:
+        """Drop a request we no longer hold (finished, rejected, aborted)."""
+        self.grammars.pop(request_id, None)
+        return self.inflight.pop(request_id)
 
     async def _aborts(self) -> None:
         last = {self.streams.aborts: "$"}
@@ -208,7 +248,7 @@ class SchedulerService(Service):
         if delta is None:
             delta = RequestDelta(request_id=request_id, start_index=0, finish_reason="abort")
         await self._publish_deltas([(submit.reply_stream, delta)])
-        del self.inflight[request_id]
+        self._forget(request_id)
         await self.bus.ack(SCHEDULER_GROUP, [delivery])
         log.info("aborted", extra={"request_id": request_id})
         self.wakeup.set()
@@ -281,7 +321,7 @@ class SchedulerService(Service):
         self.core = Scheduler(config, self.settings.instance_id)
         self.backlog = []
         for submit, _ in list(self.inflight.values()):
-            self.core.add_request(submit)
+            self.core.add_request(submit, self.grammars.get(submit.request_id))
 
     async def _results(self) -> None:
         last = {self.streams.results(self.settings.group): "$"}
@@ -361,9 +401,7 @@ class SchedulerService(Service):
             await self.bus.publish_many(out.token_deltas(self.settings.instance_id))
         if out.finished_request_ids:
             finished = [
-                entry[1]
-                for rid in out.finished_request_ids
-                if (entry := self.inflight.pop(rid, None)) is not None
+                self._forget(rid)[1] for rid in out.finished_request_ids if rid in self.inflight
             ]
             await self.bus.ack(SCHEDULER_GROUP, finished)
 

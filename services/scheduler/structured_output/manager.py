@@ -77,10 +77,12 @@ class StructuredOutputManager:
             return [], b""
         return ids, rows[: len(ids)].astype("<i4", copy=False).tobytes()
 
-    def accept(self, request_id: str, history: Sequence[int], tokens: Sequence[int]) -> Accepted:
-        """Advance the request's grammar by a step's sampled tokens; unconstrained requests
-        accept everything."""
+    def accept(
+        self, request_id: str, history: Sequence[int], tokens: Sequence[int]
+    ) -> Accepted | None:
+        """Advance the request's grammar by a step's sampled tokens (`history`: its tokens
+        before them). None for an unconstrained request."""
         grammar = self._grammars.get(request_id)
         if grammar is None:
-            return Accepted(len(tokens))
+            return None
         return grammar.accept(history, tokens)

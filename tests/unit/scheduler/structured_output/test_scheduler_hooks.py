@@ -1,0 +1,198 @@
+"""The scheduler core with grammars: bitmask rows in plans, grammar advance on results.
+
+The "worker" here is scripted: each request emits its script's tokens one per sampling step,
+whatever the mask says, so a test can check both what the plan's row allows and what the
+scheduler does with a token the grammar rejects. The grammar is real xgrammar (conftest).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.structured_output import ReasoningConfig
+from shared.protocol import (
+    GrammarRef,
+    RequestDelta,
+    SampledTokens,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+)
+from tests.unit.scheduler.structured_output.conftest import (
+    ALL,
+    COLON,
+    END,
+    EOS,
+    HMM,
+    KEY,
+    LB,
+    ONE,
+    RB,
+    THINK,
+    TWO,
+    X,
+)
+
+GRAMMAR_REF = GrammarRef(kind="grammar", spec="(compiled in the fixture)", key="k")
+
+
+def scheduler(**overrides: Any) -> Scheduler:
+    options: dict[str, Any] = {"num_gpu_blocks": 64, "block_size": 4, "eos_token_ids": [EOS]}
+    options.update(overrides)
+    return Scheduler(SchedulerConfig(**options), "sched")
+
+
+def submit(
+    rid: str, prompt: list[int], grammar: bool = True, max_tokens: int = 16
+) -> SubmitRequest:
+    return SubmitRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        reply_stream="replies",
+        grammar=GRAMMAR_REF if grammar else None,
+    )
+
+
+def rows_of(plan: StepPlan) -> dict[str, frozenset[int]]:
+    if not plan.grammar_request_ids:
+        assert plan.grammar_bitmask == b""
+        return {}
+    words = np.frombuffer(plan.grammar_bitmask, dtype="<i4").reshape(
+        len(plan.grammar_request_ids), -1
+    )
+    return {
+        rid: frozenset(b for b in range(32) if (int(words[i, 0]) & 0xFFFFFFFF) >> b & 1)
+        for i, rid in enumerate(plan.grammar_request_ids)
+    }
+
+
+class ScriptedRun:
+    def __init__(self, core: Scheduler, scripts: dict[str, list[int]]) -> None:
+        self.core = core
+        self.scripts = {rid: list(tokens) for rid, tokens in scripts.items()}
+        self.rows: list[dict[str, frozenset[int]]] = []
+        self.outputs: dict[str, list[int]] = {rid: [] for rid in scripts}
+        self.finals: dict[str, RequestDelta] = {}
+
+    def step(self) -> StepPlan | None:
+        plan = self.core.schedule()
+        if plan is None:
+            return None
+        self.rows.append(rows_of(plan))
+        sampled = []
+        for rid in plan.num_scheduled_tokens:
+            request = self.core.requests[rid]
+            if request.num_computed_tokens >= request.num_tokens:
+                sampled.append(SampledTokens(request_id=rid, token_ids=[self.scripts[rid].pop(0)]))
+        out = self.core.update_from_output(
+            plan, StepResult(step_id=plan.step_id, worker_id="w", sampled=sampled)
+        )
+        for delta in (d for deltas in out.deltas.values() for d in deltas):
+            self.outputs[delta.request_id].extend(delta.token_ids)
+            if delta.finish_reason is not None:
+                self.finals[delta.request_id] = delta
+        return plan
+
+    def run(self) -> None:
+        while self.step() is not None:
+            pass
+        assert not self.core.has_work()
+
+
+def test_a_constrained_request_gets_rows_and_stops_when_the_grammar_terminates(
+    compiled: Any,
+) -> None:
+    core = scheduler()
+    assert core.add_request(submit("g", [HMM, HMM]), compiled) is None
+    assert core.add_request(submit("free", [HMM], grammar=False, max_tokens=3)) is None
+    script = [LB, KEY, COLON, TWO, ONE, RB, EOS]
+    run = ScriptedRun(core, {"g": script, "free": [X, X, X]})
+    run.run()
+    assert run.outputs["g"] == script
+    assert (run.finals["g"].finish_reason, run.finals["g"].stop_token_id) == ("stop", EOS)
+    assert run.outputs["free"] == [X, X, X] and run.finals["free"].finish_reason == "length"
+    expected = [{LB}, {KEY}, {COLON}, {ONE, TWO}, {ONE, TWO, RB}, {ONE, TWO, RB}, {EOS}]
+    assert [r["g"] for r in run.rows] == expected
+    assert all("free" not in r for r in run.rows)  # unconstrained: never listed
+    assert len(core.structured) == 0  # released with the request
+
+
+def test_ignore_eos_does_not_keep_a_terminated_grammar_running(compiled: Any) -> None:
+    core = scheduler()
+    msg = submit("g", [HMM])
+    msg.sampling.ignore_eos = True
+    core.add_request(msg, compiled)
+    run = ScriptedRun(core, {"g": [LB, KEY, COLON, ONE, RB, EOS, X]})
+    run.run()
+    assert run.outputs["g"] == [LB, KEY, COLON, ONE, RB, EOS]
+    assert run.finals["g"].finish_reason == "stop"
+
+
+def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(compiled: Any) -> None:
+    core = scheduler()
+    core.add_request(submit("g", [HMM]), compiled)
+    core.add_request(submit("free", [HMM], grammar=False, max_tokens=4), None)
+    run = ScriptedRun(core, {"g": [LB, X, KEY], "free": [HMM] * 4})
+    run.run()  # no exception: the engine keeps going
+    final = run.finals["g"]
+    assert final.finish_reason == "error" and final.error is not None and str(X) in final.error
+    assert run.outputs["g"] == [LB]  # the rejected token is dropped
+    assert run.outputs["free"] == [HMM] * 4
+
+
+def test_no_row_while_a_prompt_is_prefilled_in_chunks(compiled: Any) -> None:
+    core = scheduler(max_num_batched_tokens=4)
+    core.add_request(submit("g", [HMM] * 10), compiled)
+    run = ScriptedRun(core, {"g": [LB, KEY, COLON, ONE, RB, EOS]})
+    for _ in range(2):  # 4 + 4 of the 10 prompt tokens: nothing sampled, no row
+        run.step()
+    assert run.rows == [{}, {}]
+    run.run()
+    assert run.rows[2] == {"g": frozenset({LB})}
+    assert run.finals["g"].finish_reason == "stop"
+
+
+def test_reasoning_is_free_until_the_marker_then_constrained(compiled: Any) -> None:
+    core = scheduler(reasoning=ReasoningConfig(end_token_ids=(END,)))
+    core.add_request(submit("g", [THINK]), compiled)
+    script = [HMM, X, END, LB, KEY, COLON, ONE, RB, EOS]
+    run = ScriptedRun(core, {"g": script})
+    run.run()
+    assert run.outputs["g"] == script
+    assert run.finals["g"].finish_reason == "stop"
+    # Steps sampling HMM, X and END send no row (nothing restricted); then the grammar.
+    assert [r.get("g", ALL) for r in run.rows[:4]] == [ALL, ALL, ALL, frozenset({LB})]
+
+
+def test_a_grammar_request_without_its_grammar_is_refused(compiled: Any) -> None:
+    delta = scheduler().add_request(submit("g", [HMM]), None)
+    assert delta is not None and delta.finish_reason == "error"
+    assert delta.error is not None and "grammar" in delta.error
+
+
+@pytest.mark.parametrize("restart_after", [2, 4])
+def test_a_worker_restart_keeps_the_grammar_in_step_with_the_outputs(
+    compiled: Any, restart_after: int
+) -> None:
+    script = [LB, KEY, COLON, ONE, TWO, RB, EOS]
+    plain = scheduler()
+    plain.add_request(submit("g", [HMM, HMM]), compiled)
+    reference = ScriptedRun(plain, {"g": script})
+    reference.run()
+
+    core = scheduler()
+    core.add_request(submit("g", [HMM, HMM]), compiled)
+    run = ScriptedRun(core, {"g": script})
+    for _ in range(restart_after):
+        run.step()
+    core.reset_worker_state("w1")  # recompute from prompt + outputs, sent again as new
+    run.run()
+    assert run.outputs["g"] == script and run.finals["g"].finish_reason == "stop"
+    assert [r["g"] for r in run.rows] == [r["g"] for r in reference.rows]
