@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from services.worker.attention import AttentionMetadata
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.kv_cache import KVCache
+from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig
 from services.worker.sampling import SamplerOutput, SamplingState
 from shared.protocol import SampledTokens, StepPlan, StepResult
@@ -51,7 +51,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         config: ModelConfig,
         kv_cache: KVCache,
         device: torch.device | str = "cpu",
@@ -64,9 +64,7 @@ class ModelRunner:
         self.config = config
         self.kv_cache = kv_cache
         self.device = torch.device(device)
-        self.max_model_len = max_model_len or getattr(
-            model, "max_model_len", config.max_position_embeddings
-        )
+        self.max_model_len = max_model_len or model.max_model_len
         rope_positions = model.rotary.max_position
         if self.max_model_len > rope_positions:
             raise ValueError(

@@ -14,6 +14,7 @@ from torch import nn
 
 from services.worker.loader.checkpoint_names import CheckpointError, assemble
 from services.worker.loader.safetensors_loader import iter_safetensors
+from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
 from services.worker.models.registry import build_model
@@ -46,7 +47,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     max_model_len: int = 0,
-) -> tuple[nn.Module, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """(model in eval mode on `device`, its config). `source` is a ModelSource, an HF dir or a
     .gguf file. `max_model_len` (0 = the model's own) sizes the RoPE tables."""
     path = Path(source.path if isinstance(source, ModelSource) else source).expanduser()
@@ -82,10 +83,11 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.materialize(device, torch_dtype)
     prepare_for_device(model, torch_dtype, device)
-    return model.eval().requires_grad_(False), config
+    model.eval().requires_grad_(False)
+    return model, config
 
 
-def prepare_for_device(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def prepare_for_device(model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Lay the loaded weights out for the fastest CPU matmuls of their dtype (no-op on GPU).
     Values are unchanged; state_dict() of an fp32 model is unchanged too."""
     if device.type == "cpu" and dtype == torch.float32:

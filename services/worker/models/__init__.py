@@ -1,9 +1,11 @@
 """Our model implementations (transformers is only a reference in tests, never the runtime)."""
 
+from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig, RopeScaling, UnsupportedModelError
 from services.worker.models.registry import build_model, model_class, supported_architectures
 
 __all__ = [
+    "CausalLM",
     "ModelConfig",
     "RopeScaling",
     "UnsupportedModelError",

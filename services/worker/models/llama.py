@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from services.worker.attention import AttentionMetadata, paged_attention
+from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig
 from services.worker.models.layers import GatedMLP, RMSNorm
 from services.worker.models.rope import RotaryEmbedding, apply_rotary
@@ -79,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, max_model_len: int = 0) -> None:
         super().__init__()
         self.config = config
@@ -89,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
+        self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -120,4 +121,5 @@ class LlamaForCausalLM(nn.Module):
         unless the loader installed a separately laid-out head (see packed_linear.py)."""
         if self.lm_head is None:
             return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits

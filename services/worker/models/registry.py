@@ -11,8 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch import nn
-
+    from services.worker.models.base import CausalLM
     from services.worker.models.config import ModelConfig
 
 _ARCHITECTURES: dict[str, str] = {
@@ -24,7 +23,7 @@ def supported_architectures() -> frozenset[str]:
     return frozenset(_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[CausalLM]:
     from services.worker.models.config import UnsupportedModelError
 
     target = _ARCHITECTURES.get(architecture)
@@ -36,6 +35,6 @@ def model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]
 
 
-def build_model(config: ModelConfig, max_model_len: int = 0) -> nn.Module:
+def build_model(config: ModelConfig, max_model_len: int = 0) -> CausalLM:
     """An un-initialised model (call under `torch.device('meta')` to allocate nothing)."""
-    return model_class(config.architecture)(config, max_model_len=max_model_len)
+    return model_class(config.architecture)(config, max_model_len=max_model_len)  # type: ignore[call-arg]

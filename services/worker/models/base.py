@@ -1,0 +1,38 @@
+"""What every model family offers the runner: a flat-batch forward and logits for chosen rows.
+
+A family (Llama now; Qwen2/3, Mistral, MoE later) subclasses `CausalLM`, so the runner, the
+loaders and the bench depend on this interface, never on one family's module tree.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from services.worker.attention import AttentionMetadata
+from services.worker.models.config import ModelConfig
+from services.worker.models.rope import RotaryEmbedding
+
+
+class CausalLM(nn.Module):
+    config: ModelConfig
+    max_model_len: int  # positions covered by the RoPE tables
+    rotary: RotaryEmbedding
+    embed_tokens: nn.Embedding
+    lm_head: nn.Module | None  # None: tied, the embedding matrix projects the logits
+
+    @abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids, positions [T] of one flat batch -> final hidden states [T, hidden]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden] of the rows being sampled -> logits [R, vocab]."""
