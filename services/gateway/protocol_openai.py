@@ -292,7 +292,7 @@ class ChatMessage(ApiModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Without max_tokens the rest of the context may be used."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
