@@ -56,6 +56,7 @@ class GatewaySettings(CommonSettings, ModelSettings):
     max_logprobs: int = 20
     request_timeout_s: float = 600.0
     grammar_url: str = "http://127.0.0.1:8003"
+    grammar_timeout_s: float = 30.0  # a compile call (cached: ms; new: up to its time limit)
 
     @property
     def api_key_list(self) -> list[str]:
@@ -93,6 +94,9 @@ class GrammarSettings(CommonSettings, ModelSettings):
     compile_memory_mb: int = 2048  # address space a compilation may add before it is refused
     cache_ttl_s: int = 7 * 86400  # compiled grammars in Redis; refreshed on every use
     max_compiled_bytes: int = 64 * 2**20  # larger serialized grammars are refused
+    # JSON outputs: "compact" (fixed `, ` and `: ` separators) or "any" whitespace (vLLM's
+    # default; small models then tend to loop on newlines).
+    json_whitespace: Literal["compact", "any"] = "compact"
 
 
 class KVStoreSettings(CommonSettings):

@@ -4,6 +4,7 @@ body; the routes only add HTTP (status codes, streaming, disconnects)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.bus_client import GatewayBusClient
 from services.gateway.errors import OpenAIError, invalid_request
+from services.gateway.grammar_client import GrammarClient
 from services.gateway.model_info import ModelInfo
 from services.gateway.protocol_openai import (
     ChatCompletionRequest,
@@ -38,9 +40,14 @@ class Frontend:
     auth: ApiKeyAuth = field(init=False)
     accepting: bool = True  # False while draining: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
+    grammars: GrammarClient | None = None  # default: the grammar service at grammar_url
 
     def __post_init__(self) -> None:
         self.auth = ApiKeyAuth(self.settings.api_key_list)
+        if self.grammars is None:
+            self.grammars = GrammarClient(
+                self.settings.grammar_url, self.settings.grammar_timeout_s
+            )
 
     def check_accepting(self) -> None:
         if not self.accepting:
@@ -57,6 +64,19 @@ class Frontend:
     def plan_chat(self, raw: bytes) -> RequestPlan:
         req = parse_request(ChatCompletionRequest, raw)
         return plan_chat(req, self.tokenizer, self.model, self.settings)
+
+    async def compile_grammar(self, plan: RequestPlan) -> RequestPlan:
+        """The plan with its structured-output grammar compiled (GrammarRef.key set), before
+        anything is queued. 400 for a spec that does not compile, 503 if the grammar service
+        cannot answer; plans without a constraint pass through untouched."""
+        if plan.grammar is None or self.grammars is None:
+            return plan
+        grammar = await self.grammars.compile(plan.grammar, plan.grammar_param)
+        return dataclasses.replace(plan, grammar=grammar)
+
+    async def close(self) -> None:
+        if self.grammars is not None:
+            await self.grammars.close()
 
     def models(self) -> dict[str, Any]:
         card = {

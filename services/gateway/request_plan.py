@@ -21,7 +21,7 @@ from services.gateway.errors import OpenAIError
 from services.gateway.model_info import ModelInfo
 from services.gateway.protocol_openai import ChatCompletionRequest, CompletionRequest
 from services.gateway.sampling_params import sampling_params
-from services.gateway.structured_outputs import grammar_ref
+from services.gateway.structured_outputs import grammar_param, grammar_ref
 from services.gateway.tokenization import PromptTokenizer, TokenizedPrompt
 from services.gateway.validation import check_prompt, check_request, check_routed_experts_start
 from shared.config import GatewaySettings
@@ -47,6 +47,7 @@ class RequestPlan:
     stream: bool
     include_usage: bool
     user: str | None
+    grammar_param: str | None = None  # the request field `grammar` came from (for a 400)
 
     @property
     def num_choices(self) -> int:
@@ -189,4 +190,5 @@ def _plan(
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         user=req.user,
+        grammar_param=grammar_param(req.response_format, req.structured_outputs),
     )

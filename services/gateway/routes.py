@@ -86,6 +86,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
         plan = frontend.plan_completion(await request.body())
+        plan = await frontend.compile_grammar(plan)
         return await _generate(frontend, request, plan, arrival)
 
     @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
@@ -94,6 +95,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
         plan = frontend.plan_chat(await request.body())
+        plan = await frontend.compile_grammar(plan)
         return await _generate(frontend, request, plan, arrival)
 
     return router

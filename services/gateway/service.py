@@ -60,6 +60,7 @@ class GatewayService(Service):
     async def close(self) -> None:
         if self.frontend is not None:
             await self.frontend.client.stop()
+            await self.frontend.close()
         await super().close()
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:

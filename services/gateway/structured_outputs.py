@@ -1,8 +1,8 @@
 """`response_format` and `structured_outputs` -> the GrammarRef carried by a SubmitRequest.
 
-Compiling a grammar is the grammar service's job; here only the shape is checked, so a
-malformed spec is a 400 at the edge instead of a failure deep in the mesh: a JSON schema must be
-a valid JSON schema, a structural tag valid JSON, regexes, grammars and choices non-empty.
+Compiling a grammar is the grammar service's job (see grammar_client); here only the shape is
+checked, so a malformed spec is a 400 at once: a JSON schema must be a valid JSON schema, a
+structural tag valid JSON, regexes, grammars and choices non-empty.
 The schema text keeps the client's key order: property order decides the generated order.
 """
 
@@ -32,6 +32,28 @@ def grammar_ref(
     if structured_outputs is not None:
         return _from_structured_outputs(structured_outputs)
     return None
+
+
+def grammar_param(
+    response_format: ResponseFormat | None, structured_outputs: StructuredOutputs | None
+) -> str | None:
+    """The request field the constraint came from: the `param` of a 400 when it does not
+    compile (call after `grammar_ref` accepted the shape)."""
+    if response_format is not None and response_format.type != "text":
+        if response_format.type == "json_schema":
+            return "response_format.json_schema.schema"
+        return "response_format"
+    so = structured_outputs
+    if so is None:
+        return None
+    if so.json_ is not None:
+        return "structured_outputs.json"
+    if so.json_object:
+        return "structured_outputs.json_object"
+    for field in ("regex", "grammar", "choice", "structural_tag"):
+        if getattr(so, field) is not None:
+            return f"structured_outputs.{field}"
+    return "structured_outputs"
 
 
 def _from_response_format(fmt: ResponseFormat) -> GrammarRef:

@@ -4,7 +4,7 @@ Why a process and not a thread: a pathological spec can make xgrammar compile (o
 for minutes or allocate gigabytes, and a thread can be neither stopped nor bounded. A child can
 be killed at the time limit, and runs under an address-space limit, so the service itself always
 answers. The child holds its own GrammarCompiler over the served tokenizer (sent to it as
-xgrammar's serialized TokenizerInfo) and compiles one job at a time: (method, source) in,
+xgrammar's serialized TokenizerInfo) and compiles one job at a time: a CompileJob in,
 ("ok", serialized grammar, seconds) or ("error", message) out.
 """
 
@@ -23,7 +23,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from services.grammar.grammar_spec import JSON_ANY_WHITESPACE, JSON_STRICT_MODE, CompileJob
+from services.grammar.grammar_spec import JSON_STRICT_MODE, CompileJob
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class CompilerProcess:
         conn = self._conn
         if conn is None or not self.alive:
             raise CompilerUnavailable("compiler process is not running")
-        reply = await asyncio.to_thread(_exchange, conn, (job.method, job.source), timeout_s)
+        reply = await asyncio.to_thread(_exchange, conn, job, timeout_s)
         if reply is None:
             self.kill()
             raise CompilerUnavailable(f"compilation took longer than {timeout_s:g} s")
@@ -107,7 +107,7 @@ class CompilerProcess:
             proc.join(5)
 
 
-def _exchange(conn: Connection, request: tuple[str, str], timeout_s: float) -> Any:
+def _exchange(conn: Connection, request: CompileJob, timeout_s: float) -> Any:
     try:
         conn.send(request)
     except (BrokenPipeError, EOFError, OSError):
@@ -137,12 +137,12 @@ def child_main(conn: Connection, tokenizer_info: str, max_threads: int, memory_m
     conn.send(("ready",))
     while True:
         try:
-            method, source = conn.recv()
+            job = conn.recv()
         except (EOFError, OSError):
             return
         started = time.perf_counter()
         try:
-            compiled = _compile(xgr, compiler, method, source)
+            compiled = compile_grammar(compiler, job)
             serialized = compiled.serialize_json()
             reply: tuple[Any, ...] = ("ok", serialized, time.perf_counter() - started)
         except MemoryError:
@@ -155,13 +155,20 @@ def child_main(conn: Connection, tokenizer_info: str, max_threads: int, memory_m
         conn.send(reply)
 
 
-def _compile(xgr: Any, compiler: Any, method: str, source: str) -> Any:
+def compile_grammar(compiler: Any, job: CompileJob) -> Any:
+    """Run `job` on an xgrammar GrammarCompiler (in the child; tests call it directly)."""
+    import xgrammar as xgr
+
+    method, source = job.method, job.source
     if method == "json_schema":
         return compiler.compile_json_schema(
-            source, any_whitespace=JSON_ANY_WHITESPACE, strict_mode=JSON_STRICT_MODE
+            source, any_whitespace=job.json_any_whitespace, strict_mode=JSON_STRICT_MODE
         )
-    if method == "builtin_json":
-        return compiler.compile_builtin_json_grammar()
+    if method == "json_object":
+        # json_object: any JSON object (OpenAI's JSON mode), whitespace as configured.
+        return compiler.compile_json_schema(
+            '{"type": "object"}', any_whitespace=job.json_any_whitespace, strict_mode=False
+        )
     if method == "regex":
         return compiler.compile_regex(source)
     if method == "ebnf":

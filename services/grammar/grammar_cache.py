@@ -83,6 +83,7 @@ class GrammarCache:
         ttl_s: int = 7 * 86400,
         compile_timeout_s: float = 10.0,
         max_compiled_bytes: int = 64 * 2**20,
+        json_any_whitespace: bool = False,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -92,6 +93,7 @@ class GrammarCache:
         self.ttl_s = ttl_s
         self.compile_timeout_s = compile_timeout_s
         self.max_compiled_bytes = max_compiled_bytes
+        self.json_any_whitespace = json_any_whitespace
         self._memory: OrderedDict[str, GrammarEntry] = OrderedDict()
         self._failures: OrderedDict[str, str] = OrderedDict()
         self._inflight: dict[str, asyncio.Task[GrammarInfo]] = {}
@@ -107,11 +109,11 @@ class GrammarCache:
         """The key of (kind, spec) compiled for the served tokenizer, stored in Redis.
         Raises GrammarRefused (400) or GrammarStoreUnavailable (503)."""
         try:
-            job = compile_job(kind, spec)
+            job = compile_job(kind, spec, json_any_whitespace=self.json_any_whitespace)
         except GrammarSpecError as exc:
             COMPILE_FAILURES.inc()
             raise GrammarRefused(str(exc)) from None
-        key = grammar_key(kind, spec, self.tokenizer.hash, self.tokenizer.xgrammar_version)
+        key = grammar_key(job, kind, spec, self.tokenizer.hash, self.tokenizer.xgrammar_version)
         if key in self._failures:
             self._failures.move_to_end(key)
             raise GrammarRefused(self._failures[key])

@@ -7,7 +7,7 @@ keywords that xgrammar 0.2 accepts but silently does not enforce (measured: `uni
 `allOf`) are refused: a constraint the output may violate is worse than a clear error.
 
 Kinds (GrammarRef.kind): `json_schema` (the schema as JSON text), `json_object` (any JSON
-object/array; spec ignored), `regex`, `choice` (a JSON list of literal strings, compiled as an
+object; spec ignored), `regex`, `choice` (a JSON list of literal strings, compiled as an
 EBNF alternation of escaped literals), `grammar` (EBNF/GBNF when it has `::=`, else Lark),
 `structural_tag` (xgrammar's structural tag JSON, or vLLM's legacy
 `{"structures": [...], "triggers": [...]}`).
@@ -30,14 +30,12 @@ KINDS: tuple[str, ...] = (
     "grammar",
     "structural_tag",
 )
-Method = Literal["json_schema", "builtin_json", "regex", "ebnf", "lark", "structural_tag"]
+Method = Literal["json_schema", "json_object", "regex", "ebnf", "lark", "structural_tag"]
 
 #: Bump when what a (kind, spec) compiles to changes (options below, the choice encoding), so
 #: stale cache entries are never served under the new meaning.
 COMPILE_FORMAT = 1
-#: xgrammar's JSON-schema options, as vLLM uses them: any whitespace, strict (no properties or
-#: items beyond the schema's).
-JSON_ANY_WHITESPACE = True
+#: Strict JSON schemas (as vLLM): no properties or items beyond the schema's.
 JSON_STRICT_MODE = True
 
 
@@ -47,14 +45,26 @@ class GrammarSpecError(ValueError):
 
 @dataclass(frozen=True)
 class CompileJob:
-    """One xgrammar compilation: the compiler method and its source text."""
+    """One xgrammar compilation: the compiler method and its source text.
+
+    `json_any_whitespace`: JSON may put any whitespace between tokens (vLLM's default), or
+    compact JSON with fixed separators `, ` and `: ` (our default: small models given free
+    whitespace tend to emit newlines until they run out of tokens)."""
 
     method: Method
     source: str
+    json_any_whitespace: bool = False
 
 
-def compile_job(kind: str, spec: str) -> CompileJob:
+def compile_job(kind: str, spec: str, *, json_any_whitespace: bool = False) -> CompileJob:
     """Check `spec` for its `kind` and say how to compile it. Raises GrammarSpecError."""
+    job = _job(kind, spec)
+    if json_any_whitespace and job.method in ("json_schema", "json_object"):
+        return CompileJob(job.method, job.source, json_any_whitespace=True)
+    return job
+
+
+def _job(kind: str, spec: str) -> CompileJob:
     if kind == "json_schema":
         schema = _parse_json(spec, "json_schema")
         if not isinstance(schema, dict | bool):
@@ -67,7 +77,7 @@ def compile_job(kind: str, spec: str) -> CompileJob:
             )
         return CompileJob("json_schema", spec)
     if kind == "json_object":
-        return CompileJob("builtin_json", "")
+        return CompileJob("json_object", "")
     if kind == "regex":
         return CompileJob("regex", _non_empty(spec, "regex"))
     if kind == "choice":
@@ -83,10 +93,13 @@ def compile_job(kind: str, spec: str) -> CompileJob:
     raise GrammarSpecError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
-def grammar_key(kind: str, spec: str, tokenizer_hash: str, xgrammar_version: str) -> str:
+def grammar_key(job: CompileJob, kind: str, spec: str, tokenizer_hash: str, version: str) -> str:
     """The cache key: every input that decides the compiled grammar, hashed."""
+    options = {"json_any_whitespace": job.json_any_whitespace}
     material = json.dumps(
-        [COMPILE_FORMAT, kind, spec, tokenizer_hash, xgrammar_version], ensure_ascii=False
+        [COMPILE_FORMAT, kind, spec, tokenizer_hash, version, options],
+        ensure_ascii=False,
+        sort_keys=True,
     )
     return hashlib.sha256(material.encode()).hexdigest()
 

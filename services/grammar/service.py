@@ -55,6 +55,7 @@ class GrammarService(Service):
             ttl_s=s.cache_ttl_s,
             compile_timeout_s=s.compile_timeout_s,
             max_compiled_bytes=s.max_compiled_bytes,
+            json_any_whitespace=s.json_whitespace == "any",
         )
         await cache.publish_tokenizer()
         self.cache = cache
