@@ -1,0 +1,102 @@
+"""`docker compose up` as users run it: every container healthy, the API answers, no container
+runs as root, Redis refuses the default user and confines each service to its own keys, and
+the CPU runtime image stays under 3 GB."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.docker.stack import LONG_RUNNING, MESH_SERVICES, Stack, env_file_values
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
+
+CPU_IMAGE_LIMIT = 3 * 10**9
+
+# Run inside each service container with its own MESHLLM_REDIS_URL: what its ACL user may do.
+ACL_PROBE = """
+import json, os, urllib.parse
+import redis
+url = os.environ["MESHLLM_REDIS_URL"]
+me = urllib.parse.urlparse(url).username
+cluster = os.environ.get("MESHLLM_CLUSTER", "default")
+r = redis.Redis.from_url(url)
+out = {"user": me}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "allowed"
+    except redis.exceptions.NoPermissionError:
+        out[name] = "denied"
+own = f"meshllm:{cluster}:state:{me}:docker-probe"
+attempt("own", lambda: (r.set(own, b"1"), r.delete(own)))
+for other in %(others)r:
+    if other != me:
+        key = f"meshllm:{cluster}:state:{other}:docker-probe"
+        attempt("state:" + other, lambda key=key: r.set(key, b"1"))
+attempt("flushall", r.flushall)
+attempt("keys", lambda: r.keys("*"))
+attempt("config", lambda: r.config_get("maxmemory"))
+print(json.dumps(out))
+"""
+
+
+def test_every_container_is_healthy(stack: Stack) -> None:
+    for service in LONG_RUNNING:
+        assert stack.health(service) == "healthy", f"{service}\n{stack.logs()}"
+    acl_job = stack.container("redis-acl")
+    assert acl_job.attrs["State"]["Status"] == "exited"
+    assert acl_job.attrs["State"]["ExitCode"] == 0
+
+
+def test_chat_completion_answers_paris(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.api, api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=20,
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize("service", LONG_RUNNING)
+def test_container_runs_as_non_root(stack: Stack, service: str) -> None:
+    code, uid = stack.exec(service, ["id", "-u"])
+    assert code == 0, uid
+    assert uid.strip().isdigit() and int(uid) != 0, f"{service} runs as uid {uid!r}"
+    # The main process too, not only an exec'd shell: PID 1's real and effective uid.
+    code, status = stack.exec(service, ["grep", "^Uid:", "/proc/1/status"])
+    assert code == 0, status
+    assert all(int(v) != 0 for v in status.split()[1:]), f"{service} PID 1: {status!r}"
+
+
+def test_redis_default_user_is_disabled(stack: Stack) -> None:
+    port = str(stack.redis_port)
+    _, out = stack.exec("redis", ["redis-cli", "-p", port, "ping"])
+    assert "NOAUTH" in out, out
+    _, out = stack.exec(
+        "redis",
+        ["redis-cli", "--no-auth-warning", "-p", port, "--user", "default", "--pass", "", "ping"],
+    )
+    assert "PONG" not in out and ("WRONGPASS" in out or "disabled" in out), out
+
+
+@pytest.mark.parametrize("service", MESH_SERVICES)
+def test_service_credentials_reach_only_its_own_keys(stack: Stack, service: str) -> None:
+    code, out = stack.exec(service, ["python", "-c", ACL_PROBE % {"others": list(MESH_SERVICES)}])
+    assert code == 0, out
+    verdicts = json.loads(out.strip().splitlines()[-1])
+    assert verdicts.pop("user") == service
+    assert verdicts.pop("own") == "allowed"
+    assert verdicts and set(verdicts.values()) == {"denied"}, verdicts
+
+
+def test_cpu_runtime_image_is_under_3_gb(stack: Stack) -> None:
+    name = env_file_values()["MESHLLM_IMAGE_CPU"]
+    size = int(stack.client.images.get(name).attrs["Size"])
+    print(f"\n{name}: {size / 1e9:.2f} GB")
+    assert size < CPU_IMAGE_LIMIT, f"{name} is {size / 1e9:.2f} GB"
