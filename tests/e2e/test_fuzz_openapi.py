@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.generation.case import Case
 
+from tests.e2e.conftest import E2E_ENV
 from tests.support.mesh import Mesh
 
 pytestmark = pytest.mark.e2e
@@ -62,6 +65,14 @@ BASES: dict[str, dict[str, Any]] = {
         "max_tokens": MAX_TOKENS,
     },
 }
+
+
+@pytest.fixture(scope="module")
+def mesh(smollm2_dir: Path) -> Iterator[Mesh]:
+    """The whole generation path, grammar service included: fuzzed structured-output specs are
+    compiled for real and constrain real decoding."""
+    with Mesh(services=("gateway", "scheduler", "worker", "grammar"), env=E2E_ENV) as m:
+        yield m
 
 
 @pytest.fixture(scope="module")
