@@ -67,7 +67,7 @@ class CompilerProcess:
 
     async def start(self) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(
+        proc = self._ctx.Process(  # type: ignore[attr-defined]
             target=child_main, args=(child, *self._args), name="grammar-compiler", daemon=True
         )
         proc.start()

@@ -132,6 +132,8 @@ class GrammarCache:
 
     async def _load_or_compile(self, key: str, kind: str, job: CompileJob) -> GrammarInfo:
         stored = await self._redis(self.redis.get(self.keys.grammar(key)))
+        if isinstance(stored, str):  # a client built with decode_responses
+            stored = stored.encode()
         if stored is not None:
             entry = self._usable(stored)
             if entry is not None:

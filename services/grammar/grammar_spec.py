@@ -153,8 +153,14 @@ _UNENFORCED = frozenset(
     | {"dependentRequired", "dependentSchemas", "dependencies"}
 )
 #: Keywords whose value is one subschema / a list of them / a name -> subschema map.
-_ONE = ("additionalProperties", "items", "propertyNames", "unevaluatedProperties")
-_ONE += ("unevaluatedItems", "additionalItems")
+_ONE = (
+    "additionalProperties",
+    "items",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions")
 

@@ -38,10 +38,11 @@ def load_tokenizer_identity(hf_dir: Path) -> TokenizerIdentity:
     config = _read_json(hf_dir / "config.json")
     generation = _read_json(hf_dir / "generation_config.json")
     vocab_size = int(config.get("vocab_size") or len(tokenizer))
-    stop_ids = _ids(config.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
-    stop_ids = sorted(set(stop_ids)) or None  # None: xgrammar takes the tokenizer's eos
+    eos = set(_ids(config.get("eos_token_id")) + _ids(generation.get("eos_token_id")))
     info = xgr.TokenizerInfo.from_huggingface(
-        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
+        tokenizer,
+        vocab_size=vocab_size,
+        stop_token_ids=sorted(eos) or None,  # None: xgrammar takes the tokenizer's eos
     )
     serialized = info.serialize_json()
     return TokenizerIdentity(

@@ -95,9 +95,10 @@ class GrammarLoader:
 
     async def _get(self, name: str) -> bytes | None:
         try:
-            return await self.redis.get(name)
+            value = await self.redis.get(name)
         except (RedisError, OSError) as exc:
             raise GrammarUnavailable(f"the grammar cache is unreachable: {exc}") from None
+        return value.encode() if isinstance(value, str) else value
 
 
 def _deserialize(compiled: str, tokenizer: Any) -> CompiledGrammar:
