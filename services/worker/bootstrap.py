@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from services.worker.kv_cache import KVCache
+from services.worker.kv_cache import KVCache, KVCacheSizeError
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from shared.config import WorkerSettings
@@ -41,6 +41,15 @@ def build_runner(
         kv_cache_bytes=settings.kv_cache_bytes,
         memory_fraction=settings.kv_cache_memory_fraction,
     )
+    # Block 0 is the scheduler's null block: the rest must hold one whole sequence, or the
+    # context length the gateway advertises could never be served (vLLM refuses to start too).
+    capacity = (kv_cache.num_blocks - 1) * kv_cache.block_size
+    if capacity < max_model_len:
+        raise KVCacheSizeError(
+            f"the KV cache holds {capacity} tokens, fewer than one sequence of max_model_len="
+            f"{max_model_len}: raise MESHLLM_KV_CACHE_BYTES (or "
+            f"MESHLLM_KV_CACHE_MEMORY_FRACTION) or lower MESHLLM_MAX_MODEL_LEN"
+        )
     runner = ModelRunner(
         model,
         config,

@@ -12,7 +12,12 @@ from tests.support.mesh import Mesh
 
 #: Small KV cache (fast to allocate); 1 torch thread: the mesh runs 3+ processes on a 2-core
 #: CI machine, and OpenMP threads spinning against each other make 2 threads far slower.
-E2E_ENV = {"MESHLLM_KV_CACHE_BYTES": str(256 * 2**20), "MESHLLM_NUM_THREADS": "1"}
+#: The context is capped at what that cache holds (the worker refuses a context it cannot hold).
+E2E_ENV = {
+    "MESHLLM_KV_CACHE_BYTES": str(256 * 2**20),
+    "MESHLLM_MAX_MODEL_LEN": "4096",
+    "MESHLLM_NUM_THREADS": "1",
+}
 
 
 @pytest.fixture(scope="module")
