@@ -74,6 +74,7 @@ SAMPLES: dict[str, Message] = {
             step_id=2**40,
             scheduler_id="sched-a",
             worker_incarnation="inc-1",
+            scheduler_incarnation="sched-inc-7",
             new_requests=[
                 NewRequestData(
                     request_id="req-1",
