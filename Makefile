@@ -11,11 +11,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
-.PHONY: help venv redis up test lint format bench clean
+.PHONY: help venv redis up test docker-test lint format bench clean
 
 help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1)"
-	@echo "make test   the whole test suite (what CI runs)"
+	@echo "make test   the whole test suite (what CI runs), docker-test included when it can run"
+	@echo "make docker-test  build the images, test \`docker compose up\` for real (root: installs docker.io)"
 	@echo "make lint   ruff check + ruff format --check"
 	@echo "make bench  the CPU benchmark scripts in BENCH_MODULES (bench.serve needs a running mesh)"
 	@echo "make venv   create/refresh $(VENV) (re-runs only when pyproject.toml changes)"
@@ -40,11 +41,26 @@ redis:
 up: venv redis
 	$(VENV_PY) -m infra.launcher
 
+# A Docker engine can be started here: root, and dockerd present or installable with apt.
+DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
+	apt-cache show docker.io; } >/dev/null 2>&1 && echo yes)
+
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+# tests/docker are deselected here (they need built images); docker-test runs them after.
 test: venv redis
 	@$(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
-	exit $$status
+	if [ $$status -ne 0 ]; then exit $$status; fi
+ifeq ($(DOCKER_POSSIBLE),yes)
+	$(MAKE) docker-test
+else
+	@echo "docker-test not run: needs root and docker.io (dockerd or apt) on this machine" >&2
+endif
+
+# The compose stack for real: private dockerd, debootstrap base, images, tests/docker, then
+# `docker compose down -v` and the daemon stopped (infra/docker/docker_test.sh).
+docker-test: venv
+	VENV=$(VENV) infra/docker/docker_test.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

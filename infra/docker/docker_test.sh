@@ -45,5 +45,5 @@ log "image $CPU_IMAGE built (${SECONDS} s)"
 docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' |
     grep -E "^($CPU_IMAGE|$BASE_IMAGE|$REDIS_IMAGE) " >&2 || true
 
-MESHLLM_DOCKER_TEST=1 "$VENV/bin/pytest" -q -rA -p no:cacheprovider tests/docker "$@"
+MESHLLM_DOCKER_TEST=1 "$VENV/bin/pytest" -q -rA --durations=5 -p no:cacheprovider tests/docker "$@"
 log "done (${SECONDS} s)"

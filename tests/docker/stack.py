@@ -107,18 +107,14 @@ class Stack:
 
 
 def start_stack() -> Stack:
+    """`docker compose up -d --wait`; on failure the error carries every service's last logs."""
     values = env_file_values()
-    compose(
-        "up",
-        "-d",
-        "--wait",
-        "--wait-timeout",
-        str(UP_TIMEOUT_S),
-        "--no-build",
-        "--pull",
-        "never",
-        timeout=UP_TIMEOUT_S + 60,
-    )
+    up = ("up", "-d", "--wait", "--wait-timeout", str(UP_TIMEOUT_S), "--no-build")
+    try:
+        compose(*up, "--pull", "never", timeout=UP_TIMEOUT_S + 60)
+    except RuntimeError as exc:
+        logs = compose("logs", "--tail", "40", "--no-color", timeout=60).stdout
+        raise RuntimeError(f"{exc}\n--- logs\n{logs[-12000:]}") from None
     return Stack(
         client=docker.from_env(timeout=120),
         gateway_port=int(values.get("MESHLLM_TEST_GATEWAY_PORT", 18000)),

@@ -15,7 +15,7 @@ from tests.docker.stack import Stack
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 PROMPT = "Tell me a story about a dragon."
 
 
