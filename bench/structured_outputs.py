@@ -5,8 +5,9 @@ Both arms generate exactly `--output-len` tokens per request: unconstrained requ
 eos, and the schema cannot be completed in fewer tokens (an array of at least 64 records), so
 every constrained request also runs to its length limit. The difference is then the per-step
 cost of structured outputs: the scheduler's mask fill and grammar advance, the bitmask on the
-bus, the mask applied before sampling. Arms alternate block by block, so a noisy (shared)
-machine slows both alike; the median block of each arm is reported.
+bus, the mask applied before sampling. Arms run in adjacent pairs of blocks (the order flips
+every pair), so a noisy, shared machine slows both sides of a pair alike: the reported ratio is
+the median of the per-pair ratios, next to each arm's median throughput.
 
 Starts the mesh with the grammar service through infra/launcher.py (real Redis ACLs: the
 scheduler reads compiled grammars with its read-only user), or drives `--base-url`.
@@ -111,17 +112,19 @@ async def measure(base_url: str, args: argparse.Namespace) -> dict[str, Any]:
         )
         free: list[float] = []
         constrained: list[float] = []
-        for _ in range(args.blocks):
-            free.append(await block(client, url, model, args, constrained=False))
-            constrained.append(await block(client, url, model, args, constrained=True))
-    free_tps, json_tps = statistics.median(free), statistics.median(constrained)
+        for pair in range(args.blocks):
+            for arm in (False, True) if pair % 2 == 0 else (True, False):
+                tps = await block(client, url, model, args, constrained=arm)
+                (constrained if arm else free).append(tps)
+    ratios = [c / f for c, f in zip(constrained, free, strict=True)]
     return {
         "max_concurrency": args.max_concurrency,
         "num_prompts": args.num_prompts,
         "output_len": args.output_len,
-        "unconstrained_tok_s": round(free_tps, 2),
-        "json_schema_tok_s": round(json_tps, 2),
-        "ratio": round(json_tps / free_tps, 3),
+        "unconstrained_tok_s": round(statistics.median(free), 2),
+        "json_schema_tok_s": round(statistics.median(constrained), 2),
+        "ratio": round(statistics.median(ratios), 3),
+        "pair_ratios": [round(r, 3) for r in ratios],
         "unconstrained_blocks": [round(x, 2) for x in free],
         "json_schema_blocks": [round(x, 2) for x in constrained],
     }
@@ -169,7 +172,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per arm")
+    p.add_argument("--blocks", type=int, default=6, help="pairs of blocks (one per arm)")
     p.add_argument("--threads", type=int, default=2, help="worker torch threads")
     p.add_argument("--port-offset", type=int, default=400)
     p.add_argument("--redis-port", type=int, default=16790)
