@@ -100,3 +100,19 @@ def test_cpu_runtime_image_is_under_3_gb(stack: Stack) -> None:
     size = int(stack.client.images.get(name).attrs["Size"])
     print(f"\n{name}: {size / 1e9:.2f} GB")
     assert size < CPU_IMAGE_LIMIT, f"{name} is {size / 1e9:.2f} GB"
+
+
+def test_no_build_extras_or_cache_baked_into_the_image(stack: Stack) -> None:
+    """The CA bundle and wheel dir live only in the dependency stage; the runtime image starts
+    with an empty model cache (the converted weights live in the model-cache volume)."""
+    name = env_file_values()["MESHLLM_IMAGE_CPU"]
+    listing = stack.client.containers.run(
+        name,
+        ["sh", "-c", "ls -A /tmp; echo ---; ls -A /var/cache/meshllm; echo ---; id -un"],
+        remove=True,
+        network_mode="none",
+    ).decode()
+    tmp, cache, user = (part.split() for part in listing.split("---"))
+    assert "build-extras" not in tmp and "meshllm" not in tmp, tmp
+    assert cache == [], cache
+    assert user == ["meshllm"]
