@@ -39,8 +39,13 @@ infra/docker/dockerd.sh start
 infra/docker/build_base.sh "$BASE_IMAGE" "$REDIS_IMAGE"
 log "base images ready (${SECONDS} s)"
 read -r -a extras <<<"$(infra/docker/fetch_build_extras.sh)"
-docker build --network host -q -f infra/Dockerfile --target cpu \
-    --build-arg PYTHON_IMAGE="$BASE_IMAGE" "${extras[@]}" -t "$CPU_IMAGE" . >/dev/null
+# The dependency stage is tagged so `docker image prune` (cleanup) keeps its layers: untagged,
+# they are dangling and every run would reinstall torch and the requirements.
+for target in cpu-deps cpu; do
+    tag=$CPU_IMAGE; [ "$target" = cpu ] || tag=$CPU_IMAGE-$target
+    docker build --network host -q -f infra/Dockerfile --target "$target" \
+        --build-arg PYTHON_IMAGE="$BASE_IMAGE" "${extras[@]}" -t "$tag" . >/dev/null
+done
 log "image $CPU_IMAGE built (${SECONDS} s)"
 docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' |
     grep -E "^($CPU_IMAGE|$BASE_IMAGE|$REDIS_IMAGE) " >&2 || true
