@@ -14,6 +14,10 @@ from services.worker.loader import load_model
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
 
+# The module's fixtures (two models, transformers' reference generations) take ~30 s on a quiet
+# 2-core machine; under load they need more than the suite's default per-test limit.
+pytestmark = pytest.mark.timeout(1800)
+
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 

@@ -14,6 +14,7 @@ import pytest
 from services.gateway.protocol_openai import ChatMessage
 from services.gateway.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta, SubmitRequest
+from tests.support.grammar_server import grammar_service
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 
 
@@ -217,19 +218,31 @@ async def test_several_prompts_each_with_n_choices(
     ],
 )
 async def test_structured_output_specs_travel_as_grammar_refs(
-    gateway: GatewayHarness, extra: dict[str, Any], kind: str | None, spec: str | None
+    redis_url: str,
+    tokenizer: PromptTokenizer,
+    smollm2_dir: Path,
+    extra: dict[str, Any],
+    kind: str | None,
+    spec: str | None,
 ) -> None:
-    (sub,), task = await submitted(
-        gateway,
-        "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra},
-    )
-    if kind is None:
-        assert sub.grammar is None
-    else:
-        assert sub.grammar is not None and sub.grammar.kind == kind
-        assert sub.grammar.spec == spec
-        if kind == "json_schema":
-            json.loads(sub.grammar.spec)  # property order kept, still valid JSON
-    await finish(gateway, [sub])
-    await task
+    """The gateway compiles the spec with the (real) grammar service before queuing, and the
+    request carries the spec and the compiled grammar's cache key."""
+    async with (
+        grammar_service(redis_url, smollm2_dir) as grammar,
+        gateway_harness(redis_url, tokenizer, smollm2_dir, grammar_url=grammar.url) as gateway,
+    ):
+        (sub,), task = await submitted(
+            gateway,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra},
+        )
+        if kind is None:
+            assert sub.grammar is None
+        else:
+            assert sub.grammar is not None and sub.grammar.kind == kind
+            assert sub.grammar.spec == spec
+            assert sub.grammar.key  # compiled and cached under this key
+            if kind == "json_schema":
+                json.loads(sub.grammar.spec)  # property order kept, still valid JSON
+        await finish(gateway, [sub])
+        await task
