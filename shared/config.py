@@ -39,8 +39,9 @@ class ModelSettings(BaseSettings):
     model: str = ""  # HF safetensors dir or .gguf file; empty = embedded SmolLM2-135M-Instruct
     served_model_name: str = ""  # name in the OpenAI API; default derived from `model`
     model_cache_dir: str = Field(
-        default_factory=lambda: os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
-        + "/meshllm"
+        default_factory=lambda: (
+            os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")) + "/meshllm"
+        )
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

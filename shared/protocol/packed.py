@@ -21,7 +21,9 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
         if isinstance(value, bytes | bytearray | memoryview):
             raw = bytes(value)
             if len(raw) % itemsize:
-                raise ValueError(f"packed {dtype} array has {len(raw)} bytes, not a multiple of {itemsize}")
+                raise ValueError(
+                    f"packed {dtype} array has {len(raw)} bytes, not a multiple of {itemsize}"
+                )
             return np.frombuffer(raw, dtype=dtype).tolist()
         if isinstance(value, np.ndarray):
             return value.astype(dtype, copy=False).tolist()

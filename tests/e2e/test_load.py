@@ -26,8 +26,12 @@ async def _round(mesh: Mesh, model: str, tag: str) -> list[openai.types.Completi
         return await asyncio.gather(
             *(
                 client.completions.create(
-                    model=model, prompt=f"Request {tag}-{i}: the number {i} is",
-                    max_tokens=8, temperature=0.7, seed=i, extra_body={"ignore_eos": True},
+                    model=model,
+                    prompt=f"Request {tag}-{i}: the number {i} is",
+                    max_tokens=8,
+                    temperature=0.7,
+                    seed=i,
+                    extra_body={"ignore_eos": True},
                 )
                 for i in range(CONCURRENCY)
             )
