@@ -9,8 +9,8 @@ be declared and checked, never assumed (fail closed).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from abc import ABC
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,7 +50,11 @@ class AttentionBackend(ABC):
             lacks.append("fp8_kv")
         return lacks
 
-    @abstractmethod
+    # The backend's two entry points; both backends share the signatures below, so a backend
+    # only names its functions and the forwarding is written once.
+    _prefill_fn: ClassVar[Callable[..., torch.Tensor]]
+    _decode_fn: ClassVar[Callable[..., torch.Tensor]]
+
     def prefill(
         self,
         q: torch.Tensor,
@@ -64,9 +68,12 @@ class AttentionBackend(ABC):
         sm_scale: float | None = None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        return type(self)._prefill_fn(
+            q, kv_cache, block_tables, cu_seqlens_q, seq_lens, causal=causal,
+            sliding_window=sliding_window, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
-    @abstractmethod
     def decode(
         self,
         q: torch.Tensor,
@@ -78,7 +85,11 @@ class AttentionBackend(ABC):
         sm_scale: float | None = None,
         k_scale: float | torch.Tensor | None = None,
         v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        return type(self)._decode_fn(
+            q, kv_cache, block_tables, seq_lens, sliding_window=sliding_window,
+            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
@@ -123,42 +134,8 @@ class TritonPagedAttention(AttentionBackend):
     supports_non_causal = True
     supports_sliding_window = True
     supports_fp8_kv = True
-
-    def prefill(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        causal: bool = True,
-        sliding_window: int | None = None,
-        sm_scale: float | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return paged_attention.paged_prefill_attention(
-            q, kv_cache, block_tables, cu_seqlens_q, seq_lens, causal=causal,
-            sliding_window=sliding_window, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        sliding_window: int | None = None,
-        sm_scale: float | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return paged_decode.paged_decode_attention(
-            q, kv_cache, block_tables, seq_lens, sliding_window=sliding_window,
-            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+    _prefill_fn = staticmethod(paged_attention.paged_prefill_attention)
+    _decode_fn = staticmethod(paged_decode.paged_decode_attention)
 
 
 @register_backend
@@ -169,39 +146,5 @@ class TorchPagedAttention(AttentionBackend):
     supports_non_causal = True
     supports_sliding_window = True
     supports_fp8_kv = True
-
-    def prefill(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        causal: bool = True,
-        sliding_window: int | None = None,
-        sm_scale: float | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return paged_attention.paged_prefill_reference(
-            q, kv_cache, block_tables, cu_seqlens_q, seq_lens, causal=causal,
-            sliding_window=sliding_window, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
-
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        sliding_window: int | None = None,
-        sm_scale: float | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return paged_decode.paged_decode_reference(
-            q, kv_cache, block_tables, seq_lens, sliding_window=sliding_window,
-            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+    _prefill_fn = staticmethod(paged_attention.paged_prefill_reference)
+    _decode_fn = staticmethod(paged_decode.paged_decode_reference)
