@@ -2,6 +2,7 @@
 
 from shared.protocol.base import MESSAGE_TYPES, Message, Struct, register
 from shared.protocol.health import Heartbeat, WorkerReady
+from shared.protocol.kv_transfer import KVTransfer, KVTransferDone
 from shared.protocol.packed import Blob, PackedFloat32, PackedInt32
 from shared.protocol.replies import FinishReason, RequestDelta, TokenDelta
 from shared.protocol.requests import AbortRequest, GrammarRef, SamplingParams, SubmitRequest
@@ -21,6 +22,8 @@ __all__ = [
     "FinishReason",
     "GrammarRef",
     "Heartbeat",
+    "KVTransfer",
+    "KVTransferDone",
     "Message",
     "NewRequestData",
     "PackedFloat32",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from shared.protocol.base import Message, Struct, register
+from shared.protocol.kv_transfer import KVTransfer
 from shared.protocol.packed import Blob, PackedFloat32, PackedInt32
 from shared.protocol.requests import SamplingParams
 
@@ -65,6 +66,10 @@ class StepPlan(Message):
     # Structured outputs: one packed int32 bitmask row (ceil(vocab/32) words) per listed request.
     grammar_request_ids: list[str] = Field(default_factory=list)
     grammar_bitmask: Blob = b""
+    # KV offload (shared/protocol/kv_transfer.py): stores run after this step's forward, loads
+    # in the background; neither delays this step's compute.
+    kv_stores: list[KVTransfer] = Field(default_factory=list)
+    kv_loads: list[KVTransfer] = Field(default_factory=list)
 
 
 class SampledTokens(Struct):
