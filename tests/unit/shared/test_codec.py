@@ -17,6 +17,8 @@ from shared.protocol import (
     CachedRequestData,
     GrammarRef,
     Heartbeat,
+    KVTransfer,
+    KVTransferDone,
     Message,
     NewRequestData,
     RequestDelta,
@@ -96,6 +98,32 @@ SAMPLES: dict[str, Message] = {
             preempted_request_ids=["req-4"],
             grammar_request_ids=["req-1"],
             grammar_bitmask=np.array([-1, 0x0F0F0F0F], dtype="<i4").tobytes(),
+            kv_stores=[
+                KVTransfer(
+                    transfer_id="s-1", request_id="req-1", keys=["k1"], groups=[0], block_ids=[1]
+                )
+            ],
+            kv_loads=[
+                KVTransfer(
+                    transfer_id="l-1",
+                    request_id="req-5",
+                    keys=["k2", "k3"],
+                    groups=[0, 1],
+                    block_ids=[5, 6],
+                )
+            ],
+        ),
+        KVTransferDone(
+            worker_id="worker-0",
+            worker_incarnation="inc-1",
+            transfer_id="l-1",
+            request_id="req-5",
+            kind="store",
+            ok=False,
+            failed_keys=["k3"],
+            num_bytes=4096,
+            seconds=0.25,
+            error="redis down",
         ),
         StepResult(
             step_id=7,
