@@ -70,6 +70,12 @@ class StepPlan(Message):
     # in the background; neither delays this step's compute.
     kv_stores: list[KVTransfer] = Field(default_factory=list)
     kv_loads: list[KVTransfer] = Field(default_factory=list)
+    # Speculative decoding: draft tokens to verify, per decoding request. Such a request is
+    # scheduled 1 + len(drafts) tokens (its last verified token, then the drafts) and returns
+    # 1 .. len(drafts) + 1 tokens (accepted drafts, then the bonus/correction). A listed
+    # grammar request gets 1 + len(drafts) consecutive bitmask rows (one per draft, then the
+    # bonus row) instead of one.
+    spec_token_ids: dict[str, PackedInt32] = Field(default_factory=dict)
 
 
 class SampledTokens(Struct):
@@ -82,6 +88,8 @@ class SampledTokens(Struct):
     top_logprobs: PackedFloat32 | None = None  # same shape
     routed_experts: PackedInt32 | None = None  # [positions * moe_layers * top_k], row-major
     routed_experts_shape: list[int] | None = None  # [positions, moe_layers, top_k]
+    # Speculative decoding: the worker's drafts for this request's next step (unverified).
+    draft_token_ids: PackedInt32 | None = None
 
 
 @register

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from shared.codec import CodecError, decode, encode
+from shared.kv_groups import kv_groups_for
 from shared.protocol import (
     MESSAGE_TYPES,
     AbortRequest,
@@ -112,6 +113,7 @@ SAMPLES: dict[str, Message] = {
                     block_ids=[5, 6],
                 )
             ],
+            spec_token_ids={"req-2": [7, 8, 9]},
         ),
         KVTransferDone(
             worker_id="worker-0",
@@ -138,6 +140,7 @@ SAMPLES: dict[str, Message] = {
                     top_logprobs=[-0.5, -2.0, -1.25, -3.0],
                     routed_experts=[0, 3, 1, 2],
                     routed_experts_shape=[2, 1, 2],
+                    draft_token_ids=[44, 45],
                 )
             ],
             error="cuda oom",
@@ -182,6 +185,7 @@ SAMPLES: dict[str, Message] = {
             max_model_len=8192,
             eos_token_ids=[2],
             num_moe_layers=4,
+            kv_groups=kv_groups_for([None, 8, None, 8]),
             time=12.5,
         ),
     ]
