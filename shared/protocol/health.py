@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from shared.kv_groups import KVGroupSpec
 from shared.protocol.base import Message, register
 
 ServiceName = Literal["gateway", "scheduler", "worker", "grammar", "kvstore"]
@@ -44,4 +45,6 @@ class WorkerReady(Message):
     max_model_len: int = Field(ge=1)
     eos_token_ids: list[int] = Field(default_factory=list)
     num_moe_layers: int = 0
+    # One entry per KV cache group in shared.kv_groups order; empty = one full-attention group.
+    kv_groups: list[KVGroupSpec] = Field(default_factory=list)
     time: float = 0.0

@@ -1,0 +1,87 @@
+"""KV cache groups: which layers share one block table, defined once for scheduler and worker.
+
+Layers with the same attention spec (full attention, or a sliding window of W tokens) form one
+group. Every layer of a group reads and writes the same positions, so one block table per request
+and group describes all of them; layers of different groups need different tables because a
+sliding-window group stops referencing blocks that fell out of its window.
+
+Rules both sides keep:
+
+- Order: the full-attention group first (if any layer has full attention), then one group per
+  distinct window, windows ascending. Within a group, layer indices ascending. `kv_groups_for`
+  is the only place that decides this, so `StepPlan` block-id lists (one per group) line up.
+- Window semantics (transformers' `sliding_window_overlay`): a query at position q attends to
+  key positions k with q - W < k <= q, i.e. the last W positions including its own.
+- Block-list length: for every group, including sliding-window ones, the scheduler keeps a
+  request's block list LENGTH equal to ceil(tokens / block_size), so position p always lives in
+  entry p // block_size. Entries whose blocks fell entirely out of the window hold the null
+  block id 0 (reserved by the scheduler's block pool, never allocated). The worker never reads
+  or writes a position outside the window, so null entries are never touched.
+- Memory: each layer owns one `[2, num_blocks, block_size, kv_heads, head_dim]` tensor, whatever
+  its group, and block ids index the per-layer tensors, so all groups draw from one pool of
+  `num_blocks` ids on the scheduler side.
+- An empty group list (`WorkerReady.kv_groups == []`) means one full-attention group over every
+  layer: what workers announced before groups existed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+KVGroupKind = Literal["full", "sliding_window"]
+
+
+class KVGroupSpec(BaseModel):
+    """One KV cache group: its attention kind, window (sliding only) and member layers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: KVGroupKind
+    sliding_window: int | None = Field(default=None, ge=1)
+    layer_indices: list[int]
+
+    @model_validator(mode="after")
+    def _window_matches_kind(self) -> KVGroupSpec:
+        if (self.kind == "sliding_window") != (self.sliding_window is not None):
+            raise ValueError(
+                f"kind={self.kind!r} with sliding_window={self.sliding_window}: a window is "
+                "given exactly for sliding_window groups"
+            )
+        if not self.layer_indices:
+            raise ValueError("a KV cache group holds at least one layer")
+        return self
+
+
+def kv_groups_for(layer_windows: list[int | None]) -> list[KVGroupSpec]:
+    """Groups for per-layer windows (None = full attention), in the canonical order."""
+    if not layer_windows:
+        raise ValueError("a model has at least one layer")
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        if window is not None and window < 1:
+            raise ValueError(f"layer {layer}: sliding window {window} must be >= 1")
+        by_window.setdefault(window, []).append(layer)
+    groups: list[KVGroupSpec] = []
+    if None in by_window:
+        groups.append(KVGroupSpec(kind="full", layer_indices=by_window.pop(None)))
+    for window in sorted(w for w in by_window if w is not None):
+        layers = by_window[window]
+        spec = KVGroupSpec(kind="sliding_window", sliding_window=window, layer_indices=layers)
+        groups.append(spec)
+    return groups
+
+
+def layer_group_index(groups: list[KVGroupSpec], num_layers: int) -> list[int]:
+    """group index of every layer (the inverse of `layer_indices`); checks the groups cover
+    each layer exactly once."""
+    owner = [-1] * num_layers
+    for g, group in enumerate(groups):
+        for layer in group.layer_indices:
+            if not 0 <= layer < num_layers or owner[layer] != -1:
+                raise ValueError(f"layer {layer} is out of range or in two KV cache groups")
+            owner[layer] = g
+    if -1 in owner:
+        raise ValueError(f"layer {owner.index(-1)} is in no KV cache group")
+    return owner
