@@ -185,7 +185,7 @@ SAMPLES: dict[str, Message] = {
             max_model_len=8192,
             eos_token_ids=[2],
             num_moe_layers=4,
-            kv_groups=kv_groups_for([None, 8, None, 8]),
+            kv_groups=kv_groups_for([8, 4, 8]),  # sliding groups: every field set
             time=12.5,
         ),
     ]
