@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup
+from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from services.scheduler.structured_output.reasoning import ReasoningConfig
 from shared.config import SchedulerSettings
+from shared.kv_groups import KVGroupSpec
 from shared.protocol import WorkerReady
 
 
@@ -65,6 +66,24 @@ class SchedulerConfig(BaseModel):
             reasoning=ReasoningConfig(
                 end_token_ids=tuple(settings.reasoning_end_token_ids),
                 start_token_ids=tuple(settings.reasoning_start_token_ids),
+            kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
                 enable_in_reasoning=settings.structured_outputs_enable_in_reasoning,
             ),
         )
+
+
+def kv_cache_groups_from(groups: list[KVGroupSpec], block_size: int) -> list[KVCacheGroup]:
+    """The scheduler's groups for the worker's announced ones, in the same order (plan block
+    lists are indexed by it). Empty stays empty: the config then makes one full group."""
+    out: list[KVCacheGroup] = []
+    for group in groups:
+        layers = tuple(str(i) for i in group.layer_indices)
+        if group.kind == "full":
+            out.append(
+                KVCacheGroup(spec=FullAttentionSpec(block_size=block_size), layer_names=layers)
+            )
+        else:
+            assert group.sliding_window is not None  # KVGroupSpec validates it
+            spec = SlidingWindowSpec(block_size=block_size, sliding_window=group.sliding_window)
+            out.append(KVCacheGroup(spec=spec, layer_names=layers))
+    return out

@@ -1,10 +1,14 @@
 """Fans request-level KV operations out to one manager per KV cache group.
 
-With several groups, a prefix hit is usable only up to the length every group can serve, so
-the hit is the minimum over groups, and each group's hit list is cut back to it. That is exact
-for full-attention groups (any shorter prefix of a hit is a hit). A sliding-window group will
-need vLLM's fixed-point iteration (its hit at a shorter length must be re-checked); that goes in
-here when such a group exists.
+With several groups, a prefix hit is usable only up to a length EVERY group can serve. For full
+attention any shorter prefix of a hit is a hit, so cutting its list back is exact. A sliding
+window's hit is a run of cached blocks ending at the hit length, so its hit at a shorter length
+is a different question (the window blocks before the shorter end must be cached): as vLLM's
+HybridKVCacheCoordinator does, the lookup iterates to a fixed point, re-asking every
+non-prefix-closed group at the agreed length until no group shortens it.
+
+Admission bound: a request's peak demand is the sum over groups of `max_blocks_held` (a
+sliding-window group holds a bounded number of blocks however long the request runs).
 """
 
 from __future__ import annotations
@@ -42,14 +46,34 @@ class KVCacheCoordinator:
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> tuple[KVCacheBlocks, int]:
-        hits: KVCacheBlocks = []
-        length = max_length
-        for manager in self.managers:
-            group_hit = manager.find_longest_cache_hit(block_hashes, length)
-            length = min(length, len(group_hit) * self.block_size)
-            hits.append(group_hit)
-        num_blocks = length // self.block_size
-        return [h[:num_blocks] for h in hits], num_blocks * self.block_size
+        """The longest block-aligned length <= `max_length` that every group serves, and each
+        group's blocks for exactly that length.
+
+        Terminates: each pass either leaves the length unchanged (done) or shortens it, and at
+        0 every group agrees. On exit every group was asked (or truncated) at the final length
+        in the last pass and served all of it, so each list is an exact hit of that length.
+        """
+        block_size = self.block_size
+        if self.num_groups == 1:
+            hit = self.managers[0].find_longest_cache_hit(block_hashes, max_length)
+            return [hit], len(hit) * block_size
+        hits: KVCacheBlocks = [[] for _ in self.managers]
+        asked = [False] * self.num_groups
+        length = max_length - max_length % block_size
+        while True:
+            agreed = length
+            for g, manager in enumerate(self.managers):
+                if manager.hit_prefix_closed and asked[g]:
+                    hits[g] = hits[g][: agreed // block_size]
+                else:
+                    hits[g] = manager.find_longest_cache_hit(block_hashes, agreed)
+                    asked[g] = True
+                agreed = min(agreed, len(hits[g]) * block_size)
+            if agreed == length:
+                break
+            length = agreed
+        num_blocks = length // block_size
+        return [h[:num_blocks] for h in hits], length
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
@@ -63,9 +87,10 @@ class KVCacheCoordinator:
             total += manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
         return total
 
-    def num_blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks a request of `num_tokens` slots holds at its peak with no prefix hit."""
-        return self.num_groups * -(-num_tokens // self.block_size)
+    def num_blocks_for_tokens(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Blocks a request of `num_tokens` slots holds at its peak with no prefix hit, when a
+        step computes at most `max_step_tokens` of its tokens."""
+        return sum(m.max_blocks_held(num_tokens, max_step_tokens) for m in self.managers)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self._dropping:

@@ -46,6 +46,7 @@ class KVCacheManager:
     def __init__(self, config: SchedulerConfig) -> None:
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
+        self.max_step_tokens = config.max_num_batched_tokens
         self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
         self.coordinator = KVCacheCoordinator(
             config.kv_cache_groups, self.pool, config.enable_prefix_caching
@@ -75,8 +76,11 @@ class KVCacheManager:
 
         Capped at `num_tokens - 1`: the last known token must be computed to get the logits
         for the next one, so a fully cached prompt still recomputes its last block.
+        A request asking for routed experts gets no hit (see below).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.return_routed_experts:
+            # Routed experts are recorded during the forward: every prompt position must be
+            # computed, so such a request never starts from a cached prefix.
             return self.coordinator.empty_blocks(), 0
         return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
 
@@ -161,7 +165,8 @@ class KVCacheManager:
         return [[b.block_id for b in g] for g in self.coordinator.get_blocks(request_id)]
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
-        return self.coordinator.num_blocks_for_tokens(num_tokens)
+        """Peak blocks of a request of `num_tokens` slots over all groups (admission bound)."""
+        return self.coordinator.num_blocks_for_tokens(num_tokens, self.max_step_tokens)
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         self.stats.queries += request.num_tokens

@@ -17,13 +17,16 @@ from typing import ClassVar
 
 from services.scheduler.block_hash import BlockHash
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
-from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class SingleTypeKVCacheManager(ABC):
     #: Whether `remove_skipped_blocks` can ever release anything (lets the coordinator skip
     #: the per-step call for groups that never drop blocks).
     drops_blocks: ClassVar[bool] = True
+    #: Whether every block-aligned prefix of a hit is itself a hit (true for full attention),
+    #: so a shorter agreed length is served by truncating, without a new lookup.
+    hit_prefix_closed: ClassVar[bool] = False
 
     def __init__(
         self, spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool
@@ -47,6 +50,11 @@ class SingleTypeKVCacheManager(ABC):
     ) -> list[KVCacheBlock]:
         """Blocks holding the longest cached prefix of at most `max_length` tokens (block
         aligned). Nothing is touched: the result is only valid until the pool changes."""
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks one request of `num_tokens` slots ever holds in this group, when a
+        step computes at most `max_step_tokens` of its tokens (admission's feasibility bound)."""
+        return -(-num_tokens // self.block_size)
 
     def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
@@ -126,6 +134,7 @@ class SingleTypeKVCacheManager(ABC):
 
 class FullAttentionManager(SingleTypeKVCacheManager):
     drops_blocks = False
+    hit_prefix_closed = True
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
@@ -149,8 +158,86 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return None
 
 
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """A sliding-window group: positions below the window of the next token to compute are
+    never read again, so their blocks go back to the pool and their table entries become the
+    null block (block 0). The table LENGTH stays ceil(tokens / block_size): the worker indexes
+    it by position, and only ever reads or writes inside the window, never a null entry.
+
+    Held blocks stay bounded whatever the sequence length: at most
+    ceil((window - 1 + step tokens) / block_size) + 1 (see `max_blocks_held`).
+    """
+
+    spec: SlidingWindowSpec
+
+    def __init__(
+        self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int, enable_caching: bool
+    ) -> None:
+        super().__init__(spec, pool, group_id, enable_caching)
+        self.sliding_window = spec.sliding_window
+        # A hit of h tokens needs positions h - window + 1 .. h - 1 cached: this many blocks
+        # ending at h (fewer only when the run reaches position 0).
+        self.hit_run_blocks = -(-(spec.sliding_window - 1) // spec.block_size)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """Scan right to left for `hit_run_blocks` consecutive cached blocks; the hit ends at
+        the run's end, and the blocks before the run are null (outside the window). Without
+        such a run, the leading run from block 0 is still a hit (nothing precedes it)."""
+        if not self.enable_caching:
+            return []
+        num_blocks = min(max_length // self.block_size, len(block_hashes))
+        null = self.pool.null_block
+        if self.hit_run_blocks == 0:  # window 1: a token reads only itself
+            return [null] * num_blocks
+        hits: list[KVCacheBlock] = [null] * num_blocks
+        cached = self.pool.cached
+        group_id = self.group_id
+        run = 0
+        for i in range(num_blocks - 1, -1, -1):
+            block = cached.get((block_hashes[i], group_id))
+            if block is None:
+                run = 0
+                continue
+            hits[i] = block
+            run += 1
+            if run == self.hit_run_blocks:
+                return hits[: i + run]
+        # No full window anywhere: `run` is now the leading run from block 0.
+        return hits[:run]
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """A step computing n new tokens after c computed ones holds the blocks from the one
+        holding position c - window + 1 to the one holding c + n - 1."""
+        window_bound = -(-(self.sliding_window - 1 + max_step_tokens) // self.block_size) + 1
+        return min(super().max_blocks_held(num_tokens, max_step_tokens), window_bound)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """The next token (position `num_computed_tokens`) reads from position
+        num_computed_tokens - window + 1 on: every block wholly before that is released, tail
+        first (so a cached prefix head is evicted last). Entries already null end the walk:
+        everything before them was released by an earlier call."""
+        num_skipped = (num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if num_skipped <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null = self.pool.null_block
+        removed: list[KVCacheBlock] = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            block = blocks[i]
+            if block.is_null:
+                break
+            removed.append(block)
+            blocks[i] = null
+        self.pool.free_blocks(removed)
+
+
 MANAGER_BY_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 
@@ -161,4 +248,4 @@ def make_manager(
         cls = MANAGER_BY_SPEC[type(spec)]
     except KeyError:
         raise ValueError(f"no KV cache manager for spec {type(spec).__name__}") from None
-    return cls(spec, pool, group_id, enable_caching)
+    return cls(spec, pool, group_id, enable_caching)  # type: ignore[arg-type]

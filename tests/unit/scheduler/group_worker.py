@@ -1,0 +1,126 @@
+"""A worker stand-in for several KV cache groups (full attention and sliding windows).
+
+Like the real worker it keeps one block table per group and request, built only from plan
+diffs (a block the scheduler dropped out of a window stays in this table: the worker is never
+told), writes every scheduled token's "KV" (the token id) into each group's blocks, and only
+then reads, for every computed position, the positions its layers attend to: all earlier ones
+for full attention, the last `window` ones for a sliding window. A read that lands on the null
+block, or on a slot holding another token (a block freed too early and reused), fails the test.
+
+It samples `token_at(request_id, position)` and, for requests asking for routed experts,
+returns `row_at(position)` per computed position: with `hold_rows`, rows of chunks that sample
+nothing are kept and sent with the next sampled token; otherwise each such chunk sends them in
+a SampledTokens without tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.protocol import SampledTokens, StepPlan, StepResult
+from tests.unit.scheduler.worker_double import token_at
+
+MOE_LAYERS, TOP_K = 2, 3
+
+
+def row_at(position: int) -> list[int]:
+    """The routed-experts row [MOE_LAYERS][TOP_K] the stand-in reports for a position."""
+    return [position * 100 + j for j in range(MOE_LAYERS * TOP_K)]
+
+
+@dataclass
+class Held:
+    tokens: list[int]
+    tables: list[list[int]]  # one per group
+    num_computed: int
+    routed: bool
+    rows: list[int] = field(default_factory=list)  # held routed rows (hold_rows mode)
+    rows_from: int = 0
+
+
+@dataclass
+class GroupWorker:
+    block_size: int
+    windows: list[int | None]  # per group: None = full attention
+    hold_rows: bool = False
+    held: dict[str, Held] = field(default_factory=dict)
+    kv: dict[tuple[int, int], list[int | None]] = field(default_factory=dict)
+    positions_read: int = 0
+
+    def run(self, plan: StepPlan) -> StepResult:
+        for rid in [*plan.finished_request_ids, *plan.preempted_request_ids]:
+            del self.held[rid]
+        for new in plan.new_requests:
+            assert len(new.block_ids) == len(self.windows)
+            self.held[new.request_id] = Held(
+                list(new.token_ids),
+                [list(ids) for ids in new.block_ids],
+                new.num_computed_tokens,
+                new.return_routed_experts,
+                rows_from=new.num_computed_tokens,
+            )
+        for cached in plan.cached_requests:
+            held = self.held[cached.request_id]
+            assert cached.num_computed_tokens == held.num_computed
+            for table, ids in zip(held.tables, cached.new_block_ids, strict=True):
+                table.extend(ids)
+        spans = {
+            rid: (self.held[rid].num_computed, n) for rid, n in plan.num_scheduled_tokens.items()
+        }
+        for rid, (start, n) in spans.items():
+            self._write(rid, start, start + n)
+        sampled = [self._finish(rid, start, start + n) for rid, (start, n) in spans.items()]
+        return StepResult(
+            step_id=plan.step_id,
+            worker_id="groups",
+            sampled=[s for s in sampled if s is not None],
+        )
+
+    def _slot(self, group: int, held: Held, pos: int) -> list[int | None]:
+        table = held.tables[group]
+        assert pos // self.block_size < len(table), f"no slot for position {pos}"
+        block_id = table[pos // self.block_size]
+        assert block_id != 0, f"group {group}: position {pos} maps to the null block"
+        return self.kv.setdefault((group, block_id), [None] * self.block_size)
+
+    def _write(self, rid: str, start: int, end: int) -> None:
+        held = self.held[rid]
+        assert end <= len(held.tokens)
+        for group in range(len(self.windows)):
+            for pos in range(start, end):
+                self._slot(group, held, pos)[pos % self.block_size] = held.tokens[pos]
+
+    def _finish(self, rid: str, start: int, end: int) -> SampledTokens | None:
+        held = self.held[rid]
+        for group, window in enumerate(self.windows):  # reads after every write of the step
+            for q in range(start, end):
+                first = 0 if window is None else max(0, q - window + 1)
+                for pos in range(first, q + 1):
+                    got = self._slot(group, held, pos)[pos % self.block_size]
+                    assert got == held.tokens[pos], f"{rid} g{group}: stale KV at {pos}"
+                    self.positions_read += 1
+        held.num_computed = end
+        rows: list[int] = []
+        if held.routed:
+            held.rows += [v for pos in range(start, end) for v in row_at(pos)]
+            if end == len(held.tokens) or not self.hold_rows:
+                rows, held.rows = held.rows, []
+        if end < len(held.tokens):
+            if not rows:
+                return None
+            return _sampled(rid, [], rows)
+        token = token_at(rid, end)
+        held.tokens.append(token)
+        return _sampled(rid, [token], rows)
+
+
+def _sampled(rid: str, tokens: list[int], rows: list[int]) -> SampledTokens:
+    if not rows:
+        return SampledTokens(request_id=rid, token_ids=tokens)
+    width = MOE_LAYERS * TOP_K
+    return SampledTokens(
+        request_id=rid,
+        token_ids=tokens,
+        routed_experts=rows,
+        routed_experts_shape=[len(rows) // width, MOE_LAYERS, TOP_K],
+    )
