@@ -84,6 +84,11 @@ class WorkerSettings(CommonSettings, ModelSettings):
     kv_cache_bytes: int = 0  # 0 = kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.3
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
+    kv_offload: bool = True
+    kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
+    kv_staging_bytes: int = Field(64 * 2**20, ge=0)  # store staging slots (pinned on CUDA)
+    kv_offload_timeout_s: float = Field(5.0, gt=0)  # Redis socket timeout of the transfer threads
 
 
 class GrammarSettings(CommonSettings, ModelSettings):

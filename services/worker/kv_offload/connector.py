@@ -1,0 +1,281 @@
+"""The worker side of KV offload as the model runner sees it: three calls around a step.
+
+- `before_forward(plan)`: copies the loads that finished reading into their blocks (on the step
+  thread, so never concurrently with a forward that may touch the KV cache), then hands the
+  plan's `kv_loads` to the load thread;
+- `after_forward(plan)`: copies the plan's `kv_stores` blocks into host staging before
+  returning (the scheduler may reuse the blocks from the next plan on), and hands them to the
+  store thread;
+- `drain_done()`: the `KVTransferDone` messages ready to publish (the service publishes them,
+  also between steps: `notify` is called whenever there is something to drain or to apply,
+  and `apply_ready_loads()` runs a finished load while the worker idles).
+
+Invariants: every transfer of a plan ends in exactly one KVTransferDone; a load is all or
+nothing (ok only when every chunk was read, validated and copied into its block); a load is
+reported done only after its copy into the KV cache; `reset()` (a failed step, a new
+scheduler) drops every load not yet copied and every store not yet staged, reporting them
+failed. No Redis here: the `TransferEngine` owns the I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from services.kvstore.offload_key import KeySpace
+from services.worker.kv_cache import KVCache
+from services.worker.kv_offload.payload import LAYOUT_VERSION, PayloadHeader
+from services.worker.kv_offload.staging import StagingPool, gather_blocks, scatter_blocks
+from services.worker.kv_offload.transfer_engine import (
+    LoadGroup,
+    LoadJob,
+    StoreJob,
+    TransferEngine,
+    TransferOutcome,
+)
+from shared.protocol import KVTransfer, KVTransferDone, StepPlan
+
+Chunk = tuple[str, int, int]  # (payload key, group, block id)
+
+
+class KVConnector:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        engine: TransferEngine,
+        key_space: KeySpace,
+        *,
+        worker_id: str,
+        worker_incarnation: str = "",
+        layer_groups: list[list[int]] | None = None,
+        staging_bytes: int = 64 * 2**20,
+        notify: Callable[[], None] | None = None,
+    ) -> None:
+        if key_space.layout_version != LAYOUT_VERSION:
+            raise ValueError(
+                f"key space layout version {key_space.layout_version} != payload layout "
+                f"version {LAYOUT_VERSION}"
+            )
+        self.kv_cache = kv_cache
+        self.engine = engine
+        self.key_space = key_space
+        self.worker_id = worker_id
+        self.worker_incarnation = worker_incarnation
+        self.notify = notify or (lambda: None)
+        groups = layer_groups or [list(range(len(kv_cache.layers)))]
+        self.group_layers = [[kv_cache.layers[i] for i in layers] for layers in groups]
+        first = kv_cache.layers[0]
+        self.device = first.device
+        _, _, block_size, kv_heads, head_dim = first.shape
+        self.headers = [
+            PayloadHeader(key_space.model, first.dtype, (len(g), 2, block_size, kv_heads, head_dim))
+            for g in groups
+        ]
+        pinned = self.device.type == "cuda"
+        self.pools = [
+            StagingPool.sized(h.shape, h.dtype, staging_bytes // len(groups), pinned)
+            for h in self.headers
+        ]
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._ready: list[TransferOutcome] = []  # loads read and staged, not yet copied in
+        self._pending_stores: list[KVTransfer] = []  # this step's stores, staged after forward
+        self._done: deque[KVTransferDone] = deque()
+        engine.start(self._on_outcome)
+
+    # -- the model runner's calls -----------------------------------------------------------
+
+    def before_forward(self, plan: StepPlan) -> None:
+        self.apply_ready_loads()
+        for transfer in plan.kv_loads:
+            self._submit_load(transfer)
+        self._pending_stores.extend(plan.kv_stores)
+
+    def after_forward(self, plan: StepPlan) -> None:
+        stores, self._pending_stores = self._pending_stores, []
+        for transfer in stores:
+            self._submit_store(transfer)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._generation += 1
+            ready, self._ready = self._ready, []
+        for outcome in ready:
+            self._finish(outcome.job.transfer, "load", outcome.job.started, error="worker reset")
+        stores, self._pending_stores = self._pending_stores, []
+        for transfer in stores:
+            self._finish(transfer, "store", time.perf_counter(), error="step failed")
+
+    # -- the service's calls ----------------------------------------------------------------
+
+    def apply_ready_loads(self) -> int:
+        """Copy every finished read into its blocks and report it; returns how many. Call only
+        where no forward runs (the step thread, or the service holding the step lock)."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for outcome in ready:
+            job = outcome.job
+            assert isinstance(job, LoadJob)
+            for group in job.groups:
+                assert group.staged is not None
+                scatter_blocks(self.group_layers[group.group], group.block_ids, group.staged)
+                group.staged = None
+            self._finish(job.transfer, "load", job.started, num_bytes=outcome.num_bytes)
+        return len(ready)
+
+    def has_ready_loads(self) -> bool:
+        return bool(self._ready)
+
+    def drain_done(self) -> list[KVTransferDone]:
+        done = []
+        while self._done:
+            done.append(self._done.popleft())
+        return done
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- submission -------------------------------------------------------------------------
+
+    def _chunks(self, transfer: KVTransfer) -> tuple[list[Chunk], list[str], str | None]:
+        """Valid chunks, and the keys (with the first reason) this worker cannot move."""
+        keys, groups, blocks = transfer.keys, list(transfer.groups), list(transfer.block_ids)
+        if not len(keys) == len(groups) == len(blocks):
+            reason = f"{len(keys)} keys, {len(groups)} groups, {len(blocks)} block ids"
+            return [], list(keys), reason
+        valid: list[Chunk] = []
+        failed: list[str] = []
+        reason: str | None = None
+        for key, group, block in zip(keys, groups, blocks, strict=True):
+            problem = self._chunk_problem(key, group, block)
+            if problem is None:
+                valid.append((key, group, block))
+            else:
+                failed.append(key)
+                reason = reason or f"{key}: {problem}"
+        return valid, failed, reason
+
+    def _chunk_problem(self, key: str, group: int, block: int) -> str | None:
+        if not 0 <= group < len(self.headers):
+            return f"group {group} outside this worker's {len(self.headers)} group(s)"
+        if not 0 <= block < self.kv_cache.num_blocks:
+            return f"block {block} outside the cache's {self.kv_cache.num_blocks} blocks"
+        if not key.startswith(self.key_space.payload_prefix):
+            return f"not a payload key of {self.key_space.payload_prefix}*"
+        try:
+            named = self.key_space.parse(key).group
+        except ValueError as exc:
+            return str(exc)
+        return None if named == group else f"key names group {named}, chunk says {group}"
+
+    def _submit_load(self, transfer: KVTransfer) -> None:
+        started = time.perf_counter()
+        chunks, failed, reason = self._chunks(transfer)
+        if failed:  # all or nothing: no chunk is read when one cannot be placed
+            self._finish(transfer, "load", started, failed, error=reason)
+            return
+        by_group: dict[int, LoadGroup] = {}
+        for key, group, block in chunks:
+            load = by_group.setdefault(group, LoadGroup(group, self.headers[group], [], []))
+            load.keys.append(key)
+            load.block_ids.append(block)
+        job = LoadJob(transfer, list(by_group.values()), self.device, self._generation, started)
+        self.engine.submit(job)
+
+    def _submit_store(self, transfer: KVTransfer) -> None:
+        started = time.perf_counter()
+        chunks, failed, reason = self._chunks(transfer)
+        if not chunks:
+            self._finish(transfer, "store", started, failed, error=reason)
+            return
+        by_group: dict[int, list[Chunk]] = {}
+        for chunk in chunks:
+            by_group.setdefault(chunk[1], []).append(chunk)
+        taken: list[tuple[StagingPool, list[int]]] = []
+        for group, group_chunks in by_group.items():
+            slots = self.pools[group].acquire(len(group_chunks))
+            if slots is None:  # never wait for a slot: the step must not stall on Redis
+                for pool, held in taken:
+                    pool.release(held)
+                self._finish(transfer, "store", started, list(transfer.keys), error="staging full")
+                return
+            taken.append((self.pools[group], slots))
+        keys: list[str] = []
+        headers: list[PayloadHeader] = []
+        bodies: list[torch.Tensor] = []
+        fence = None
+        for (group, group_chunks), (pool, slots) in zip(by_group.items(), taken, strict=True):
+            block_ids = [block for _, _, block in group_chunks]
+            fence = gather_blocks(self.group_layers[group], block_ids, pool, slots) or fence
+            keys += [key for key, _, _ in group_chunks]
+            headers += [self.headers[group]] * len(group_chunks)
+            bodies += [pool.buffer[slot] for slot in slots]
+
+        def release() -> None:
+            for pool, held in taken:
+                pool.release(held)
+
+        self.engine.submit(
+            StoreJob(transfer, keys, headers, bodies, fence, release, started, failed, reason)
+        )
+
+    # -- completion -------------------------------------------------------------------------
+
+    def _on_outcome(self, outcome: TransferOutcome) -> None:
+        """Called on the engine's threads."""
+        job = outcome.job
+        if isinstance(job, StoreJob):
+            self._finish(
+                job.transfer,
+                "store",
+                job.started,
+                job.rejected_keys + outcome.failed_keys,
+                outcome.num_bytes,
+                job.rejected_reason or outcome.error,
+            )
+            return
+        if outcome.ok:
+            with self._lock:
+                if job.generation == self._generation:
+                    self._ready.append(outcome)
+                    ready = True
+                else:
+                    ready = False
+            if ready:
+                self.notify()
+                return
+            outcome.error = "worker reset"
+        failed = outcome.failed_keys or list(job.transfer.keys)
+        self._finish(job.transfer, "load", job.started, failed, error=outcome.error)
+
+    def _finish(
+        self,
+        transfer: KVTransfer,
+        kind: str,
+        started: float,
+        failed_keys: list[str] | None = None,
+        num_bytes: int = 0,
+        error: str | None = None,
+    ) -> None:
+        if error is not None and not failed_keys:
+            failed_keys = list(transfer.keys)
+        ok = error is None and not failed_keys
+        self._done.append(
+            KVTransferDone(
+                worker_id=self.worker_id,
+                worker_incarnation=self.worker_incarnation,
+                transfer_id=transfer.transfer_id,
+                request_id=transfer.request_id,
+                kind=kind,  # type: ignore[arg-type]
+                ok=ok,
+                failed_keys=failed_keys or [],
+                num_bytes=num_bytes,
+                seconds=max(0.0, time.perf_counter() - started),
+                error=error,
+            )
+        )
+        self.notify()

@@ -1,0 +1,42 @@
+"""Building the worker's KV connector from its settings (the only place that knows both)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.kvstore.offload_key import KeySpace
+from services.worker.kv_cache import KVCache
+from services.worker.kv_offload.connector import KVConnector
+from services.worker.kv_offload.host_tier import HostTier
+from services.worker.kv_offload.payload import LAYOUT_VERSION
+from services.worker.kv_offload.transfer_engine import TransferEngine
+from shared.config import WorkerSettings
+
+
+def key_space(settings: WorkerSettings, model_name: str) -> KeySpace:
+    """The payload key space: the cluster, the served model name (WorkerReady.model, which is
+    what the scheduler sees) and this worker's payload layout version."""
+    return KeySpace(settings.cluster, model_name, LAYOUT_VERSION)
+
+
+def build_connector(
+    settings: WorkerSettings,
+    kv_cache: KVCache,
+    model_name: str,
+    worker_incarnation: str,
+    notify: Callable[[], None] | None = None,
+) -> KVConnector:
+    engine = TransferEngine(
+        settings.redis_url,
+        HostTier(settings.kv_host_tier_bytes),
+        timeout_s=settings.kv_offload_timeout_s,
+    )
+    return KVConnector(
+        kv_cache,
+        engine,
+        key_space(settings, model_name),
+        worker_id=settings.instance_id,
+        worker_incarnation=worker_incarnation,
+        staging_bytes=settings.kv_staging_bytes,
+        notify=notify,
+    )
