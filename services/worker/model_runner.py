@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig
 from services.worker.sampling import SamplerOutput, SamplingState
 from shared.protocol import SampledTokens, StepPlan, StepResult
+
+if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
+    from services.worker.kv_offload.connector import KVConnector
 
 __all__ = ["ModelRunner", "PlanError", "StepInputs"]
 
@@ -80,17 +84,23 @@ class ModelRunner:
         self.sampler = SamplingState(
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
+        # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
+        self.kv_connector: KVConnector | None = None
 
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
+        if self.kv_connector is not None:  # finished loads into their blocks; queue new ones
+            self.kv_connector.before_forward(plan)
         self._apply(plan)
         sampled: list[SampledTokens] = []
         if plan.num_scheduled_tokens:
             inputs = self.prepare_inputs(plan)
             sampled = self._run(inputs, plan)
+        if self.kv_connector is not None:  # stores leave the blocks before the next plan
+            self.kv_connector.after_forward(plan)
         return StepResult(
             step_id=plan.step_id,
             worker_id=self.worker_id,
@@ -122,6 +132,8 @@ class ModelRunner:
             row = self.batch.remove(request_id)
             if row is not None:
                 self.sampler.remove_request(row)
+        if self.kv_connector is not None:  # pending loads/stores are reported failed
+            self.kv_connector.reset()
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         """Flat token batch for the plan's scheduled requests (the diff already applied)."""
