@@ -31,6 +31,9 @@ class SchedulerConfig(BaseModel):
     kv_cache_groups: list[KVCacheGroup] = Field(default_factory=list)
     # Structured outputs: where reasoning ends (the grammar applies after it).
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig)
+    # Speculative decoding: at most this many of the worker's drafts verified per request and
+    # step (lookahead slots); 0 = off (services/scheduler/spec).
+    num_spec_tokens: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _default_groups(self) -> SchedulerConfig:

@@ -29,6 +29,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
+from services.scheduler.spec import SpecDecoding
 from services.scheduler.stop import check_stop
 from services.scheduler.structured_output import StructuredOutputManager
 from services.scheduler.trusted_message import TrustedBuilder
@@ -81,6 +82,7 @@ class Scheduler:
         self.num_aborted = 0
         self.num_step_failures = 0
         self.structured = StructuredOutputManager(config.reasoning)
+        self.spec = SpecDecoding(config.num_spec_tokens, config.max_model_len)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -133,6 +135,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
         new: list[NewRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
         i = 0
@@ -142,6 +145,8 @@ class Scheduler:
             if num_new <= 0:  # already scheduled up to its known tokens
                 i += 1
                 continue
+            drafts = self.spec.drafts_to_verify(request, num_new, budget)
+            num_new += len(drafts)  # lookahead slots for the drafts
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -160,6 +165,8 @@ class Scheduler:
                 )
             )
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             request.num_computed_tokens += num_new
             budget -= num_new
             i += 1
@@ -196,7 +203,7 @@ class Scheduler:
 
         if not num_scheduled:
             return None
-        grammar_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled)
+        grammar_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled, spec_tokens)
         plan = _step_plan(
             step_id=self.step_id,
             scheduler_id=self.scheduler_id,
@@ -208,6 +215,7 @@ class Scheduler:
             preempted_request_ids=self._preempted_for_worker,
             grammar_request_ids=grammar_ids,
             grammar_bitmask=grammar_bitmask,
+            spec_token_ids=spec_tokens,
         )
         self._finished_for_worker = []
         self._preempted_for_worker = []
@@ -243,8 +251,15 @@ class Scheduler:
             if tokens is None or not tokens.token_ids:
                 missing.append(request)
                 continue
+            drafts = plan.spec_token_ids.get(request_id)
+            if drafts:  # roll back past the rejected drafts before appending
+                self.spec.on_verified(request, len(drafts), len(tokens.token_ids))
             if self._append_sampled(request, tokens, out):
                 finished = True
+            elif self.spec.k:
+                if drafts:  # register blocks the accepted drafts filled (verified KV only)
+                    self.kv.cache_blocks(request, request.num_computed_tokens)
+                self.spec.on_proposed(request, tokens.draft_token_ids, self.structured)
         if finished:
             self.running = [r for r in self.running if r.status is RUNNING]
         if missing:
@@ -360,6 +375,7 @@ class Scheduler:
         request.status = RequestStatus.finished(reason)
         self.kv.free(request)
         self.structured.remove(request.request_id)
+        self.spec.forget(request.request_id)
         del self.requests[request.request_id]
         self.num_finished += 1
         if request.request_id in self._worker_known:
@@ -404,9 +420,12 @@ class Scheduler:
         self.running = [r for r in self.running if id(r) not in gone]
         self.waiting.extendleft(reversed(requeue))
 
-    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> tuple[list[str], bytes]:
+    def _grammar_bitmask(
+        self, num_scheduled: dict[str, int], drafts: dict[str, list[int]]
+    ) -> tuple[list[str], bytes]:
         """One bitmask row per constrained request that samples this step (its computed
-        tokens reach its known tokens; a partial prefill samples nothing)."""
+        tokens reach its known tokens; a partial prefill samples nothing), plus one per draft
+        it verifies."""
         if not self.structured:
             return [], b""
         sampling = [
@@ -415,7 +434,7 @@ class Scheduler:
             if rid in self.structured
             and (request := self.requests[rid]).num_computed_tokens >= request.num_tokens
         ]
-        return self.structured.grammar_bitmask(sampling)
+        return self.structured.grammar_bitmask(sampling, drafts)
 
     def _settle(self, plan: StepPlan) -> bool:
         """Mark the plan's step as answered; False if it was not in flight (stale or repeat)."""

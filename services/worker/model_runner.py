@@ -30,6 +30,9 @@ from services.worker.kv_cache import KVCache
 from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig
 from services.worker.sampling import SamplerOutput, SamplingState
+from services.worker.spec import SpeculativeConfig
+from services.worker.spec.drafts import Drafter, stage_drafts
+from services.worker.spec.verify_step import verify_and_sample
 from shared.protocol import SampledTokens, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
@@ -50,6 +53,7 @@ class StepInputs:
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
     sample_mask: np.ndarray  # [R] bool: this request gets a token this step
+    num_drafts: np.ndarray | None = None  # [R] drafts verified this step (None: no drafts)
 
 
 class ModelRunner:
@@ -63,6 +67,7 @@ class ModelRunner:
         max_model_len: int = 0,
         worker_id: str = "worker",
         worker_incarnation: str = "",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -84,6 +89,8 @@ class ModelRunner:
         self.sampler = SamplingState(
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
+        # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
+        self.drafter = Drafter(speculative) if speculative and speculative.enabled else None
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
 
@@ -150,6 +157,9 @@ class ModelRunner:
         starts = batch.num_computed_tokens[rows]
         ends = starts + counts
         known = batch.num_tokens[rows]
+        num_drafts = stage_drafts(batch, plan, ids, rows) if plan.spec_token_ids else None
+        if num_drafts is not None:
+            known = known + num_drafts  # drafts are this step's inputs after the known tokens
         self._check(ids, counts, ends, known, rows)
         cu = np.cumsum(counts)
         flat_rows = np.repeat(rows, counts)
@@ -164,6 +174,7 @@ class ModelRunner:
             positions=positions,
             slot_mapping=blocks * self.block_size + positions % self.block_size,
             sample_mask=ends == known,
+            num_drafts=num_drafts,
         )
 
     def _check(
@@ -206,6 +217,8 @@ class ModelRunner:
             self.kv_cache.layers,
         )
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        if inputs.num_drafts is not None:
+            return self._propose(verify_and_sample(self, hidden, inputs, plan))
         sample_idx = np.flatnonzero(inputs.sample_mask)
         if not sample_idx.size:
             return []
@@ -219,7 +232,19 @@ class ModelRunner:
         tokens = out.token_ids.to("cpu", torch.int64).numpy()
         self.batch.append_sampled(rows, tokens)
         self.sampler.record_sampled(rows_t, out.token_ids)
-        return self._sampled_tokens([inputs.request_ids[i] for i in sample_idx], rows, tokens, out)
+        return self._propose(
+            self._sampled_tokens([inputs.request_ids[i] for i in sample_idx], rows, tokens, out)
+        )
+
+    def _propose(self, sampled: list[SampledTokens]) -> list[SampledTokens]:
+        """Attach each sampled request's drafts for its next step (speculative decoding)."""
+        if self.drafter is None or not sampled:
+            return sampled
+        rows = np.array([self.batch.req_rows[s.request_id] for s in sampled], dtype=np.int64)
+        for s, drafts in zip(sampled, self.drafter.propose(self.batch, rows), strict=True):
+            if drafts:
+                s.draft_token_ids = drafts
+        return sampled
 
     def _sampled_tokens(
         self, ids: list[str], rows: np.ndarray, tokens: np.ndarray, out: SamplerOutput

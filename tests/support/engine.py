@@ -17,6 +17,7 @@ from services.scheduler.scheduler import Scheduler
 from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.spec import SpeculativeConfig
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
 
 
@@ -39,12 +40,22 @@ class InProcessEngine:
         dtype: torch.dtype = torch.float32,
         enable_prefix_caching: bool = True,
         model_and_config: tuple | None = None,
+        speculative: SpeculativeConfig | None = None,
+        scheduler_options: dict[str, object] | None = None,
     ) -> None:
         model, config = model_and_config or load_model(model_dir, dtype, "cpu")
         self.model, self.model_config = model, config
         self.kv_cache = KVCache.allocate(config, num_blocks, block_size, dtype, "cpu")
         max_model_len = min(config.max_position_embeddings, 4096)
-        self.runner = ModelRunner(model, config, self.kv_cache, "cpu", max_model_len=max_model_len)
+        self.runner = ModelRunner(
+            model,
+            config,
+            self.kv_cache,
+            "cpu",
+            max_model_len=max_model_len,
+            speculative=speculative,
+        )
+        spec_tokens = speculative.num_spec_tokens if speculative and speculative.enabled else 0
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=block_size,
@@ -54,6 +65,8 @@ class InProcessEngine:
                 max_model_len=max_model_len,
                 enable_prefix_caching=enable_prefix_caching,
                 eos_token_ids=list(config.eos_token_ids),
+                num_spec_tokens=spec_tokens,
+                **(scheduler_options or {}),  # type: ignore[arg-type]
             ),
             "test-scheduler",
         )

@@ -10,7 +10,7 @@ first constrained request arrives: an unconstrained deployment never loads it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,18 +50,25 @@ class StructuredOutputManager:
         return self._grammars.get(request_id)
 
     def grammar_bitmask(
-        self, sampling: Sequence[tuple[str, Sequence[int]]]
+        self,
+        sampling: Sequence[tuple[str, Sequence[int]]],
+        drafts: Mapping[str, Sequence[int]] | None = None,
     ) -> tuple[list[str], bytes]:
         """Rows for the constrained requests among `sampling` ((request id, tokens so far) of
         every request that samples this step). Requests whose row restricts nothing (reasoning
         still open) are left out: the worker treats unlisted requests as unconstrained. Rows
-        are packed little-endian int32, ceil(vocab/32) words each, in the order of the ids."""
+        are packed little-endian int32, ceil(vocab/32) words each, in the order of the ids;
+        a request verifying drafts (`drafts`, speculative decoding) gets 1 + len(drafts)
+        consecutive rows: one per draft, then the bonus row."""
         chosen = [(rid, g, h) for rid, h in sampling if (g := self._grammars.get(rid))]
         if not chosen:
             return [], b""
         vocab = chosen[0][1].vocab_size
-        rows = np.empty((len(chosen), bitmask_words(vocab)), dtype=np.int32)
+        drafts = drafts or {}
+        total = sum(1 + len(drafts.get(rid, ())) for rid, _, _ in chosen)
+        rows = np.empty((total, bitmask_words(vocab)), dtype=np.int32)
         ids: list[str] = []
+        used = 0
         for request_id, grammar, history in chosen:
             if grammar.vocab_size != vocab:
                 log.error(
@@ -71,11 +78,13 @@ class StructuredOutputManager:
                     extra={"request_id": request_id},
                 )
                 continue
-            if grammar.fill_bitmask(history, (), rows, len(ids)):
+            window = drafts.get(request_id, ())
+            if grammar.fill_bitmask(history, window, rows, used):
                 ids.append(request_id)
+                used += 1 + len(window)
         if not ids:
             return [], b""
-        return ids, rows[: len(ids)].astype("<i4", copy=False).tobytes()
+        return ids, rows[:used].astype("<i4", copy=False).tobytes()
 
     def accept(
         self, request_id: str, history: Sequence[int], tokens: Sequence[int]

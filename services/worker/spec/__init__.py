@@ -1,0 +1,11 @@
+"""Speculative decoding in the worker: drafters propose, one forward verifies.
+
+Reading order: `config` (the settings a worker runs with), `ngram` (prompt lookup: drafts
+from the request's own tokens, no weights), `drafts` (staging a plan's drafts into the
+persistent batch and proposing the next ones), `verify` (the acceptance rule, exact for greedy
+and for seeded sampling), `verify_step` (the runner's speculative sampling path).
+"""
+
+from services.worker.spec.config import SpecMethod, SpeculativeConfig
+
+__all__ = ["SpecMethod", "SpeculativeConfig"]

@@ -1,0 +1,81 @@
+"""Drafts in the persistent batch: staging the plan's drafts, proposing the next step's.
+
+Staging writes a request's drafts right after its verified tokens in `InputBatch.token_ids`
+(positions T .. T+k-1) without counting them in `num_tokens`: they are inputs of this step's
+forward, not tokens of the request. Verification then overwrites position T+a with the
+correction/bonus and sets `num_tokens` to T+a+1, so rejected drafts vanish from the batch; their
+KV (slots the scheduler reserved as lookahead) is overwritten by later steps before anything
+attends to it, and the scheduler never registers those slots in the prefix cache.
+
+Proposing skips requests whose sampling reads per-row history the verification rows would see
+stale (repetition/frequency/presence penalties, and min_tokens not yet reached): those decode
+one token per step, unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.worker.input_batch import InputBatch, PlanError
+from services.worker.spec.config import SpeculativeConfig
+from services.worker.spec.ngram import NgramProposer
+from shared.protocol import SamplingParams, StepPlan
+
+
+def stage_drafts(
+    batch: InputBatch, plan: StepPlan, request_ids: list[str], rows: np.ndarray
+) -> np.ndarray:
+    """Write the plan's drafts for the listed requests into the batch; returns the draft count
+    per request (0 for requests without drafts). PlanError if drafts do not fit the row."""
+    counts = np.zeros(len(request_ids), dtype=np.int64)
+    for i, request_id in enumerate(request_ids):
+        drafts = plan.spec_token_ids.get(request_id)
+        if not drafts:
+            continue
+        row = int(rows[i])
+        start = int(batch.num_tokens[row])
+        end = start + len(drafts)
+        if end >= batch.max_model_len:
+            raise PlanError(
+                f"{request_id}: {len(drafts)} drafts after {start} tokens leave no room for the "
+                f"bonus token within max_model_len={batch.max_model_len}"
+            )
+        batch.token_ids[row, start:end] = drafts
+        counts[i] = len(drafts)
+    return counts
+
+
+def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool:
+    """Whether verification rows of this request sample as plain decoding would."""
+    if params is None:
+        return False
+    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        return False
+    return num_output_tokens >= params.min_tokens
+
+
+class Drafter:
+    """Proposes each sampled request's drafts for the next step (n-gram for now)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        if config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} has no drafter here")
+        self.config = config
+        self.proposer = NgramProposer(
+            config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+
+    def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
+        """Drafts per row (possibly empty), from the row's verified tokens. K is capped so the
+        drafts and the bonus token stay within max_model_len."""
+        out: list[list[int]] = []
+        for row in rows.tolist():
+            num_tokens = int(batch.num_tokens[row])
+            room = batch.max_model_len - 1 - num_tokens
+            num_output = num_tokens - int(batch.num_prompt_tokens[row])
+            if room <= 0 or not may_speculate(batch.sampling[row], num_output):
+                out.append([])
+                continue
+            k = min(self.config.num_spec_tokens, room)
+            out.append(self.proposer.propose(batch.token_ids[row, :num_tokens], k))
+        return out

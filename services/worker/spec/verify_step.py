@@ -1,0 +1,140 @@
+"""The runner's speculative sampling path: logits at every draft position, one draw per
+position, acceptance, and the batch rolled forward to the accepted tokens only.
+
+Called by ModelRunner when a step carries drafts. Requests without drafts in the same step are
+the k = 0 case (one row, the plain draw), so a mixed batch runs one path. Draws run position by
+position (j = 0..max k) over the requests that have a row j, so each sampler call sees every
+state row at most once (the sampler's per-row tables assume that) and row j uses position
+T + j: the noise plain decoding would use there (verify.py says why that makes this exact).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from services.worker.input_batch import PlanError
+from services.worker.spec.verify import num_accepted
+from shared.protocol import SampledTokens, StepPlan
+
+if TYPE_CHECKING:
+    from services.worker.model_runner import ModelRunner, StepInputs
+
+
+def bitmask_rows(
+    plan: StepPlan, request_ids: list[str], num_drafts: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor | None, np.ndarray]:
+    """(bitmask [G, W] int32 or None, first bitmask row of each request or -1). Each listed
+    grammar request owns 1 + len(its drafts) consecutive rows (StepPlan.spec_token_ids)."""
+    first = np.full(len(request_ids), -1, dtype=np.int64)
+    if not plan.grammar_request_ids:
+        return None, first
+    sizes = [1 + len(plan.spec_token_ids.get(rid, ())) for rid in plan.grammar_request_ids]
+    total = sum(sizes)
+    raw = plan.grammar_bitmask
+    if len(raw) % 4 or not raw or (len(raw) // 4) % total:
+        raise PlanError(
+            f"grammar_bitmask has {len(raw)} bytes, not a positive multiple of 4 bytes x "
+            f"{total} rows ({len(sizes)} grammar requests and their drafts)"
+        )
+    starts = np.cumsum([0, *sizes[:-1]])
+    position = dict(zip(plan.grammar_request_ids, starts.tolist(), strict=True))
+    for i, request_id in enumerate(request_ids):
+        first[i] = position.get(request_id, -1)
+    if not (first >= 0).any():
+        return None, first
+    packed = np.frombuffer(raw, dtype="<i4").reshape(total, -1).copy()
+    return torch.from_numpy(packed).to(device), first
+
+
+def verify_and_sample(
+    runner: ModelRunner, hidden: torch.Tensor, inputs: StepInputs, plan: StepPlan
+) -> list[SampledTokens]:
+    """Sample every sampling request of a speculative step; returns its accepted tokens."""
+    assert inputs.num_drafts is not None
+    batch, sampler = runner.batch, runner.sampler
+    sample_idx = np.flatnonzero(inputs.sample_mask)
+    if not sample_idx.size:
+        return []
+    ids = [inputs.request_ids[i] for i in sample_idx]
+    rows = inputs.rows[sample_idx]
+    k = inputs.num_drafts[sample_idx]
+    ends = np.cumsum(inputs.query_lens)[sample_idx]  # flat end (exclusive) of each request
+    first_flat = ends - 1 - k  # flat row that samples position T (the first new token)
+    offsets = np.cumsum(np.concatenate(([0], k[:-1] + 1)))  # each request's first logits row
+    flat = np.concatenate([np.arange(f, f + n + 1) for f, n in zip(first_flat, k, strict=True)])
+    logits = runner.model.compute_logits(hidden[runner._to_device(flat)])
+    bitmask, bitmask_first = bitmask_rows(plan, ids, k, runner.device)
+    verified = batch.num_tokens[rows].copy()  # T: tokens known before this step's drafts
+
+    max_k = int(k.max())
+    draws = np.full((len(ids), max_k + 1), -1, dtype=np.int64)
+    logprobs = np.zeros((len(ids), max_k + 1), dtype=np.float32)
+    top: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for j in range(max_k + 1):
+        sel = np.flatnonzero(k >= j)
+        index = None
+        if bitmask is not None:
+            b = bitmask_first[sel]
+            index = runner._to_device(np.where(b >= 0, b + j, -1))
+        out = sampler.sample(
+            logits[runner._to_device(offsets[sel] + j)],
+            runner._to_device(rows[sel]),
+            runner._to_device(verified[sel] + j),
+            bitmask if index is not None else None,
+            bitmask_index=index,
+        )
+        draws[sel, j] = out.token_ids.to("cpu", torch.int64).numpy()
+        if out.logprobs is not None:
+            logprobs[sel, j] = out.logprobs.cpu().numpy()
+        if out.top_token_ids is not None and out.top_logprobs is not None:
+            top[j] = (out.top_token_ids.cpu().numpy(), out.top_logprobs.cpu().numpy())
+
+    result: list[SampledTokens] = []
+    rec_rows: list[int] = []
+    rec_tokens: list[int] = []
+    for i, request_id in enumerate(ids):
+        row, t, n = int(rows[i]), int(verified[i]), int(k[i])
+        drafts = batch.token_ids[row, t : t + n].tolist()
+        a = num_accepted(drafts, draws[i, : n + 1].tolist())
+        tokens = draws[i, : a + 1].tolist()
+        room = min(a + 1, batch.max_model_len - t)  # only a no-draft row at the limit is short
+        batch.token_ids[row, t : t + room] = tokens[:room]
+        batch.num_tokens[row] = t + room
+        batch.num_computed_tokens[row] = t + a  # KV stands for the verified and accepted
+        rec_rows += [row] * len(tokens)
+        rec_tokens += tokens
+        result.append(_sampled(request_id, tokens, batch.sampling[row], logprobs[i], top, i, k))
+    runner.sampler.record_sampled(
+        runner._to_device(np.array(rec_rows)), runner._to_device(np.array(rec_tokens))
+    )
+    return result
+
+
+def _sampled(
+    request_id: str,
+    tokens: list[int],
+    params: object,
+    logprobs: np.ndarray,
+    top: dict[int, tuple[np.ndarray, np.ndarray]],
+    i: int,
+    k: np.ndarray,
+) -> SampledTokens:
+    fields: dict[str, object] = {"request_id": request_id, "token_ids": tokens}
+    want = getattr(params, "logprobs", None)
+    n = len(tokens)
+    if want is not None:
+        fields["logprobs"] = logprobs[:n].tolist()
+        if want and top:
+            ids: list[int] = []
+            values: list[float] = []
+            for j in range(n):
+                # row of request i within draw j's selection: requests with k >= j, in order
+                pos = int(np.count_nonzero(k[:i] >= j))
+                ids += top[j][0][pos][:want].tolist()
+                values += top[j][1][pos][:want].tolist()
+            fields["top_token_ids"] = ids
+            fields["top_logprobs"] = values
+    return SampledTokens.model_construct(**fields)  # type: ignore[arg-type]
