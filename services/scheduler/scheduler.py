@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.block_pool import KVCacheBlock
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.offload.connector import LoadOutcome, OffloadConnector
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
 from services.scheduler.spec import SpecDecoding
@@ -82,6 +83,9 @@ class Scheduler:
         self.num_aborted = 0
         self.num_step_failures = 0
         self.structured = StructuredOutputManager(config.reasoning)
+        # KV offload tier (services/scheduler/offload): set by the service when a kvstore is
+        # configured; None = no external loads or stores, exactly the behaviour without it.
+        self.offload: OffloadConnector | None = None
         self.spec = SpecDecoding(config.num_spec_tokens, config.max_model_len)
 
     # ----------------------------------------------------------------- requests in and out
@@ -104,6 +108,8 @@ class Scheduler:
             self.structured.add(request.request_id, grammar)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.offload is not None:
+            self.offload.on_request_added(request)
         return None
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
@@ -113,8 +119,8 @@ class Scheduler:
             return None
         if request.status is RUNNING:
             self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        elif self.offload is None or not self.offload.is_loading(request_id):
+            self.waiting.remove(request)  # (a loading request is in no queue)
         self.num_aborted += 1
         self._finish(request, "abort")
         return _final_delta(request_id, request.num_output_tokens, "abort")
@@ -175,7 +181,16 @@ class Scheduler:
             max_seqs = self.config.max_num_seqs
             while self.waiting and budget > 0 and len(self.running) < max_seqs:
                 request = self.waiting[0]
-                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                if self.offload is None:
+                    hit_blocks, num_hit = kv.get_computed_blocks(request)
+                else:
+                    admission = self.offload.admit(request, kv)
+                    if admission.action == "defer":
+                        break  # lookup unanswered (or no room): FCFS, as a failed allocation
+                    if admission.action == "load":
+                        self.waiting.popleft()  # computes nothing until its load is done
+                        continue
+                    hit_blocks, num_hit = admission.hit_blocks, admission.num_hit_tokens
                 num_new = min(request.num_tokens - num_hit, budget)
                 if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                     break  # FCFS: nobody overtakes the head of the queue
@@ -201,7 +216,7 @@ class Scheduler:
                 request.num_computed_tokens = num_hit + num_new
                 budget -= num_new
 
-        if not num_scheduled:
+        if not num_scheduled and not (self.offload and self.offload.has_pending_loads()):
             return None
         grammar_ids, grammar_bitmask = self._grammar_bitmask(num_scheduled, spec_tokens)
         plan = _step_plan(
@@ -217,6 +232,8 @@ class Scheduler:
             grammar_bitmask=grammar_bitmask,
             spec_token_ids=spec_tokens,
         )
+        if self.offload is not None:
+            plan.kv_loads, plan.kv_stores = self.offload.plan_transfers(num_scheduled, kv)
         self._finished_for_worker = []
         self._preempted_for_worker = []
         self._in_flight.add(self.step_id)
@@ -290,6 +307,8 @@ class Scheduler:
         """The worker restarted and holds nothing: every running request recomputes (keeping
         its outputs) and is sent again as new; the prefix cache is dropped, since no cached
         block has KV on the new worker."""
+        if self.offload is not None:  # loads are void: requeued behind the running requests
+            self.waiting.extendleft(reversed(self.offload.worker_reset(self.kv)))
         for request in self.running:
             self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
@@ -303,6 +322,18 @@ class Scheduler:
         self._preempted_for_worker = []
         self.kv.reset_prefix_cache()
         self.worker_incarnation = worker_incarnation
+
+    def kv_load_done(
+        self, transfer_id: str, ok: bool, failed_keys: list[str]
+    ) -> LoadOutcome | None:
+        """The worker answered a KV load (or the edge could not pin it): the request goes back
+        to the front of the waiting queue, its loaded blocks computed, or freed to recompute."""
+        if self.offload is None:
+            return None
+        outcome = self.offload.load_done(transfer_id, ok, failed_keys, self.kv)
+        if outcome is not None and outcome.requeued is not None:
+            self.waiting.appendleft(outcome.requeued)
+        return outcome
 
     def snapshot(self) -> SchedulerSnapshot:
         stats = self.kv.stats
@@ -373,7 +404,10 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Release everything the request holds; the caller removes it from its queue."""
         request.status = RequestStatus.finished(reason)
-        self.kv.free(request)
+        if self.offload is not None:
+            self.offload.request_finished(request, self.kv)  # frees now, or after its load
+        else:
+            self.kv.free(request)
         self.structured.remove(request.request_id)
         self.spec.forget(request.request_id)
         del self.requests[request.request_id]

@@ -1,0 +1,378 @@
+"""The offload connector: the scheduler's decisions about the KV offload tier (pure core).
+
+A waiting request at the head of the queue goes through `admit`:
+- its keys beyond the local prefix hit are looked up in the `AsyncLookup` (attached when the
+  request arrived, so one probe batch covers every queued request). An unknown verdict in the
+  leading run defers the request one step (bounded by `max_defers`, then it computes);
+- a leading run of chunks present in every prefix-cacheable group beyond the local hit becomes
+  a LOAD: blocks are allocated (not registered in the prefix cache: `load_allocation`), a
+  `KVTransfer` goes into the next plan's `kv_loads`, and the request leaves the waiting queue,
+  computing nothing, until the worker's KVTransferDone;
+- otherwise it is admitted for compute with its local hit.
+A load that completed marks its blocks computed (registered in the prefix cache) and puts the
+request back at the queue's front, holding its blocks: its next admission counts them as its
+hit (`resumed_tokens`). A failed or refused load frees the blocks, forces its keys to misses and
+requeues the request, which then recomputes what the tier could not give.
+
+Stores: every plan offers, per scheduled request, the full blocks its computed tokens reach
+after the step (prompt and sampled tokens only: `num_computed_tokens` never counts a
+speculative draft here), each block once per request, keyed by block hash per prefix-cacheable
+group. The edge asks the kvstore which to write and trims `kv_stores` before publishing.
+
+Blocks under a load the worker has not answered are never freed: a request finishing (abort)
+meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
+drops its pending copies and reports them failed), so the blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.kvstore.async_lookup import AsyncLookup
+from services.kvstore.offload_key import KeySpace, OffloadKey
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_cache_coordinator import KVCacheBlocks
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_cache_spec import FullAttentionSpec
+from services.scheduler.offload.load_allocation import allocate_for_load
+from services.scheduler.offload.request_state import LoadJob, OffloadRequestState
+from services.scheduler.request import Request
+from shared.protocol.kv_transfer import KVTransfer
+
+Chunk = tuple[OffloadKey, int]  # (key, end position)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    action: Literal["compute", "defer", "load"]
+    hit_blocks: KVCacheBlocks | None = None  # for "compute"; None for a resumed request
+    num_hit_tokens: int = 0
+
+
+DEFER = Admission("defer")
+LOADING = Admission("load")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    """What a finished (or refused) load did."""
+
+    request_id: str
+    ok: bool
+    loaded_tokens: int  # tokens now computed from the tier (0 when failed)
+    keys: list[OffloadKey]  # the load's keys: their pins are released
+    requeued: Request | None  # back to the front of the waiting queue (None: request gone)
+
+
+@dataclass
+class OffloadStats:
+    external_query_tokens: int = 0  # tokens beyond the local hit looked up at admission
+    external_hit_tokens: int = 0  # of those, loaded from the tier
+    loads_started: int = 0
+    loads_failed: int = 0
+    defers: int = 0
+
+
+@dataclass
+class StoreOffer:
+    """Candidate chunks of one store transfer, aligned with `KVTransfer.keys`."""
+
+    request_id: str
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+class OffloadConnector:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        space: KeySpace,
+        lookup: AsyncLookup,
+        transfer_prefix: str,
+        *,
+        max_defers: int = 50,
+        max_loading: int | None = None,
+    ) -> None:
+        self.block_size = config.block_size
+        # Only prefix-cacheable groups are hashed, stored and looked up ("transferable is not
+        # storable"); a request whose groups are not all cacheable never loads.
+        self.groups = [
+            g for g, group in enumerate(config.kv_cache_groups) if group.spec.prefix_cacheable
+        ]
+        self.all_groups_cacheable = len(self.groups) == len(config.kv_cache_groups)
+        # Loads restore every block of the run in every group, which is exact only where any
+        # prefix of a hit is a hit (full attention); sliding-window groups would need the
+        # window coverage of services.kvstore.sliding_window: until then they only store.
+        self.loads_supported = self.all_groups_cacheable and all(
+            isinstance(group.spec, FullAttentionSpec) for group in config.kv_cache_groups
+        )
+        self.space = space
+        self.lookup = lookup
+        self.max_defers = max_defers
+        self.max_loading = max_loading or config.max_num_seqs
+        self._ids = (f"{transfer_prefix}:{n}" for n in itertools.count())
+        self.states: dict[str, OffloadRequestState] = {}
+        self.requests: dict[str, Request] = {}
+        self.loading: dict[str, Request] = {}  # transfer id -> request being loaded
+        self.orphans: dict[str, tuple[Request, LoadJob]] = {}  # finished under a load
+        self.pending_loads: list[KVTransfer] = []  # for the next plan
+        self.store_offers: dict[str, StoreOffer] = {}  # transfer id -> chunks (the edge pops)
+        # Offers gathered for the plan being built: request id -> (chunks, groups, block ids).
+        self._open_offers: dict[str, tuple[StoreOffer, list[int], list[int]]] = {}
+        self.finished_ids: list[str] = []  # for the kvstore's request_finished (the edge pops)
+        self.stats = OffloadStats()
+
+    # ------------------------------------------------------------------------ requests
+
+    def on_request_added(self, request: Request) -> None:
+        """Attach the request's keys to the async lookup now, so the next probe batch covers
+        every queued request, not only the head of the queue."""
+        state = self.states.setdefault(request.request_id, OffloadRequestState(request.request_id))
+        self.requests[request.request_id] = request
+        cap = self._max_hit_blocks(request)
+        for i in range(state.keys_looked_up, cap):
+            for g in self.groups:
+                self.lookup.lookup(request.request_id, OffloadKey(request.block_hashes[i], g))
+        state.keys_looked_up = max(state.keys_looked_up, cap)
+
+    def is_loading(self, request_id: str) -> bool:
+        state = self.states.get(request_id)
+        return state is not None and state.load is not None
+
+    def request_finished(self, request: Request, kv: KVCacheManager) -> None:
+        """The request finished (stop, length, abort, error): free its blocks now, or when its
+        load is answered; its kvstore record is committed by the edge."""
+        rid = request.request_id
+        state = self.states.pop(rid, None)
+        self.requests.pop(rid, None)
+        self.lookup.request_finished(rid)
+        self.finished_ids.append(rid)
+        if state is not None and state.load is not None:
+            tid = state.load.transfer.transfer_id
+            self.loading.pop(tid, None)
+            if any(t.transfer_id == tid for t in self.pending_loads):
+                self.pending_loads = [t for t in self.pending_loads if t.transfer_id != tid]
+                kv.free(request)  # never sent: nobody writes into its blocks
+            else:
+                self.orphans[tid] = (request, state.load)
+            return
+        kv.free(request)
+
+    # ----------------------------------------------------------------------- admission
+
+    def admit(self, request: Request, kv: KVCacheManager) -> Admission:
+        """Decide for the waiting head: compute (with which hit), defer, or load (the request
+        then left the queue: the caller pops it)."""
+        state = self.states.get(request.request_id)
+        if state is None:
+            self.on_request_added(request)
+            state = self.states[request.request_id]
+        if state.resumed_tokens:
+            return Admission("compute", None, state.resumed_tokens)
+        hit_blocks, num_hit = kv.get_computed_blocks(request)
+        if not self.groups or not self.loads_supported or not kv.enable_caching:
+            return Admission("compute", hit_blocks, num_hit)
+        first = num_hit // self.block_size
+        cap = self._max_hit_blocks(request)
+        run, unknown = self._leading_run(request, first, cap)
+        if unknown and state.defers < self.max_defers:
+            state.defers += 1
+            self.stats.defers += 1
+            return DEFER
+        self.stats.external_query_tokens += (cap - first) * self.block_size
+        if run == 0 or len(self.loading) >= self.max_loading:
+            return Admission("compute", hit_blocks, num_hit)
+        num_load = run * self.block_size
+        new_blocks = allocate_for_load(kv, request, hit_blocks, num_hit, num_load)
+        if new_blocks is None:
+            return DEFER  # no room for the load: no room to compute it either (FCFS head)
+        self._start_load(request, state, first, run, num_hit, new_blocks, kv)
+        return LOADING
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        # A hit is capped at num_tokens - 1: the last token is recomputed for its logits.
+        return min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+
+    def _leading_run(self, request: Request, first: int, cap: int) -> tuple[int, bool]:
+        """Blocks from `first` present in every group, and whether an unknown verdict cut the
+        run (then the answer may grow next step)."""
+        rid = request.request_id
+        for i in range(first, cap):
+            for g in self.groups:
+                verdict = self.lookup.lookup(rid, OffloadKey(request.block_hashes[i], g))
+                if verdict is None:
+                    return i - first, True
+                if not verdict:
+                    return i - first, False
+        return cap - first, False
+
+    def _start_load(
+        self,
+        request: Request,
+        state: OffloadRequestState,
+        first: int,
+        run: int,
+        num_hit: int,
+        new_blocks: KVCacheBlocks,
+        kv: KVCacheManager,
+    ) -> None:
+        chunks: list[Chunk] = []
+        names: list[str] = []
+        groups: list[int] = []
+        block_ids: list[int] = []
+        for i in range(first, first + run):
+            for g in self.groups:
+                key = OffloadKey(request.block_hashes[i], g)
+                chunks.append((key, (i + 1) * self.block_size))
+                names.append(self.space.payload_key(key))
+                groups.append(g)
+                block_ids.append(new_blocks[g][i - first].block_id)
+        tid = next(self._ids)
+        transfer = KVTransfer(
+            transfer_id=tid,
+            request_id=request.request_id,
+            keys=names,
+            groups=groups,
+            block_ids=block_ids,
+        )
+        num_tokens = num_hit + run * self.block_size
+        state.load = LoadJob(transfer, chunks, first, run, num_tokens, num_hit)
+        self.loading[tid] = request
+        self.pending_loads.append(transfer)
+        self.stats.loads_started += 1
+        # The local hit in front of the loaded run is offered for store too: its keys join the
+        # request's record, so the head of the prefix is refreshed with its tail (and written
+        # if the tier lost it). Its blocks hold their KV already and stay held by the request.
+        if first:
+            self._offer(request, kv, 0, first)
+        state.offered_blocks = first + run
+
+    # ------------------------------------------------------------------------ the plan
+
+    def has_pending_loads(self) -> bool:
+        return bool(self.pending_loads)
+
+    def plan_transfers(
+        self, num_scheduled: Mapping[str, int], kv: KVCacheManager
+    ) -> tuple[list[KVTransfer], list[KVTransfer]]:
+        """The plan's loads (started since the last plan) and store offers: for every scheduled
+        request, the full blocks its computed tokens reach after this step, not offered yet."""
+        loads, self.pending_loads = self.pending_loads, []
+        for rid in num_scheduled:
+            state = self.states.get(rid)
+            request = self.requests.get(rid)
+            if state is None or request is None:
+                continue
+            state.resumed_tokens = 0  # admitted with them
+            num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+            if num_full > state.offered_blocks:
+                self._offer(request, kv, state.offered_blocks, num_full)
+                state.offered_blocks = num_full
+        stores = self._take_offer_transfers()
+        return loads, stores
+
+    def _offer(self, request: Request, kv: KVCacheManager, begin: int, end: int) -> None:
+        rid = request.request_id
+        offer = self._open_offers.get(rid)
+        if offer is None:
+            offer = self._open_offers[rid] = (StoreOffer(rid), [], [])
+        store, groups, block_ids = offer
+        tables = kv.coordinator.get_blocks(rid)
+        state = self.states[rid]
+        for i in range(begin, end):
+            for g in self.groups:
+                block = tables[g][i]
+                if block.is_null:
+                    continue  # skipped (out of a sliding window): nothing to store
+                key = OffloadKey(request.block_hashes[i], g)
+                store.chunks.append((key, (i + 1) * self.block_size))
+                groups.append(g)
+                block_ids.append(block.block_id)
+                state.offered.append((key, (i + 1) * self.block_size))
+
+    def _take_offer_transfers(self) -> list[KVTransfer]:
+        transfers = []
+        for rid, (offer, groups, block_ids) in self._open_offers.items():
+            tid = next(self._ids)
+            transfers.append(
+                KVTransfer(
+                    transfer_id=tid,
+                    request_id=rid,
+                    keys=[self.space.payload_key(k) for k, _ in offer.chunks],
+                    groups=groups,
+                    block_ids=block_ids,
+                )
+            )
+            self.store_offers[tid] = offer
+        self._open_offers.clear()
+        return transfers
+
+    # ------------------------------------------------------------------- load answers
+
+    def load_done(
+        self, transfer_id: str, ok: bool, failed_keys: Iterable[str], kv: KVCacheManager
+    ) -> LoadOutcome | None:
+        """The worker answered a load (or the edge could not pin it: `ok=False`, never sent).
+        None for a transfer this connector does not know (stale: a reset voided it)."""
+        orphan = self.orphans.pop(transfer_id, None)
+        if orphan is not None:
+            request, job = orphan
+            kv.free(request)  # the worker is done with its blocks
+            return LoadOutcome(request.request_id, ok, 0, [k for k, _ in job.keys], None)
+        request = self.loading.pop(transfer_id, None)
+        if request is None:
+            return None
+        state = self.states[request.request_id]
+        job = state.load
+        assert job is not None and job.transfer.transfer_id == transfer_id
+        state.load = None
+        self.pending_loads = [t for t in self.pending_loads if t.transfer_id != transfer_id]
+        keys = [k for k, _ in job.keys]
+        if ok:
+            kv.cache_blocks(request, job.num_tokens)  # computed now: findable by others too
+            state.resumed_tokens = job.num_tokens
+            state.loaded.extend(job.keys)
+            self.stats.external_hit_tokens += job.loaded_tokens
+            return LoadOutcome(request.request_id, True, job.loaded_tokens, keys, request)
+        failed = {self.space.parse(name) for name in failed_keys} or set(keys)
+        self.lookup.mark_load_failed(failed)
+        kv.free(request)
+        request.num_computed_tokens = 0
+        state.offered_blocks = job.first_block  # the loaded run is computed (and offered) later
+        self.stats.loads_failed += 1
+        return LoadOutcome(request.request_id, False, 0, keys, request)
+
+    def worker_reset(self, kv: KVCacheManager) -> list[Request]:
+        """The worker lost its KV (restart or failed step): every load is void. Frees the blocks
+        of loading, resumed and orphaned requests; returns the loading requests, in order, for
+        the caller to requeue (resumed ones are in the waiting queue already)."""
+        requeue = []
+        for request in self.loading.values():
+            state = self.states[request.request_id]
+            assert state.load is not None
+            state.offered_blocks = state.load.first_block
+            state.load = None
+            kv.free(request)
+            request.num_computed_tokens = 0
+            requeue.append(request)
+        for request, _ in self.orphans.values():
+            kv.free(request)
+        for rid, state in self.states.items():
+            if state.resumed_tokens:
+                state.resumed_tokens = 0
+                kv.free(self.requests[rid])
+        self.loading.clear()
+        self.orphans.clear()
+        self.pending_loads = []
+        return requeue
+
+    def take_finished(self) -> list[str]:
+        ids, self.finished_ids = self.finished_ids, []
+        return ids
+
+    def recorded(self, request_id: str) -> list[Chunk]:
+        """Keys the request reported to the tier (loaded or offered), with end positions."""
+        state = self.states.get(request_id)
+        return state.recorded() if state is not None else []
