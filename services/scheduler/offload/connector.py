@@ -266,7 +266,9 @@ class OffloadConnector:
             if state is None or request is None:
                 continue
             state.resumed_tokens = 0  # admitted with them
-            num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+            num_full = min(
+                request.num_computed_tokens // self.block_size, len(request.block_hashes)
+            )
             if num_full > state.offered_blocks:
                 self._offer(request, kv, state.offered_blocks, num_full)
                 state.offered_blocks = num_full
