@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 
 from services.scheduler.block_hash import BlockHash, extend_block_hashes
+from services.scheduler.routed_experts import RoutedExpertsRecord
 from shared.protocol import FinishReason, SamplingParams, SubmitRequest
 
 
@@ -66,6 +67,7 @@ class Request:
         "reply_stream",
         "request_id",
         "return_routed_experts",
+        "routed_experts",
         "sampling",
         "status",
     )
@@ -80,6 +82,7 @@ class Request:
         arrival_time: float = 0.0,
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
+        routed_experts_prompt_start: int = 0,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -90,6 +93,12 @@ class Request:
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
         self.return_routed_experts = return_routed_experts
+        # Rows collected for the reply (services/scheduler/routed_experts.py); None if not asked.
+        self.routed_experts = (
+            RoutedExpertsRecord(routed_experts_prompt_start, len(prompt_token_ids))
+            if return_routed_experts
+            else None
+        )
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission; -1 until admitted
@@ -111,6 +120,7 @@ class Request:
             arrival_time=msg.arrival_time,
             cache_salt=msg.cache_salt,
             return_routed_experts=msg.return_routed_experts,
+            routed_experts_prompt_start=msg.routed_experts_prompt_start,
         )
 
     @property

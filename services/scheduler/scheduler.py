@@ -29,6 +29,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.connector import LoadOutcome, OffloadConnector
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.routed_experts import prompt_start_error
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
 from services.scheduler.spec import SpecDecoding
 from services.scheduler.stop import check_stop
@@ -262,6 +263,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RUNNING:
                 continue  # aborted (or reset) while the step ran
+            if request.routed_experts is not None and request_id in sampled:
+                request.routed_experts.record(sampled[request_id], request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill: nothing sampled
             tokens = sampled.get(request_id)
@@ -385,9 +388,8 @@ class Scheduler:
             k = len(sampled.top_token_ids) // len(sampled.token_ids)
             delta.top_token_ids = sampled.top_token_ids[: n * k]
             delta.top_logprobs = sampled.top_logprobs[: n * k]
-        if sampled.routed_experts is not None:
-            delta.routed_experts = sampled.routed_experts
-            delta.routed_experts_shape = sampled.routed_experts_shape
+        if request.routed_experts is not None:
+            request.routed_experts.attach(delta)
         if not request.first_delta_sent:
             request.first_delta_sent = True
             delta.num_prompt_tokens = request.num_prompt_tokens
@@ -484,6 +486,8 @@ class Scheduler:
             self._preempted_for_worker.append(request_id)
 
     def _admission_error(self, msg: SubmitRequest) -> str | None:
+        if error := prompt_start_error(msg):
+            return error
         prompt_len = len(msg.prompt_token_ids)
         max_len = self.config.max_model_len
         if prompt_len >= max_len:
