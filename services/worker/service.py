@@ -21,6 +21,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.worker.bootstrap import build_runner
+from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.model_runner import ModelRunner
 from shared.config import WorkerSettings
 from shared.metrics import metric_name
@@ -51,6 +52,7 @@ class WorkerService(Service):
         self.steps_run = 0
         self.scheduler_incarnation = ""
         self._busy = asyncio.Lock()
+        self.kv_pump: KVTransferPump | None = None  # KV offload transfers (settings.kv_offload)
 
     async def start(self) -> None:
         await super().start()
@@ -62,21 +64,37 @@ class WorkerService(Service):
         self.runner, self.announcement = await asyncio.to_thread(
             build_runner, source, self.settings, self.incarnation
         )
+        if self.settings.kv_offload:
+            self.kv_pump = attach_kv_offload(
+                self.settings,
+                self.runner.kv_cache,
+                self.runner.config,
+                self.announcement.model,
+                self.incarnation,
+                self.bus,
+                self.streams.results(self.settings.group),
+                self._busy,
+            )
+            self.runner.kv_connector = self.kv_pump.connector
 
     async def run(self) -> None:
         steps = self.streams.steps(self.settings.group)
         last = {steps: "$"}
         await self.bus.read(last, block_ms=None)  # pins "$" before we announce ourselves
         announcer = asyncio.create_task(self._announce(), name="announce")
+        tasks = [announcer]
+        if self.kv_pump is not None:  # KVTransferDone, and loads applied between steps
+            tasks.append(asyncio.create_task(self.kv_pump.run(self.stopping), name="kv-pump"))
         try:
             while not self.stopping.is_set():
                 for delivery in await self.bus.read(last, count=16, block_ms=500):
                     if isinstance(delivery.message, StepPlan):
                         await self._execute(delivery.message)
         finally:
-            announcer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await announcer
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _announce(self) -> None:
         control = self.streams.control(self.settings.group)
@@ -117,7 +135,9 @@ class WorkerService(Service):
 
     async def drain(self) -> None:
         async with self._busy:  # let the step in flight finish and reply
-            return None
+            pass
+        if self.kv_pump is not None:  # finish queued transfers and answer every one
+            await self.kv_pump.close()
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:
         ready, info = await super().check_ready()

@@ -111,6 +111,8 @@ class TransferEngine:
         }
         self._threads: list[threading.Thread] = []
         self._on_outcome: Callable[[TransferOutcome], None] | None = None
+        self._closed = False
+        self._submit_lock = threading.Lock()
 
     def _client(self) -> redis.Redis:
         # No retries: a failed transfer is reported and the scheduler recomputes; retrying
@@ -132,12 +134,22 @@ class TransferEngine:
             self._threads.append(thread)
 
     def submit(self, job: StoreJob | LoadJob) -> None:
-        self._queues["store" if isinstance(job, StoreJob) else "load"].put(job)
+        """Queue a job; after `close()` the job ends at once as failed (still answered)."""
+        with self._submit_lock:  # a job queued behind the stop sentinel would never end
+            if not self._closed:
+                self._queues["store" if isinstance(job, StoreJob) else "load"].put(job)
+                return
+        if isinstance(job, StoreJob):
+            job.release()
+        assert self._on_outcome is not None
+        self._on_outcome(TransferOutcome(job, list(job.transfer.keys), error="worker stopping"))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish the queued jobs, then stop the threads."""
-        for q in self._queues.values():
-            q.put(None)
+        with self._submit_lock:
+            self._closed = True
+            for q in self._queues.values():
+                q.put(None)
         for thread in self._threads:
             thread.join(timeout_s)
         self._threads.clear()

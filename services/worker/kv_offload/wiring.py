@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from services.kvstore.offload_key import KeySpace
 from services.worker.kv_cache import KVCache
@@ -19,9 +20,18 @@ def key_space(settings: WorkerSettings, model_name: str) -> KeySpace:
     return KeySpace(settings.cluster, model_name, LAYOUT_VERSION)
 
 
+def layer_groups(config: Any) -> list[list[int]] | None:
+    """The layers of each KV cache group in shared.kv_groups order (`ModelConfig.kv_groups`),
+    so a chunk's group index means the same thing to the scheduler and to this worker. None
+    (one group of every layer) for a config that declares no groups."""
+    groups = getattr(config, "kv_groups", None)
+    return [list(g.layer_indices) for g in groups] if groups else None
+
+
 def build_connector(
     settings: WorkerSettings,
     kv_cache: KVCache,
+    config: Any,
     model_name: str,
     worker_incarnation: str,
     notify: Callable[[], None] | None = None,
@@ -37,6 +47,7 @@ def build_connector(
         key_space(settings, model_name),
         worker_id=settings.instance_id,
         worker_incarnation=worker_incarnation,
+        layer_groups=layer_groups(config),
         staging_bytes=settings.kv_staging_bytes,
         notify=notify,
     )

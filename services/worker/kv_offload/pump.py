@@ -1,0 +1,107 @@
+"""The worker service's edge of KV offload: publishes KVTransferDone messages on the results
+stream and copies finished loads into the KV cache while no step runs.
+
+The scheduler does not schedule a loading request until its load is reported, and it may have
+nothing else to run, so a load must complete between steps too: the transfer threads wake this
+pump (thread-safe), which takes the step lock (no forward in flight), applies the ready loads
+and publishes. A message that fails to publish is kept and retried on the next wake-up or at
+close: every transfer must be answered exactly once, or a request would wait forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from prometheus_client import Counter
+
+from services.worker.kv_cache import KVCache
+from services.worker.kv_offload.connector import KVConnector
+from services.worker.kv_offload.wiring import build_connector
+from shared.bus import Bus
+from shared.config import WorkerSettings
+from shared.metrics import metric_name
+from shared.protocol import KVTransferDone
+
+log = logging.getLogger(__name__)
+
+KV_TRANSFERS = Counter(
+    metric_name("worker_kv_transfers_total"), "KV offload transfers finished", ["kind", "result"]
+)
+KV_TRANSFER_BYTES = Counter(
+    metric_name("worker_kv_transfer_bytes_total"),
+    "Payload bytes moved by successful KV offload transfers",
+    ["kind"],
+)
+
+
+class KVTransferPump:
+    def __init__(self, bus: Bus, results_stream: str, step_lock: asyncio.Lock) -> None:
+        self.bus = bus
+        self.results_stream = results_stream
+        self.step_lock = step_lock
+        self.connector: KVConnector | None = None
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._unsent: list[KVTransferDone] = []
+
+    def wake(self) -> None:
+        """Called from any thread when there is a load to apply or a message to publish."""
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            await self.step()
+
+    async def step(self) -> None:
+        connector = self.connector
+        if connector is None:
+            return
+        if connector.has_ready_loads():
+            async with self.step_lock:
+                await asyncio.to_thread(connector.apply_ready_loads)
+        await self.publish()
+
+    async def publish(self) -> None:
+        assert self.connector is not None
+        self._unsent += self.connector.drain_done()
+        if not self._unsent:
+            return
+        batch, self._unsent = self._unsent, []
+        try:
+            await self.bus.publish_many([(self.results_stream, done) for done in batch])
+        except Exception:
+            log.exception("publishing %d KVTransferDone failed; kept for the next try", len(batch))
+            self._unsent = batch + self._unsent
+            return
+        for done in batch:
+            KV_TRANSFERS.labels(done.kind, "ok" if done.ok else "failed").inc()
+            if done.ok:
+                KV_TRANSFER_BYTES.labels(done.kind).inc(done.num_bytes)
+
+    async def close(self) -> None:
+        """Finish the queued transfers (their threads stop), then publish what is left."""
+        if self.connector is not None:
+            await asyncio.to_thread(self.connector.close)
+            self.connector.reset()  # loads read but never copied in: reported failed
+            await self.publish()
+
+
+def attach_kv_offload(
+    settings: WorkerSettings,
+    kv_cache: KVCache,
+    config: Any,
+    model_name: str,
+    incarnation: str,
+    bus: Bus,
+    results_stream: str,
+    step_lock: asyncio.Lock,
+) -> KVTransferPump:
+    """A pump with its connector (call on the event loop); the caller sets the runner's
+    `kv_connector` to `pump.connector` and runs `pump.run`."""
+    pump = KVTransferPump(bus, results_stream, step_lock)
+    pump.connector = build_connector(settings, kv_cache, config, model_name, incarnation, pump.wake)
+    return pump

@@ -1,0 +1,128 @@
+"""The worker service with KV offload on, in-process against a real Redis: a plan's store is
+answered with a KVTransferDone on the results stream, and a load finishes (copied into its
+blocks, then reported) while the worker idles, with no further plan to carry it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from services.kvstore.offload_key import OffloadKey
+from services.worker.kv_offload.payload import LAYOUT_VERSION
+from services.worker.kv_offload.wiring import key_space
+from services.worker.service import WorkerService
+from shared.bus import Bus
+from shared.config import WorkerSettings
+from shared.protocol import (
+    KVTransfer,
+    KVTransferDone,
+    Message,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    WorkerReady,
+)
+from shared.service import bind_socket, serve
+from shared.streams import Streams
+from tests.support.tiny_llama import make_tiny_llama
+
+PROMPT = [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5, 40, 61]
+STREAMS = Streams("kvsvc")
+
+
+async def next_message(bus: Bus, last: dict[str, str], kind: type[Message]) -> Message:
+    async with asyncio.timeout(60):
+        while True:
+            for delivery in await bus.read(last, block_ms=1000):
+                if isinstance(delivery.message, kind):
+                    return delivery.message
+
+
+def transfer(tid: str, keys: list[str], blocks: list[int]) -> KVTransfer:
+    return KVTransfer(
+        transfer_id=tid, request_id="a", keys=keys, groups=[0] * len(keys), block_ids=blocks
+    )
+
+
+async def test_store_then_idle_load_through_the_service(tmp_path: Path, redis_url: str) -> None:
+    make_tiny_llama(tmp_path / "tiny", seed=5)
+    settings = WorkerSettings(
+        redis_url=redis_url,
+        cluster="kvsvc",
+        instance_id="w-kv",
+        model=str(tmp_path / "tiny"),
+        served_model_name="tiny",
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        max_model_len=64,
+        kv_cache_bytes=40 * 3 * 2 * 4 * 2 * 16 * 4,  # 40 blocks
+        num_threads=1,
+        heartbeat_interval_s=0.2,
+    )
+    space = key_space(settings, "tiny")
+    assert space.layout_version == LAYOUT_VERSION
+    keys = [space.payload_key(OffloadKey(bytes([i]) * 16, 0)) for i in range(3)]
+    service = WorkerService(settings)
+    shutdown = asyncio.Event()
+    task = asyncio.create_task(serve(service, sock=bind_socket("127.0.0.1", 0), shutdown=shutdown))
+    bus = Bus(redis_url, "test")
+    await bus.connect()
+    try:
+        ready = await next_message(bus, {STREAMS.control("0"): "0"}, WorkerReady)
+        assert isinstance(ready, WorkerReady) and ready.model == "tiny"
+        results = {STREAMS.results("0"): "0"}
+        await bus.publish(
+            STREAMS.steps("0"),
+            StepPlan(
+                step_id=0,
+                scheduler_id="s",
+                worker_incarnation=ready.incarnation,
+                new_requests=[
+                    NewRequestData(
+                        request_id="a",
+                        token_ids=PROMPT,
+                        num_prompt_tokens=len(PROMPT),
+                        block_ids=[[1, 2, 3, 4]],
+                        num_computed_tokens=0,
+                        sampling=SamplingParams(temperature=0.0, max_tokens=4),
+                    )
+                ],
+                num_scheduled_tokens={"a": len(PROMPT)},
+                kv_stores=[transfer("st", keys, [1, 2, 3])],
+            ),
+        )
+        seen: list[Message] = [await next_message(bus, results, Message) for _ in range(2)]
+        assert {type(m) for m in seen} == {StepResult, KVTransferDone}
+        stored = next(m for m in seen if isinstance(m, KVTransferDone))
+        assert stored.ok and stored.kind == "store" and stored.worker_id == "w-kv"
+        assert stored.worker_incarnation == ready.incarnation
+
+        assert service.runner is not None
+        layers = service.runner.kv_cache.layers
+        original = [layer[:, 1:4].clone() for layer in layers]
+        for layer in layers:  # between plans: no step runs
+            layer.zero_()
+        await bus.publish(
+            STREAMS.steps("0"),
+            StepPlan(
+                step_id=1,
+                scheduler_id="s",
+                worker_incarnation=ready.incarnation,
+                finished_request_ids=["a"],
+                kv_loads=[transfer("ld", keys, [30, 31, 32])],
+            ),
+        )
+        loaded = await next_message(bus, results, KVTransferDone)
+        assert isinstance(loaded, KVTransferDone) and loaded.transfer_id == "ld" and loaded.ok
+        assert loaded.num_bytes == stored.num_bytes
+        for layer, before in zip(layers, original, strict=True):
+            assert torch.equal(layer[:, 30:33], before)  # copied in before it was reported
+        assert service.steps_run == 2  # no plan after the load's: it finished while idle
+    finally:
+        shutdown.set()
+        assert await asyncio.wait_for(task, 60) == 0
+        await bus.close()
