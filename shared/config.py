@@ -77,6 +77,16 @@ class SchedulerSettings(CommonSettings, ModelSettings):
     reasoning_end_token_ids: list[int] = Field(default_factory=list)
     reasoning_start_token_ids: list[int] = Field(default_factory=list)
     structured_outputs_enable_in_reasoning: bool = False  # constrain the reasoning too
+    # KV offload tier (services/scheduler/offload): on when a kvstore URL is set, unless
+    # MESHLLM_KV_OFFLOAD=false. An unreachable kvstore degrades to recompute, never an error.
+    kvstore_url: str = ""
+    kv_offload: bool = True
+    kvstore_timeout_s: float = Field(2.0, gt=0)  # one kvstore call
+    kvstore_retry_s: float = Field(5.0, ge=0)  # after a failed call, skip the kvstore this long
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        return self.kv_offload and bool(self.kvstore_url)
 
 
 class WorkerSettings(CommonSettings, ModelSettings):
@@ -109,3 +119,6 @@ class KVStoreSettings(CommonSettings):
     port: int = 8004
     capacity_bytes: int = 2 * 1024**3
     policy: str = "services.kvstore.lru.LRUPolicy"
+    # A chunk write not reported within this time failed (its worker died): dropped, and its
+    # payload deleted.
+    write_timeout_s: float = Field(300.0, gt=0)

@@ -23,6 +23,11 @@ from urllib.parse import quote
 
 from services.scheduler.block_hash import HASH_BYTES, BlockHash
 
+#: The payload layout version (header + tensor layout of one chunk) that key names carry. The
+#: worker's payload module (services.worker.kv_offload.payload) must write this version: a test
+#: keeps the two equal, so a layout change bumps the names and old payloads are never read.
+LAYOUT_VERSION = 1
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class OffloadKey:
@@ -55,7 +60,7 @@ class KeySpace:
 
     cluster: str
     model: str
-    layout_version: int = 1
+    layout_version: int = LAYOUT_VERSION
 
     def __post_init__(self) -> None:
         if not self.cluster or ":" in self.cluster:

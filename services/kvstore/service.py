@@ -9,7 +9,11 @@ and ordered by their store sequence).
 A call changes the in-memory state first and then does its Redis work. Evicted keys are removed
 from the table before their Redis delete is awaited, so nothing can pin them meanwhile; a delete
 that fails (Redis unreachable) is kept and retried by `run()` until it succeeds; `run()` also
-fails writes that were never reported within WRITE_TIMEOUT_S.
+fails writes that were never reported within `write_timeout_s` (deleting their payloads).
+
+No payload without its metadata: a write reported done after the kvstore gave up on it (expired,
+or failed by a concurrent report, or unknown to a restarted kvstore) finds its key absent from
+the table, and its payload is deleted instead of being left unaccounted for.
 """
 
 from __future__ import annotations
@@ -41,8 +45,7 @@ from shared.service import Service
 
 log = logging.getLogger(__name__)
 
-RETRY_DELETES_S = 1.0
-WRITE_TIMEOUT_S = 300.0  # a store not reported by then failed (its worker died)
+RETRY_DELETES_S = 1.0  # also how often expired writes are looked for
 MISSING = "missing"
 
 
@@ -77,7 +80,9 @@ class KVStoreService(Service):
                 await asyncio.wait_for(self.stopping.wait(), RETRY_DELETES_S)
             if self.undeleted:
                 await self._delete(list(self.undeleted))
-            expired = _names(self._tier().expire_writes(time.monotonic(), WRITE_TIMEOUT_S))
+            expired = _names(
+                self._tier().expire_writes(time.monotonic(), self.settings.write_timeout_s)
+            )
             if expired:
                 log.warning("%d chunk writes never completed; dropped", len(expired))
                 with contextlib.suppress(Exception):  # a leftover partial payload is harmless
@@ -124,8 +129,12 @@ class KVStoreService(Service):
                 [StoredChunk(k, chunks[k].nbytes, chunks[k].end, seq) for k in writing]
             )
         completed = _names(tier.stored(writing, body.ok))
+        # Absent keys were given up on (expired) or never offered here: their payload, if the
+        # worker wrote it anyway, has no metadata and nobody accounts for it, so it goes.
+        absent = [k for k, s in zip(chunks, tier.lookup(chunks), strict=True) if s is None]
         if not body.ok:
             await self.index.delete_payloads(completed)
+        await self.index.delete_payloads([k for k in absent if k not in completed])
         return {"completed": len(completed)}
 
     def load(self, body: LoadBody) -> dict[str, Any]:

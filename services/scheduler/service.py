@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.offload_edge import OffloadEdge
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_output import SchedulerOutput
 from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
@@ -38,6 +39,7 @@ from shared.grammar_store import GrammarKeys
 from shared.metrics import metric_name
 from shared.protocol import (
     AbortRequest,
+    KVTransferDone,
     RequestDelta,
     StepPlan,
     StepResult,
@@ -93,6 +95,10 @@ class SchedulerService(Service):
         self.worker_changed = asyncio.Event()
         self.results: dict[int, asyncio.Future[StepResult]] = {}
         self.steps_run = 0
+        # KV offload tier: the kvstore edge (services/scheduler/offload_edge.py), if configured.
+        self.offload: OffloadEdge | None = (
+            OffloadEdge(settings, self.wakeup.set) if settings.kv_offload_enabled else None
+        )
 
     @property
     def worker_timeout_s(self) -> float:
@@ -117,6 +123,8 @@ class SchedulerService(Service):
                 self._step_loop(),
             )
         ]
+        if self.offload is not None:
+            tasks.append(asyncio.create_task(self.offload.run(self.stopping), name="kv-offload"))
         stop = asyncio.create_task(self.stopping.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
@@ -124,6 +132,8 @@ class SchedulerService(Service):
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.offload is not None:
+            await self.offload.close()
         for task in done:
             if task is not stop and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
@@ -149,6 +159,7 @@ class SchedulerService(Service):
             "running_request_ids": [r.request_id for r in core.running] if core else [],
             "waiting_request_ids": [r.request_id for r in core.waiting] if core else [],
             "inflight_entries": len(self.inflight),
+            "kv_offload": self.offload.state() if self.offload else None,
             "steps_run": self.steps_run,
         }
 
@@ -319,6 +330,8 @@ class SchedulerService(Service):
         if self.core is not None:
             log.warning("worker capacity changed: requests restart on the new KV cache")
         self.core = Scheduler(config, self.settings.instance_id)
+        if self.offload is not None and self.worker is not None:
+            self.offload.attach(self.core, self.worker, self.incarnation)
         self.backlog = []
         for submit, _ in list(self.inflight.values()):
             self.core.add_request(submit, self.grammars.get(submit.request_id))
@@ -328,6 +341,10 @@ class SchedulerService(Service):
         while not self.stopping.is_set():
             for delivery in await self.bus.read(last, count=64, block_ms=1000):
                 msg = delivery.message
+                if isinstance(msg, KVTransferDone):
+                    if self.offload is not None and self.core is not None:
+                        self.offload.on_done(self.core, msg)
+                    continue
                 if not isinstance(msg, StepResult):
                     continue
                 future = self.results.pop(msg.step_id, None)
@@ -344,6 +361,8 @@ class SchedulerService(Service):
                 continue
             t0 = time.perf_counter()
             plan = core.schedule()
+            if self.offload is not None:  # probes, load pins, which stores to write
+                await self.offload.prepare(core, plan)
             if plan is None:
                 self._update_metrics(core)
                 await self._wait(self.wakeup, 0.5)

@@ -30,7 +30,7 @@ SETTINGS_BY_MODULE: dict[str, type[BaseSettings]] = {
 }
 NOT_IN_COMPOSE = {"instance_id"}  # generated per process (<hostname>-<pid>), documented
 # Deliberately different from the code default in containers, with the reason in the file.
-CONTAINER_VALUES = {"redis_url", "model_cache_dir", "grammar_url"}
+CONTAINER_VALUES = {"redis_url", "model_cache_dir", "grammar_url", "kvstore_url"}
 
 
 @pytest.fixture(scope="module")
