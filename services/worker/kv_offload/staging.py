@@ -10,7 +10,8 @@ taken the store is refused at once rather than waiting, so a slow Redis never st
 
 Loads (host -> device) go through the one staged-pinned copy helper
 (`kernels.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then copies
-the uploaded chunks into their blocks on the step thread, ordered on the same stream.
+the uploaded chunks into their blocks on the step thread, ordered on the same stream. (With
+the cache on the CPU there is no device: the assembled host tensor is scattered directly.)
 """
 
 from __future__ import annotations
@@ -105,4 +106,4 @@ def scatter_blocks(layers: list[torch.Tensor], block_ids: list[int], chunks: tor
     into blocks `block_ids` of `layers`: the inverse of `gather_blocks`."""
     blocks = torch.tensor(block_ids, dtype=torch.int64, device=chunks.device)
     for i, layer in enumerate(layers):
-        layer[:, blocks] = chunks[:, i].transpose(0, 1)
+        layer.index_copy_(1, blocks, chunks[:, i].transpose(0, 1))

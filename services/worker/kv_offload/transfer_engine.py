@@ -235,8 +235,10 @@ class TransferEngine:
             for j, key in enumerate(group.keys):
                 rows[j] = np.frombuffer(payloads[key], np.uint8, rows.shape[1], offsets[key])
             # Read payloads -> pinned staging -> asynchronous copy to the device (the one
-            # helper); the step thread later scatters this tensor into the blocks.
-            group.staged = stage_to_device(host, job.device)
+            # helper); the step thread later scatters this tensor into the blocks. A CPU cache
+            # has no device to upload to, and the helper's copy would be a plain second copy.
+            cpu = job.device.type == "cpu"
+            group.staged = host if cpu else stage_to_device(host, job.device)
             num_bytes += sum(len(payloads[key]) for key in group.keys)
         return TransferOutcome(job, [], num_bytes)
 
