@@ -145,8 +145,7 @@ class KVConnector:
         """Valid chunks, and the keys (with the first reason) this worker cannot move."""
         keys, groups, blocks = transfer.keys, list(transfer.groups), list(transfer.block_ids)
         if not len(keys) == len(groups) == len(blocks):
-            reason = f"{len(keys)} keys, {len(groups)} groups, {len(blocks)} block ids"
-            return [], list(keys), reason
+            return [], list(keys), f"{len(keys)} keys, {len(groups)} groups, {len(blocks)} blocks"
         valid: list[Chunk] = []
         failed: list[str] = []
         reason: str | None = None

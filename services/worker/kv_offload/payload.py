@@ -81,8 +81,8 @@ def pack_payload(header: PayloadHeader, body: torch.Tensor) -> bytes:
         )
     if body.device.type != "cpu" or not body.is_contiguous():
         raise PayloadError("the body must be a contiguous host tensor")
-    raw = memoryview(body.view(torch.uint8).numpy())  # uint8 view: numpy has no bfloat16/fp8
-    return b"".join((header.encode(), raw))
+    raw = body.view(torch.uint8).numpy()  # a uint8 view: numpy has no bfloat16 or fp8
+    return b"".join((header.encode(), raw.data))
 
 
 def read_header(payload: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[PayloadHeader, int]:
