@@ -12,7 +12,14 @@ sequence over exactly that sequence's tokens: no request is padded to the longes
 chunk with no cached prefix attends its own fresh K/V (causal); a chunk extending a cached
 prefix reads the prefix back from the cache with an explicit causal-with-offset mask.
 
-`AttentionMetadata` is built once per step on the host and shared by every layer.
+Sliding windows (`sliding_window=W`): a query at position q attends to keys q - W < k <= q
+(transformers' rule). Only the blocks holding such keys are gathered, starting at block
+(first key) // block_size, so entries of the block table that fell out of the window (the
+scheduler's null block 0) are never read, and a decode reads at most ceil(W / block_size) + 1
+blocks however long the sequence is.
+
+`AttentionMetadata` is built once per step on the host per KV cache group and shared by the
+layers of that group.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ class PrefillSpan:
     end: int
     context_len: int
     seq_len: int
-    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] when context_len > 0
-    mask: torch.Tensor | None  # [end - start, seq_len] bool (True = attend) when context_len > 0
+    block_ids: torch.Tensor | None  # blocks holding keys [key_start, seq_len); context_len > 0
+    mask: torch.Tensor | None  # [end - start, seq_len - key_start] bool (True = attend)
+    key_start: int = 0  # first key position read (block-aligned; > 0 only with a window)
 
 
 @dataclass(frozen=True)
@@ -55,13 +63,15 @@ class AttentionMetadata:
         block_size: int,
         slot_mapping: np.ndarray,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """From per-request arrays in flat-batch order (decodes first for the fast path).
 
         `seq_lens[i]` counts the request's tokens up to and including this step's chunk;
         `block_tables[i]` holds at least ceil(seq_lens[i] / block_size) valid block ids.
         A single-token request placed after a prefill is treated as a prefill span (correct,
-        only slower).
+        only slower). With `sliding_window`, only entries from the window's first block on need
+        to be valid.
         """
         device = torch.device(device)
         query_lens = np.asarray(query_lens, dtype=np.int64)
@@ -69,7 +79,12 @@ class AttentionMetadata:
         not_decode = np.flatnonzero(query_lens != 1)
         num_decodes = int(not_decode[0]) if not_decode.size else len(query_lens)
         decode_tables = decode_mask = None
-        if num_decodes:
+        if num_decodes and sliding_window is not None:
+            decode_tables, decode_mask = _window_decode(
+                seq_lens[:num_decodes], block_tables[:num_decodes], block_size, sliding_window
+            )
+            decode_tables, decode_mask = decode_tables.to(device), decode_mask.to(device)
+        elif num_decodes:
             d_lens = seq_lens[:num_decodes]
             max_blocks = int(-(-d_lens.max() // block_size))
             decode_tables = torch.from_numpy(
@@ -87,15 +102,25 @@ class AttentionMetadata:
             q_len, s_len = int(query_lens[i]), int(seq_lens[i])
             context = s_len - q_len
             block_ids = mask_t = None
+            key_start = 0
             if context > 0:
                 n_blocks = -(-s_len // block_size)
+                first = 0
+                if sliding_window is not None:
+                    first = max(0, context - sliding_window + 1) // block_size
+                key_start = first * block_size
                 block_ids = torch.from_numpy(
-                    np.ascontiguousarray(block_tables[i, :n_blocks], dtype=np.int64)
+                    np.ascontiguousarray(block_tables[i, first:n_blocks], dtype=np.int64)
                 ).to(device)
-                mask = np.arange(s_len)[None, :] <= (context + np.arange(q_len))[:, None]
+                mask = _causal_mask(context, q_len, key_start, s_len, sliding_window)
                 mask_t = torch.from_numpy(mask).to(device)
+            elif sliding_window is not None and q_len > sliding_window:
+                mask_t = torch.from_numpy(_causal_mask(0, q_len, 0, s_len, sliding_window))
+                mask_t = mask_t.to(device)
             prefills.append(
-                PrefillSpan(int(starts[i]), int(starts[i + 1]), context, s_len, block_ids, mask_t)
+                PrefillSpan(
+                    int(starts[i]), int(starts[i + 1]), context, s_len, block_ids, mask_t, key_start
+                )
             )
         return cls(
             num_tokens=int(starts[-1]),
@@ -105,6 +130,41 @@ class AttentionMetadata:
             decode_mask=decode_mask,
             prefills=prefills,
         )
+
+
+def _causal_mask(
+    context: int, q_len: int, key_start: int, seq_len: int, window: int | None
+) -> np.ndarray:
+    """[q_len, seq_len - key_start] bool: query context + i sees keys k <= context + i, and
+    with a window only k > context + i - window."""
+    q_pos = (context + np.arange(q_len))[:, None]
+    k_pos = np.arange(key_start, seq_len)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _window_decode(
+    seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block tables [n, B], mask [n, 1, 1, B * block_size]) of decodes over a window: row i
+    reads its blocks from the one holding position seq_len - window on (B is the widest such
+    range), and attends to keys in [seq_len - window, seq_len). Entries past a row's own range
+    are clipped to its last table column and masked out."""
+    first = np.maximum(seq_lens - window, 0) // block_size
+    last = -(-seq_lens // block_size)
+    width = int((last - first).max())
+    index = first[:, None] + np.arange(width)[None, :]
+    table = np.take_along_axis(
+        block_tables, np.minimum(index, block_tables.shape[1] - 1), axis=1
+    ).astype(np.int64)
+    keys = (index[:, :, None] * block_size + np.arange(block_size)).reshape(len(seq_lens), -1)
+    mask = (keys >= (seq_lens - window)[:, None]) & (keys < seq_lens[:, None])
+    return (
+        torch.from_numpy(np.ascontiguousarray(table)),
+        torch.from_numpy(mask).view(len(seq_lens), 1, 1, -1),
+    )
 
 
 def write_kv(
@@ -174,12 +234,19 @@ def _prefill(
         ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
         vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            qs,
+            ks,
+            vs,
+            attn_mask=span.mask,  # None (plain causal) unless a window cuts the chunk
+            is_causal=span.mask is None,
+            scale=scale,
+            enable_gqa=True,
         )
     else:
         assert span.block_ids is not None
         kv = _gather_blocks(kv_cache, span.block_ids)
-        kv = kv.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])[:, : span.seq_len]
+        kv = kv.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        kv = kv[:, : span.seq_len - span.key_start]
         ks, vs = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True

@@ -25,10 +25,12 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata
+from services.worker.group_attention import group_attention, needs_group_attention
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.kv_cache import KVCache
 from services.worker.models.base import CausalLM
 from services.worker.models.config import ModelConfig
+from services.worker.routed_experts import RoutedExpertsTracker
 from services.worker.sampling import SamplerOutput, SamplingState
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.drafts import Drafter, stage_drafts
@@ -83,9 +85,17 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.worker_id = worker_id
         self.worker_incarnation = worker_incarnation
+        # KV cache groups (shared/kv_groups.py): one block table per group and request.
+        self.kv_groups = config.kv_groups
         self.batch = InputBatch(
-            max_num_reqs, self.max_model_len, self.block_size, num_cache_blocks=kv_cache.num_blocks
+            max_num_reqs,
+            self.max_model_len,
+            self.block_size,
+            num_kv_groups=len(self.kv_groups),
+            num_cache_blocks=kv_cache.num_blocks,
         )
+        # Routed experts of MoE models (services/worker/routed_experts.py).
+        self.routed_experts = RoutedExpertsTracker(getattr(model, "routed_experts", None))
         self.sampler = SamplingState(
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
@@ -118,6 +128,7 @@ class ModelRunner:
 
     def _apply(self, plan: StepPlan) -> None:
         changes = self.batch.apply(plan)
+        self.routed_experts.apply(plan)
         for row in changes.removed_rows:
             self.sampler.remove_request(row)
         for row, new in changes.added:
@@ -135,6 +146,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (after a failed step: the scheduler recomputes them). The KV
         cache tensors stay; their contents are simply no longer referenced."""
+        self.routed_experts.clear()
         for request_id in list(self.batch.req_rows):
             row = self.batch.remove(request_id)
             if row is not None:
@@ -202,20 +214,36 @@ class ModelRunner:
             )
 
     def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens]:
-        attn = AttentionMetadata.build(
-            query_lens=inputs.query_lens,
-            seq_lens=inputs.seq_lens,
-            block_tables=self.batch.block_tables[0, inputs.rows],
-            block_size=self.block_size,
-            slot_mapping=inputs.slot_mapping,
-            device=self.device,
-        )
+        attn: AttentionMetadata | list[AttentionMetadata]
+        if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
+            attn = group_attention(
+                self.kv_groups,
+                self.batch.block_tables,
+                inputs.rows,
+                inputs.query_lens,
+                inputs.seq_lens,
+                inputs.positions,
+                self.block_size,
+                self.device,
+            )
+        else:
+            attn = AttentionMetadata.build(
+                query_lens=inputs.query_lens,
+                seq_lens=inputs.seq_lens,
+                block_tables=self.batch.block_tables[0, inputs.rows],
+                block_size=self.block_size,
+                slot_mapping=inputs.slot_mapping,
+                device=self.device,
+            )
+        recording = self.routed_experts.begin(inputs.request_ids)
         hidden = self.model(
             self._to_device(inputs.input_ids),
             self._to_device(inputs.positions),
             attn,
             self.kv_cache.layers,
         )
+        if recording:
+            self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
         if inputs.num_drafts is not None:
             return self._propose(verify_and_sample(self, hidden, inputs, plan))
@@ -257,6 +285,7 @@ class ModelRunner:
         # per-item validation (~5 us per message) is skipped on this per-step path.
         for i, (request_id, token) in enumerate(zip(ids, tokens.tolist(), strict=True)):
             fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}
+            self.routed_experts.attach(fields, request_id)
             params = self.batch.sampling[int(rows[i])]
             if params is not None and params.logprobs is not None and logprobs is not None:
                 fields["logprobs"] = [logprobs[i]]

@@ -111,6 +111,14 @@ class PlanDriver:
                 tuple(req.tokens[: (i + 1) * self.block_size]), req.blocks[i]
             )
 
+    def _block_ids(self, req: DriverRequest) -> list[list[int]]:
+        """A new request's block lists, one per KV cache group (one group here; see
+        tests/support/grouped_plans.py for several)."""
+        return [list(req.blocks)]
+
+    def _new_block_ids(self, req: DriverRequest) -> list[list[int]]:
+        return [list(req.new_blocks)]
+
     def build_plan(self) -> StepPlan:
         plan = StepPlan(
             step_id=self.step_id,
@@ -136,7 +144,7 @@ class PlanDriver:
                         request_id=req.request_id,
                         token_ids=list(req.tokens),
                         num_prompt_tokens=len(req.prompt),
-                        block_ids=[list(req.blocks)],
+                        block_ids=self._block_ids(req),
                         num_computed_tokens=req.num_computed,
                         sampling=req.sampling,
                     )
@@ -146,7 +154,7 @@ class PlanDriver:
                 plan.cached_requests.append(
                     CachedRequestData(
                         request_id=req.request_id,
-                        new_block_ids=[list(req.new_blocks)],
+                        new_block_ids=self._new_block_ids(req),
                         num_computed_tokens=req.num_computed,
                     )
                 )

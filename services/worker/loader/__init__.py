@@ -81,7 +81,7 @@ def load_model(
                 f"expected {tuple(param.shape)}"
             )
     model.load_state_dict(state, strict=True, assign=True)
-    model.rotary.materialize(device, torch_dtype)
+    model.materialize_rotary(device, torch_dtype)
     prepare_for_device(model, torch_dtype, device)
     model.eval().requires_grad_(False)
     return model, config

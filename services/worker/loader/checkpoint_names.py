@@ -7,6 +7,7 @@ along the output dimension in the order listed in `FUSED` — the same order the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +18,20 @@ FUSED: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 _PART_OF = {part: (fused, i) for fused, parts in FUSED.items() for i, part in enumerate(parts)}
+
+#: per-expert checkpoint tensors (Mixtral's w1/w3/w2, Qwen-MoE's gate/up/down) -> our stacked
+#: expert parameter and the part's row block within one expert
+_EXPERT_PART = {
+    "w1": ("gate_up_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "up_proj": ("gate_up_proj", 1),
+    "w2": ("down_proj", 0),
+    "down_proj": ("down_proj", 0),
+}
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+#: module renames onto our tree (Mixtral's sparse block is our `mlp`)
+_RENAMES = ((".block_sparse_moe.", ".mlp."),)
 
 
 class CheckpointError(ValueError):
@@ -31,6 +46,8 @@ def our_name(hf_name: str) -> tuple[str, str, int] | None:
     if "rotary_emb.inv_freq" in hf_name:
         return None
     name = hf_name.removeprefix("model.")
+    for old, new in _RENAMES:
+        name = name.replace(old, new)
     pieces = name.split(".")
     for i, piece in enumerate(pieces):
         if piece in _PART_OF:
@@ -53,7 +70,14 @@ def assemble(
     """
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[int, torch.Tensor]] = {}
+    experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
     for hf_name, tensor in named_tensors:
+        expert = _EXPERT.match(hf_name.removeprefix("model.").replace(*_RENAMES[0]))
+        if expert and expert["part"] in _EXPERT_PART:
+            target, row_block = _EXPERT_PART[expert["part"]]
+            parts = experts.setdefault(f"{expert['prefix']}.{target}", {})
+            parts[(int(expert["expert"]), row_block)] = tensor.to(device=device, dtype=dtype)
+            continue
         mapped = our_name(hf_name)
         if mapped is None:
             continue
@@ -71,4 +95,19 @@ def assemble(
             del pending[name]
     if pending:
         raise CheckpointError(f"incomplete fused weights: {sorted(pending)}")
+    for name, parts in experts.items():
+        out[name] = _stack_experts(name, parts)
     return out
+
+
+def _stack_experts(name: str, parts: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """[E, rows, cols] from per-expert parts keyed (expert, row block); every expert must
+    bring every row block (gate and up for gate_up_proj)."""
+    num_experts = max(e for e, _ in parts) + 1
+    blocks = max(b for _, b in parts) + 1
+    missing = [(e, b) for e in range(num_experts) for b in range(blocks) if (e, b) not in parts]
+    if missing:
+        raise CheckpointError(f"{name}: expert weights missing for (expert, part) {missing[:4]}")
+    return torch.stack(
+        [torch.cat([parts[(e, b)] for b in range(blocks)], dim=0) for e in range(num_experts)]
+    )

@@ -7,6 +7,7 @@ loaders and the bench depend on this interface, never on one family's module tre
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -28,11 +29,30 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | Sequence[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        """input_ids, positions [T] of one flat batch -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] of one flat batch -> final hidden states [T, hidden].
+
+        `attn` is one metadata shared by every layer, or one per layer (layers of different KV
+        cache groups have different block tables and windows)."""
+
+    def materialize_rotary(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Compute every RoPE table of the model (some families have one per layer type)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.materialize(device, dtype)
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] of the rows being sampled -> logits [R, vocab]."""
+
+
+def per_layer_metadata(
+    attn: AttentionMetadata | Sequence[AttentionMetadata], num_layers: int
+) -> Sequence[AttentionMetadata]:
+    if not isinstance(attn, (list, tuple)):  # one metadata (either attention path's type)
+        return [attn] * num_layers
+    if len(attn) != num_layers:
+        raise ValueError(f"{len(attn)} attention metadata for {num_layers} layers")
+    return attn

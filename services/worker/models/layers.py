@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder families: RMSNorm with a fused residual, SwiGLU MLP."""
+"""Building blocks shared by the decoder families: RMSNorm (Llama and Gemma flavours) with a
+fused residual, gated MLP (SwiGLU, GeGLU)."""
 
 from __future__ import annotations
 
@@ -37,16 +38,40 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight is an offset from 1 (scale = 1 + weight), and the
+    product is taken in fp32 before casting back (Gemma's order, unlike Llama's)."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 + self.weight.float()
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, scale, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * scale).to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+#: gated-MLP activations by their HF name (ModelConfig.hidden_act checks against the same names)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
+
+
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`,
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`,
     rows [gate; up]); the loader concatenates the checkpoint's two weights."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.act = ACTIVATIONS[act]
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

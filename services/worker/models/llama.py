@@ -7,21 +7,30 @@ that are sampled, so a 2,000-token prefill chunk never builds a [2000, vocab] lo
 
 Parameter names are ours (q/k/v fused into `qkv_proj`, gate/up into `gate_up_proj`); the loaders
 map checkpoint names onto them.
+
+The other dense families are this model with config switches (Qwen2: q/k/v biases; Qwen3: q/k
+norms; Mistral: sliding windows, which live in the per-layer attention metadata), and the MoE
+families swap the MLP through `LlamaDecoderLayer.build_mlp`; Gemma overrides the norms and the
+layer's residual wiring. So the attention and the decoder loop are written once, here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from services.worker.attention import AttentionMetadata, paged_attention
-from services.worker.models.base import CausalLM
+from services.worker.models.base import CausalLM, per_layer_metadata
 from services.worker.models.config import ModelConfig
 from services.worker.models.layers import GatedMLP, RMSNorm
 from services.worker.models.rope import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -29,12 +38,18 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.scale = self.head_dim**-0.5
-        bias = config.attention_bias
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias or config.qkv_bias,
         )  # rows [q; k; v]
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -44,8 +59,10 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = self._norm_qk(qkv)
+        tokens = qkv.shape[0]
         # Rotate q and k together: one elementwise pass over [T, heads + kv_heads, d].
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
         qk = apply_rotary(qk, cos, sin)
@@ -54,14 +71,34 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, attn, self.scale)
         return self.o_proj(out)
 
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv with each q and k head RMS-normalised (before RoPE, as Qwen3/Gemma3 do)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        tokens = qkv.shape[0]
+        q = qkv[:, : self.q_size].reshape(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size]
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :]
+        q, k = self.q_norm(q)[0].flatten(1), self.k_norm(k)[0].flatten(1)
+        return torch.cat((q, k, v), dim=1)
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.layer_idx = layer_idx
+        self.self_attn = self.attention_cls(config)
+        self.mlp = self.build_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The layer's MLP; MoE families return a sparse block for their sparse layers."""
+        return GatedMLP(
+            config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act
+        )
 
     def forward(
         self,
@@ -81,15 +118,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig, max_model_len: int = 0) -> None:
         super().__init__()
         self.config = config
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
@@ -98,19 +138,46 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope, self.max_model_len, config.max_position_embeddings
         )
+        # Sliding layers of some families (Gemma3) rotate with their own base frequency.
+        self.rotary_local: RotaryEmbedding | None = None
+        if config.rope_local is not None and "sliding_attention" in config.layer_types:
+            self.rotary_local = RotaryEmbedding(
+                config.head_dim,
+                config.rope_local,
+                self.max_model_len,
+                config.max_position_embeddings,
+            )
+        self._local_layers = frozenset(
+            i for i, t in enumerate(config.layer_types) if t == "sliding_attention"
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | Sequence[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         cos, sin = self.rotary.lookup(positions)
+        cos_local, sin_local = (
+            self.rotary_local.lookup(positions) if self.rotary_local is not None else (cos, sin)
+        )
+        metas = per_layer_metadata(attn, len(self.layers))
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, attn, kv_cache)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            local = i in self._local_layers
+            hidden, residual = layer(
+                hidden,
+                residual,
+                cos_local if local else cos,
+                sin_local if local else sin,
+                metas[i],
+                kv_cache,
+            )
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -14,8 +14,17 @@ if TYPE_CHECKING:
     from services.worker.models.base import CausalLM
     from services.worker.models.config import ModelConfig
 
+# The dense Llama-shaped families differ only by ModelConfig switches (q/k/v biases, q/k norms,
+# sliding windows), so they share the Llama class; the MoE families share MoeForCausalLM.
 _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "services.worker.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "services.worker.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "services.worker.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "services.worker.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "services.worker.models.gemma:Gemma3ForCausalLM",
+    "MixtralForCausalLM": "services.worker.models.moe:MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "services.worker.models.moe:MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "services.worker.models.moe:MoeForCausalLM",
 }
 
 

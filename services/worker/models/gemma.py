@@ -1,0 +1,64 @@
+"""Gemma-3 text models (Gemma3ForCausalLM): interleaved sliding-window and full-attention layers.
+
+Differences from Llama, all here: embeddings scaled by sqrt(hidden); RMSNorm with a (1 + w)
+scale (`GemmaRMSNorm`), also for the per-head q/k norms; four norms per layer (the attention and
+MLP outputs are normalised before the residual add); GeGLU MLP (tanh gelu); attention scale
+query_pre_attn_scalar**-0.5; sliding layers rotate with their own RoPE base (`rope_local`).
+Soft-capped logits (Gemma-2) are refused by ModelConfig.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.attention import AttentionMetadata
+from services.worker.models.config import ModelConfig
+from services.worker.models.layers import GemmaRMSNorm, RMSNorm
+from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class GemmaAttention(LlamaAttention):
+    norm_cls = GemmaRMSNorm
+
+
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GemmaAttention
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__(config, layer_idx)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm: RMSNorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm: RMSNorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same (output, residual) contract as Llama's layer: the caller adds them."""
+        normed, residual = self.input_layernorm(hidden, residual)
+        out = self.self_attn(normed, cos, sin, attn, kv_cache)
+        out, _ = self.post_attention_layernorm(out)
+        normed, residual = self.pre_feedforward_layernorm(out, residual)
+        out, _ = self.post_feedforward_layernorm(self.mlp(normed))
+        return out, residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = GemmaDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def __init__(self, config: ModelConfig, max_model_len: int = 0) -> None:
+        super().__init__(config, max_model_len)
+        self.embed_scale = config.hidden_size**0.5
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        # transformers rounds the scale to the embedding dtype before multiplying
+        return self.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
