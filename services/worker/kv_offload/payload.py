@@ -22,8 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUT_VERSION = 1
-"""Bump whenever the body layout or the header changes; it is part of every payload key name."""
+# One constant for the key names and the header: it lives with the key space (which the
+# scheduler and kvstore import without torch). Bump it whenever the body layout or this header
+# changes: old payloads then become unreachable by name and refused by header.
+from services.kvstore.offload_key import LAYOUT_VERSION
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "PayloadError",
+    "PayloadHeader",
+    "check_payload",
+    "pack_payload",
+    "read_header",
+]
 
 MAGIC = b"MLKV"
 _FIXED = struct.Struct("<4sHBBH5I")  # magic, version, dtype, ndim, model length, shape
