@@ -82,6 +82,8 @@ def build_runner(
         vocab_size=config.vocab_size,
         max_model_len=max_model_len,
         eos_token_ids=list(config.eos_token_ids),
-        num_moe_layers=getattr(config, "num_moe_layers", 0),
+        num_moe_layers=config.num_moe_layers,
+        # Several groups only for sliding-window models; one full group is announced as [].
+        kv_groups=config.kv_groups if len(config.kv_groups) > 1 or config.sliding_window else [],
     )
     return runner, ready

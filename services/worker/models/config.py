@@ -130,6 +130,10 @@ class ModelConfig(BaseModel):
         return kv_groups_for(self.layer_windows)
 
     @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
     def moe_layers(self) -> list[int]:
         """Indices of the layers whose MLP is a sparse MoE block, ascending."""
         if not self.num_experts:
