@@ -16,7 +16,7 @@ from tests.support.grouped_plans import GroupedPlanDriver
 from tests.support.tiny_llama import LogitsCapture, reference_greedy, reference_logits, tiny_runner
 from tests.support.tiny_models import FAMILIES, make_tiny
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 LONG = [1, *range(40, 63)]  # 24 tokens: three windows of 8
 PROMPTS = [LONG, [1, 400, 17], [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31], [9]]
 
