@@ -12,6 +12,9 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
 from tests.unit.scheduler.group_worker import MOE_LAYERS, TOP_K, GroupWorker, row_at
+from tests.unit.scheduler.offload.harness import OffloadRig
+from tests.unit.scheduler.offload.test_connector import PROMPT as OFFLOADED
+from tests.unit.scheduler.offload.test_connector import warm_tier
 from tests.unit.scheduler.worker_double import token_at
 
 BS = 4
@@ -130,3 +133,23 @@ def test_prompt_start_boundary_is_closed_and_never_clamped(start: int, accepted:
         assert refused is not None and refused.finish_reason == "error"
         assert refused.error is not None and "[0, 10]" in refused.error
         assert not core.has_work()
+
+
+async def test_routed_request_never_loads_from_the_offload_tier() -> None:
+    """An offloaded prefix is KV nobody computed here: loading it would leave prompt rows
+    without a forward, so the request computes its whole prompt instead."""
+    tier = await warm_tier()
+    for return_routed_experts in (False, True):
+        rig = OffloadRig.build(tier)
+        msg = routed("r", 0, prompt=OFFLOADED)
+        rig.scheduler.add_request(
+            msg.model_copy(update={"return_routed_experts": return_routed_experts})
+        )
+        await rig.probe()
+        plan = rig.scheduler.schedule()
+        assert plan is not None
+        if return_routed_experts:
+            assert not plan.kv_loads
+            assert plan.num_scheduled_tokens == {"r": len(OFFLOADED)}
+        else:  # the same prompt without routed experts loads its offloaded prefix
+            assert [load.request_id for load in plan.kv_loads] == ["r"]
