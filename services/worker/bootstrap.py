@@ -10,6 +10,7 @@ import torch
 from services.worker.kv_cache import KVCache, KVCacheSizeError
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
+from services.worker.models.random_init import is_random_spec, load_random_model
 from shared.config import WorkerSettings
 from shared.model_source import ModelSource
 from shared.protocol import WorkerReady
@@ -30,7 +31,12 @@ def build_runner(
     the model has computed something), and describe the result for the scheduler."""
     t0 = time.monotonic()
     device = pick_device(settings.device)
-    model, config = load_model(source, settings.dtype, device, settings.max_model_len)
+    if is_random_spec(source.path):  # benchmarks: real shapes, random weights, no checkpoint
+        model, config = load_random_model(
+            str(source.path), settings.dtype, device, settings.max_model_len
+        )
+    else:
+        model, config = load_model(source, settings.dtype, device, settings.max_model_len)
     dtype = next(model.parameters()).dtype
     max_model_len = settings.max_model_len or config.max_position_embeddings
     kv_cache = KVCache.from_budget(
@@ -60,6 +66,12 @@ def build_runner(
         worker_incarnation=incarnation,
     )
     warmup_s = runner.warmup()
+    if device.type == "cuda":  # decode steps replay graphs; eager warm-up compiled the kernels
+        try:
+            warmup_s += runner.capture_cuda_graphs()
+        except RuntimeError:  # a model whose forward cannot be captured still serves, eagerly
+            log.exception("CUDA graph capture failed: decode steps run eagerly")
+            runner.graphs = None
     log.info(
         "model %s loaded on %s as %s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
         "tokens (%.0f MiB)",

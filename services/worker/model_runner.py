@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kernels.staged_copy import stage_to_device
 from services.worker.attention import AttentionMetadata
+from services.worker.attention_select import TritonAttentionMetadata, build_attention_metadata
+from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs
+from services.worker.cuda_layers import install_cuda_kernels
 from services.worker.group_attention import group_attention, needs_group_attention
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.kv_cache import KVCache
@@ -99,6 +103,10 @@ class ModelRunner:
         self.sampler = SamplingState(
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
+        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            install_cuda_kernels(model)
         # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
         self.drafter = Drafter(speculative) if speculative and speculative.enabled else None
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
@@ -214,34 +222,8 @@ class ModelRunner:
             )
 
     def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens]:
-        attn: AttentionMetadata | list[AttentionMetadata]
-        if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
-            attn = group_attention(
-                self.kv_groups,
-                self.batch.block_tables,
-                inputs.rows,
-                inputs.query_lens,
-                inputs.seq_lens,
-                inputs.positions,
-                self.block_size,
-                self.device,
-            )
-        else:
-            attn = AttentionMetadata.build(
-                query_lens=inputs.query_lens,
-                seq_lens=inputs.seq_lens,
-                block_tables=self.batch.block_tables[0, inputs.rows],
-                block_size=self.block_size,
-                slot_mapping=inputs.slot_mapping,
-                device=self.device,
-            )
         recording = self.routed_experts.begin(inputs.request_ids)
-        hidden = self.model(
-            self._to_device(inputs.input_ids),
-            self._to_device(inputs.positions),
-            attn,
-            self.kv_cache.layers,
-        )
+        hidden = self._forward(inputs, eager=bool(recording))
         if recording:
             self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
@@ -273,6 +255,72 @@ class ModelRunner:
             if drafts:
                 s.draft_token_ids = drafts
         return sampled
+
+    def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:
+        """hidden [T, H] of the step: a CUDA graph replay for decode-only steps of a captured
+        size, otherwise an eager forward. Eager too when the step records routed experts (the
+        hooks run in Python) or the model has sliding-window groups (the graphs hold one
+        full-attention metadata)."""
+        tables = self.batch.block_tables[0, inputs.rows]
+        if (
+            self.graphs is not None
+            and not eager
+            and inputs.num_drafts is None
+            and not needs_group_attention(self.kv_groups)
+            and self.graphs.fits(inputs.query_lens)
+        ):
+            return self.graphs.run(
+                inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
+            )
+        if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
+            attn = group_attention(
+                self.kv_groups,
+                self.batch.block_tables,
+                inputs.rows,
+                inputs.query_lens,
+                inputs.seq_lens,
+                inputs.positions,
+                self.block_size,
+                self.device,
+            )
+        else:
+            attn = self._metadata(
+                query_lens=inputs.query_lens,
+                seq_lens=inputs.seq_lens,
+                block_tables=tables,
+                slot_mapping=inputs.slot_mapping,
+            )
+        hidden: torch.Tensor = self.model(
+            self._to_device(inputs.input_ids),
+            self._to_device(inputs.positions),
+            attn,
+            self.kv_cache.layers,
+        )
+        return hidden
+
+    def _metadata(self, **arrays: np.ndarray) -> AttentionMetadata | TritonAttentionMetadata:
+        """Attention metadata for this runner's device (Triton kernels on CUDA)."""
+        return build_attention_metadata(
+            block_size=self.block_size,
+            num_kv_heads=self.config.num_key_value_heads,
+            device=self.device,
+            **arrays,  # type: ignore[arg-type]
+        )
+
+    def capture_cuda_graphs(self, sizes: tuple[int, ...] = GRAPH_SIZES) -> float:
+        """Capture decode graphs (CUDA only; after warmup). Returns seconds taken."""
+        if self.device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache.layers,
+            max_num_reqs=self.batch.max_num_reqs,
+            max_blocks_per_req=self.batch.max_blocks_per_req,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            sizes=sizes,
+        )
+        return self.graphs.capture()
 
     def _sampled_tokens(
         self, ids: list[str], rows: np.ndarray, tokens: np.ndarray, out: SamplerOutput
@@ -318,7 +366,8 @@ class ModelRunner:
         return bitmask, self._to_device(index)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+        # Through pinned memory on CUDA: a pageable upload would block the host.
+        return stage_to_device(np.ascontiguousarray(array, dtype=np.int64), self.device)
 
     # -- startup ----------------------------------------------------------------------------
 
@@ -331,13 +380,11 @@ class ModelRunner:
         num_tokens = max(1, min(num_tokens, self.max_model_len, self.kv_cache.num_slots))
         n_blocks = -(-num_tokens // self.block_size)
         table = np.arange(n_blocks, dtype=np.int64)[None, :]
-        attn = AttentionMetadata.build(
+        attn = self._metadata(
             query_lens=np.array([num_tokens]),
             seq_lens=np.array([num_tokens]),
             block_tables=table,
-            block_size=self.block_size,
             slot_mapping=np.arange(num_tokens),
-            device=self.device,
         )
         positions = np.arange(num_tokens)
         ids = positions % self.config.vocab_size
@@ -347,13 +394,11 @@ class ModelRunner:
         self.model.compute_logits(hidden[-1:])
         num_decodes = max(1, min(num_decodes, self.batch.max_num_reqs))
         decode_lens = np.full(num_decodes, num_tokens)
-        attn = AttentionMetadata.build(
+        attn = self._metadata(
             query_lens=np.ones(num_decodes, dtype=np.int64),
             seq_lens=decode_lens,
             block_tables=np.repeat(table, num_decodes, axis=0),
-            block_size=self.block_size,
             slot_mapping=np.full(num_decodes, num_tokens - 1),
-            device=self.device,
         )
         hidden = self.model(
             self._to_device(ids[-1:].repeat(num_decodes)),

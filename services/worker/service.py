@@ -23,6 +23,7 @@ from prometheus_client import Counter, Histogram
 from services.worker.bootstrap import build_runner
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.model_runner import ModelRunner
+from services.worker.models.random_init import is_random_spec, random_source
 from shared.config import WorkerSettings
 from shared.metrics import metric_name
 from shared.model_source import resolve_model
@@ -58,9 +59,12 @@ class WorkerService(Service):
         await super().start()
         if self.settings.num_threads:
             torch.set_num_threads(self.settings.num_threads)
-        source = resolve_model(
-            self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
-        )
+        if is_random_spec(self.settings.model):
+            source = random_source(self.settings.model, self.settings.served_model_name)
+        else:
+            source = resolve_model(
+                self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
+            )
         self.runner, self.announcement = await asyncio.to_thread(
             build_runner, source, self.settings, self.incarnation
         )

@@ -21,11 +21,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from services.worker.attention import AttentionMetadata, paged_attention
+from services.worker.attention import AttentionMetadata
+from services.worker.attention_select import TritonAttentionMetadata, rotary_attention
 from services.worker.models.base import CausalLM, per_layer_metadata
 from services.worker.models.config import ModelConfig
 from services.worker.models.layers import GatedMLP, RMSNorm
-from services.worker.models.rope import RotaryEmbedding, apply_rotary
+from services.worker.models.rope import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -56,19 +57,16 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | TritonAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None and self.k_norm is not None:
             qkv = self._norm_qk(qkv)
-        tokens = qkv.shape[0]
-        # Rotate q and k together: one elementwise pass over [T, heads + kv_heads, d].
-        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, self.head_dim)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, attn, self.scale)
+        out = rotary_attention(
+            qkv, cos, sin, attn, kv_cache,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+        )  # fmt: skip
         return self.o_proj(out)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,191 @@
+"""Decode through the mesh on a GPU: redis-server + scheduler + worker processes, requests
+submitted as token ids on the bus (the random-weight model has no tokenizer, so no gateway).
+
+    PATH=$PWD/.redisbin/root/usr/bin:$PATH python3 -m bench.gpu.mesh_decode \
+        --out $OUT/mesh_decode.json                                          # on the H200
+    .venv/bin/python -m bench.gpu.mesh_decode --dry-run                      # CPU, tiny model
+
+Per batch size: `batch` SubmitRequests (prompt `--prompt` token ids, `--output` greedy tokens,
+ignore_eos) published at once; the TokenDelta replies are read from a reply stream and
+timestamped on arrival. Reported: output tokens/s over the run, decode tokens/s per request
+(tokens after the first over the time since the first), and the mesh's own cost per step from
+the scheduler's metrics: meshllm:scheduler_overhead_seconds (step wall time minus the worker's
+execute_ms: scheduling, both bus hops, result handling) over meshllm:scheduler_step_seconds,
+as deltas over the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shared.bus import Bus
+from shared.protocol import SamplingParams, SubmitRequest, TokenDelta
+from shared.streams import Streams
+from tests.support.mesh import Mesh
+
+
+def scrape(mesh: Mesh) -> dict[str, float]:
+    """Histogram sums and counts of the scheduler's step and overhead metrics."""
+    text = httpx.get(f"{mesh.url('scheduler')}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("scheduler_step_seconds", "scheduler_overhead_seconds"):
+            for suffix in ("_sum", "_count"):
+                key = f"meshllm:{name}{suffix}"
+                if line.startswith(key + " ") or line.startswith(key + "{"):
+                    values[name + suffix] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    streams = Streams(mesh.cluster)
+    bus = Bus(mesh.redis.url, f"bench-{tag}")
+    await bus.connect()
+    reply = streams.replies(f"bench-{tag}")
+    params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
+    before = scrape(mesh)
+    arrivals: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(batch)}
+    submits = [
+        (
+            streams.requests,
+            SubmitRequest(
+                request_id=rid,
+                prompt_token_ids=[(7919 * i + 31 * j) % args.vocab for j in range(args.prompt)],
+                sampling=params,
+                reply_stream=reply,
+                arrival_time=time.time(),
+            ),
+        )
+        for i, rid in enumerate(arrivals)
+    ]
+    last = {reply: "0"}
+    started = time.perf_counter()
+    await bus.publish_many(submits)  # type: ignore[arg-type]
+    finished: set[str] = set()
+    deadline = time.monotonic() + args.timeout
+    while len(finished) < batch and time.monotonic() < deadline:
+        for delivery in await bus.read(last, count=256, block_ms=1000):
+            now = time.perf_counter()
+            msg = delivery.message
+            if not isinstance(msg, TokenDelta):
+                continue
+            for delta in msg.deltas:
+                if delta.request_id in arrivals:
+                    arrivals[delta.request_id].extend([now] * len(delta.token_ids))
+                    if delta.error:
+                        raise RuntimeError(f"{delta.request_id}: {delta.error}")
+                    if delta.finish_reason is not None:
+                        finished.add(delta.request_id)
+    wall = time.perf_counter() - started
+    await bus.close()
+    after = scrape(mesh)
+    if len(finished) < batch:
+        raise TimeoutError(f"{batch - len(finished)} of {batch} requests unfinished")
+    tokens = sum(len(t) for t in arrivals.values())
+    per_request = [
+        (len(t) - 1) / (t[-1] - t[0]) for t in arrivals.values() if len(t) > 1 and t[-1] > t[0]
+    ]
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = delta.get("scheduler_step_seconds_count", 0.0)
+    step_s = delta.get("scheduler_step_seconds_sum", 0.0)
+    overhead_s = delta.get("scheduler_overhead_seconds_sum", 0.0)
+    return {
+        "batch": batch,
+        "prompt": args.prompt,
+        "output": args.output,
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(tokens / wall, 1),
+        "decode_tok_s_per_request_median": round(sorted(per_request)[len(per_request) // 2], 1)
+        if per_request
+        else None,
+        "steps": int(steps),
+        "step_ms_mean": round(1000 * step_s / steps, 3) if steps else None,
+        "overhead_ms_mean": round(1000 * overhead_s / steps, 3) if steps else None,
+        "overhead_fraction": round(overhead_s / step_s, 4) if step_s else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="random:llama-3-8b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    env = {
+        "MESHLLM_MODEL": args.model,
+        "MESHLLM_DEVICE": "cuda",
+        "MESHLLM_DTYPE": "bfloat16",
+        "MESHLLM_MAX_MODEL_LEN": "1024",
+        "MESHLLM_KV_CACHE_BYTES": str(24 * 2**30),
+        "MESHLLM_MAX_NUM_SEQS": str(max(args.batches)),
+        "MESHLLM_MAX_NUM_BATCHED_TOKENS": "8192",
+        "MESHLLM_LOG_JSON": "false",
+    }
+    if args.dry_run:
+        config = Path(tempfile.mkdtemp()) / "config.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "vocab_size": 256,
+                    "max_position_embeddings": 256,
+                }
+            )
+        )
+        env.update(
+            MESHLLM_MODEL=f"random:{config}",
+            MESHLLM_DEVICE="cpu",
+            MESHLLM_DTYPE="float32",
+            MESHLLM_MAX_MODEL_LEN="64",
+            MESHLLM_KV_CACHE_BYTES=str(2**24),
+            MESHLLM_NUM_THREADS="1",
+        )
+        args.prompt, args.output, args.vocab, args.batches = 20, 8, 256, [1, 4]
+    results: dict[str, Any] = {"model": args.model, "runs": []}
+    mesh = Mesh(services=("scheduler", "worker"), env=env)
+    try:
+        mesh.redis.start()
+        for name in ("scheduler", "worker"):
+            mesh.start_service(name)
+        started = time.monotonic()
+        for name in ("scheduler", "worker"):
+            mesh.wait_ready(name, timeout=400)
+        results["start_s"] = round(time.monotonic() - started, 1)
+        asyncio.run(run_batch(mesh, 1, args, "warm"))  # first requests: allocations, caches
+        for batch in args.batches:
+            row = asyncio.run(run_batch(mesh, batch, args, f"b{batch}"))
+            results["runs"].append(row)
+            print("mesh", row, flush=True)
+    finally:
+        logs = {name: mesh.tail(name, 30) for name in ("scheduler", "worker")}
+        mesh.stop()
+        if os.environ.get("MESH_LOGS") or not results["runs"]:
+            for name, tail in logs.items():
+                print(f"--- {name} log tail ---\n{tail}")
+    text = json.dumps(results, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Which attention implementation a step uses: the Triton kernels on CUDA, PyTorch on CPU.
+
+The choice is made once per step, when the runner builds the metadata
+(`build_attention_metadata`): on a CUDA device it returns `TritonAttentionMetadata`, otherwise
+the reference path's `AttentionMetadata`. The model then calls `rotary_attention`, which
+dispatches on the metadata's type, so every layer of a step takes the same path and a model
+file never tests the device itself.
+
+The Triton path fuses RoPE into the KV insert (kernels.kv_insert: one launch rotates Q and K
+and writes K/V into the paged cache), then runs paged decode attention for the leading
+single-token rows and paged prefill attention for the rest. It needs no host synchronisation:
+every length the launchers would otherwise read back (longest query, longest sequence, the
+split-K factor) is computed here on the host from the plan's numpy arrays. That is what lets
+the same code run inside a CUDA graph.
+
+RoPE: the model gathers cos/sin [T, 1, rotary_dim] for the step's positions once; the Triton
+path turns them into the kernel's [T, rotary_dim] table (cos halves | sin halves) once per
+step (the first layer builds it, later layers reuse it) and indexes it by token index.
+
+The kernel modules are imported where they are called: `@triton.jit` binds to the compiler or
+to the interpreter (TRITON_INTERPRET) at import time, and a CPU worker never needs Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.staged_copy import stage_to_device
+from services.worker.attention import AttentionMetadata, paged_attention
+from services.worker.models.rope import apply_rotary
+
+__all__ = [
+    "TritonAttentionMetadata",
+    "build_attention_metadata",
+    "decode_splits",
+    "rotary_attention",
+    "uses_triton",
+]
+
+
+def uses_triton(device: torch.device | str) -> bool:
+    """The Triton kernels run on CUDA devices only (on CPU they need the interpreter)."""
+    return torch.device(device).type == "cuda"
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split-K factor of the decode kernel for this batch (any value is correct; see
+    kernels.paged_decode), computed on the host so the launch needs no read-back."""
+    from kernels.paged_decode import default_num_splits
+
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    return default_num_splits(num_seqs, num_kv_heads, max_seq_len, sms)
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """Device tensors of one step for the Triton kernels; rows [0, num_decodes) are decodes.
+
+    Invariant: every tensor is already on the device and every int is a host value, so no
+    kernel launch of the step reads anything back from the GPU.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64; < 0 skips the token (graph padding)
+    token_index: torch.Tensor  # [T] int64 = arange(T): row of each token in the RoPE table
+    num_kv_heads: int
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None = None  # [D] int32
+    decode_max_seq_len: int = 0
+    decode_num_splits: int = 1
+    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] int32
+    prefill_cu_seqlens_q: torch.Tensor | None = None  # [P + 1] int32, from 0
+    prefill_seq_lens: torch.Tensor | None = None  # [P] int32
+    prefill_max_seqlen_q: int = 0
+    sliding_window: int | None = None  # keys q - W < k <= q (transformers' rule), as the CPU path
+    # Per-step memo: (the cos tensor it was built from, the RoPE table). The tensor itself is
+    # kept and compared by identity: an id() could be reused by a later tensor (a graph capture
+    # after its warm-up run) and hand out a table of other positions.
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        block_size: int,
+        slot_mapping: np.ndarray,
+        num_kv_heads: int,
+        device: torch.device | str,
+        sliding_window: int | None = None,
+    ) -> TritonAttentionMetadata:
+        """Same arguments as AttentionMetadata.build (decodes first), plus the model's
+        kv head count (it sets the decode split factor)."""
+        device = torch.device(device)
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        not_decode = np.flatnonzero(query_lens != 1)
+        num_decodes = int(not_decode[0]) if not_decode.size else len(query_lens)
+        num_tokens = int(query_lens.sum())
+        meta = cls(
+            num_tokens=num_tokens,
+            slot_mapping=_upload(np.asarray(slot_mapping, dtype=np.int64), device),
+            token_index=torch.arange(num_tokens, dtype=torch.int64, device=device),
+            num_kv_heads=num_kv_heads,
+            num_decodes=num_decodes,
+            sliding_window=sliding_window,
+        )
+        if num_decodes:
+            lens = seq_lens[:num_decodes]
+            width = int(-(-lens.max() // block_size))
+            meta.decode_block_tables = _upload(block_tables[:num_decodes, :width], device, np.int32)
+            meta.decode_seq_lens = _upload(lens, device, np.int32)
+            meta.decode_max_seq_len = int(lens.max())
+            span = meta.decode_max_seq_len
+            meta.decode_num_splits = decode_splits(
+                num_decodes, num_kv_heads, min(span, sliding_window or span), device
+            )
+        if num_decodes < len(query_lens):
+            q_lens, lens = query_lens[num_decodes:], seq_lens[num_decodes:]
+            width = int(-(-lens.max() // block_size))
+            tables = block_tables[num_decodes:, :width]
+            meta.prefill_block_tables = _upload(tables, device, np.int32)
+            meta.prefill_cu_seqlens_q = _upload(
+                np.concatenate(([0], np.cumsum(q_lens))), device, np.int32
+            )
+            meta.prefill_seq_lens = _upload(lens, device, np.int32)
+            meta.prefill_max_seqlen_q = int(q_lens.max())
+        return meta
+
+    def rope_table(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, rotary_dim] = (cos | sin) of the unique frequencies, built once per step."""
+        if self.rope is not None and self.rope[0] is cos:
+            return self.rope[1]
+        half = cos.shape[-1] // 2
+        table = torch.cat((cos[:, 0, :half], sin[:, 0, :half]), dim=-1).contiguous()
+        self.rope = (cos, table)
+        return table
+
+
+def _upload(array: np.ndarray, device: torch.device, dtype: type = np.int64) -> torch.Tensor:
+    return stage_to_device(np.ascontiguousarray(array, dtype=dtype), device)
+
+
+def build_attention_metadata(
+    *,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    slot_mapping: np.ndarray,
+    num_kv_heads: int,
+    device: torch.device | str,
+    sliding_window: int | None = None,
+) -> AttentionMetadata | TritonAttentionMetadata:
+    """The step's metadata for the attention path of `device` (see the module docstring)."""
+    kwargs = {
+        "query_lens": query_lens,
+        "seq_lens": seq_lens,
+        "block_tables": block_tables,
+        "block_size": block_size,
+        "slot_mapping": slot_mapping,
+        "device": device,
+    }
+    if sliding_window is not None:  # only windowed groups pass it (either path takes it)
+        kwargs["sliding_window"] = sliding_window
+    if uses_triton(device):
+        return TritonAttentionMetadata.build(num_kv_heads=num_kv_heads, **kwargs)  # type: ignore[arg-type]
+    return AttentionMetadata.build(**kwargs)  # type: ignore[arg-type]
+
+
+def rotary_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    attn: AttentionMetadata | TritonAttentionMetadata,
+    kv_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+) -> torch.Tensor:
+    """qkv [T, (heads + 2 * kv_heads) * d] (rows [q; k; v], not yet rotated) -> attention
+    output [T, heads * d], this step's K/V written into `kv_cache` first."""
+    tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
+    if not isinstance(attn, TritonAttentionMetadata):
+        # Rotate q and k together: one elementwise pass over [T, heads + kv_heads, d].
+        qk = qkv[:, : q_size + kv_size].view(tokens, -1, head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        return paged_attention(q, k, v, kv_cache, attn, scale)
+    from kernels.kv_insert import insert_qkv
+
+    q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, num_kv_heads, head_dim)
+    q = insert_qkv(
+        q, k, v, kv_cache, attn.slot_mapping, attn.token_index, attn.rope_table(cos, sin)
+    )
+    return triton_attention(q, kv_cache, attn, scale).view(tokens, q_size)
+
+
+def triton_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, attn: TritonAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Rotated q [T, heads, d] over the paged cache (this step's K/V already inserted)."""
+    from kernels.paged_attention import paged_prefill_attention
+    from kernels.paged_decode import paged_decode_attention
+
+    out = torch.empty_like(q)
+    d = attn.num_decodes
+    if d:
+        paged_decode_attention(
+            q[:d], kv_cache, attn.decode_block_tables, attn.decode_seq_lens,
+            sliding_window=attn.sliding_window, sm_scale=scale,
+            num_splits=attn.decode_num_splits, max_seq_len=attn.decode_max_seq_len, out=out[:d],
+        )  # fmt: skip
+    if d < q.shape[0]:
+        paged_prefill_attention(
+            q[d:], kv_cache, attn.prefill_block_tables, attn.prefill_cu_seqlens_q,
+            attn.prefill_seq_lens, causal=True, sliding_window=attn.sliding_window, sm_scale=scale,
+            max_seqlen_q=attn.prefill_max_seqlen_q, out=out[d:],
+        )  # fmt: skip
+    return out

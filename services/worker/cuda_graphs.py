@@ -1,0 +1,190 @@
+"""CUDA graphs for decode-only steps: one graph per padded batch size, replayed every step.
+
+A decode step of an 8B model is a few hundred kernel launches of 2-30 us each; launched from
+Python they would cost more than the GPU time. So the forward of a step in which every
+scheduled request computes exactly one token is captured once per size in `GRAPH_SIZES` and
+replayed; a step of n requests runs the graph of the smallest captured size >= n, with the
+extra rows padded. Steps with prefill chunks or draft tokens run eagerly (`fits` says which).
+
+Static inputs: the graph reads its inputs from fixed device tensors (token ids, positions, KV
+slots, sequence lengths, block tables), each paired with a pinned host tensor
+(kernels.staged_copy.CpuGpuBuffer). A step writes its values into the host tensors and copies
+them asynchronously; the buffer's fence keeps the host from overwriting bytes still in flight.
+
+Padding rows are harmless by construction: slot -1 (kv_insert skips the write), sequence length
+1 over block 0 (the scheduler's null block, never handed to a request; reading it is safe),
+token 0 at position 0. Their hidden states are computed and ignored. Every row is independent
+in every kernel (GEMV/GEMM rows, norms, per-sequence attention), so padding cannot change the
+real rows' results.
+
+The split-K factor of the decode attention is fixed per graph (from max_model_len): any
+factor is correct for any length, it only changes speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kernels.staged_copy import CpuGpuBuffer
+from services.worker.attention_select import TritonAttentionMetadata, decode_splits
+from services.worker.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+GRAPH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def graph_sizes(max_num_reqs: int, sizes: tuple[int, ...] = GRAPH_SIZES) -> tuple[int, ...]:
+    """The sizes to capture for a batch of at most `max_num_reqs` requests: every listed size
+    below it, and max_num_reqs itself so that a full batch never falls back to eager."""
+    if max_num_reqs < 1:
+        raise ValueError(f"max_num_reqs must be >= 1, got {max_num_reqs}")
+    chosen = sorted({s for s in sizes if 1 <= s < max_num_reqs} | {max_num_reqs})
+    return tuple(chosen)
+
+
+def padded_size(num_reqs: int, sizes: tuple[int, ...]) -> int | None:
+    """Smallest captured size holding `num_reqs` rows, or None (too many, or none)."""
+    if num_reqs < 1:
+        return None
+    for size in sizes:
+        if size >= num_reqs:
+            return size
+    return None
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one model over one KV cache."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_layers: list[torch.Tensor],
+        *,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device | str,
+        sizes: tuple[int, ...] = GRAPH_SIZES,
+    ) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.device = torch.device(device)
+        self.sizes = graph_sizes(max_num_reqs, sizes)
+        self.max_model_len = max_model_len
+        self.num_kv_heads = model.config.num_key_value_heads
+        rows = self.sizes[-1]
+        dev = self.device
+        self.input_ids = CpuGpuBuffer(rows, dtype=torch.int64, device=dev)
+        self.positions = CpuGpuBuffer(rows, dtype=torch.int64, device=dev)
+        self.slots = CpuGpuBuffer(rows, dtype=torch.int64, device=dev)
+        self.seq_lens = CpuGpuBuffer(rows, dtype=torch.int32, device=dev)
+        self.block_tables = CpuGpuBuffer(rows, max_blocks_per_req, dtype=torch.int32, device=dev)
+        self.token_index = torch.arange(rows, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    # -- capture ----------------------------------------------------------------------------
+
+    def metadata(self, size: int) -> TritonAttentionMetadata:
+        """Metadata over the static buffers' first `size` rows (what the graph reads)."""
+        return TritonAttentionMetadata(
+            num_tokens=size,
+            slot_mapping=self.slots.gpu[:size],
+            token_index=self.token_index[:size],
+            num_kv_heads=self.num_kv_heads,
+            num_decodes=size,
+            decode_block_tables=self.block_tables.gpu[:size],
+            decode_seq_lens=self.seq_lens.gpu[:size],
+            decode_max_seq_len=self.max_model_len,
+            decode_num_splits=decode_splits(
+                size, self.num_kv_heads, self.max_model_len, self.device
+            ),
+        )
+
+    def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        hidden: torch.Tensor = self.model(
+            self.input_ids.gpu[:size], self.positions.gpu[:size], meta, self.kv_layers
+        )
+        return hidden
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every size (largest first, sharing one memory pool); returns seconds."""
+        started = time.perf_counter()
+        self._stage(0, self.sizes[-1], None, None, None, None, None)
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for size in reversed(self.sizes):
+            meta = self.metadata(size)
+            with torch.cuda.stream(stream):
+                self._forward(size, meta)  # compiles/tunes kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[size] = self._forward(size, meta)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.sizes, seconds)
+        return seconds
+
+    # -- replay -----------------------------------------------------------------------------
+
+    def fits(self, query_lens: np.ndarray) -> bool:
+        """A decode-only step (every request one token) of a captured size."""
+        n = len(query_lens)
+        return (
+            bool(self.graphs)
+            and padded_size(n, self.sizes) is not None
+            and bool((np.asarray(query_lens) == 1).all())
+        )
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> torch.Tensor:
+        """Replay the graph for len(input_ids) decodes; returns hidden [n, H] (a view of the
+        graph's static output: valid until the next replay)."""
+        n = len(input_ids)
+        size = padded_size(n, self.sizes)
+        if size is None or size not in self.graphs:
+            raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
+        self._stage(n, size, input_ids, positions, slot_mapping, seq_lens, block_tables)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+    def _stage(
+        self,
+        n: int,
+        size: int,
+        input_ids: np.ndarray | None,
+        positions: np.ndarray | None,
+        slot_mapping: np.ndarray | None,
+        seq_lens: np.ndarray | None,
+        block_tables: np.ndarray | None,
+    ) -> None:
+        """Write rows [0, n) from the step and pad rows [n, size), then copy [0, size) up."""
+        ids, pos, slots = self.input_ids.np, self.positions.np, self.slots.np
+        lens, tables = self.seq_lens.np, self.block_tables.np
+        if n:
+            assert input_ids is not None and positions is not None and slot_mapping is not None
+            assert seq_lens is not None and block_tables is not None
+            ids[:n], pos[:n], slots[:n], lens[:n] = input_ids, positions, slot_mapping, seq_lens
+            width = min(block_tables.shape[1], tables.shape[1])
+            tables[:n, :width] = block_tables[:, :width]
+        ids[n:size], pos[n:size], slots[n:size], lens[n:size] = 0, 0, -1, 1
+        tables[n:size] = 0
+        for buffer in (self.input_ids, self.positions, self.slots, self.seq_lens):
+            buffer.copy_to_gpu(size)
+        self.block_tables.copy_to_gpu(size)

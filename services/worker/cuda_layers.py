@@ -1,0 +1,78 @@
+"""The worker's layers on CUDA: Triton RMSNorm(+residual) and the decode GEMV.
+
+`install_cuda_kernels(model)` re-classes the model's plain `nn.Linear` and `RMSNorm` modules in
+place (same parameters, same state_dict names), so every model family gets the kernels without
+its files naming a device. Each forward still falls back to PyTorch for what the kernel does
+not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job: cuBLAS), a dtype mismatch,
+a norm over a non-contiguous tensor.
+
+Numerics: the RMSNorm kernel rounds exactly as transformers' Llama does (see kernels/rmsnorm.py),
+the GEMV accumulates in fp32 and rounds once, so greedy tokens of an fp32 model equal the CPU
+reference, and bf16 logits stay within bf16 rounding of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.models.layers import RMSNorm
+
+# kernels.gemv's limits, restated so importing this module does not import Triton (the kernel
+# modules bind to the compiler or the interpreter at import; see attention_select.py).
+GEMV_MAX_ROWS = 16
+GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear whose skinny products (decode batches of <= 16 rows) run the Triton GEMV."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.is_cuda
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+            and x.dtype == self.weight.dtype
+            and x.dtype in GEMV_DTYPES
+        ):
+            from kernels.gemv import gemv
+
+            out = gemv(x.contiguous(), self.weight)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class TritonRMSNorm(RMSNorm):
+    """RMSNorm with the fused residual add in one Triton launch per call on CUDA."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not x.is_cuda or not x.is_contiguous() or x.dtype != self.weight.dtype:
+            return super().forward(x, residual)
+        if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
+            return super().forward(x, residual)
+        from kernels.rmsnorm import rmsnorm
+
+        rows = x.view(-1, x.shape[-1])
+        res = residual.view(-1, x.shape[-1]) if residual is not None else None
+        normed, summed = rmsnorm(rows, self.weight, self.eps, res)
+        new_residual = summed.view(x.shape) if summed is not None else x
+        return normed.view(x.shape), new_residual
+
+
+def install_cuda_kernels(model: nn.Module) -> dict[str, int]:
+    """Re-class plain nn.Linear / RMSNorm modules under `model`; returns how many of each.
+
+    Only exact types are touched: a subclass (a packed CPU linear, a family's own norm) keeps
+    its behaviour."""
+    counts = {"linear": 0, "rmsnorm": 0}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = GemvLinear
+            counts["linear"] += 1
+        elif type(module) is RMSNorm:
+            module.__class__ = TritonRMSNorm
+            counts["rmsnorm"] += 1
+    return counts

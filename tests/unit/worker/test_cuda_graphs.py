@@ -1,0 +1,111 @@
+"""Graph size selection and padding of decode steps (pure host logic, runs on CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
+from services.worker.cuda_layers import GemvLinear, TritonRMSNorm, install_cuda_kernels
+from services.worker.kv_cache import KVCache
+from services.worker.models.random_init import build_random_model
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+}
+
+
+def test_graph_sizes_cover_every_batch_up_to_the_maximum() -> None:
+    assert graph_sizes(256) == GRAPH_SIZES
+    assert graph_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert graph_sizes(48) == (1, 2, 4, 8, 16, 32, 48)  # a full batch never runs eagerly
+    with pytest.raises(ValueError):
+        graph_sizes(0)
+    sizes = graph_sizes(48)
+    for n in range(1, 49):
+        size = padded_size(n, sizes)
+        assert size is not None and size >= n
+        smaller = [s for s in sizes if s < size]
+        assert not smaller or smaller[-1] < n  # the smallest size that holds n
+    assert padded_size(49, sizes) is None and padded_size(0, sizes) is None
+
+
+def _graphs(max_num_reqs: int = 6) -> DecodeGraphs:
+    model, config = build_random_model(TINY, torch.float32, "cpu")
+    kv = KVCache.allocate(config, 16, 4, torch.float32, "cpu")
+    return DecodeGraphs(
+        model, kv.layers, max_num_reqs=max_num_reqs, max_blocks_per_req=5, max_model_len=20,
+        device="cpu",
+    )  # fmt: skip
+
+
+def test_staging_writes_real_rows_and_pads_the_rest() -> None:
+    graphs = _graphs()
+    assert graphs.sizes == (1, 2, 4, 6)
+    tables = np.array([[3, 4, 0, 0, 0], [5, 6, 7, 0, 0], [8, 0, 0, 0, 0]])
+    graphs._stage(
+        3, 4, np.array([11, 12, 13]), np.array([5, 9, 2]), np.array([13, 25, 34]),
+        np.array([6, 10, 3]), tables,
+    )  # fmt: skip
+    assert graphs.input_ids.gpu[:4].tolist() == [11, 12, 13, 0]
+    assert graphs.positions.gpu[:4].tolist() == [5, 9, 2, 0]
+    assert graphs.slots.gpu[:4].tolist() == [13, 25, 34, -1]  # the pad row writes no KV
+    assert graphs.seq_lens.gpu[:4].tolist() == [6, 10, 3, 1]  # reads one key of block 0
+    assert graphs.block_tables.gpu[:4].tolist() == [*tables.tolist(), [0] * 5]
+    meta = graphs.metadata(4)
+    assert meta.num_decodes == meta.num_tokens == 4
+    assert meta.decode_max_seq_len == 20 and meta.decode_num_splits >= 1
+    # A later, smaller step re-pads rows that held a real request before.
+    graphs._stage(1, 1, np.array([7]), np.array([6]), np.array([14]), np.array([7]), tables[:1])
+    assert graphs.slots.gpu[:1].tolist() == [14]
+
+
+def test_fits_only_decode_only_steps_of_a_captured_size() -> None:
+    graphs = _graphs()
+    assert not graphs.fits(np.ones(2, dtype=np.int64))  # nothing captured yet
+    graphs.graphs[2] = object()  # type: ignore[assignment]  (stands for a captured graph)
+    assert graphs.fits(np.ones(2, dtype=np.int64))
+    assert not graphs.fits(np.array([1, 3]))  # a prefill chunk: eager
+    assert not graphs.fits(np.ones(7, dtype=np.int64))  # more rows than any graph
+    with pytest.raises(ValueError, match="no captured graph"):
+        graphs.run(*(np.zeros(3, dtype=np.int64),) * 4, np.zeros((3, 5), dtype=np.int64))
+
+
+def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
+    model, _ = build_random_model(TINY, torch.float32, "cpu", seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 32)
+    layer = model.layers[0]
+    expected = layer.mlp(layer.input_layernorm(x)[0])
+    counts = install_cuda_kernels(model)
+    # 2 layers x (qkv, o, gate_up, down) + lm_head; 2 layers x 2 norms + final norm.
+    assert counts == {"linear": 9, "rmsnorm": 5}
+    assert isinstance(layer.mlp.down_proj, GemvLinear)
+    assert isinstance(layer.input_layernorm, TritonRMSNorm)
+    assert model.state_dict().keys() == before.keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert torch.equal(layer.mlp(layer.input_layernorm(x)[0]), expected)  # CPU: PyTorch ops
+    assert install_cuda_kernels(model) == {"linear": 0, "rmsnorm": 0}  # idempotent
+
+
+def test_rope_table_is_rebuilt_for_another_cos_tensor() -> None:
+    from services.worker.attention_select import TritonAttentionMetadata
+
+    meta = TritonAttentionMetadata(
+        num_tokens=2, slot_mapping=torch.zeros(2), token_index=torch.arange(2), num_kv_heads=1
+    )
+    cos, sin = torch.rand(2, 1, 8), torch.rand(2, 1, 8)
+    table = meta.rope_table(cos, sin)
+    assert torch.equal(table, torch.cat((cos[:, 0, :4], sin[:, 0, :4]), dim=-1))
+    assert meta.rope_table(cos, sin) is table  # later layers of the step reuse it
+    cos2 = torch.rand(2, 1, 8)  # e.g. the graph capture after its warm-up forward
+    assert torch.equal(meta.rope_table(cos2, sin)[:, :4], cos2[:, 0, :4])

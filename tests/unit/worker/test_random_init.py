@@ -1,0 +1,95 @@
+"""Random-weight models at real shapes (benchmarks) and the worker's `random:` model spec."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.bootstrap import build_runner
+from services.worker.models.config import ModelConfig
+from services.worker.models.random_init import (
+    PRESETS,
+    build_random_model,
+    is_random_spec,
+    random_hf_config,
+    random_source,
+)
+from services.worker.models.registry import build_model
+from shared.config import WorkerSettings
+from shared.protocol import NewRequestData, SamplingParams, StepPlan
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+    "attention_bias": True,
+    "eos_token_id": 5,
+}
+
+
+def test_llama_3_8b_preset_has_the_real_shape() -> None:
+    config = ModelConfig.from_hf_dict(random_hf_config("random:llama-3-8b"))
+    assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (
+        4096, 32, 14336,
+    )  # fmt: skip
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (
+        32, 8, 128256,
+    )  # fmt: skip
+    with torch.device("meta"):  # counts parameters without allocating 16 GB
+        model = build_model(config, max_model_len=1024)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Meta-Llama-3-8B
+    for name in PRESETS:
+        ModelConfig.from_hf_dict(random_hf_config(f"random:{name}"))
+
+
+def test_random_weights_are_filled_by_role() -> None:
+    model, _ = build_random_model(TINY, torch.float32, "cpu", std=0.05, seed=7)
+    params = dict(model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in params.values())
+    assert torch.equal(params["norm.weight"], torch.ones(32))
+    assert not params["layers.0.self_attn.qkv_proj.bias"].any()
+    weight = params["layers.1.mlp.down_proj.weight"].float()
+    assert abs(weight.std().item() - 0.05) < 0.01 and abs(weight.mean().item()) < 0.01
+    again, _ = build_random_model(TINY, torch.float32, "cpu", std=0.05, seed=7)
+    assert torch.equal(again.embed_tokens.weight, model.embed_tokens.weight)  # seeded
+
+
+def test_random_spec_resolution(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert is_random_spec("random:llama-3-8b") and not is_random_spec("/models/llama")
+    assert random_hf_config(f"random:{tmp_path}")["hidden_size"] == 32
+    assert random_hf_config(f"random:{tmp_path}/config.json")["hidden_size"] == 32
+    assert random_source("random:llama-3-8b").name == "random-llama-3-8b"
+    with pytest.raises(ValueError, match="not a preset"):
+        random_source("random:no-such-model")
+
+
+def test_worker_serves_a_random_spec(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    spec = f"random:{tmp_path / 'config.json'}"
+    settings = WorkerSettings(
+        model=spec, device="cpu", dtype="float32", max_model_len=32, kv_cache_bytes=2**20
+    )
+    runner, ready = build_runner(random_source(spec), settings, "inc-1")
+    assert (ready.vocab_size, ready.max_model_len, ready.eos_token_ids) == (64, 32, [5])
+    plan = StepPlan(
+        step_id=1, scheduler_id="s", worker_incarnation="inc-1",
+        new_requests=[NewRequestData(
+            request_id="r", token_ids=[1, 2, 3, 4], num_prompt_tokens=4, num_computed_tokens=0,
+            block_ids=[[1, 2]], sampling=SamplingParams(temperature=0.0, max_tokens=4),
+        )],
+        num_scheduled_tokens={"r": 4},
+    )  # fmt: skip
+    result = runner.execute(plan)
+    assert result.error is None and len(result.sampled) == 1
+    assert 0 <= result.sampled[0].token_ids[0] < 64
+    assert np.isfinite(runner.kv_cache.layers[0][0, 1].numpy()).all()
