@@ -12,9 +12,8 @@ computed is returned, and no token ever needs an extra forward (the last sampled
 never an input).
 
 Worker side (SampledTokens.routed_experts, shape [positions, moe_layers, top_k]): rows of
-consecutive positions ENDING at the step's last computed position + 1, i.e. the request's
-`num_computed_tokens` as the plan left it (advanced at schedule time; read before any rollback
-of rejected drafts).
+consecutive positions ending with the last position the step computed (`planned_end` is one
+past it).
 Prompt rows of a chunk that samples nothing may come in their own SampledTokens without tokens
 or be held by the worker and sent with the next sampled token's rows; both work,
 because rows are placed by position. A recompute (preemption, failed step) sends rows again for
@@ -28,7 +27,7 @@ position is never computed, so it would have no row.
 
 from __future__ import annotations
 
-from shared.protocol import RequestDelta, SampledTokens, SubmitRequest
+from shared.protocol import RequestDelta, SampledTokens, StepPlan, SubmitRequest
 
 
 def prompt_start_error(msg: SubmitRequest) -> str | None:
@@ -40,6 +39,17 @@ def prompt_start_error(msg: SubmitRequest) -> str | None:
     if 0 <= start <= prompt_len:
         return None
     return f"routed_experts_prompt_start {start} is outside [0, {prompt_len}]"
+
+
+def planned_end(plan: StepPlan, request_id: str) -> int:
+    """One past the last position `plan` computes for the request: read from the plan, not
+    from the request, whose counter may already be elsewhere when the result is applied (the
+    next step planned ahead of this result, or rejected drafts rolled back)."""
+    num_scheduled = plan.num_scheduled_tokens[request_id]
+    for entry in (*plan.new_requests, *plan.cached_requests):
+        if entry.request_id == request_id:
+            return entry.num_computed_tokens + num_scheduled
+    raise ValueError(f"{request_id} is scheduled in step {plan.step_id} but not listed")
 
 
 class RoutedExpertsRecord:

@@ -29,7 +29,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.connector import LoadOutcome, OffloadConnector
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.routed_experts import prompt_start_error
+from services.scheduler.routed_experts import planned_end, prompt_start_error
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
 from services.scheduler.spec import SpecDecoding
 from services.scheduler.stop import check_stop
@@ -264,7 +264,7 @@ class Scheduler:
             if request is None or request.status is not RUNNING:
                 continue  # aborted (or reset) while the step ran
             if request.routed_experts is not None and request_id in sampled:
-                request.routed_experts.record(sampled[request_id], request.num_computed_tokens)
+                request.routed_experts.record(sampled[request_id], planned_end(plan, request_id))
             if request.num_computed_tokens < request.num_tokens:
                 continue  # partial prefill: nothing sampled
             tokens = sampled.get(request_id)
