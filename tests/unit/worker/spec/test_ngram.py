@@ -1,0 +1,48 @@
+"""Prompt-lookup drafting: longest suffix n-gram, latest earlier occurrence, K capped."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.worker.spec.ngram import NgramProposer
+
+
+def propose(tokens: list[int], k: int = 3, min_n: int = 1, max_n: int = 3) -> list[int]:
+    return NgramProposer(k, min_n, max_n).propose(np.array(tokens, dtype=np.int32))
+
+
+def test_copies_what_followed_the_earlier_occurrence() -> None:
+    assert propose([5, 6, 7, 8, 9, 1, 5, 6]) == [7, 8, 9]
+
+
+def test_longest_suffix_wins_over_a_more_recent_shorter_match() -> None:
+    # "6" alone last occurred before 40; "5 6" occurred before 7.
+    tokens = [5, 6, 7, 8, 3, 6, 40, 41, 5, 6]
+    assert propose(tokens, k=2) == [7, 8]
+    assert propose(tokens, k=2, max_n=1) == [40, 41]
+
+
+def test_latest_occurrence_of_the_same_length_wins() -> None:
+    assert propose([1, 2, 10, 11, 1, 2, 20, 21, 9, 1, 2], k=2, min_n=2) == [20, 21]
+
+
+def test_no_match_or_below_min_n_proposes_nothing() -> None:
+    assert propose([1, 2, 3, 4]) == []
+    assert propose([7, 1, 8, 1], min_n=2) == []
+    assert propose([7]) == []
+
+
+def test_drafts_are_cut_at_the_end_of_the_tokens_and_at_k() -> None:
+    # The only earlier "3 4" is two tokens from the end: one token follows it before the suffix.
+    assert propose([3, 4, 3, 4], k=5, min_n=2) == [3, 4]
+    assert propose([*range(10), 0, 1], k=4, min_n=2) == [2, 3, 4, 5]
+    tokens = np.array([*range(10), 0, 1], dtype=np.int32)
+    assert NgramProposer(4, 1, 3).propose(tokens, k=0) == []
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        NgramProposer(3, min_n=3, max_n=2)
+    with pytest.raises(ValueError):
+        NgramProposer(0)
