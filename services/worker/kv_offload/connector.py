@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from collections import deque
 from collections.abc import Callable
-
-import torch
 
 from services.kvstore.offload_key import KeySpace
 from services.worker.kv_cache import KVCache
 from services.worker.kv_offload.payload import LAYOUT_VERSION, PayloadHeader
 from services.worker.kv_offload.staging import StagingPool, gather_blocks, scatter_blocks
+from services.worker.kv_offload.store_job import StoreJob, StorePiece
 from services.worker.kv_offload.transfer_engine import (
     LoadGroup,
     LoadJob,
-    StoreJob,
     TransferEngine,
     TransferOutcome,
 )
@@ -53,6 +52,7 @@ class KVConnector:
         worker_incarnation: str = "",
         layer_groups: list[list[int]] | None = None,
         staging_bytes: int = 64 * 2**20,
+        staging_wait_s: float = 5.0,
         notify: Callable[[], None] | None = None,
     ) -> None:
         if key_space.layout_version != LAYOUT_VERSION:
@@ -80,6 +80,7 @@ class KVConnector:
             StagingPool.sized(h.shape, h.dtype, staging_bytes // len(groups), pinned)
             for h in self.headers
         ]
+        self.staging_wait_s = staging_wait_s
         self._lock = threading.Lock()
         self._generation = 0
         self._ready: list[TransferOutcome] = []  # loads read and staged, not yet copied in
@@ -126,6 +127,12 @@ class KVConnector:
                 group.staged = None
             self._finish(job.transfer, "load", job.started, num_bytes=outcome.num_bytes)
         return len(ready)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Payload bytes of one chunk (header + body; the largest group's): what the scheduler
+        offers the kvstore per chunk before any store has answered (WorkerReady)."""
+        return max(len(h.encode()) + h.body_bytes for h in self.headers)
 
     def has_ready_loads(self) -> bool:
         return bool(self._ready)
@@ -186,41 +193,39 @@ class KVConnector:
         self.engine.submit(job)
 
     def _submit_store(self, transfer: KVTransfer) -> None:
+        """Stage the transfer's blocks before returning (the next plan may reuse them), piece
+        by piece through the bounded staging slots (see store_job)."""
         started = time.perf_counter()
         chunks, failed, reason = self._chunks(transfer)
-        if not chunks:
-            self._finish(transfer, "store", started, failed, error=reason)
-            return
+        job = StoreJob(transfer, started)
+        if failed:
+            job.reject(failed, reason or "invalid chunk")
         by_group: dict[int, list[Chunk]] = {}
         for chunk in chunks:
             by_group.setdefault(chunk[1], []).append(chunk)
-        taken: list[tuple[StagingPool, list[int]]] = []
         for group, group_chunks in by_group.items():
-            slots = self.pools[group].acquire(len(group_chunks))
-            if slots is None:  # never wait for a slot: the step must not stall on Redis
-                for pool, held in taken:
-                    pool.release(held)
-                self._finish(transfer, "store", started, list(transfer.keys), error="staging full")
-                return
-            taken.append((self.pools[group], slots))
-        keys: list[str] = []
-        headers: list[PayloadHeader] = []
-        bodies: list[torch.Tensor] = []
-        fence = None
-        for (group, group_chunks), (pool, slots) in zip(by_group.items(), taken, strict=True):
-            block_ids = [block for _, _, block in group_chunks]
-            fence = gather_blocks(self.group_layers[group], block_ids, pool, slots) or fence
-            keys += [key for key, _, _ in group_chunks]
-            headers += [self.headers[group]] * len(group_chunks)
-            bodies += [pool.buffer[slot] for slot in slots]
-
-        def release() -> None:
-            for pool, held in taken:
-                pool.release(held)
-
-        self.engine.submit(
-            StoreJob(transfer, keys, headers, bodies, fence, release, started, failed, reason)
-        )
+            pool = self.pools[group]
+            for begin in range(0, len(group_chunks), pool.num_slots):
+                piece = group_chunks[begin : begin + pool.num_slots]
+                slots = pool.acquire_wait(len(piece), self.staging_wait_s)
+                if slots is None:  # the store side is stuck: the rest of this group is lost
+                    job.reject([key for key, _, _ in group_chunks[begin:]], "staging full")
+                    break
+                fence = gather_blocks(
+                    self.group_layers[group], [block for _, _, block in piece], pool, slots
+                )
+                job.add_piece()
+                self.engine.submit(
+                    StorePiece(
+                        job,
+                        [key for key, _, _ in piece],
+                        [self.headers[group]] * len(piece),
+                        [pool.buffer[slot] for slot in slots],
+                        fence,
+                        partial(pool.release, slots),
+                    )
+                )
+        self.engine.seal(job)
 
     # -- completion -------------------------------------------------------------------------
 
@@ -228,13 +233,14 @@ class KVConnector:
         """Called on the engine's threads."""
         job = outcome.job
         if isinstance(job, StoreJob):
+            failed = job.rejected_keys + outcome.failed_keys
             self._finish(
                 job.transfer,
                 "store",
                 job.started,
-                job.rejected_keys + outcome.failed_keys,
+                failed,
                 outcome.num_bytes,
-                job.rejected_reason or outcome.error,
+                job.rejected_reason or outcome.error or ("store failed" if failed else None),
             )
             return
         if outcome.ok:

@@ -5,8 +5,10 @@ the scheduler may hand the blocks to another request; serialising and writing to
 far longer than a step. So the step thread only copies the blocks into a staging slot (on CUDA:
 an asynchronous copy into pinned memory, fenced by an event; on CPU a plain tensor copy), and
 the store thread serialises from the slot once the fence has passed, then gives the slot back.
-The slots are allocated once (pinned allocation is slow and fragments) and reused; when all are
-taken the store is refused at once rather than waiting, so a slow Redis never stalls a step.
+The slots are allocated once (pinned allocation is slow and fragments) and reused. A store
+larger than the free slots is staged in pieces (`store_job`): the step thread waits for slots,
+which the store side frees as soon as it has copied a piece's bytes out (memcpy, not Redis), so
+a slow Redis never stalls a step; only a wait past a deadline refuses the rest of a store.
 
 Loads (host -> device) go through the one staged-pinned copy helper
 (`kernels.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then copies
@@ -39,7 +41,7 @@ class StagingPool:
         self.chunk_shape = chunk_shape
         self.buffer = torch.empty((num_slots, *chunk_shape), dtype=dtype, pin_memory=pinned)
         self._free = list(range(num_slots))
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
 
     @classmethod
     def sized(
@@ -68,9 +70,21 @@ class StagingPool:
             taken, self._free = self._free[:n], self._free[n:]
             return taken
 
+    def acquire_wait(self, n: int, timeout_s: float) -> list[int] | None:
+        """`n` free slots, waiting up to `timeout_s` for releases; None (nothing taken) when
+        they did not come or `n` exceeds the pool."""
+        with self._lock:
+            if n > self.num_slots or not self._lock.wait_for(
+                lambda: len(self._free) >= n, timeout_s
+            ):
+                return None
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
     def release(self, slots: list[int]) -> None:
         with self._lock:
             self._free.extend(slots)
+            self._lock.notify_all()
 
 
 def _fence(device: torch.device) -> CopyFence | None:

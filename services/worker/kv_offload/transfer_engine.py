@@ -1,13 +1,18 @@
-"""The background half of KV offload: a store thread and a load thread, each with a queue and
-its own synchronous redis-py connection, and the host tier in front of Redis.
+"""The background half of KV offload: store threads and a load thread, each with a queue, the
+Redis ones with their own synchronous redis-py connection, and the host tier in front of Redis.
 
 Why threads with a sync client rather than an asyncio task on the worker's loop: each job
 does megabytes of memcpy (serialising staged blocks, assembling read payloads), waits on CUDA
 events and uploads through pinned memory; on the event loop that work would stall the step
 reader, the heartbeats and the admin app. In a thread it overlaps them: redis-py's socket I/O
 and torch's copies release the GIL. One thread per direction, so a load (which a request waits
-on) never queues behind a long store. The core (`KVConnector`) never sees Redis: it submits
-jobs and receives `TransferOutcome`s through a callback.
+on) never queues behind a long store. Stores take two threads: the packer copies each staged
+piece out of its slots and frees them at once, the writer SETs the packed payloads; so the step
+thread, which waits for free slots when a store is larger than staging, waits on memcpy only,
+never on Redis. Packed bytes waiting for the writer are bounded (`max_backlog_bytes`): past it a
+piece fails at once instead of queuing (a slow Redis costs stores, never worker memory).
+The core (`KVConnector`) never sees Redis: it submits jobs and receives `TransferOutcome`s
+through a callback.
 
 Every job ends in exactly one outcome, whatever happens (Redis down, a bad payload, close()).
 """
@@ -20,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import redis
@@ -28,7 +32,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kernels.staged_copy import CopyFence, stage_to_device
+from kernels.staged_copy import stage_to_device
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import (
     PayloadError,
@@ -36,6 +40,7 @@ from services.worker.kv_offload.payload import (
     check_payload,
     pack_payload,
 )
+from services.worker.kv_offload.store_job import PackedPiece, StoreJob, StorePiece
 from shared.protocol import KVTransfer
 
 log = logging.getLogger(__name__)
@@ -43,21 +48,6 @@ log = logging.getLogger(__name__)
 PIPELINE_BYTES = 16 * 2**20
 """A pipeline is flushed once it carries this many payload bytes: large transfers stream
 instead of building one giant request (and one giant reply) in memory."""
-
-
-@dataclass
-class StoreJob:
-    """Staged chunks of one store transfer: `bodies[j]` (a staging slot) goes to `keys[j]`."""
-
-    transfer: KVTransfer
-    keys: list[str]
-    headers: list[PayloadHeader]
-    bodies: list[torch.Tensor]
-    fence: CopyFence | None
-    release: Callable[[], None]  # gives the staging slots back
-    started: float
-    rejected_keys: list[str] = field(default_factory=list)  # chunks that were never staged
-    rejected_reason: str | None = None
 
 
 @dataclass
@@ -101,18 +91,21 @@ class TransferEngine:
         host_tier: HostTier,
         *,
         timeout_s: float = 5.0,
+        max_backlog_bytes: int = 256 * 2**20,
     ) -> None:
         self.redis_url = redis_url
         self.host_tier = host_tier
         self.timeout_s = timeout_s
-        self._queues: dict[str, queue.Queue[StoreJob | LoadJob | None]] = {
-            "store": queue.Queue(),
-            "load": queue.Queue(),
-        }
+        self.max_backlog_bytes = max_backlog_bytes
+        self._pieces: queue.Queue[StorePiece | None] = queue.Queue()
+        self._packed: queue.Queue[PackedPiece | None] = queue.Queue()
+        self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._on_outcome: Callable[[TransferOutcome], None] | None = None
         self._closed = False
         self._submit_lock = threading.Lock()
+        self._backlog_lock = threading.Lock()
+        self.backlog_bytes = 0  # packed payload bytes queued for the writer
 
     def _client(self) -> redis.Redis:
         # No retries: a failed transfer is reported and the scheduler recomputes; retrying
@@ -126,64 +119,128 @@ class TransferEngine:
 
     def start(self, on_outcome: Callable[[TransferOutcome], None]) -> None:
         self._on_outcome = on_outcome
-        for kind, run in (("store", self._store), ("load", self._load)):
-            thread = threading.Thread(
-                target=self._serve, args=(kind, run), name=f"kv-offload-{kind}", daemon=True
-            )
+        for name, target in (
+            ("kv-offload-pack", self._pack_pieces),
+            ("kv-offload-store", self._write_pieces),
+            ("kv-offload-load", self._serve_loads),
+        ):
+            thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def submit(self, job: StoreJob | LoadJob) -> None:
-        """Queue a job; after `close()` the job ends at once as failed (still answered)."""
+    def submit(self, job: StorePiece | LoadJob) -> None:
+        """Queue a load or a store piece; after `close()` it ends at once as failed (a load is
+        still answered; a piece counts as failed in its store, answered when sealed)."""
         with self._submit_lock:  # a job queued behind the stop sentinel would never end
             if not self._closed:
-                self._queues["store" if isinstance(job, StoreJob) else "load"].put(job)
+                if isinstance(job, StorePiece):
+                    self._pieces.put(job)
+                else:
+                    self._loads.put(job)
                 return
-        if isinstance(job, StoreJob):
+        if isinstance(job, StorePiece):
             job.release()
-        assert self._on_outcome is not None
-        self._on_outcome(TransferOutcome(job, list(job.transfer.keys), error="worker stopping"))
+            self._piece_done(job.job, list(job.keys), 0, "worker stopping")
+            return
+        self._emit(TransferOutcome(job, list(job.transfer.keys), error="worker stopping"))
+
+    def seal(self, job: StoreJob) -> None:
+        """Every piece of `job` was submitted: it is answered once the last one is done."""
+        if job.seal():
+            self._emit(TransferOutcome(job, job.failed_keys, job.written, job.error))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish the queued jobs, then stop the threads."""
         with self._submit_lock:
             self._closed = True
-            for q in self._queues.values():
-                q.put(None)
+            self._pieces.put(None)  # the packer passes it on to the writer
+            self._loads.put(None)
         for thread in self._threads:
             thread.join(timeout_s)
         self._threads.clear()
 
-    def _serve(self, kind: str, run: Callable[[redis.Redis, Any], TransferOutcome]) -> None:
+    def _emit(self, outcome: TransferOutcome) -> None:
+        assert self._on_outcome is not None
+        self._on_outcome(outcome)
+
+    def _piece_done(
+        self, job: StoreJob, failed: list[str], written: int, error: str | None
+    ) -> None:
+        if job.piece_done(failed, written, error):
+            self._emit(TransferOutcome(job, job.failed_keys, job.written, job.error))
+
+    def _serve_loads(self) -> None:
         client = self._client()
-        jobs = self._queues[kind]
         try:
-            while (job := jobs.get()) is not None:
+            while (job := self._loads.get()) is not None:
                 try:
-                    outcome = run(client, job)
+                    outcome = self._load(client, job)
                 except Exception as exc:  # never lose a job: it ends as a failed outcome
-                    log.exception("KV %s of transfer %s failed", kind, job.transfer.transfer_id)
+                    log.exception("KV load of transfer %s failed", job.transfer.transfer_id)
                     outcome = TransferOutcome(
                         job, list(job.transfer.keys), error=f"{type(exc).__name__}: {exc}"
                     )
-                assert self._on_outcome is not None
-                self._on_outcome(outcome)
+                self._emit(outcome)
         finally:
             client.close()
 
     # -- stores -----------------------------------------------------------------------------
 
-    def _store(self, client: redis.Redis, job: StoreJob) -> TransferOutcome:
+    def _pack_pieces(self) -> None:
+        """Staging -> payload bytes, slots freed at once; then on to the writer, unless the
+        writer's backlog is full (then the piece fails now: memory stays bounded)."""
+        while (piece := self._pieces.get()) is not None:
+            try:
+                if piece.fence is not None:
+                    piece.fence.synchronize()
+                items = [
+                    (key, pack_payload(h, b))
+                    for key, h, b in zip(piece.keys, piece.headers, piece.bodies, strict=True)
+                ]
+            except Exception as exc:
+                log.exception("packing KV store %s failed", piece.job.transfer.transfer_id)
+                self._piece_done(piece.job, list(piece.keys), 0, f"{type(exc).__name__}: {exc}")
+                continue
+            finally:
+                piece.release()  # the bytes are copied out: the slots may take the next piece
+            packed = PackedPiece(piece.job, items)
+            with self._backlog_lock:
+                admitted = (
+                    self.backlog_bytes == 0
+                    or self.backlog_bytes + packed.nbytes <= self.max_backlog_bytes
+                )
+                if admitted:
+                    self.backlog_bytes += packed.nbytes
+            if admitted:
+                self._packed.put(packed)
+            else:
+                self._piece_done(piece.job, list(piece.keys), 0, "store backlog full")
+        self._packed.put(None)
+
+    def _write_pieces(self) -> None:
+        client = self._client()
         try:
-            if job.fence is not None:
-                job.fence.synchronize()
-            payloads = [pack_payload(h, b) for h, b in zip(job.headers, job.bodies, strict=True)]
+            while (packed := self._packed.get()) is not None:
+                try:
+                    failed, written, error = self._store(client, packed.items)
+                except Exception as exc:  # never lose a piece: it ends as failed
+                    log.exception("KV store of transfer %s failed", packed.job.transfer.transfer_id)
+                    failed, written = [key for key, _ in packed.items], 0
+                    error = f"{type(exc).__name__}: {exc}"
+                with self._backlog_lock:
+                    self.backlog_bytes -= packed.nbytes
+                self._piece_done(packed.job, failed, written, error)
         finally:
-            job.release()  # the bytes are copied out: the slots may take the next store
+            client.close()
+
+    def _store(
+        self, client: redis.Redis, items: list[tuple[str, bytes]]
+    ) -> tuple[list[str], int, str | None]:
+        """One SET per chunk, pipelined; returns the failed keys, bytes written, an error."""
         failed: list[str] = []
         error: str | None = None
         written = 0
-        for batch in _batches(list(zip(job.keys, payloads, strict=True))):
+        for batch in _batches(items):
             try:
                 pipe = client.pipeline(transaction=False)
                 for key, payload in batch:
@@ -200,7 +257,7 @@ class TransferEngine:
                 else:
                     written += len(payload)
                     self.host_tier.put(key, payload)
-        return TransferOutcome(job, failed, written, error)
+        return failed, written, error
 
     # -- loads ------------------------------------------------------------------------------
 

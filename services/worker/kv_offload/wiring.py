@@ -40,6 +40,8 @@ def build_connector(
         settings.redis_url,
         HostTier(settings.kv_host_tier_bytes),
         timeout_s=settings.kv_offload_timeout_s,
+        # Packed payloads waiting for Redis: a few staging areas' worth, then stores fail.
+        max_backlog_bytes=4 * settings.kv_staging_bytes,
     )
     return KVConnector(
         kv_cache,
@@ -49,5 +51,6 @@ def build_connector(
         worker_incarnation=worker_incarnation,
         layer_groups=layer_groups(config),
         staging_bytes=settings.kv_staging_bytes,
+        staging_wait_s=settings.kv_offload_timeout_s,
         notify=notify,
     )

@@ -341,15 +341,66 @@ def test_stores_never_wait_for_redis(tiny_dir: Path, own_redis: RedisServer) -> 
         connector.close()
 
 
-def test_a_full_staging_area_refuses_the_store_at_once(tiny_dir: Path, redis_url: str) -> None:
+def test_a_store_larger_than_staging_streams_through_it(tiny_dir: Path, redis_url: str) -> None:
     runner = tiny_runner(tiny_dir)
-    waiter = attach(runner, redis_url, staging_bytes=1)  # one slot: a 3-chunk store cannot fit
-    assert runner.kv_connector is not None
+    waiter = attach(runner, redis_url, staging_bytes=1)  # one slot: 3 chunks go one at a time
+    connector = runner.kv_connector
+    assert connector is not None and connector.pools[0].num_slots == 1
     try:
-        prefill_and_store(runner, waiter, keys("full"))
-        waiter.collect()  # reported during the step itself, before any thread ran
-        done = waiter.done["store-a"]
-        assert not done.ok and done.error == "staging full" and done.failed_keys == keys("full")
-        assert runner.kv_connector.pools[0].num_free == 1
+        chunk_keys = keys("big")
+        prefill_and_store(runner, waiter, chunk_keys)
+        done = waiter.transfer("store-a")
+        assert done.ok and done.num_bytes == 3 * connector.chunk_bytes
+        stored = redis.Redis.from_url(redis_url).mget(chunk_keys)
+        for key, block, payload in zip(chunk_keys, [1, 2, 3], stored, strict=True):
+            assert payload is not None, key
+            body = torch.stack([layer[:, block] for layer in runner.kv_cache.layers])
+            assert payload == pack_payload(connector.headers[0], body.contiguous())
+        assert connector.pools[0].num_free == 1
     finally:
-        runner.kv_connector.close()
+        connector.close()
+
+
+def test_stuck_staging_refuses_the_rest_of_a_store(tiny_dir: Path, redis_url: str) -> None:
+    runner = tiny_runner(tiny_dir)
+    waiter = attach(runner, redis_url, staging_bytes=1)
+    connector = runner.kv_connector
+    assert connector is not None
+    connector.staging_wait_s = 0.01
+    held = connector.pools[0].acquire(1)  # as if the packer never gave its slot back
+    assert held is not None
+    try:
+        prefill_and_store(runner, waiter, keys("stuck"))
+        waiter.collect()  # answered during the step itself: nothing was staged
+        done = waiter.done["store-a"]
+        assert not done.ok and done.error == "staging full" and done.failed_keys == keys("stuck")
+    finally:
+        connector.pools[0].release(held)
+        connector.close()
+
+
+def test_a_full_write_backlog_fails_pieces_instead_of_queuing(
+    tiny_dir: Path, own_redis: RedisServer
+) -> None:
+    """Redis frozen: the first piece waits in the writer; the next ones find the backlog full
+    (bounded memory) and fail at once; after the thaw the first is written."""
+    runner = tiny_runner(tiny_dir)
+    waiter = attach(runner, own_redis.url, staging_bytes=1)
+    connector = runner.kv_connector
+    assert connector is not None and own_redis.proc is not None
+    connector.engine.max_backlog_bytes = 1
+    chunk_keys = keys("backlog")
+    try:
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            prefill_and_store(runner, waiter, chunk_keys)
+            waiter.collect()
+            assert "store-a" not in waiter.done  # the first piece is still being written
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        done = waiter.transfer("store-a")
+        assert not done.ok and done.error == "store backlog full"
+        assert done.failed_keys == chunk_keys[1:]
+        assert redis.Redis.from_url(own_redis.url).exists(*chunk_keys) == 1
+    finally:
+        connector.close()
