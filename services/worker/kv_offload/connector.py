@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import partial
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 from services.kvstore.offload_key import KeySpace
 from services.worker.kv_cache import KVCache
