@@ -97,6 +97,11 @@ class KVStoreClient:
             int(reply["evicted"]),
         )
 
+    async def writing(self, keys: Sequence[OffloadKey]) -> int:
+        """The step computing these chunks ended: their write deadline restarts now."""
+        reply = await self._post("writing", {"chunks": [_ref(k) for k in keys]})
+        return int(reply["restarted"])
+
     async def stored(self, offers: Sequence[tuple[OffloadKey, int, int]], ok: bool) -> int:
         chunks = [{**_ref(k), "end": end, "nbytes": n} for k, end, n in offers]
         return int((await self._post("stored", {"chunks": chunks, "ok": ok}))["completed"])

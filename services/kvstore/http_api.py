@@ -66,6 +66,12 @@ class StoredBody(Scoped):
     ok: bool = True
 
 
+class WritingBody(Scoped):
+    """Chunks whose write begins now (their step's forward ended): their deadline restarts."""
+
+    chunks: list[ChunkRef] = Field(max_length=MAX_CHUNKS)
+
+
 class LoadBody(Scoped):
     holder: str = Field(min_length=1, description="request id, or a job id when internal")
     internal: bool = False  # a tier-to-tier move: pins, but is not an access
@@ -112,6 +118,11 @@ def kv_router(get_service: Callable[[], KVStoreService | None]) -> APIRouter:
     async def stored(body: StoredBody) -> Any:
         service = ready()
         return service if isinstance(service, JSONResponse) else await service.stored(body)
+
+    @router.post("/writing", response_model=None)
+    async def writing(body: WritingBody) -> Any:
+        service = ready()
+        return service if isinstance(service, JSONResponse) else service.writing(body)
 
     @router.post("/load", response_model=None)
     async def load(body: LoadBody) -> Any:

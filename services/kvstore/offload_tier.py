@@ -13,7 +13,9 @@ service maps it to HTTP and Redis):
   released, so a lost `loaded` cannot pin a chunk forever.
 Pins are counted per holder, so releasing twice (a retried `loaded`, then the finish) never
 unpins a chunk held by someone else. A write that never reports back (its worker died) would
-hold its bytes forever: `expire_writes` fails writes older than a deadline.
+hold its bytes forever: `expire_writes` fails writes older than a deadline. The deadline runs
+from `store`, and again from `writes_started` (the step that computes the blocks has ended, so
+the worker is writing now): it covers the writes, never the forward that precedes them.
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ class OffloadTier:
     def writing(self, keys: Iterable[Key]) -> list[Key]:
         """The keys among `keys` whose payload is being written."""
         return [k for k in keys if self.policy.status(k) is ChunkStatus.WRITING]
+
+    def writes_started(self, keys: Iterable[Key], now: float) -> list[Key]:
+        """Restart the deadline of the keys among `keys` still being written; returns them."""
+        started = [k for k in keys if k in self._writing_since]
+        for key in started:
+            self._writing_since[key] = now
+        return started
 
     def stored(self, keys: Iterable[Key], ok: bool) -> list[Key]:
         """Complete writes; returns the keys that were being written (others are ignored, so a

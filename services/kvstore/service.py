@@ -9,7 +9,9 @@ and ordered by their store sequence).
 A call changes the in-memory state first and then does its Redis work. Evicted keys are removed
 from the table before their Redis delete is awaited, so nothing can pin them meanwhile; a delete
 that fails (Redis unreachable) is kept and retried by `run()` until it succeeds; `run()` also
-fails writes that were never reported within `write_timeout_s` (deleting their payloads).
+fails writes that were never reported within `write_timeout_s` (deleting their payloads); that
+deadline runs from the `store` call and restarts at `writing` (the scheduler's word that the
+step computing the chunks has ended), so it covers the writes, not the prefill before them.
 
 No payload without its metadata: a write reported done after the kvstore gave up on it (expired,
 or failed by a concurrent report, or unknown to a restarted kvstore) finds its key absent from
@@ -35,6 +37,7 @@ from services.kvstore.http_api import (
     LookupBody,
     StoreBody,
     StoredBody,
+    WritingBody,
     kv_router,
 )
 from services.kvstore.offload_tier import ChunkOffer, OffloadTier
@@ -115,6 +118,11 @@ class KVStoreService(Service):
             "refused": [_ref(refs[k]) for k in _names(plan.refused)],
             "evicted": len(plan.evicted),
         }
+
+    def writing(self, body: WritingBody) -> dict[str, Any]:
+        space = body.space(self.settings.cluster)
+        names = [space.payload_key(c.key()) for c in body.chunks]
+        return {"restarted": len(self._tier().writes_started(names, time.monotonic()))}
 
     async def stored(self, body: StoredBody) -> dict[str, Any]:
         space = body.space(self.settings.cluster)

@@ -6,6 +6,9 @@ Around the pure connector (services/scheduler/offload), per step of the service'
   plan's loads in the kvstore (`load`: a load whose chunks cannot all be pinned is failed at
   once, never sent), and asks the kvstore which offered chunks to write (`store`: `kv_stores`
   is trimmed to its `write` answer; present chunks are only recorded for recency);
+- `on_step_result(step_id)` (from the results reader): that step's forward ended, so the
+  worker is writing the stores it carried: the kvstore restarts their write deadline
+  (`writing`), which then covers the writes only, never the prefill before them;
 - `on_done(core, msg)` (from the results reader): a KVTransferDone. Loads go to the core
   (computed, or recompute with forced misses) and release their pins (`loaded`); stores are
   reported (`stored`, ok or not, per chunk) and their keys re-probed;
@@ -85,8 +88,10 @@ class OffloadEdge:
         self._reports: asyncio.Queue[tuple[str, Callable[[], Awaitable[Any]]]] = asyncio.Queue()
         # store transfer id -> (request id, chunks written: (key, end, nbytes)), until answered
         self._stores: dict[str, tuple[str, list[tuple[OffloadKey, int, int]]]] = {}
+        # step id -> its store transfers whose writes have not begun (the step still runs)
+        self._stores_in_step: dict[int, list[str]] = {}
         self._down_until = 0.0
-        self.chunk_bytes = 0  # learnt from the worker's store answers (bytes per chunk)
+        self.chunk_bytes = 0  # bytes per chunk: WorkerReady.kv_chunk_bytes, or store answers
         self._queries_seen = 0
         self.errors = 0
 
@@ -106,6 +111,9 @@ class OffloadEdge:
         )
         core.offload = self.connector
         self._queries_seen = 0
+        self._stores_in_step.clear()  # a new core numbers its steps from 0
+        if ready.kv_chunk_bytes:  # else learnt from the first store's answer
+            self.chunk_bytes = ready.kv_chunk_bytes
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Send queued reports, one at a time, until stopped."""
@@ -188,6 +196,8 @@ class OffloadEdge:
                 plan.kv_loads = await self._pin_loads(core, connector, client, plan.kv_loads)
             if plan.kv_stores:
                 plan.kv_stores = await self._admit_stores(connector, client, plan.kv_stores)
+                if plan.kv_stores:
+                    self._stores_in_step[plan.step_id] = [t.transfer_id for t in plan.kv_stores]
 
     async def _pin_loads(
         self,
@@ -233,6 +243,8 @@ class OffloadEdge:
         if len(self._stores) > MAX_PENDING_STORES:  # answers that never came (the kvstore
             for tid in list(self._stores)[: len(self._stores) // 2]:  # expires those writes)
                 del self._stores[tid]
+            for step in list(self._stores_in_step)[: len(self._stores_in_step) // 2]:
+                del self._stores_in_step[step]
         return sent
 
     async def _store_answer(
@@ -255,6 +267,21 @@ class OffloadEdge:
         )
 
     # --- answers from the worker -----------------------------------------------------------
+
+    def on_step_result(self, step_id: int) -> None:
+        """Step `step_id` (and any before it) ended: the stores they carried are being written.
+        Steps end in order, so every step up to this one is done."""
+        client = self.client
+        steps = [s for s in self._stores_in_step if s <= step_id]
+        keys = [
+            key
+            for step in steps
+            for tid in self._stores_in_step.pop(step)
+            if tid in self._stores  # not answered already
+            for key, _, _ in self._stores[tid][1]
+        ]
+        if client is not None and keys:
+            self._report("writing", lambda: client.writing(keys))
 
     def on_done(self, core: Scheduler, msg: KVTransferDone) -> None:
         client = self.client

@@ -80,6 +80,7 @@ class WorkerService(Service):
                 self._busy,
             )
             self.runner.kv_connector = self.kv_pump.connector
+            self.announcement.kv_chunk_bytes = self.kv_pump.connector.chunk_bytes
 
     async def run(self) -> None:
         steps = self.streams.steps(self.settings.group)

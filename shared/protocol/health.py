@@ -47,4 +47,7 @@ class WorkerReady(Message):
     num_moe_layers: int = 0
     # One entry per KV cache group in shared.kv_groups order; empty = one full-attention group.
     kv_groups: list[KVGroupSpec] = Field(default_factory=list)
+    # Bytes of one KV offload chunk payload (one block of one group; 0 = offload off): the
+    # scheduler offers stores to the kvstore with it from the first one on.
+    kv_chunk_bytes: int = Field(0, ge=0)
     time: float = 0.0

@@ -100,6 +100,7 @@ async def test_store_then_idle_load_through_the_service(tmp_path: Path, redis_ur
         stored = next(m for m in seen if isinstance(m, KVTransferDone))
         assert stored.ok and stored.kind == "store" and stored.worker_id == "w-kv"
         assert stored.worker_incarnation == ready.incarnation
+        assert stored.num_bytes == 3 * ready.kv_chunk_bytes > 0  # announced size is the real one
 
         assert service.runner is not None
         layers = service.runner.kv_cache.layers
