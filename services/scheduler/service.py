@@ -347,6 +347,8 @@ class SchedulerService(Service):
                     continue
                 if not isinstance(msg, StepResult):
                     continue
+                if self.offload is not None:  # the step's stores are being written now
+                    self.offload.on_step_result(msg.step_id)
                 future = self.results.pop(msg.step_id, None)
                 if future is not None and not future.done():
                     future.set_result(msg)
