@@ -73,3 +73,22 @@ def test_pack_checks_the_body_against_the_header() -> None:
         pack_payload(header(), torch.zeros((3, 2, 4, 8, 2)).transpose(3, 4))
     with pytest.raises(PayloadError, match="shape must be"):
         header(shape=(3, 1, 4, 2, 8))
+
+
+def test_one_layout_version_for_key_names_and_headers() -> None:
+    """The worker's headers, the worker's key space and the scheduler's/kvstore's key space all
+    use the key space's constant: bumping it moves names and headers together."""
+    from services.kvstore import offload_key
+    from services.kvstore.offload_key import KeySpace, OffloadKey
+    from services.scheduler import offload_edge
+    from services.worker.kv_offload import payload, wiring
+    from shared.config import WorkerSettings
+
+    assert payload.LAYOUT_VERSION is offload_key.LAYOUT_VERSION
+    assert offload_edge.LAYOUT_VERSION is offload_key.LAYOUT_VERSION
+    space = wiring.key_space(WorkerSettings(cluster="c"), "m")
+    assert space == KeySpace("c", "m", offload_key.LAYOUT_VERSION)
+    name = space.payload_key(OffloadKey(b"\x01" * 16, 0))
+    assert f":{offload_key.LAYOUT_VERSION}:" in name
+    written, _ = read_header(pack_payload(header(), torch.zeros(SHAPE)))
+    assert written.layout_version == space.layout_version
