@@ -13,9 +13,10 @@ service maps it to HTTP and Redis):
   released, so a lost `loaded` cannot pin a chunk forever.
 Pins are counted per holder, so releasing twice (a retried `loaded`, then the finish) never
 unpins a chunk held by someone else. A write that never reports back (its worker died) would
-hold its bytes forever: `expire_writes` fails writes older than a deadline. The deadline runs
-from `store`, and again from `writes_started` (the step that computes the blocks has ended, so
-the worker is writing now): it covers the writes, never the forward that precedes them.
+hold its bytes forever: `expire_writes` fails writes older than a deadline. Two deadlines: a
+write whose step is still running (offered by `store`, not yet `writes_started`) waits for a
+forward of unknown length, so it gets the long one; once `writes_started` says the step ended
+(the worker is writing now) the short one runs from then, covering only the writes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class OffloadTier:
         self.records: dict[str, RequestRecord] = {}
         self._pins: dict[str, Counter[Key]] = {}
         self._writing_since: dict[Key, float] = {}
+        self._started: set[Key] = set()  # writing keys whose step ended (writes_started)
 
     def _record(self, request_id: str) -> RequestRecord:
         record = self.records.get(request_id)
@@ -95,6 +97,7 @@ class OffloadTier:
         started = [k for k in keys if k in self._writing_since]
         for key in started:
             self._writing_since[key] = now
+            self._started.add(key)
         return started
 
     def stored(self, keys: Iterable[Key], ok: bool) -> list[Key]:
@@ -103,12 +106,21 @@ class OffloadTier:
         done = [k for k in keys if self.policy.complete_store(k, ok)]
         for key in done:
             self._writing_since.pop(key, None)
+            self._started.discard(key)
         return done
 
-    def expire_writes(self, now: float, max_age: float) -> list[Key]:
-        """Fail the writes started before `now - max_age`; returns their keys (their partial
-        payloads, if any, are the caller's to delete)."""
-        old = [k for k, t in self._writing_since.items() if now - t > max_age]
+    def expire_writes(
+        self, now: float, max_age: float, max_unstarted_age: float | None = None
+    ) -> list[Key]:
+        """Fail the writes older than `max_age` since they started (`writes_started`), or than
+        `max_unstarted_age` (default `max_age`) since `store` when their step never reported
+        ending; returns their keys (their payloads, if any, are the caller's to delete)."""
+        unstarted = max_age if max_unstarted_age is None else max_unstarted_age
+        old = [
+            k
+            for k, t in self._writing_since.items()
+            if now - t > (max_age if k in self._started else unstarted)
+        ]
         return self.stored(old, ok=False)
 
     def load(

@@ -9,9 +9,9 @@ and ordered by their store sequence).
 A call changes the in-memory state first and then does its Redis work. Evicted keys are removed
 from the table before their Redis delete is awaited, so nothing can pin them meanwhile; a delete
 that fails (Redis unreachable) is kept and retried by `run()` until it succeeds; `run()` also
-fails writes that were never reported within `write_timeout_s` (deleting their payloads); that
-deadline runs from the `store` call and restarts at `writing` (the scheduler's word that the
-step computing the chunks has ended), so it covers the writes, not the prefill before them.
+fails writes that were never reported (deleting their payloads): within `write_timeout_s` of
+`writing` (the scheduler's word that the step computing the chunks ended: the deadline covers
+the writes, not the prefill before them), or `write_start_timeout_s` of `store` without it.
 
 No payload without its metadata: a write reported done after the kvstore gave up on it (expired,
 or failed by a concurrent report, or unknown to a restarted kvstore) finds its key absent from
@@ -84,7 +84,11 @@ class KVStoreService(Service):
             if self.undeleted:
                 await self._delete(list(self.undeleted))
             expired = _names(
-                self._tier().expire_writes(time.monotonic(), self.settings.write_timeout_s)
+                self._tier().expire_writes(
+                    time.monotonic(),
+                    self.settings.write_timeout_s,
+                    self.settings.write_start_timeout_s,
+                )
             )
             if expired:
                 log.warning("%d chunk writes never completed; dropped", len(expired))

@@ -8,7 +8,8 @@ Around the pure connector (services/scheduler/offload), per step of the service'
   is trimmed to its `write` answer; present chunks are only recorded for recency);
 - `on_step_result(step_id)` (from the results reader): that step's forward ended, so the
   worker is writing the stores it carried: the kvstore restarts their write deadline
-  (`writing`), which then covers the writes only, never the prefill before them;
+  (`writing`), which then covers the writes only, never the prefill before them (a worker
+  reset does the same for every step in flight: they will never report);
 - `on_done(core, msg)` (from the results reader): a KVTransferDone. Loads go to the core
   (computed, or recompute with forced misses) and release their pins (`loaded`); stores are
   reported (`stored`, ok or not, per chunk) and their keys re-probed;
@@ -90,6 +91,7 @@ class OffloadEdge:
         self._stores: dict[str, tuple[str, list[tuple[OffloadKey, int, int]]]] = {}
         # step id -> its store transfers whose writes have not begun (the step still runs)
         self._stores_in_step: dict[int, list[str]] = {}
+        self._worker_incarnation = ""  # the core's, as of the last prepare
         self._down_until = 0.0
         self.chunk_bytes = 0  # bytes per chunk: WorkerReady.kv_chunk_bytes, or store answers
         self._queries_seen = 0
@@ -181,6 +183,12 @@ class OffloadEdge:
         connector, client = self.connector, self.client
         if connector is None or client is None or core.offload is not connector:
             return
+        if core.worker_incarnation != self._worker_incarnation:
+            # The worker restarted or was declared dead: the steps in flight will never report
+            # ending, and their stores are written now or never: start their short deadline.
+            self._worker_incarnation = core.worker_incarnation
+            if self._stores_in_step:
+                self.on_step_result(max(self._stores_in_step))
         for rid in connector.take_finished():
             self._report("request_finished", lambda rid=rid: client.request_finished(rid))
         assert self.lookup is not None

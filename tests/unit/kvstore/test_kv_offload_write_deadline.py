@@ -32,3 +32,19 @@ def test_without_the_start_signal_the_store_call_starts_the_deadline() -> None:
     tier = OffloadTier(LRUPolicy(10 * NBYTES))
     tier.store("r1", [ChunkOffer(key, end, NBYTES)], now=0.0)
     assert tier.expire_writes(now=DEADLINE + 1, max_age=DEADLINE) == [key]
+
+
+def test_a_write_whose_step_still_runs_gets_the_long_deadline() -> None:
+    """A 1,500-token prefill outlasting the write deadline: its chunks wait for the step (long
+    deadline), then have the short one for the writes themselves."""
+    ((key, end),) = prefix_chunks(1)
+    tier = OffloadTier(LRUPolicy(10 * NBYTES))
+    tier.store("r1", [ChunkOffer(key, end, NBYTES)], now=0.0)
+    assert tier.expire_writes(now=5 * DEADLINE, max_age=DEADLINE, max_unstarted_age=100.0) == []
+    assert tier.writes_started([key], now=60.0) == [key]
+    assert (
+        tier.expire_writes(now=60.0 + DEADLINE - 1, max_age=DEADLINE, max_unstarted_age=100.0) == []
+    )
+    assert tier.expire_writes(
+        now=60.0 + DEADLINE + 1, max_age=DEADLINE, max_unstarted_age=999.0
+    ) == [key]
