@@ -119,6 +119,9 @@ class KVStoreSettings(CommonSettings):
     port: int = 8004
     capacity_bytes: int = 2 * 1024**3
     policy: str = "services.kvstore.lru.LRUPolicy"
-    # A chunk write not reported within this time failed (its worker died): dropped, and its
-    # payload deleted.
-    write_timeout_s: float = Field(300.0, gt=0)
+    # A chunk write not reported within this time of its step's end (the scheduler's `writing`
+    # call) failed (its worker died): dropped, and its payload deleted.
+    write_timeout_s: float = Field(60.0, gt=0)
+    # The same for a write whose step never reported ending (its scheduler died mid-step): the
+    # deadline then runs from the `store` call and must outlast any forward.
+    write_start_timeout_s: float = Field(900.0, gt=0)
