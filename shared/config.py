@@ -70,6 +70,8 @@ class SchedulerSettings(CommonSettings, ModelSettings):
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
     step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
+    # Plan step N+1 while the worker runs step N (the worker feeds its sampled tokens forward).
+    async_scheduling: bool = True
     worker_ready_timeout_s: float = 600.0
     # Structured outputs with a reasoning model: token ids of the markers that end / start its
     # reasoning (e.g. `</think>` / `<think>`; JSON lists). Empty end marker = no reasoning

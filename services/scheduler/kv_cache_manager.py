@@ -129,11 +129,11 @@ class KVCacheManager:
             new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens)
         # Only blocks with known tokens can be full: slots reserved past them (lookahead)
         # hold nothing hashable yet.
+        # With async scheduling the known tokens trail the slots by the in-flight placeholders,
+        # so a block is registered at the first allocation after its last token is known (the
+        # managers skip blocks registered before: most decode steps register nothing).
         num_cached = min(num_tokens, request.num_tokens)
-        block_size = self.block_size
-        if self.enable_caching and num_cached // block_size > (num_tokens - num_new_tokens) // (
-            block_size
-        ):  # this step fills at least one block (most decode steps do not)
+        if self.enable_caching and num_cached >= self.block_size:
             self._newly_cached += coordinator.cache_blocks(
                 request_id, request.block_hashes, num_cached
             )

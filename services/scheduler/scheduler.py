@@ -69,6 +69,8 @@ class Scheduler:
         # Plans handed out and not yet updated. A result for any other step (one that ran on
         # a worker since reset, or a duplicate) is ignored: its requests have moved on.
         self._in_flight: set[int] = set()
+        # Per in-flight step: the requests it samples (the others compute a prefill chunk).
+        self._sampling_steps: dict[int, list[str]] = {}
         # Per in-flight step: the blocks it registered in the prefix cache at allocation, whose
         # KV it is yet to write. Invariant: a hash in the prefix cache names a block whose KV is
         # written, or will be by a step still in flight; `step_failed` unregisters that step's
@@ -143,14 +145,18 @@ class Scheduler:
         cached: list[CachedRequestData] = []
         new: list[NewRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
+        sampling: list[str] = []  # requests that get a token from this step
         preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # already scheduled up to its known tokens
-                i += 1
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                budget,
+            )
+            if num_new <= 0 or self._stops_before_placeholder(request):
+                i += 1  # scheduled up to its known tokens, or its in-flight token is its last
                 continue
             drafts = self.spec.drafts_to_verify(request, num_new, budget)
             num_new += len(drafts)  # lookahead slots for the drafts
@@ -175,6 +181,7 @@ class Scheduler:
             if drafts:
                 spec_tokens[request.request_id] = drafts
             request.num_computed_tokens += num_new
+            self._note_sampling(request, sampling)
             budget -= num_new
             i += 1
 
@@ -215,6 +222,7 @@ class Scheduler:
                 self._worker_known.add(request.request_id)
                 num_scheduled[request.request_id] = num_new
                 request.num_computed_tokens = num_hit + num_new
+                self._note_sampling(request, sampling)
                 budget -= num_new
 
         if not num_scheduled and not (self.offload and self.offload.has_pending_loads()):
@@ -238,6 +246,7 @@ class Scheduler:
         self._finished_for_worker = []
         self._preempted_for_worker = []
         self._in_flight.add(self.step_id)
+        self._sampling_steps[self.step_id] = sampling
         if unwritten := kv.take_newly_cached():
             self._unwritten[self.step_id] = unwritten
         self.step_id += 1
@@ -253,6 +262,7 @@ class Scheduler:
             raise ValueError(f"result of step {result.step_id} applied to plan {plan.step_id}")
         if result.error is not None:
             return self.step_failed(plan, result.error)
+        sampling = self._sampling_steps.get(plan.step_id, ())
         if not self._settle(plan):
             return SchedulerOutput()
         out = SchedulerOutput()
@@ -265,8 +275,9 @@ class Scheduler:
                 continue  # aborted (or reset) while the step ran
             if request.routed_experts is not None and request_id in sampled:
                 request.routed_experts.record(sampled[request_id], planned_end(plan, request_id))
-            if request.num_computed_tokens < request.num_tokens:
+            if request_id not in sampling:
                 continue  # partial prefill: nothing sampled
+            request.num_output_placeholders -= 1
             tokens = sampled.get(request_id)
             if tokens is None or not tokens.token_ids:
                 missing.append(request)
@@ -316,10 +327,12 @@ class Scheduler:
             self.kv.free(request)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self._worker_known.clear()
         self._in_flight.clear()
+        self._sampling_steps.clear()
         self._unwritten.clear()
         self._finished_for_worker = []
         self._preempted_for_worker = []
@@ -424,6 +437,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -439,6 +453,7 @@ class Scheduler:
             request.num_step_failures += 1
             self.kv.free(request)
             request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
             self._drop_from_worker(request.request_id)
             if request.num_step_failures >= self.config.max_step_failures:
                 self._finish(request, "error")
@@ -472,11 +487,42 @@ class Scheduler:
         ]
         return self.structured.grammar_bitmask(sampling, drafts)
 
+    def can_pipeline(self) -> bool:
+        """Whether the next step may be planned before the in-flight one's result is back.
+
+        Planning ahead needs every sampled token to be fed forward by the worker without the
+        scheduler looking at it. Requests whose next step depends on the token itself are
+        planned one step at a time: a grammar's bitmask, speculative drafts, and routed-expert
+        rows (recorded by computed position)."""
+        if self.structured or self.spec.k:
+            return False
+        return not any(r.routed_experts is not None for r in self.running)
+
+    def _note_sampling(self, request: Request, sampling: list[str]) -> None:
+        """After scheduling `request`: if this step computes up to its last known (or
+        placeholder) token, it samples one more, which stays a placeholder until the result."""
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+            sampling.append(request.request_id)
+
+    def _stops_before_placeholder(self, request: Request) -> bool:
+        """A request whose in-flight tokens already reach max_tokens or max_model_len would
+        only compute a position whose token is discarded: do not plan it (eos cannot be
+        foreseen; that costs at most one wasted row per request)."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        return (
+            request.num_output_tokens + pending >= request.sampling.max_tokens
+            or request.num_tokens + pending >= self.config.max_model_len
+        )
+
     def _settle(self, plan: StepPlan) -> bool:
         """Mark the plan's step as answered; False if it was not in flight (stale or repeat)."""
         if plan.step_id not in self._in_flight:
             return False
         self._in_flight.discard(plan.step_id)
+        self._sampling_steps.pop(plan.step_id, None)
         self._unwritten.pop(plan.step_id, None)  # written now (or unregistered by step_failed)
         return True
 

@@ -22,8 +22,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import asdict
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Gauge, Histogram
@@ -73,6 +73,15 @@ OVERHEAD_SECONDS = Histogram(
 
 ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
 CLAIM_REFRESH_S = 2.0
+
+
+@dataclass
+class _InFlight:
+    """A published plan awaiting its result."""
+
+    plan: StepPlan
+    future: asyncio.Future[StepResult]
+    published_at: float
 
 
 class SchedulerService(Service):
@@ -356,41 +365,72 @@ class SchedulerService(Service):
     # --- the step loop -----------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        """Plans go out up to two steps ahead (async scheduling): step N+1 is planned and
+        published while the worker runs step N, which it follows by feeding its own sampled
+        tokens forward, so scheduling, the bus hops and the processing of N's result hide behind
+        the worker's compute. Steps whose plan depends on the previous step's tokens (the core
+        says when: grammars, drafts, routed experts) go one at a time."""
+        pending: deque[_InFlight] = deque()
+        last_result = time.perf_counter()
         while not self.stopping.is_set():
             core = self.core
             if core is None or not self._worker_alive():
+                self._abandon(pending)
                 await self._wait(self.wakeup, 0.5)
                 continue
-            t0 = time.perf_counter()
-            plan = core.schedule()
-            if self.offload is not None:  # probes, load pins, which stores to write
-                await self.offload.prepare(core, plan)
-            if plan is None:
+            depth = 2 if self.settings.async_scheduling and core.can_pipeline() else 1
+            while len(pending) < depth:
+                plan = core.schedule()
+                if self.offload is not None:  # probes, load pins, which stores to write
+                    await self.offload.prepare(core, plan)
+                if plan is None:
+                    break
+                plan.worker_incarnation = core.worker_incarnation
+                plan.scheduler_incarnation = self.incarnation
+                pending.append(await self._publish(plan, fresh=not pending))
+            if not pending:
                 self._update_metrics(core)
                 await self._wait(self.wakeup, 0.5)
                 continue
-            plan.worker_incarnation = core.worker_incarnation
-            plan.scheduler_incarnation = self.incarnation
-            result = await self._run_step(plan)
-            if result is None:
-                continue  # worker gone; requests were reset to recompute
-            out = core.update_from_output(plan, result)
+            step = pending.popleft()
+            result = await self._await_result(step)
+            if result is None:  # worker gone or replaced; its requests were reset
+                self._abandon(pending)
+                continue
+            out = core.update_from_output(step.plan, result)
             if result.error is not None:
                 # The worker dropped its whole batch after the failure (its state may be
-                # half-applied): every request it held is sent again as new.
+                # half-applied): every request it held is sent again as new, and a plan
+                # made ahead of the failure is void.
                 core.reset_worker_state(core.worker_incarnation)
+                self._abandon(pending)
             await self._finish_step(out)
             self.steps_run += 1
-            elapsed = time.perf_counter() - t0
+            now = time.perf_counter()
+            # The worker's view: from the later of "previous result" and "this plan sent" to
+            # this result; what the worker did not spend executing is the mesh's overhead.
+            elapsed = now - max(last_result, step.published_at)
+            last_result = now
             STEP_SECONDS.observe(elapsed)
             OVERHEAD_SECONDS.observe(max(0.0, elapsed - result.execute_ms / 1000))
             self._update_metrics(core)
 
-    async def _run_step(self, plan: StepPlan) -> StepResult | None:
+    async def _publish(self, plan: StepPlan, *, fresh: bool) -> _InFlight:
         future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         self.results[plan.step_id] = future
-        self.worker_changed.clear()
+        if fresh:  # nothing in flight: a worker change from now on concerns this plan
+            self.worker_changed.clear()
         await self.bus.publish(self.streams.steps(self.settings.group), plan)
+        return _InFlight(plan, future, time.perf_counter())
+
+    def _abandon(self, pending: deque[_InFlight]) -> None:
+        """Forget plans made ahead whose results no longer matter (the core was reset)."""
+        for step in pending:
+            self.results.pop(step.plan.step_id, None)
+        pending.clear()
+
+    async def _await_result(self, step: _InFlight) -> StepResult | None:
+        plan, future = step.plan, step.future
         changed = asyncio.create_task(self.worker_changed.wait())
         deadline = time.monotonic() + self.settings.step_timeout_s
         try:

@@ -7,6 +7,7 @@ prefix caching and preemption) quickly; the e2e tests check the same through rea
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.spec import SpeculativeConfig
-from shared.protocol import RequestDelta, SamplingParams, SubmitRequest
+from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
 
 
 @dataclass
@@ -71,6 +72,7 @@ class InProcessEngine:
             "test-scheduler",
         )
         self.steps = 0
+        self.planned_ahead = 0  # plans made while another step's result was outstanding
         self.max_tokens_per_step = 0
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -81,19 +83,30 @@ class InProcessEngine:
         )
         assert delta is None, delta
 
-    def run(self, max_steps: int = 10_000) -> dict[str, Generation]:
-        """Step until every submitted request finished; outputs assembled from the deltas."""
+    def run(self, max_steps: int = 10_000, *, pipeline: bool = False) -> dict[str, Generation]:
+        """Step until every submitted request finished; outputs assembled from the deltas.
+
+        With `pipeline`, steps are planned as the scheduler service does with async
+        scheduling: step N+1 is planned (and executed: the worker runs what it receives) before
+        step N's result is applied, whenever the core allows planning ahead."""
         out: dict[str, Generation] = {}
+        pending: deque[tuple[StepPlan, StepResult]] = deque()
         for _ in range(max_steps):
-            plan = self.scheduler.schedule()
-            if plan is None:
+            depth = 2 if pipeline and self.scheduler.can_pipeline() else 1
+            while len(pending) < depth:
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    break
+                self.max_tokens_per_step = max(
+                    self.max_tokens_per_step, sum(plan.num_scheduled_tokens.values())
+                )
+                pending.append((plan, self.runner.execute(plan)))
+                self.planned_ahead += len(pending) > 1
+            if not pending:
                 if not self.scheduler.has_work():
                     return out
                 raise AssertionError("scheduler has work but planned nothing")
-            self.max_tokens_per_step = max(
-                self.max_tokens_per_step, sum(plan.num_scheduled_tokens.values())
-            )
-            result = self.runner.execute(plan)
+            plan, result = pending.popleft()
             update = self.scheduler.update_from_output(plan, result)
             self.steps += 1
             for deltas in update.deltas.values():
@@ -111,8 +124,8 @@ class InProcessEngine:
             gen.finish_reason = delta.finish_reason
 
     def generate(
-        self, prompts: dict[str, list[int]], params: SamplingParams
+        self, prompts: dict[str, list[int]], params: SamplingParams, *, pipeline: bool = False
     ) -> dict[str, Generation]:
         for rid, prompt in prompts.items():
             self.submit(rid, prompt, params)
-        return self.run()
+        return self.run(pipeline=pipeline)

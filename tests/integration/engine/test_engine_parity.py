@@ -150,3 +150,32 @@ def test_preemption_keeps_every_output(ours, prompts, reference):
     got = eng.generate(prompts, GREEDY)
     assert eng.scheduler.num_preemptions > 0
     assert {rid: g.token_ids for rid, g in got.items()} == reference
+
+
+def test_async_scheduling_matches_transformers(ours, prompts, reference):
+    """Step N+1 planned before step N's result (the worker feeds its tokens forward), with
+    chunked prefill and preemption in play: the same tokens, and every block back."""
+    eng = engine(ours, num_blocks=14, block_size=16, max_num_batched_tokens=24)
+    free_at_start = eng.scheduler.kv.num_free_blocks
+    got = eng.generate(prompts, GREEDY, pipeline=True)
+    assert eng.planned_ahead > NEW_TOKENS  # really pipelined, most of the way
+    assert eng.scheduler.num_preemptions > 0
+    assert {rid: g.token_ids for rid, g in got.items()} == reference
+    assert eng.scheduler.kv.num_free_blocks == free_at_start
+
+
+def test_async_scheduling_stops_where_sync_does(ours, prompts):
+    """Seeded sampling, eos and stop tokens honoured, mixed max_tokens: a request that stops
+    while its next step is already planned gets exactly the tokens of a step-by-step run."""
+    outs = []
+    for pipeline in (False, True):
+        eng = engine(ours)
+        for i, (rid, ids) in enumerate(prompts.items()):
+            params = SamplingParams(temperature=0.8, seed=i, max_tokens=3 + 5 * i)
+            eng.submit(rid, ids, params)
+        outs.append(
+            {rid: (g.token_ids, g.finish_reason) for rid, g in eng.run(pipeline=pipeline).items()}
+        )
+        assert not eng.scheduler.has_work()
+    assert outs[0] == outs[1]
+    assert {reason for _, reason in outs[0].values()} >= {"length"}
