@@ -34,6 +34,11 @@ KV_TRANSFER_BYTES = Counter(
     "Payload bytes moved by successful KV offload transfers",
     ["kind"],
 )
+KV_TRANSFER_SECONDS = Counter(
+    metric_name("worker_kv_transfer_seconds_total"),
+    "Wall time of successful KV offload transfers (submitted to answered): bytes/s is the ratio",
+    ["kind"],
+)
 
 
 class KVTransferPump:
@@ -81,6 +86,7 @@ class KVTransferPump:
             KV_TRANSFERS.labels(done.kind, "ok" if done.ok else "failed").inc()
             if done.ok:
                 KV_TRANSFER_BYTES.labels(done.kind).inc(done.num_bytes)
+                KV_TRANSFER_SECONDS.labels(done.kind).inc(done.seconds)
 
     async def close(self) -> None:
         """Finish the queued transfers (their threads stop), then publish what is left."""
