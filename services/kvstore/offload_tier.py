@@ -175,5 +175,6 @@ class OffloadTier:
             "evictions": self.policy.evictions,
             "requests": len(self.records),
             "pin_holders": len(self._pins),
+            "writes_started": len(self._started),  # being written, their step ended
             "policy": type(self.policy).__module__ + "." + type(self.policy).__name__,
         }
