@@ -167,8 +167,9 @@ def kill_worker_mid_store(mesh: Mesh, prompt: str) -> tuple[int, str]:
     try:
         assert first_token.wait(120), "no first token"
         mesh.kill("worker")
+        mesh.start_service("worker")  # loads its model meanwhile; serves once ready
         chunks = assert_consistent(mesh)  # unreported writes expire: their payloads go too
-        mesh.restart("worker")
+        mesh.wait_ready("worker")
         incarnation = mesh.admin_state("worker")["incarnation"]
         wait_until(lambda: worker_adopted(mesh, incarnation), what="scheduler adopts the worker")
     finally:
