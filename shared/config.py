@@ -85,6 +85,13 @@ class SchedulerSettings(CommonSettings, ModelSettings):
     kv_offload: bool = True
     kvstore_timeout_s: float = Field(2.0, gt=0)  # one kvstore call
     kvstore_retry_s: float = Field(5.0, ge=0)  # after a failed call, skip the kvstore this long
+    # Prefill/decode disaggregation (services/scheduler/pd): "prefill" computes prompts, stores
+    # their KV through the offload tier and hands requests to a "decode" scheduler; "both"
+    # serves requests whole. Prefill and decode need a kvstore.
+    role: Literal["both", "prefill", "decode"] = "both"
+    # Prompt tokens the prefill side leaves to the decode side besides the last one (the one
+    # prefill-lookahead number, CONTRACTS.md: the max of this and the drafter's backoff).
+    prefill_lookahead_tokens: int = Field(0, ge=0)
 
     @property
     def kv_offload_enabled(self) -> bool:

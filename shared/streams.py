@@ -22,6 +22,12 @@ class Streams:
         return f"{self.prefix}:aborts"
 
     @property
+    def handoff(self) -> str:
+        """Prefill schedulers -> decode schedulers (consumer group `decoders`): requests whose
+        prompt KV a prefill group stored in the offload tier (services/scheduler/pd)."""
+        return f"{self.prefix}:handoff"
+
+    @property
     def heartbeats(self) -> str:
         return f"{self.prefix}:heartbeats"
 
@@ -51,3 +57,4 @@ class Streams:
 
 
 SCHEDULER_GROUP = "schedulers"
+DECODE_GROUP = "decoders"  # decode-role schedulers on the handoff stream

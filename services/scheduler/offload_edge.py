@@ -109,7 +109,11 @@ class OffloadEdge:
         self.lookup = AsyncLookup(self._probe)
         space = KeySpace(self.settings.cluster, ready.model, LAYOUT_VERSION)
         self.connector = OffloadConnector(
-            core.config, space, self.lookup, f"{self.settings.instance_id}-{incarnation}"
+            core.config,
+            space,
+            self.lookup,
+            f"{self.settings.instance_id}-{incarnation}",
+            store=self.settings.role != "decode",
         )
         core.offload = self.connector
         self._queries_seen = 0
@@ -142,6 +146,11 @@ class OffloadEdge:
             "stats": vars(c.stats) if c else {},
             "lookup": self.lookup.counts() if self.lookup else {},
         }
+
+    def stores_pending(self, request_id: str) -> bool:
+        """Whether a store transfer of the request awaits the worker's answer (P/D: a prefill
+        request is handed off once none does)."""
+        return any(rid == request_id for rid, _ in self._stores.values())
 
     # --- kvstore calls ---------------------------------------------------------------------
 

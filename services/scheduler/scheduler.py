@@ -90,6 +90,9 @@ class Scheduler:
         # configured; None = no external loads or stores, exactly the behaviour without it.
         self.offload: OffloadConnector | None = None
         self.spec = SpecDecoding(config.num_spec_tokens, config.max_model_len)
+        # Prefill role (services/scheduler/pd): requests compute their (truncated) prompt and
+        # sample nothing; the service hands them to a decode scheduler (`release_prefilled`).
+        self.prefill_only = False
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -127,6 +130,17 @@ class Scheduler:
         self.num_aborted += 1
         self._finish(request, "abort")
         return _final_delta(request_id, request.num_output_tokens, "abort")
+
+    def release_prefilled(self, request_id: str) -> bool:
+        """Prefill role: the request's prompt KV is in the offload tier and a decode scheduler
+        has it now: free it here without a delta (the decode side answers the client). False
+        when it is not running (aborted, or recomputing after a worker reset)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RUNNING:
+            return False
+        self.running.remove(request)
+        self._finish(request, "stop")
+        return True
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -500,7 +514,10 @@ class Scheduler:
 
     def _note_sampling(self, request: Request, sampling: list[str]) -> None:
         """After scheduling `request`: if this step computes up to its last known (or
-        placeholder) token, it samples one more, which stays a placeholder until the result."""
+        placeholder) token, it samples one more, which stays a placeholder until the result.
+        A prefill-role scheduler never samples (services/scheduler/pd)."""
+        if self.prefill_only:
+            return
         if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
             request.num_output_placeholders += 1
             sampling.append(request.request_id)

@@ -14,6 +14,11 @@ Tasks, all in one event loop:
   `worker_timeout_s` means it died.
 - step loop: schedule -> publish StepPlan -> await the StepResult with the same step id ->
   update -> publish TokenDelta batches (one pipelined round trip) -> ack finished requests.
+
+Prefill/decode disaggregation (services/scheduler/pd, SchedulerSettings.role): a "prefill"
+scheduler runs prefill jobs (services/scheduler/pd_edge.py) and acks a request once it handed it
+to the `handoff` stream; a "decode" scheduler reads that stream (consumer group `decoders`)
+instead of `requests`, and is otherwise a normal scheduler whose offload connector only loads.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.offload_edge import OffloadEdge
+from services.scheduler.pd_edge import PrefillEdge
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_output import SchedulerOutput
 from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
@@ -48,7 +54,7 @@ from shared.protocol import (
     WorkerReady,
 )
 from shared.service import Service
-from shared.streams import SCHEDULER_GROUP
+from shared.streams import DECODE_GROUP, SCHEDULER_GROUP
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -108,6 +114,13 @@ class SchedulerService(Service):
         self.offload: OffloadEdge | None = (
             OffloadEdge(settings, self.wakeup.set) if settings.kv_offload_enabled else None
         )
+        # Where requests come from: the gateway's stream, or prefill groups' handoffs.
+        decode = settings.role == "decode"
+        self.intake_stream = self.streams.handoff if decode else self.streams.requests
+        self.intake_group = DECODE_GROUP if decode else SCHEDULER_GROUP
+        self.pd: PrefillEdge | None = (
+            PrefillEdge(settings, self.offload) if settings.role == "prefill" else None
+        )
 
     @property
     def worker_timeout_s(self) -> float:
@@ -117,7 +130,7 @@ class SchedulerService(Service):
 
     async def start(self) -> None:
         await super().start()
-        await self.bus.ensure_group(self.streams.requests, SCHEDULER_GROUP)
+        await self.bus.ensure_group(self.intake_stream, self.intake_group)
         self.grammar_loader = GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster))
 
     async def run(self) -> None:
@@ -169,6 +182,8 @@ class SchedulerService(Service):
             "waiting_request_ids": [r.request_id for r in core.waiting] if core else [],
             "inflight_entries": len(self.inflight),
             "kv_offload": self.offload.state() if self.offload else None,
+            "role": self.settings.role,
+            "prefill": self.pd.state() if self.pd else None,
             "steps_run": self.steps_run,
         }
 
@@ -177,12 +192,12 @@ class SchedulerService(Service):
     async def _intake(self) -> None:
         """Own pending entries first (a restart with the same consumer name), then new ones."""
         own = await self.bus.read_group(
-            SCHEDULER_GROUP, [self.streams.requests], count=1000, own_pending=True
+            self.intake_group, [self.intake_stream], count=1000, own_pending=True
         )
         await self._accept(own)
         while not self.stopping.is_set():
             deliveries = await self.bus.read_group(
-                SCHEDULER_GROUP, [self.streams.requests], count=256, block_ms=1000
+                self.intake_group, [self.intake_stream], count=256, block_ms=1000
             )
             await self._accept(deliveries)
 
@@ -201,6 +216,13 @@ class SchedulerService(Service):
                 continue
             if msg.request_id in self.inflight:
                 continue  # redelivered while we hold it
+            if self.pd is not None:  # prefill role: the core runs the request's prefill job
+                job = self.pd.intake(msg)
+                if job is None:  # nothing to prefill here: straight to a decode scheduler
+                    await self.bus.publish(self.streams.handoff, msg)
+                    done.append(delivery)
+                    continue
+                msg = job
             if msg.grammar is not None:
                 error = await self._load_grammar(msg)
                 if msg.request_id in self.inflight:
@@ -225,7 +247,7 @@ class SchedulerService(Service):
         if rejected:
             await self._publish_deltas(rejected)
         if done:
-            await self.bus.ack(SCHEDULER_GROUP, done)
+            await self.bus.ack(self.intake_group, done)
         self.wakeup.set()
 
     async def _load_grammar(self, msg: SubmitRequest) -> RequestDelta | None:
@@ -244,6 +266,8 @@ class SchedulerService(Service):
     def _forget(self, request_id: str) -> tuple[SubmitRequest, Delivery]:
         """Drop a request we no longer hold (finished, rejected, aborted)."""
         self.grammars.pop(request_id, None)
+        if self.pd is not None:
+            self.pd.forget(request_id)
         return self.inflight.pop(request_id)
 
     async def _aborts(self) -> None:
@@ -269,7 +293,7 @@ class SchedulerService(Service):
             delta = RequestDelta(request_id=request_id, start_index=0, finish_reason="abort")
         await self._publish_deltas([(submit.reply_stream, delta)])
         self._forget(request_id)
-        await self.bus.ack(SCHEDULER_GROUP, [delivery])
+        await self.bus.ack(self.intake_group, [delivery])
         log.info("aborted", extra={"request_id": request_id})
         self.wakeup.set()
 
@@ -283,15 +307,15 @@ class SchedulerService(Service):
             if ids:
                 with contextlib.suppress(Exception):
                     await redis.xclaim(
-                        self.streams.requests,
-                        SCHEDULER_GROUP,
+                        self.intake_stream,
+                        self.intake_group,
                         self.bus.consumer,
                         0,
                         ids,
                         justid=True,
                     )
             claimed = await self.bus.claim_idle(
-                self.streams.requests, SCHEDULER_GROUP, self.settings.claim_idle_ms
+                self.intake_stream, self.intake_group, self.settings.claim_idle_ms
             )
             if claimed:
                 log.info("claimed %d requests of a dead scheduler", len(claimed))
@@ -339,6 +363,8 @@ class SchedulerService(Service):
         if self.core is not None:
             log.warning("worker capacity changed: requests restart on the new KV cache")
         self.core = Scheduler(config, self.settings.instance_id)
+        if self.pd is not None:
+            self.pd.attach(self.core)
         if self.offload is not None and self.worker is not None:
             self.offload.attach(self.core, self.worker, self.incarnation)
         self.backlog = []
@@ -378,6 +404,8 @@ class SchedulerService(Service):
                 self._abandon(pending)
                 await self._wait(self.wakeup, 0.5)
                 continue
+            if self.pd is not None:
+                await self._hand_off(core)
             depth = 2 if self.settings.async_scheduling and core.can_pipeline() else 1
             while len(pending) < depth:
                 plan = core.schedule()
@@ -398,6 +426,8 @@ class SchedulerService(Service):
                 self._abandon(pending)
                 continue
             out = core.update_from_output(step.plan, result)
+            if self.pd is not None and result.error is None:
+                self.pd.on_step(core, step.plan)
             if result.error is not None:
                 # The worker dropped its whole batch after the failure (its state may be
                 # half-applied): every request it held is sent again as new, and a plan
@@ -464,7 +494,19 @@ class SchedulerService(Service):
             finished = [
                 self._forget(rid)[1] for rid in out.finished_request_ids if rid in self.inflight
             ]
-            await self.bus.ack(SCHEDULER_GROUP, finished)
+            await self.bus.ack(self.intake_group, finished)
+
+    async def _hand_off(self, core: Scheduler) -> None:
+        """Prefill role: publish the requests whose prompt KV is stored to the decode side,
+        then ack them (their effect is durable once the handoff entry exists)."""
+        assert self.pd is not None
+        handoffs = self.pd.take_handoffs(core)
+        if not handoffs:
+            return
+        await self.bus.publish_many([(self.streams.handoff, msg) for msg in handoffs])
+        acked = [self._forget(m.request_id)[1] for m in handoffs if m.request_id in self.inflight]
+        await self.bus.ack(self.intake_group, acked)
+        log.info("handed off %d requests to decode", len(handoffs))
 
     async def _publish_deltas(self, deltas: list[tuple[str, RequestDelta]]) -> None:
         by_stream: dict[str, list[RequestDelta]] = {}

@@ -94,6 +94,7 @@ class OffloadConnector:
         *,
         max_defers: int = 50,
         max_loading: int | None = None,
+        store: bool = True,
     ) -> None:
         self.block_size = config.block_size
         # Only prefix-cacheable groups are hashed, stored and looked up ("transferable is not
@@ -112,6 +113,9 @@ class OffloadConnector:
         self.lookup = lookup
         self.max_defers = max_defers
         self.max_loading = max_loading or config.max_num_seqs
+        # False for a decode-role scheduler (services/scheduler/pd): a KV consumer, it loads
+        # what prefill groups stored and offers nothing (vLLM's kv_consumer).
+        self.store = store
         self._ids = (f"{transfer_prefix}:{n}" for n in itertools.count())
         self.states: dict[str, OffloadRequestState] = {}
         self.requests: dict[str, Request] = {}
@@ -247,7 +251,7 @@ class OffloadConnector:
         # The local hit in front of the loaded run is offered for store too: its keys join the
         # request's record, so the head of the prefix is refreshed with its tail (and written
         # if the tier lost it). Its blocks hold their KV already and stay held by the request.
-        if first:
+        if first and self.store:
             self._offer(request, kv, 0, first)
         state.offered_blocks = first + run
 
@@ -262,7 +266,7 @@ class OffloadConnector:
         """The plan's loads (started since the last plan) and store offers: for every scheduled
         request, the full blocks its computed tokens reach after this step, not offered yet."""
         loads, self.pending_loads = self.pending_loads, []
-        for rid in num_scheduled:
+        for rid in num_scheduled if self.store else ():
             state = self.states.get(rid)
             request = self.requests.get(rid)
             if state is None or request is None:
