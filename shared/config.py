@@ -64,7 +64,18 @@ class GatewaySettings(CommonSettings, ModelSettings):
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
 
 
-class SchedulerSettings(CommonSettings, ModelSettings):
+class SpeculativeSettings(BaseSettings):
+    """Speculative decoding, read by the scheduler (K lookahead slots) and the worker (the
+    drafter). Empty method = off."""
+
+    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
+
+    spec_method: Literal["", "ngram", "draft", "eagle"] = ""
+    spec_tokens: int = Field(4, ge=1, le=64)  # K: drafts verified per request and step
+    spec_model: str = ""  # the draft model's / EAGLE head's path ("draft", "eagle")
+
+
+class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     port: int = 8001
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
@@ -98,7 +109,7 @@ class SchedulerSettings(CommonSettings, ModelSettings):
         return self.kv_offload and bool(self.kvstore_url)
 
 
-class WorkerSettings(CommonSettings, ModelSettings):
+class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     port: int = 8002
     kv_cache_bytes: int = 0  # 0 = kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.3

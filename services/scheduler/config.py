@@ -66,6 +66,7 @@ class SchedulerConfig(BaseModel):
             max_model_len=max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
             eos_token_ids=list(ready.eos_token_ids),
+            num_spec_tokens=settings.spec_tokens if settings.spec_method else 0,
             reasoning=ReasoningConfig(
                 end_token_ids=tuple(settings.reasoning_end_token_ids),
                 start_token_ids=tuple(settings.reasoning_start_token_ids),

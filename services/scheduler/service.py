@@ -38,6 +38,7 @@ from services.scheduler.offload_edge import OffloadEdge
 from services.scheduler.pd_edge import PrefillEdge
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_output import SchedulerOutput
+from services.scheduler.spec.metrics import SPEC_METRICS
 from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
 from shared.bus import Delivery
 from shared.config import SchedulerSettings
@@ -527,6 +528,7 @@ class SchedulerService(Service):
 
     @staticmethod
     def _update_metrics(core: Scheduler) -> None:
+        SPEC_METRICS.export(core.spec.stats)
         snap = core.snapshot()
         NUM_RUNNING.set(snap.num_running)
         NUM_WAITING.set(snap.num_waiting)

@@ -11,6 +11,7 @@ from services.worker.kv_cache import KVCache, KVCacheSizeError
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import is_random_spec, load_random_model
+from services.worker.spec import SpeculativeConfig
 from shared.config import WorkerSettings
 from shared.model_source import ModelSource
 from shared.protocol import WorkerReady
@@ -64,6 +65,11 @@ def build_runner(
         max_model_len=max_model_len,
         worker_id=settings.instance_id,
         worker_incarnation=incarnation,
+        speculative=SpeculativeConfig(
+            method=settings.spec_method,
+            num_spec_tokens=settings.spec_tokens,
+            model=settings.spec_model,
+        ),
     )
     warmup_s = runner.warmup()
     if device.type == "cuda":  # decode steps replay graphs; eager warm-up compiled the kernels
