@@ -59,7 +59,9 @@ class Drafter:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} has no drafter here")
+            raise ValueError(
+                f"MESHLLM_SPEC_METHOD={config.method!r} is not available yet (only 'ngram')"
+            )
         self.config = config
         self.proposer = NgramProposer(
             config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
