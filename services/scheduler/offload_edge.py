@@ -86,9 +86,15 @@ class OffloadEdge:
         self.lookup: AsyncLookup | None = None
         self.connector: OffloadConnector | None = None
         self._lock = asyncio.Lock()
-        self._reports: asyncio.Queue[tuple[str, Callable[[], Awaitable[Any]]]] = asyncio.Queue()
+        # (op, call, then): `then` runs once the call was made or skipped
+        self._reports: asyncio.Queue[
+            tuple[str, Callable[[], Awaitable[Any]], Callable[[], None] | None]
+        ] = asyncio.Queue()
         # store transfer id -> (request id, chunks written: (key, end, nbytes)), until answered
         self._stores: dict[str, tuple[str, list[tuple[OffloadKey, int, int]]]] = {}
+        # request id -> its `stored` reports queued or in progress: until the kvstore has them,
+        # its chunks still read "writing" there (a P/D handoff waits for them).
+        self._stored_reports: dict[str, int] = {}
         # step id -> its store transfers whose writes have not begun (the step still runs)
         self._stores_in_step: dict[int, list[str]] = {}
         self._worker_incarnation = ""  # the core's, as of the last prepare
@@ -124,9 +130,13 @@ class OffloadEdge:
     async def run(self, stopping: asyncio.Event) -> None:
         """Send queued reports, one at a time, until stopped."""
         while not stopping.is_set():
-            op, call = await self._reports.get()
-            async with self._lock:
-                await self._call(op, call)
+            op, call, then = await self._reports.get()
+            try:
+                async with self._lock:
+                    await self._call(op, call)
+            finally:
+                if then is not None:
+                    then()
 
     async def close(self) -> None:
         if self.lookup is not None:
@@ -150,6 +160,8 @@ class OffloadEdge:
     def stores_pending(self, request_id: str) -> bool:
         """Whether a store transfer of the request awaits the worker's answer (P/D: a prefill
         request is handed off once none does)."""
+        if self._stored_reports.get(request_id):
+            return True
         return any(rid == request_id for rid, _ in self._stores.values())
 
     # --- kvstore calls ---------------------------------------------------------------------
@@ -176,8 +188,21 @@ class OffloadEdge:
             )
             return None
 
-    def _report(self, op: str, call: Callable[[], Awaitable[Any]]) -> None:
-        self._reports.put_nowait((op, call))
+    def _report(
+        self, op: str, call: Callable[[], Awaitable[Any]], then: Callable[[], None] | None = None
+    ) -> None:
+        self._reports.put_nowait((op, call, then))
+
+    def _report_stored(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> None:
+        self._stored_reports[request_id] = self._stored_reports.get(request_id, 0) + 1
+
+        def reported() -> None:
+            left = self._stored_reports.pop(request_id) - 1
+            if left:
+                self._stored_reports[request_id] = left
+            self.wake()
+
+        self._report("stored", call, reported)
 
     async def _probe(self, keys: list[Any]) -> Collection[Any]:
         client = self.client
@@ -320,7 +345,7 @@ class OffloadEdge:
             if entry is None:
                 return
             TRANSFERS.labels(kind="store", result=result).inc()
-            _, chunks = entry
+            rid, chunks = entry
             space = self.connector.space
             failed = {space.parse(name) for name in msg.failed_keys} if msg.ok else None
             ok = [c for c in chunks if failed is not None and c[0] not in failed]
@@ -330,9 +355,9 @@ class OffloadEdge:
                 if msg.num_bytes:  # the worker's bytes per chunk: offers carry it from now on
                     self.chunk_bytes = msg.num_bytes // len(ok)
                     ok = [(key, end, self.chunk_bytes) for key, end, _ in ok]
-                self._report("stored", lambda: client.stored(ok, True))
+                self._report_stored(rid, lambda: client.stored(ok, True))
                 assert self.lookup is not None
                 self.lookup.invalidate([c[0] for c in ok])  # present now: ask again
             if bad:
-                self._report("stored", lambda: client.stored(bad, False))
+                self._report_stored(rid, lambda: client.stored(bad, False))
         self.wake()
