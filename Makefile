@@ -14,7 +14,7 @@ BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step benc
 .PHONY: help venv redis up test docker-test lint format bench clean
 
 help:
-	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1)"
+	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1; PROFILE=pd)"
 	@echo "make test   the whole test suite (what CI runs), docker-test included when it can run"
 	@echo "make docker-test  build the images, test \`docker compose up\` for real (root: installs docker.io)"
 	@echo "make lint   ruff check + ruff format --check"
@@ -38,8 +38,12 @@ redis:
 	command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
 
+# PROFILE=gpu / PROFILE=pd: compose profiles (pd: the default group prefills, a decode group
+# decodes; MESHLLM_ROLE defaults to prefill then).
+PROFILE ?=
 up: venv redis
-	$(VENV_PY) -m infra.launcher
+	$(if $(filter pd,$(PROFILE)),MESHLLM_ROLE=$${MESHLLM_ROLE:-prefill} )$(VENV_PY) -m infra.launcher \
+		$(foreach p,$(PROFILE),--profile $(p))
 
 # A Docker engine can be started here: root, and dockerd present or installable with apt.
 DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \

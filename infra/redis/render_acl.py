@@ -72,6 +72,7 @@ SERVICE_USERS: tuple[AclUser, ...] = (
     _service(
         "scheduler",
         "~meshllm:*:requests",  # consumer group `schedulers`: read, ack, claim
+        "~meshllm:*:handoff",  # P/D: prefill schedulers write, decode ones read (`decoders`)
         "%R~meshllm:*:aborts",  # fan-out: plain XREAD
         "%W~meshllm:*:{g*}:steps",  # StepPlan to its worker group
         "~meshllm:*:{g*}:results",  # StepResult: read + group

@@ -60,7 +60,7 @@ def test_service_list_and_commands_equal_the_compose_file(
 def test_interpolation_matches_docker_compose(
     compose: dict[str, Any], user_env: dict[str, str]
 ) -> None:
-    resolved = resolved_config(user_env, profiles=("gpu",))["services"]
+    resolved = resolved_config(user_env, profiles=("gpu", "pd"))["services"]
     for name, spec in compose["services"].items():
         ours = environment(spec, user_env)
         theirs = resolved[name].get("environment", {})
