@@ -31,8 +31,10 @@ MAX_STORE_WAIT_S = 30.0
 
 
 def lookahead_of(settings: SchedulerSettings) -> int:
-    """The one prefill-lookahead number for this deployment (the max of what applies)."""
-    return prefill_lookahead_tokens(settings.prefill_lookahead_tokens)
+    """The one prefill-lookahead number for this deployment: the max (not the sum) of the
+    configured backoff and the drafter's (an EAGLE-style head backs off 1 token)."""
+    drafter = 1 if settings.spec_method == "eagle" else 0
+    return prefill_lookahead_tokens(settings.prefill_lookahead_tokens, drafter)
 
 
 class PrefillEdge:

@@ -12,7 +12,9 @@ from services.kvstore.offload_key import OffloadKey
 from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.offload.connector import OffloadConnector
 from services.scheduler.pd import HandoffBook, PrefillPolicy, prefilled_in_step
+from services.scheduler.pd_edge import lookahead_of
 from services.scheduler.request import RequestStatus
+from shared.config import SchedulerSettings
 from shared.protocol import SubmitRequest
 from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import BLOCK, SPACE, OffloadRig, Tier, config
@@ -161,3 +163,10 @@ async def test_a_reset_prefill_request_is_not_released_until_recomputed() -> Non
     rig.scheduler.reset_worker_state("w1")
     assert rig.scheduler.requests["a"].status is RequestStatus.PREEMPTED
     assert not rig.scheduler.release_prefilled("a")
+
+
+def test_the_lookahead_is_the_max_of_what_applies() -> None:
+    assert lookahead_of(SchedulerSettings()) == 0
+    assert lookahead_of(SchedulerSettings(spec_method="eagle")) == 1
+    assert lookahead_of(SchedulerSettings(spec_method="eagle", prefill_lookahead_tokens=3)) == 3
+    assert lookahead_of(SchedulerSettings(spec_method="ngram", prefill_lookahead_tokens=2)) == 2
