@@ -6,6 +6,7 @@ from __future__ import annotations
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.spec import prefill_lookahead_tokens
 from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult, SubmitRequest
 
 BLOCK = 4
@@ -123,3 +124,9 @@ def test_a_finished_request_leaves_no_drafts_behind() -> None:
     step(s, "a", [1, 2], [3])
     assert s.get_request("a") is None
     assert len(s.spec.book) == 0
+
+
+def test_one_prefill_lookahead_number_is_the_max_not_the_sum() -> None:
+    assert prefill_lookahead_tokens() == 0
+    assert prefill_lookahead_tokens(0, 0) == 0
+    assert prefill_lookahead_tokens(1, 3) == 3  # EAGLE backoff 1 with 3-module MTP: 3, not 4
