@@ -108,7 +108,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             install_cuda_kernels(model)
         # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
-        self.drafter = Drafter(speculative) if speculative and speculative.enabled else None
+        self.drafter = (
+            Drafter(
+                speculative,
+                vocab_size=config.vocab_size,
+                max_num_reqs=max_num_reqs,
+                max_model_len=self.max_model_len,
+                device=self.device,
+            )
+            if speculative and speculative.enabled
+            else None
+        )
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
 

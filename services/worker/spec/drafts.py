@@ -15,9 +15,11 @@ one token per step, unchanged.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.spec.config import SpeculativeConfig
+from services.worker.spec.draft_model import DraftModelDrafter, load_d2t
 from services.worker.spec.ngram import NgramProposer
 from shared.protocol import SamplingParams, StepPlan
 
@@ -55,29 +57,60 @@ def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool
 
 
 class Drafter:
-    """Proposes each sampled request's drafts for the next step (n-gram for now)."""
+    """Proposes each sampled request's drafts for the next step: prompt lookup ("ngram") or a
+    separate draft model ("draft", services/worker/spec/draft_model.py)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        if config.method != "ngram":
-            raise ValueError(
-                f"MESHLLM_SPEC_METHOD={config.method!r} is not available yet (only 'ngram')"
-            )
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        *,
+        vocab_size: int = 0,
+        max_num_reqs: int = 256,
+        max_model_len: int = 2048,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.config = config
         self.proposer = NgramProposer(
             config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
+        self.draft_model: DraftModelDrafter | None = None
+        if config.method == "draft":
+            if not config.model:
+                raise ValueError("MESHLLM_SPEC_METHOD=draft needs MESHLLM_SPEC_MODEL")
+            from services.worker.loader import load_model
+
+            model, _ = load_model(config.model, "auto", device, max_model_len)
+            self.draft_model = DraftModelDrafter(
+                model,
+                vocab_size,
+                config.num_spec_tokens,
+                max_num_reqs,
+                max_model_len,
+                d2t=load_d2t(config.model),
+                device=device,
+            )
+        elif config.method != "ngram":
+            raise ValueError(
+                f"MESHLLM_SPEC_METHOD={config.method!r} is not available yet (ngram, draft)"
+            )
 
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
         """Drafts per row (possibly empty), from the row's verified tokens. K is capped so the
         drafts and the bonus token stay within max_model_len."""
-        out: list[list[int]] = []
+        ks: list[int] = []
         for row in rows.tolist():
             num_tokens = int(batch.num_tokens[row])
             room = batch.max_model_len - 1 - num_tokens
             num_output = num_tokens - int(batch.num_prompt_tokens[row])
             if room <= 0 or not may_speculate(batch.sampling[row], num_output):
-                out.append([])
-                continue
-            k = min(self.config.num_spec_tokens, room)
-            out.append(self.proposer.propose(batch.token_ids[row, :num_tokens], k))
-        return out
+                ks.append(0)
+            else:
+                ks.append(min(self.config.num_spec_tokens, room))
+        if self.draft_model is not None:
+            return self.draft_model.propose(batch, rows, ks)
+        return [
+            self.proposer.propose(batch.token_ids[row, : int(batch.num_tokens[row])], k)
+            if k
+            else []
+            for row, k in zip(rows.tolist(), ks, strict=True)
+        ]
