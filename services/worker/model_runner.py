@@ -103,6 +103,8 @@ class ModelRunner:
         self.sampler = SamplingState(
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
+        # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
+        self.drafter = Drafter(speculative) if speculative and speculative.enabled else None
         # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":

@@ -33,7 +33,7 @@ SCHEMA = {
     "properties": {"city": {"type": "string"}, "rank": {"type": "integer"}},
     "required": ["city", "rank"],
 }
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 NGRAM = SpeculativeConfig(method="ngram", num_spec_tokens=4, prompt_lookup_min=1)
 ANSWER = '{"city": "Paris", "rank": 3}'
 
