@@ -104,12 +104,6 @@ class ModelRunner:
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
         # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
-        self.drafter = Drafter(speculative) if speculative and speculative.enabled else None
-        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
-        self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
-            install_cuda_kernels(model)
-        # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
         self.drafter = (
             Drafter(
                 speculative,
@@ -121,6 +115,10 @@ class ModelRunner:
             if speculative and speculative.enabled
             else None
         )
+        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            install_cuda_kernels(model)
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
 
