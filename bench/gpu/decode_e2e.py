@@ -95,6 +95,7 @@ def run_worker(model: Any, config: Any, args: argparse.Namespace, batch: int) ->
         prompt = [(7919 * i + 31 * j) % config.vocab_size for j in range(args.prompt)]
         driver.add(f"r{i}", prompt, params)
     step_ms: list[float] = []
+    prefill_steps: list[tuple[int, float]] = []  # (scheduled tokens, ms) before decode-only
     started = time.perf_counter()
     decode_started = None
     while not all(r.finished for r in driver.requests.values()):
@@ -103,8 +104,12 @@ def run_worker(model: Any, config: Any, args: argparse.Namespace, batch: int) ->
         if plan_decode and decode_started is None:
             decode_started = t0
         driver.step()
+        ms = (time.perf_counter() - t0) * 1000
         if plan_decode:
-            step_ms.append((time.perf_counter() - t0) * 1000)
+            step_ms.append(ms)
+        else:
+            scheduled = sum(driver.plans[-1].num_scheduled_tokens.values())
+            prefill_steps.append((scheduled, round(ms, 2)))
     total_s = time.perf_counter() - started
     decode_s = time.perf_counter() - (decode_started or started)
     out_tokens = sum(len(r.output) for r in driver.requests.values())
@@ -118,6 +123,8 @@ def run_worker(model: Any, config: Any, args: argparse.Namespace, batch: int) ->
         "decode_tok_s": round(batch * len(step_ms) / decode_s, 1) if step_ms else None,
         "decode_step_ms_median": round(statistics.median(step_ms), 3) if step_ms else None,
         "steps": len(driver.results),
+        "prefill_phase_s": round(sum(ms for _, ms in prefill_steps) / 1000, 3),
+        "prefill_steps": prefill_steps,
     }
     if batch == 1:
         row["breakdown"] = breakdown(runner, model, config, driver)
@@ -255,8 +262,14 @@ def main() -> None:
         args.prompt, args.output, args.hf_output_b1 = 24, 6, 4
         args.batches, args.hf_batches, args.max_model_len = [1, 4], [1, 2], 64
     dtype = torch.float32 if args.dry_run else torch.bfloat16
+    import transformers
+
+    from services.worker.dense_prefill import DENSE_PREFILL_CHOICES
+
     results: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if not args.dry_run else "cpu"
+        "device": torch.cuda.get_device_name() if not args.dry_run else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
     }
     started = time.perf_counter()
     model, config = build_random_model(hf_config, dtype, args.device, args.max_model_len)
@@ -266,6 +279,7 @@ def main() -> None:
         row = run_worker(model, config, args, batch)
         results["worker"].append(row)
         print("worker", row, flush=True)
+    results["dense_prefill"] = {"|".join(map(str, k)): v for k, v in DENSE_PREFILL_CHOICES.items()}
     del model
     if not args.skip_hf:
         results["transformers"] = run_transformers(hf_config, args)

@@ -6,12 +6,12 @@ submitted as token ids on the bus (the random-weight model has no tokenizer, so 
     .venv/bin/python -m bench.gpu.mesh_decode --dry-run                      # CPU, tiny model
 
 Per batch size: `batch` SubmitRequests (prompt `--prompt` token ids, `--output` greedy tokens,
-ignore_eos) published at once; the TokenDelta replies are read from a reply stream and
-timestamped on arrival. Reported: output tokens/s over the run, decode tokens/s per request
-(tokens after the first over the time since the first), and the mesh's own cost per step from
-the scheduler's metrics: meshllm:scheduler_overhead_seconds (step wall time minus the worker's
-execute_ms: scheduling, both bus hops, result handling) over meshllm:scheduler_step_seconds,
-as deltas over the run.
+ignore_eos) published at once, asynchronous scheduling on or off (`--async-scheduling`); the
+TokenDelta replies are read from a reply stream and timestamped on arrival. Reported: output
+tokens/s over the run, decode tokens/s per request (tokens after the first over the time since
+the first), and the mesh's own cost per step from the scheduler's metrics:
+meshllm:scheduler_overhead_seconds (step wall time minus the worker's execute_ms: scheduling,
+both bus hops, result handling) over meshllm:scheduler_step_seconds, as deltas over the run.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -122,6 +124,12 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument(
+        "--async-scheduling",
+        choices=("true", "false"),
+        default="true",
+        help="MESHLLM_ASYNC_SCHEDULING: plan step N+1 while the worker runs step N",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -134,6 +142,7 @@ def main() -> None:
         "MESHLLM_MAX_NUM_SEQS": str(max(args.batches)),
         "MESHLLM_MAX_NUM_BATCHED_TOKENS": "8192",
         "MESHLLM_LOG_JSON": "false",
+        "MESHLLM_ASYNC_SCHEDULING": args.async_scheduling,
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"
@@ -160,8 +169,14 @@ def main() -> None:
             MESHLLM_NUM_THREADS="1",
         )
         args.prompt, args.output, args.vocab, args.batches = 20, 8, 256, [1, 4]
-    results: dict[str, Any] = {"model": args.model, "runs": []}
+    results: dict[str, Any] = {
+        "model": args.model,
+        "async_scheduling": args.async_scheduling == "true",
+        "runs": [],
+    }
     mesh = Mesh(services=("scheduler", "worker"), env=env)
+    # A `timeout` on this script sends SIGTERM: exit through `finally` so the services stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         mesh.redis.start()
         for name in ("scheduler", "worker"):

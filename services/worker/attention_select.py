@@ -8,7 +8,9 @@ file never tests the device itself.
 
 The Triton path fuses RoPE into the KV insert (kernels.kv_insert: one launch rotates Q and K
 and writes K/V into the paged cache), then runs paged decode attention for the leading
-single-token rows and paged prefill attention for the rest. It needs no host synchronisation:
+single-token rows and, for the prefill spans, dense flash attention where a span has no cached
+prefix (services/worker/dense_prefill.py: bf16/fp16, no sliding window) and paged prefill
+attention for the spans that continue a cached prefix. It needs no host synchronisation:
 every length the launchers would otherwise read back (longest query, longest sequence, the
 split-K factor) is computed here on the host from the plan's numpy arrays. That is what lets
 the same code run inside a CUDA graph.
@@ -30,6 +32,7 @@ import torch
 
 from kernels.staged_copy import stage_to_device
 from services.worker.attention import AttentionMetadata, paged_attention
+from services.worker.dense_prefill import DensePrefill, dense_prefill_impl
 from services.worker.models.rope import apply_rotary
 
 __all__ = [
@@ -80,6 +83,10 @@ class TritonAttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None  # [P] int32
     prefill_max_seqlen_q: int = 0
     sliding_window: int | None = None  # keys q - W < k <= q (transformers' rule), as the CPU path
+    # Prefill spans with no cached prefix, for dense attention (None: no such span, a sliding
+    # window, or disabled); the prefill_* tensors above still cover every prefill span, for
+    # when no dense implementation runs on the call's device/dtype.
+    dense_prefill: DensePrefill | None = None
     # Per-step memo: (the cos tensor it was built from, the RoPE table). The tensor itself is
     # kept and compared by identity: an id() could be reused by a later tensor (a graph capture
     # after its warm-up run) and hand out a table of other positions.
@@ -97,9 +104,12 @@ class TritonAttentionMetadata:
         num_kv_heads: int,
         device: torch.device | str,
         sliding_window: int | None = None,
+        dense_prefill: bool = True,
+        dense_impl: str | None = None,
     ) -> TritonAttentionMetadata:
         """Same arguments as AttentionMetadata.build (decodes first), plus the model's
-        kv head count (it sets the decode split factor)."""
+        kv head count (it sets the decode split factor). `dense_prefill=False` keeps every
+        prefill span on the paged kernel; `dense_impl` forces a dense implementation (tests)."""
         device = torch.device(device)
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
@@ -134,6 +144,17 @@ class TritonAttentionMetadata:
             )
             meta.prefill_seq_lens = _upload(lens, device, np.int32)
             meta.prefill_max_seqlen_q = int(q_lens.max())
+            if dense_prefill and sliding_window is None:
+                meta.dense_prefill = DensePrefill.build(
+                    first_row=int(query_lens[:num_decodes].sum()),
+                    query_lens=q_lens,
+                    seq_lens=lens,
+                    block_tables=block_tables[num_decodes:],
+                    block_size=block_size,
+                    slot_mapping=slot_mapping,
+                    device=device,
+                    impl=dense_impl,
+                )
         return meta
 
     def rope_table(self, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -216,18 +237,60 @@ def triton_attention(
     from kernels.paged_attention import paged_prefill_attention
     from kernels.paged_decode import paged_decode_attention
 
-    out = torch.empty_like(q)
     d = attn.num_decodes
+    split = attn.dense_prefill
+    impl = _dense_impl(split, q, kv_cache) if d < q.shape[0] else None
+    if impl is not None and split is not None and d == 0 and split.paged is None:
+        return split.attend(impl, q, kv_cache, scale)  # every row is a fresh prefill row
+    out = torch.empty_like(q)
     if d:
         paged_decode_attention(
             q[:d], kv_cache, attn.decode_block_tables, attn.decode_seq_lens,
             sliding_window=attn.sliding_window, sm_scale=scale,
             num_splits=attn.decode_num_splits, max_seq_len=attn.decode_max_seq_len, out=out[:d],
         )  # fmt: skip
-    if d < q.shape[0]:
+    if impl is not None and split is not None:
+        out[split.rows] = split.attend(impl, q[split.rows], kv_cache, scale)
+        if split.paged is not None:
+            _paged_spans(q, kv_cache, attn, split, scale, out)
+    elif d < q.shape[0]:
         paged_prefill_attention(
             q[d:], kv_cache, attn.prefill_block_tables, attn.prefill_cu_seqlens_q,
             attn.prefill_seq_lens, causal=True, sliding_window=attn.sliding_window, sm_scale=scale,
             max_seqlen_q=attn.prefill_max_seqlen_q, out=out[d:],
         )  # fmt: skip
     return out
+
+
+def _dense_impl(split: DensePrefill | None, q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    """The dense implementation for this call, or None (paged kernel for every span): the
+    cache must hold the model's own dtype (an fp8 cache would need dequantizing first)."""
+    if split is None or kv_cache.dtype != q.dtype:
+        return None
+    if split.impl is not None:
+        return split.impl
+    heads, kv_heads, head_dim = q.shape[1], kv_cache.shape[3], q.shape[2]
+    return dense_prefill_impl(q.device, q.dtype, heads, kv_heads, head_dim)
+
+
+def _paged_spans(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn: TritonAttentionMetadata,
+    split: DensePrefill,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The prefill spans that continue a cached prefix, through the paged kernel."""
+    from kernels.paged_attention import paged_prefill_attention
+
+    p = split.paged
+    assert p is not None
+    contiguous = isinstance(p.rows, slice)
+    result = paged_prefill_attention(
+        q[p.rows], kv_cache, p.block_tables, p.cu_seqlens_q, p.seq_lens, causal=True,
+        sliding_window=attn.sliding_window, sm_scale=scale, max_seqlen_q=p.max_seqlen_q,
+        out=out[p.rows] if contiguous else None,
+    )  # fmt: skip
+    if not contiguous:
+        out[p.rows] = result

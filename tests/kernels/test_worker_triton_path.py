@@ -45,7 +45,7 @@ def _caches(model: torch.nn.Module) -> tuple[KVCache, KVCache]:
     )
 
 
-def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens):  # type: ignore[no-untyped-def]
+def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens, dense=None):  # type: ignore[no-untyped-def]
     """One flat-batch forward; positions/slots derived from the lengths like the runner does."""
     query_lens, seq_lens = np.array(query_lens), np.array(seq_lens)
     starts = seq_lens - query_lens
@@ -58,7 +58,7 @@ def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens):  # type
         slot_mapping=slots, device=device,
     )  # fmt: skip
     if meta_cls is TritonAttentionMetadata:
-        meta = TritonAttentionMetadata.build(num_kv_heads=2, **kwargs)
+        meta = TritonAttentionMetadata.build(num_kv_heads=2, dense_impl=dense, **kwargs)
     else:
         meta = AttentionMetadata.build(**kwargs)
     with torch.inference_mode():
@@ -74,23 +74,32 @@ def test_cpu_device_selects_the_reference_path() -> None:
     assert isinstance(meta, AttentionMetadata)
 
 
-def test_triton_path_matches_reference_on_mixed_steps(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("dense", [None, "sdpa"])
+def test_triton_path_matches_reference_on_mixed_steps(
+    model: torch.nn.Module, dense: str | None
+) -> None:
+    """dense=None: every prefill span on the paged kernel (no dense implementation runs on
+    CPU/fp32); "sdpa": fresh spans through dense attention over the cache rows just written,
+    the others paged, as on the GPU in bf16."""
     ref, tri = _caches(model)
-    tables = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 11, 12, 0]])
+    tables = np.array(
+        [[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 11, 12, 0], [13, 14, 0, 0], [15, 16, 0, 0]]
+    )
     gen = np.random.default_rng(0)
+
+    def both(q_lens: list[int], seq_lens: list[int], order: np.ndarray) -> None:
+        tokens = gen.integers(0, 128, sum(q_lens)).tolist()
+        a = _step(model, ref, AttentionMetadata, q_lens, seq_lens, order, tokens)
+        b = _step(model, tri, TritonAttentionMetadata, q_lens, seq_lens, order, tokens, dense)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
     # Step 1: three prefills from scratch (lengths 9, 5, 4).
-    lens = [9, 5, 4]
-    tokens = gen.integers(0, 128, sum(lens)).tolist()
-    a = _step(model, ref, AttentionMetadata, lens, lens, tables[:3], tokens)
-    b = _step(model, tri, TritonAttentionMetadata, lens, lens, tables[:3], tokens)
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    both([9, 5, 4], [9, 5, 4], tables[:3])
     # Step 2: two decodes (contexts 9 and 5), an extend of 3 tokens onto 4, a new prefill of 6.
-    q_lens, seq_lens = [1, 1, 3, 6], [10, 6, 7, 6]
-    order = tables[[0, 1, 2, 3]]
-    tokens = gen.integers(0, 128, sum(q_lens)).tolist()
-    a = _step(model, ref, AttentionMetadata, q_lens, seq_lens, order, tokens)
-    b = _step(model, tri, TritonAttentionMetadata, q_lens, seq_lens, order, tokens)
-    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    both([1, 1, 3, 6], [10, 6, 7, 6], tables[[0, 1, 2, 3]])
+    # Step 3: a decode, then fresh 3, an extend of 2 onto 6, fresh 2: the fresh rows are not
+    # contiguous (gathered and scattered by index).
+    both([1, 3, 2, 2], [11, 3, 8, 2], tables[[0, 4, 3, 5]])
     for layer_ref, layer_tri in zip(ref.layers, tri.layers, strict=True):
         torch.testing.assert_close(layer_tri, layer_ref, rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,103 @@
+"""The split of prefill spans for dense attention (services/worker/dense_prefill.py): which
+spans qualify, their rows/cache slots, the paged rest, and the CPU staying on its own path."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.worker.attention_select import TritonAttentionMetadata
+from services.worker.dense_prefill import (
+    DensePrefill,
+    dense_attention,
+    dense_prefill_impl,
+    reference_attention,
+    split_prefill_spans,
+)
+
+BLOCK = 4
+
+
+def _meta(query_lens: list[int], seq_lens: list[int], **kwargs: object) -> TritonAttentionMetadata:
+    q, s = np.array(query_lens), np.array(seq_lens)
+    tables = np.arange(1, 1 + 4 * len(q)).reshape(len(q), 4)
+    starts = s - q
+    pos = np.concatenate([np.arange(a, b) for a, b in zip(starts, s, strict=True)])
+    rows = np.repeat(np.arange(len(q)), q)
+    slots = tables[rows, pos // BLOCK] * BLOCK + pos % BLOCK
+    return TritonAttentionMetadata.build(
+        query_lens=q, seq_lens=s, block_tables=tables, block_size=BLOCK, slot_mapping=slots,
+        num_kv_heads=2, device="cpu", **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_fresh_spans_are_those_without_a_cached_prefix() -> None:
+    mask = split_prefill_spans(np.array([5, 3, 7, 1]), np.array([5, 9, 7, 4]))
+    assert mask.tolist() == [True, False, True, False]
+
+
+def test_split_rows_slots_and_paged_rest() -> None:
+    # decode (ctx 6), fresh 3, extend 2 onto 5, fresh 2
+    meta = _meta([1, 3, 2, 2], [7, 3, 7, 2])
+    split = meta.dense_prefill
+    assert split is not None and meta.num_decodes == 1
+    # fresh rows 1..3 and 6..7 are not contiguous: an index tensor
+    assert isinstance(split.rows, torch.Tensor) and split.rows.tolist() == [1, 2, 3, 6, 7]
+    assert split.span_lens == [3, 2] and split.max_len == 3
+    assert split.cu_seqlens.tolist() == [0, 3, 5]
+    slots = meta.slot_mapping[split.rows]
+    assert (split.kv_blocks * BLOCK + split.kv_offsets).tolist() == slots.tolist()
+    # fresh spans start at position 0: the first block of their own table (rows 1 and 3)
+    assert split.kv_blocks.tolist() == [5, 5, 5, 13, 13]
+    paged = split.paged
+    assert paged is not None and paged.rows == slice(4, 6)
+    assert paged.cu_seqlens_q.tolist() == [0, 2] and paged.seq_lens.tolist() == [7]
+    assert paged.max_seqlen_q == 2 and paged.block_tables.tolist() == [[9, 10]]
+
+
+def test_all_fresh_is_one_slice_and_no_paged_rest() -> None:
+    split = _meta([1, 4, 6], [3, 4, 6]).dense_prefill
+    assert split is not None and split.rows == slice(1, 11) and split.paged is None
+
+
+def test_no_split_without_fresh_spans_with_a_window_or_when_disabled() -> None:
+    assert _meta([1, 2], [5, 6]).dense_prefill is None  # decode + extend only
+    assert _meta([1], [5]).dense_prefill is None  # decode only
+    assert _meta([4], [4], sliding_window=3).dense_prefill is None
+    assert _meta([4], [4], dense_prefill=False).dense_prefill is None
+    forced = _meta([4], [4], dense_impl="sdpa").dense_prefill
+    assert forced is not None and forced.impl == "sdpa"
+
+
+def test_cpu_and_fp32_never_choose_a_dense_implementation() -> None:
+    assert dense_prefill_impl(torch.device("cpu"), torch.bfloat16, 8, 2, 64) is None
+    assert dense_prefill_impl(torch.device("cuda"), torch.float32, 8, 2, 64) is None
+
+
+def test_sdpa_per_span_equals_the_float32_reference_with_grouped_heads() -> None:
+    gen = torch.Generator().manual_seed(0)
+    lens = [3, 1, 6]
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, 16, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    out = dense_attention("sdpa", q, k, v, cu, lens, 6, 0.25)
+    ref = reference_attention(q, k, v, lens, 0.25)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # span boundaries matter: the single-token span attends to itself only (= its v)
+    torch.testing.assert_close(out[3], v[3].repeat_interleave(2, 0), rtol=1e-6, atol=1e-6)
+
+
+def test_attend_gathers_this_steps_cache_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 8, BLOCK, 2, 16, generator=gen)
+    slots = np.array([9, 10, 11, 12, 20])  # blocks 2,2,2,3,5
+    split = DensePrefill.build(
+        first_row=0, query_lens=np.array([4, 1]), seq_lens=np.array([4, 1]),
+        block_tables=np.array([[2, 3], [5, 0]]), block_size=BLOCK, slot_mapping=slots,
+        device=torch.device("cpu"), impl="sdpa",
+    )  # fmt: skip
+    assert split is not None
+    q = torch.randn(5, 4, 16, generator=gen)
+    flat = cache.view(2, -1, 2, 16)[:, torch.from_numpy(slots)]
+    expected = reference_attention(q, flat[0], flat[1], [4, 1], 0.25)
+    torch.testing.assert_close(split.attend("sdpa", q, cache, 0.25), expected)
