@@ -67,10 +67,10 @@ class SchedulerConfig(BaseModel):
             enable_prefix_caching=settings.enable_prefix_caching,
             eos_token_ids=list(ready.eos_token_ids),
             num_spec_tokens=settings.spec_tokens if settings.spec_method else 0,
+            kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
             reasoning=ReasoningConfig(
                 end_token_ids=tuple(settings.reasoning_end_token_ids),
                 start_token_ids=tuple(settings.reasoning_start_token_ids),
-            kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
                 enable_in_reasoning=settings.structured_outputs_enable_in_reasoning,
             ),
         )
