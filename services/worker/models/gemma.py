@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.attention import AttentionMetadata
 from services.worker.models.config import ModelConfig
 from services.worker.models.layers import GemmaRMSNorm, RMSNorm
 from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
@@ -32,22 +31,16 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: torch.Tensor,
+    def mlp_input(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same (output, residual) contract as Llama's layer: the caller adds them."""
-        normed, residual = self.input_layernorm(hidden, residual)
-        out = self.self_attn(normed, cos, sin, attn, kv_cache)
-        out, _ = self.post_attention_layernorm(out)
-        normed, residual = self.pre_feedforward_layernorm(out, residual)
-        out, _ = self.post_feedforward_layernorm(self.mlp(normed))
-        return out, residual
+        """The attention output is normalised on its own before the residual add."""
+        out, _ = self.post_attention_layernorm(attn_out)
+        return self.pre_feedforward_layernorm(out, residual)
+
+    def mlp_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The MLP output is normalised too; Llama's (output, residual) contract is kept."""
+        return self.post_feedforward_layernorm(out)[0]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -108,11 +108,22 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in, (mlp output, residual stream before it) out; the next layer's
-        input norm adds them, so the residual add is fused into the norm call."""
+        input norm adds them, so the residual add is fused into the norm call. The wiring
+        between attention and MLP is `mlp_input`/`mlp_output`, which Gemma overrides."""
         normed, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(normed, cos, sin, attn, kv_cache)
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        normed, residual = self.mlp_input(hidden, residual)
+        return self.mlp_output(self.mlp(normed)), residual
+
+    def mlp_input(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's normed input, the residual stream with the attention output added)."""
+        return self.post_attention_layernorm(attn_out, residual)
+
+    def mlp_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The MLP output as the next layer receives it (Llama: unchanged)."""
+        return out
 
 
 class LlamaForCausalLM(CausalLM):
