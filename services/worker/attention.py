@@ -31,6 +31,21 @@ import torch
 import torch.nn.functional as F
 
 
+def step_lengths(
+    query_lens: np.ndarray, seq_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(query_lens, seq_lens) as int64 arrays and the number of leading single-token rows.
+
+    Every attention path treats exactly that leading run as its decode batch; a single-token
+    request after the first multi-token one is a prefill span (see AttentionMetadata.build).
+    """
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    not_decode = np.flatnonzero(query_lens != 1)
+    num_decodes = int(not_decode[0]) if not_decode.size else len(query_lens)
+    return query_lens, seq_lens, num_decodes
+
+
 @dataclass(frozen=True)
 class PrefillSpan:
     """One prefill/extend chunk: flat rows [start, end) at positions [context_len, seq_len)."""
@@ -74,10 +89,7 @@ class AttentionMetadata:
         to be valid.
         """
         device = torch.device(device)
-        query_lens = np.asarray(query_lens, dtype=np.int64)
-        seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        not_decode = np.flatnonzero(query_lens != 1)
-        num_decodes = int(not_decode[0]) if not_decode.size else len(query_lens)
+        query_lens, seq_lens, num_decodes = step_lengths(query_lens, seq_lens)
         decode_tables = decode_mask = None
         if num_decodes and sliding_window is not None:
             decode_tables, decode_mask = _window_decode(

@@ -26,12 +26,13 @@ to the interpreter (TRITON_INTERPRET) at import time, and a CPU worker never nee
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from kernels.staged_copy import stage_to_device
-from services.worker.attention import AttentionMetadata, paged_attention
+from services.worker.attention import AttentionMetadata, paged_attention, step_lengths
 from services.worker.dense_prefill import DensePrefill, dense_prefill_impl
 from services.worker.models.rope import apply_rotary
 
@@ -111,10 +112,7 @@ class TritonAttentionMetadata:
         kv head count (it sets the decode split factor). `dense_prefill=False` keeps every
         prefill span on the paged kernel; `dense_impl` forces a dense implementation (tests)."""
         device = torch.device(device)
-        query_lens = np.asarray(query_lens, dtype=np.int64)
-        seq_lens = np.asarray(seq_lens, dtype=np.int64)
-        not_decode = np.flatnonzero(query_lens != 1)
-        num_decodes = int(not_decode[0]) if not_decode.size else len(query_lens)
+        query_lens, seq_lens, num_decodes = step_lengths(query_lens, seq_lens)
         num_tokens = int(query_lens.sum())
         meta = cls(
             num_tokens=num_tokens,
@@ -172,30 +170,17 @@ def _upload(array: np.ndarray, device: torch.device, dtype: type = np.int64) -> 
 
 
 def build_attention_metadata(
-    *,
-    query_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    block_tables: np.ndarray,
-    block_size: int,
-    slot_mapping: np.ndarray,
-    num_kv_heads: int,
-    device: torch.device | str,
-    sliding_window: int | None = None,
+    *, num_kv_heads: int, device: torch.device | str, **step: Any
 ) -> AttentionMetadata | TritonAttentionMetadata:
-    """The step's metadata for the attention path of `device` (see the module docstring)."""
-    kwargs = {
-        "query_lens": query_lens,
-        "seq_lens": seq_lens,
-        "block_tables": block_tables,
-        "block_size": block_size,
-        "slot_mapping": slot_mapping,
-        "device": device,
-    }
-    if sliding_window is not None:  # only windowed groups pass it (either path takes it)
-        kwargs["sliding_window"] = sliding_window
+    """The step's metadata for the attention path of `device` (see the module docstring).
+
+    `step` is AttentionMetadata.build's keyword arguments (query_lens, seq_lens, block_tables,
+    block_size, slot_mapping, sliding_window), which both paths take; only the Triton path
+    needs `num_kv_heads` (its decode split factor).
+    """
     if uses_triton(device):
-        return TritonAttentionMetadata.build(num_kv_heads=num_kv_heads, **kwargs)  # type: ignore[arg-type]
-    return AttentionMetadata.build(**kwargs)  # type: ignore[arg-type]
+        return TritonAttentionMetadata.build(num_kv_heads=num_kv_heads, device=device, **step)
+    return AttentionMetadata.build(device=device, **step)
 
 
 def rotary_attention(
