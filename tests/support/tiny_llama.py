@@ -13,23 +13,29 @@ from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 
+#: the tiny shape every test checkpoint shares: GQA 4 heads / 2 KV heads, hidden 64, 3 layers,
+#: vocab 512, untied. The larger than usual init spread makes logits peaked, so greedy choices
+#: are not near-ties. tests/support/tiny_models.py builds the other families on it.
+TINY_SHAPE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.15,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
-    """GQA 4 heads / 2 KV heads, 3 layers, vocab 512, untied unless overridden. The larger
-    than usual init spread makes logits peaked, so greedy choices are not near-ties."""
+    """TINY_SHAPE with a 160-wide MLP, untied unless overridden."""
     settings: dict[str, Any] = {
-        "vocab_size": 512,
-        "hidden_size": 64,
+        **TINY_SHAPE,
         "intermediate_size": 160,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5,
-        "initializer_range": 0.15,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }
     settings.update(overrides)

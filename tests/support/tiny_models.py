@@ -13,22 +13,9 @@ import torch
 import transformers
 from transformers import PreTrainedModel
 
-#: shared shape: GQA 4 heads / 2 KV heads, hidden 64, 3 layers, vocab 512
-_BASE: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "initializer_range": 0.15,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+from tests.support.tiny_llama import TINY_SHAPE
+
+_BASE: dict[str, Any] = {**TINY_SHAPE, "intermediate_size": 128, "pad_token_id": 0}
 _MOE: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 48}
 
 #: family -> (config class, model class, settings on top of _BASE)
