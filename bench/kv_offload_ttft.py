@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 import uuid
 
-import httpx
 import openai
 
 from tests.support.mesh import Mesh
@@ -42,24 +40,10 @@ def prompt_of(tokens: int, tag: str) -> str:
     return f"{tag}: read these notes.\n{body}\nSummarize them."
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
 def transfer_totals(mesh: Mesh, kind: str) -> tuple[float, float]:
-    url = mesh.url("worker")
     return (
-        metric(url, "meshllm:worker_kv_transfer_bytes_total", kind=kind),
-        metric(url, "meshllm:worker_kv_transfer_seconds_total", kind=kind),
+        mesh.metric("worker", "meshllm:worker_kv_transfer_bytes_total", kind=kind),
+        mesh.metric("worker", "meshllm:worker_kv_transfer_seconds_total", kind=kind),
     )
 
 
@@ -114,7 +98,7 @@ def restart_worker(mesh: Mesh) -> None:
 
 def run_size(mesh: Mesh, size: int) -> dict[str, float]:
     prompt = prompt_of(size, f"topic-{uuid.uuid4().hex[:8]}")
-    hits0 = metric(mesh.url("scheduler"), "meshllm:external_prefix_cache_hits_total")
+    hits0 = mesh.metric("scheduler", "meshllm:external_prefix_cache_hits_total")
     stored0 = transfer_totals(mesh, "store")
     first_s, prompt_tokens, first_text = ttft(mesh, prompt)
     wait_settled(mesh)
@@ -122,7 +106,7 @@ def run_size(mesh: Mesh, size: int) -> dict[str, float]:
     restart_worker(mesh)
     second_s, _, second_text = ttft(mesh, prompt)
     loaded = transfer_totals(mesh, "load")  # the new worker's counters start at 0
-    hits = metric(mesh.url("scheduler"), "meshllm:external_prefix_cache_hits_total") - hits0
+    hits = mesh.metric("scheduler", "meshllm:external_prefix_cache_hits_total") - hits0
     return {
         "prompt_tokens": prompt_tokens,
         "ttft_first_ms": 1000 * first_s,

@@ -17,13 +17,11 @@ restarted worker, whose local prefix cache is empty.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import httpx
 import openai
 import pytest
 import redis
@@ -75,17 +73,8 @@ def chat(mesh: Mesh, prompt: str, max_tokens: int = 8) -> openai.types.chat.Chat
 
 
 def metric(mesh: Mesh, name: str, **labels: str) -> float:
-    """Sum of the scheduler's samples of `name` whose labels include `labels`."""
-    text = httpx.get(f"{mesh.url('scheduler')}/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    """The scheduler's samples of `name` (see Mesh.metric)."""
+    return mesh.metric("scheduler", name, **labels)
 
 
 def kvstore_state(mesh: Mesh) -> dict:

@@ -10,7 +10,6 @@ boundary (-1 and prompt_len + 1 -> 400, prompt_len -> zero prompt rows); the mes
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from tests.e2e.conftest import E2E_ENV
 from tests.support.mesh import Mesh
+from tests.support.tiny_llama import copy_tokenizer, random_prompt, reference_greedy
 
 WINDOW = 16
 TOP_K = 2
@@ -55,8 +55,7 @@ def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         eos_token_id=2,
     )
     Qwen2MoeForCausalLM(config).eval().save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_dir / name, out / name)
+    copy_tokenizer(smollm2_dir, out)
     return out
 
 
@@ -72,31 +71,9 @@ def mesh(model_dir: Path) -> Iterator[Mesh]:
         yield m
 
 
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 49000, (n,), generator=generator).tolist()
-
-
 def greedy(model: Qwen2MoeForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+    """Exactly `max_tokens` greedy tokens of the reference (the requests set min_tokens)."""
+    return reference_greedy(model, prompt, max_tokens, min_tokens=max_tokens)
 
 
 def router_top_k(model: Qwen2MoeForCausalLM, tokens: list[int]) -> list[list[list[int]]]:
@@ -121,7 +98,7 @@ def test_greedy_text_beyond_the_window_equals_transformers(
     client: openai.OpenAI, model_name: str, model_dir: Path, reference: Qwen2MoeForCausalLM
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt = prompt_ids(3 * WINDOW + 5, 1)  # the sliding layers see only the last 16
+    prompt = random_prompt(3 * WINDOW + 5, 1)  # the sliding layers see only the last 16
     resp = client.completions.create(
         model=model_name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"min_tokens": 16}
     )
@@ -133,7 +110,7 @@ def test_greedy_text_beyond_the_window_equals_transformers(
 def test_routed_experts_equal_the_reference_router(
     client: openai.OpenAI, model_name: str, reference: Qwen2MoeForCausalLM, start: int
 ) -> None:
-    prompt = prompt_ids(WINDOW + 9, 3)
+    prompt = random_prompt(WINDOW + 9, 3)
     resp = complete(
         client, model_name, prompt, return_routed_experts=True, routed_experts_prompt_start=start
     )
@@ -150,7 +127,7 @@ def test_routed_experts_equal_the_reference_router(
 def test_offset_boundaries_then_the_mesh_keeps_serving(
     client: openai.OpenAI, model_name: str, reference: Qwen2MoeForCausalLM
 ) -> None:
-    prompt = prompt_ids(11, 4)
+    prompt = random_prompt(11, 4)
     for bad in (-1, len(prompt) + 1):
         with pytest.raises(openai.BadRequestError) as err:
             complete(

@@ -13,14 +13,9 @@ last N prompt tokens nor of any output: the decode group stores nothing).
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import redis
@@ -29,9 +24,14 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.scheduler.block_hash import extend_block_hashes
 from tests.e2e.conftest import E2E_ENV
-from tests.support.mesh import REPO, Mesh
+from tests.support.mesh import Mesh
 from tests.support.redis_server import free_port
-from tests.support.tiny_llama import make_tiny_llama
+from tests.support.tiny_llama import (
+    copy_tokenizer,
+    make_tiny_llama,
+    random_prompt,
+    reference_greedy,
+)
 
 LOOKAHEAD = 3
 BLOCK = 16
@@ -54,17 +54,7 @@ class PDMesh(Mesh):
         env = {"MESHLLM_GROUP": GROUPS[role], **(overrides or {})}
         if module == "scheduler":
             env["MESHLLM_ROLE"] = role
-        n = self._starts.get(name, 0)
-        self._starts[name] = n + 1
-        log = open(self.logdir / f"{name}.{n}.log", "wb")  # noqa: SIM115 - owned by the process
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", f"services.{module}"],
-            cwd=REPO,
-            env=self.env_for(name, env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.spawn(name, module, env)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +69,7 @@ def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         num_hidden_layers=2,
         max_position_embeddings=512,
     )
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_dir / name, out / name)
+    copy_tokenizer(smollm2_dir, out)
     return out
 
 
@@ -100,15 +89,6 @@ def pd_mesh(model_dir: Path) -> Iterator[PDMesh]:
         yield mesh
 
 
-def metric(mesh: Mesh, service: str, name: str) -> float:
-    text = httpx.get(f"{mesh.url(service)}/metrics", timeout=5).text
-    return sum(
-        float(m.group(2))
-        for line in text.splitlines()
-        if (m := re.match(r"^([^\s{]+)(?:\{[^}]*\})?\s+(\S+)$", line)) and m.group(1) == name
-    )
-
-
 def stored_hashes(mesh: Mesh) -> set[str]:
     """Block hashes (hex) of every KV payload key in Redis."""
     r = redis.Redis.from_url(mesh.redis.url, decode_responses=True)
@@ -124,44 +104,28 @@ def block_hashes(tokens: list[int]) -> set[str]:
     return {h.hex() for h in hashes}
 
 
-def prompt_ids(n: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 49000, (n,), generator=generator).tolist()
-
-
-def reference_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
-
-
 def test_greedy_output_under_pd_equals_the_reference_and_only_prefill_kv_is_stored(
     pd_mesh: PDMesh, model_dir: Path
 ) -> None:
     client = openai.OpenAI(base_url=pd_mesh.api, api_key="x", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    reference = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # 67 tokens: the prefill side computes 64 = 4 full blocks, all loaded by the decode side;
     # 50 tokens: it computes 47, of which 2 full blocks (32 tokens) are shipped.
-    prompts = [prompt_ids(67, 1), prompt_ids(50, 2)]
+    prompts = [random_prompt(67, 1), random_prompt(50, 2)]
     expected_hashes: set[str] = set()
     loaded = 0
     for prompt in prompts:
-        hits = metric(pd_mesh, "scheduler-decode", "meshllm:external_prefix_cache_hits_total")
+        hits = pd_mesh.metric("scheduler-decode", "meshllm:external_prefix_cache_hits_total")
         resp = client.completions.create(
             model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"min_tokens": 8}
         )
         assert resp.usage is not None and resp.usage.completion_tokens == 8
-        assert resp.choices[0].text == tokenizer.decode(reference_greedy(model_dir, prompt, 8))
+        expected = reference_greedy(reference, prompt, 8, min_tokens=8)
+        assert resp.choices[0].text == tokenizer.decode(expected)
         shipped = (len(prompt) - LOOKAHEAD) // BLOCK * BLOCK
-        got = metric(pd_mesh, "scheduler-decode", "meshllm:external_prefix_cache_hits_total")
+        got = pd_mesh.metric("scheduler-decode", "meshllm:external_prefix_cache_hits_total")
         assert got - hits == shipped  # the decode group loaded the whole stored prefix
         loaded += shipped
         expected_hashes |= block_hashes(prompt[: len(prompt) - LOOKAHEAD])

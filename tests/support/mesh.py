@@ -8,6 +8,7 @@ check that no accepted request is lost.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,11 +81,16 @@ class Mesh:
         return self
 
     def start_service(self, name: str, overrides: dict[str, str] | None = None) -> None:
+        self.spawn(name, name, overrides)
+
+    def spawn(self, name: str, module: str, overrides: dict[str, str] | None = None) -> None:
+        """Start `python -m services.<module>` as service `name`: its port, env and a log file
+        per start (`<name>.<n>.log`, read by `tail`)."""
         n = self._starts.get(name, 0)
         self._starts[name] = n + 1
         log = open(self.logdir / f"{name}.{n}.log", "wb")  # noqa: SIM115 - owned by the process
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"],
+            [sys.executable, "-m", f"services.{module}"],
             cwd=REPO,
             env=self.env_for(name, overrides),
             stdout=log,
@@ -143,6 +149,20 @@ class Mesh:
         resp = httpx.get(f"{self.url(name)}/admin/state", headers=headers, timeout=5.0)
         resp.raise_for_status()
         return resp.json()
+
+    def metric(self, name: str, metric: str, **labels: str) -> float:
+        """Sum of service `name`'s Prometheus samples of `metric` whose labels include
+        `labels` (all its samples when none are given)."""
+        text = httpx.get(f"{self.url(name)}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
+            if not m or m.group(1) != metric:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+        return total
 
     def __enter__(self) -> Mesh:
         return self.start()

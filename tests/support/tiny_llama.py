@@ -3,11 +3,12 @@ saved to disk so our loader reads them like any HF directory."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
@@ -45,6 +46,19 @@ def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> LlamaForCaus
     return model
 
 
+def copy_tokenizer(source: Path, model_dir: Path) -> None:
+    """Give a tiny checkpoint `source`'s tokenizer and chat template (SmolLM2's, whose 49152
+    vocab the e2e checkpoints are built with), so a mesh can serve it by chat and text."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / name, model_dir / name)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids drawn from [100, 49000) (inside SmolLM2's vocab, past its specials)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 49000, (length,), generator=generator).tolist()
+
+
 def tiny_runner(
     path: Path,
     dtype: torch.dtype = torch.float32,
@@ -58,13 +72,17 @@ def tiny_runner(
     return ModelRunner(model, config, kv, device, max_num_reqs=max_num_reqs)
 
 
-def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy generate, stopping at eos like the driver does."""
+def reference_greedy(
+    model: PreTrainedModel, prompt: list[int], max_tokens: int, *, min_tokens: int = 0
+) -> list[int]:
+    """transformers' greedy generate, stopping at eos like the driver does (not before
+    `min_tokens`, as the API's `min_tokens`)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_tokens,
+            min_new_tokens=min_tokens or None,
             do_sample=False,
             pad_token_id=model.config.eos_token_id,
         )
