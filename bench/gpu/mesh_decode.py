@@ -146,20 +146,9 @@ def main() -> None:
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "architectures": ["LlamaForCausalLM"],
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "vocab_size": 256,
-                    "max_position_embeddings": 256,
-                }
-            )
-        )
+        from bench.gpu.decode_e2e import TINY  # the in-process bench's dry-run model
+
+        config.write_text(json.dumps(TINY))
         env.update(
             MESHLLM_MODEL=f"random:{config}",
             MESHLLM_DEVICE="cpu",
