@@ -252,18 +252,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    server = None
-    url = args.redis_url
-    if not url:
-        from tests.support.redis_server import RedisServer
+    from tests.support.redis_server import redis_url_or_private
 
-        server = RedisServer().start()
-        url = server.url
-    try:
+    with redis_url_or_private(args.redis_url) as url:
         report = run(url, args.n, args.warmup)
-    finally:
-        if server is not None:
-            server.stop()
     print(json.dumps(report, indent=2) if args.json else table(report))
 
 

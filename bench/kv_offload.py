@@ -165,18 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    server = None
-    url = args.redis_url
-    if not url:
-        from tests.support.redis_server import RedisServer
+    from tests.support.redis_server import redis_url_or_private
 
-        server = RedisServer().start()
-        url = server.url
-    try:
+    with redis_url_or_private(args.redis_url) as url:
         results = [run(url, args.chunks, args.rounds, getattr(torch, d)) for d in args.dtype]
-    finally:
-        if server is not None:
-            server.stop()
     if args.json:
         print(json.dumps(results, indent=2))
         return

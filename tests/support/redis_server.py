@@ -7,6 +7,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -73,3 +75,17 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+@contextmanager
+def redis_url_or_private(url: str = "") -> Iterator[str]:
+    """`url` when given, else a private RedisServer's, stopped when the block exits (benches'
+    `--redis-url` default)."""
+    if url:
+        yield url
+        return
+    server = RedisServer().start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
