@@ -4,10 +4,12 @@ A waiting request at the head of the queue goes through `admit`:
 - its keys beyond the local prefix hit are looked up in the `AsyncLookup` (attached when the
   request arrived, so one probe batch covers every queued request). An unknown verdict in the
   leading run defers the request one step (bounded by `max_defers`, then it computes);
-- a leading run of chunks present in every prefix-cacheable group beyond the local hit becomes
-  a LOAD: blocks are allocated (not registered in the prefix cache: `load_allocation`), a
-  `KVTransfer` goes into the next plan's `kv_loads`, and the request leaves the waiting queue,
-  computing nothing, until the worker's KVTransferDone;
+- the longest hit beyond the local one becomes a LOAD (`window_hit`: full-attention groups
+  need every chunk up to it, sliding-window groups only their window's chunks ending at it, the
+  entries before the window being the null block): blocks are allocated (not registered in
+  the prefix cache: `load_allocation`), a `KVTransfer` goes into the next plan's `kv_loads`,
+  and the request leaves the waiting queue, computing nothing, until the worker's
+  KVTransferDone;
 - otherwise it is admitted for compute with its local hit.
 A load that completed marks its blocks computed (registered in the prefix cache) and puts the
 request back at the queue's front, holding its blocks: its next admission counts them as its
@@ -17,7 +19,10 @@ requeues the request, which then recomputes what the tier could not give.
 Stores: every plan offers, per scheduled request, the full blocks its computed tokens reach
 after the step (prompt and sampled tokens only: `num_computed_tokens` never counts a
 speculative draft here), each block once per request, keyed by block hash per prefix-cacheable
-group. The edge asks the kvstore which to write and trims `kv_stores` before publishing.
+group. The edge asks the kvstore which to write and trims `kv_stores` before publishing. A
+sliding-window group offers only the chunks a hit at the end of the offer would need (its window
+coverage, widened by the tokens retained for speculation: the store mask of
+services.kvstore.sliding_window); null blocks (dropped out of the window) are never offered.
 
 Blocks under a load the worker has not answered are never freed: a request finishing (abort)
 meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
@@ -33,12 +38,14 @@ from typing import Literal
 
 from services.kvstore.async_lookup import AsyncLookup
 from services.kvstore.offload_key import KeySpace, OffloadKey
+from services.kvstore.sliding_window import Verdict
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_cache_coordinator import KVCacheBlocks
 from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_spec import FullAttentionSpec
+from services.scheduler.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from services.scheduler.offload.load_allocation import allocate_for_load
 from services.scheduler.offload.request_state import LoadJob, OffloadRequestState
+from services.scheduler.offload.window_hit import GroupWindow, window_hit
 from services.scheduler.request import Request
 from shared.protocol.kv_transfer import KVTransfer
 
@@ -103,11 +110,12 @@ class OffloadConnector:
             g for g, group in enumerate(config.kv_cache_groups) if group.spec.prefix_cacheable
         ]
         self.all_groups_cacheable = len(self.groups) == len(config.kv_cache_groups)
-        # Loads restore every block of the run in every group, which is exact only where any
-        # prefix of a hit is a hit (full attention); sliding-window groups would need the
-        # window coverage of services.kvstore.sliding_window: until then they only store.
+        # Full attention loads every chunk of the hit, a sliding window only the chunks of its
+        # coverage (window + tokens retained for speculation, CONTRACTS.md) ending at the hit.
+        self.windows = [_group_window(g, config) for g in self.groups]
         self.loads_supported = self.all_groups_cacheable and all(
-            isinstance(group.spec, FullAttentionSpec) for group in config.kv_cache_groups
+            isinstance(group.spec, FullAttentionSpec | SlidingWindowSpec)
+            for group in config.kv_cache_groups
         )
         self.space = space
         self.lookup = lookup
@@ -182,44 +190,72 @@ class OffloadConnector:
             return Admission("compute", hit_blocks, num_hit)
         first = num_hit // self.block_size
         cap = self._max_hit_blocks(request)
-        run, unknown = self._leading_run(request, first, cap)
-        if unknown and state.defers < self.max_defers:
-            state.defers += 1
-            self.stats.defers += 1
-            return DEFER
+        end = self._hit_end(request, hit_blocks, first, cap, settle=False)
+        if end is None:
+            if state.defers < self.max_defers:
+                state.defers += 1
+                self.stats.defers += 1
+                return DEFER
+            end = self._hit_end(request, hit_blocks, first, cap, settle=True)
+        assert end is not None
         self.stats.external_query_tokens += (cap - first) * self.block_size
-        if run == 0 or len(self.loading) >= self.max_loading:
+        run = end - first
+        if run <= 0 or len(self.loading) >= self.max_loading:
             return Admission("compute", hit_blocks, num_hit)
+        held = self._held_for_load(kv, hit_blocks, first, end)
         num_load = run * self.block_size
-        new_blocks = allocate_for_load(kv, request, hit_blocks, num_hit, num_load)
+        new_blocks = allocate_for_load(kv, request, held, num_hit, num_load)
         if new_blocks is None:
             return DEFER  # no room for the load: no room to compute it either (FCFS head)
-        self._start_load(request, state, first, run, num_hit, new_blocks, kv)
+        self._start_load(request, state, first, end, num_hit, new_blocks, kv)
         return LOADING
 
     def _max_hit_blocks(self, request: Request) -> int:
         # A hit is capped at num_tokens - 1: the last token is recomputed for its logits.
         return min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
 
-    def _leading_run(self, request: Request, first: int, cap: int) -> tuple[int, bool]:
-        """Blocks from `first` present in every group, and whether an unknown verdict cut the
-        run (then the answer may grow next step)."""
+    def _hit_end(
+        self, request: Request, hit_blocks: KVCacheBlocks, first: int, cap: int, *, settle: bool
+    ) -> int | None:
+        """The hit's end in chunks (see `window_hit`), or None to ask again next step. With
+        `settle` (the request deferred often enough) an unanswered key counts as a miss."""
         rid = request.request_id
-        for i in range(first, cap):
-            for g in self.groups:
-                verdict = self.lookup.lookup(rid, OffloadKey(request.block_hashes[i], g))
-                if verdict is None:
-                    return i - first, True
-                if not verdict:
-                    return i - first, False
-        return cap - first, False
+        hashes = request.block_hashes
+
+        def verdict_of(i: int, g: int) -> Verdict:
+            answer = self.lookup.lookup(rid, OffloadKey(hashes[i], g))
+            if answer is None:
+                return Verdict.MISS if settle else Verdict.RETRY
+            return Verdict.HIT if answer else Verdict.MISS
+
+        def local_has(i: int, g: int) -> bool:
+            return not hit_blocks[g][i].is_null
+
+        return window_hit(self.windows, verdict_of, first, cap, local_has)
+
+    def _held_for_load(
+        self, kv: KVCacheManager, hit_blocks: KVCacheBlocks, first: int, end: int
+    ) -> KVCacheBlocks:
+        """The blocks the request holds before the loaded ones, per group: its local hit, and
+        in a sliding group the null block wherever the hit's window does not reach (so the
+        allocation takes exactly the blocks the load fills)."""
+        null = kv.pool.null_block
+        held = [list(blocks) for blocks in hit_blocks]
+        for window in self.windows:
+            if window.coverage is None:
+                continue  # full attention holds its whole local hit
+            start = window.chunks(first, end).start
+            blocks = held[window.group]
+            blocks[:start] = [null] * min(start, len(blocks))
+            blocks.extend([null] * (start - len(blocks)))
+        return held
 
     def _start_load(
         self,
         request: Request,
         state: OffloadRequestState,
         first: int,
-        run: int,
+        end: int,
         num_hit: int,
         new_blocks: KVCacheBlocks,
         kv: KVCacheManager,
@@ -228,13 +264,18 @@ class OffloadConnector:
         names: list[str] = []
         groups: list[int] = []
         block_ids: list[int] = []
-        for i in range(first, first + run):
-            for g in self.groups:
+        loaded = [window.chunks(first, end) for window in self.windows]
+        run = end - first
+        for i in range(first, end):
+            for window, chunk_range in zip(self.windows, loaded, strict=True):
+                if i not in chunk_range:
+                    continue  # before a sliding window: its table entry is the null block
+                g = window.group
                 key = OffloadKey(request.block_hashes[i], g)
                 chunks.append((key, (i + 1) * self.block_size))
                 names.append(self.space.payload_key(key))
                 groups.append(g)
-                block_ids.append(new_blocks[g][i - first].block_id)
+                block_ids.append(new_blocks[g][i - chunk_range.start].block_id)
         tid = next(self._ids)
         transfer = KVTransfer(
             transfer_id=tid,
@@ -289,11 +330,14 @@ class OffloadConnector:
         store, groups, block_ids = offer
         tables = kv.coordinator.get_blocks(rid)
         state = self.states[rid]
+        # The store mask: a chunk is worth storing only where a hit at `end` needs it.
+        useful = [window.chunks(0, end).start for window in self.windows]
         for i in range(begin, end):
-            for g in self.groups:
+            for window, start in zip(self.windows, useful, strict=True):
+                g = window.group
                 block = tables[g][i]
-                if block.is_null:
-                    continue  # skipped (out of a sliding window): nothing to store
+                if block.is_null or i < start:
+                    continue  # out of a sliding window: nothing a hit would read
                 key = OffloadKey(request.block_hashes[i], g)
                 store.chunks.append((key, (i + 1) * self.block_size))
                 groups.append(g)
@@ -384,3 +428,14 @@ class OffloadConnector:
         """Keys the request reported to the tier (loaded or offered), with end positions."""
         state = self.states.get(request_id)
         return state.recorded() if state is not None else []
+
+
+def _group_window(group: int, config: SchedulerConfig) -> GroupWindow:
+    """How group `group` needs the chunks of a hit. A sliding group's coverage counts the
+    `max(0, lookahead - 1)` tokens retained for speculation (CONTRACTS.md), as does its store
+    mask (the widened spec's coverage is the same number)."""
+    spec = config.kv_cache_groups[group].spec
+    if not isinstance(spec, SlidingWindowSpec):
+        return GroupWindow(group)
+    retained = max(0, config.num_spec_tokens - 1)
+    return GroupWindow.sliding(group, spec.sliding_window, config.block_size, retained)
