@@ -31,6 +31,19 @@ TINY_SHAPE: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+#: HF config of a smaller Llama for services.worker.models.random_init.build_random_model
+#: (no checkpoint on disk): host-logic tests that need a real model but not a reference.
+RANDOM_TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 64,
+}
+
 
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     """TINY_SHAPE with a 160-wide MLP, untied unless overridden."""

@@ -10,17 +10,7 @@ from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, 
 from services.worker.cuda_layers import GemvLinear, TritonRMSNorm, install_cuda_kernels
 from services.worker.kv_cache import KVCache
 from services.worker.models.random_init import build_random_model
-
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-}
+from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
 
 def test_graph_sizes_cover_every_batch_up_to_the_maximum() -> None:
@@ -39,7 +29,7 @@ def test_graph_sizes_cover_every_batch_up_to_the_maximum() -> None:
 
 
 def _graphs(max_num_reqs: int = 6) -> DecodeGraphs:
-    model, config = build_random_model(TINY, torch.float32, "cpu")
+    model, config = build_random_model(RANDOM_TINY_LLAMA, torch.float32, "cpu")
     kv = KVCache.allocate(config, 16, 4, torch.float32, "cpu")
     return DecodeGraphs(
         model, kv.layers, max_num_reqs=max_num_reqs, max_blocks_per_req=5, max_model_len=20,
@@ -80,7 +70,7 @@ def test_fits_only_decode_only_steps_of_a_captured_size() -> None:
 
 
 def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
-    model, _ = build_random_model(TINY, torch.float32, "cpu", seed=1)
+    model, _ = build_random_model(RANDOM_TINY_LLAMA, torch.float32, "cpu", seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(3, 32)
     layer = model.layers[0]

@@ -21,19 +21,9 @@ from services.worker.models.random_init import (
 from services.worker.models.registry import build_model
 from shared.config import WorkerSettings
 from shared.protocol import NewRequestData, SamplingParams, StepPlan
+from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 64,
-    "max_position_embeddings": 64,
-    "attention_bias": True,
-    "eos_token_id": 5,
-}
+TINY = {**RANDOM_TINY_LLAMA, "attention_bias": True, "eos_token_id": 5}
 
 
 def test_llama_3_8b_preset_has_the_real_shape() -> None:
