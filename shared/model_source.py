@@ -95,6 +95,15 @@ def _convert(gguf: Path, out: Path) -> None:
     t0 = time.monotonic()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     log.info("conversion: tokenizer read (%.1f s); dequantizing weights", time.monotonic() - t0)
+    # transformers reads only plain Llama GGUFs faithfully (it turns Mixtral into a randomly
+    # initialised dense Llama); the other families go through the worker's GGUF reader.
+    from services.worker.loader.gguf_convert import needs_own_reader, write_hf_dir
+
+    if needs_own_reader(gguf):
+        write_hf_dir(gguf, out)
+        tok.save_pretrained(out)
+        log.info("conversion done in %.1f s", time.monotonic() - t0)
+        return
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     log.info("conversion: weights dequantized (%.1f s); writing", time.monotonic() - t0)
     model.hf_quantizer = None  # type: ignore[assignment]  # dequantized: no quantizer

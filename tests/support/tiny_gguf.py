@@ -48,6 +48,10 @@ GGUF_FAMILIES: dict[str, tuple[gguf.MODEL_ARCH, dict[str, Any]]] = {
         },
     ),
 }
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
 
 
@@ -111,12 +115,29 @@ def _write_metadata(writer: gguf.GGUFWriter, config: Any, arch: str) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    # A byte-level BPE vocabulary of the model's size (what transformers' GGUF reader converts).
+    tokens, types, merges = _byte_level_vocab(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_chat_template(CHAT_TEMPLATE)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+
+
+def _byte_level_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
+    """A GPT-2 style vocabulary of `size` tokens: 3 control tokens (pad, bos, eos as in the tiny
+    configs), the 256 byte symbols, then merges of two lowercase letters."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = ["<pad>", "<s>", "</s>"]
+    symbols = list(bytes_to_unicode().values())
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pairs = [a + b for a in letters for b in letters][: size - len(specials) - len(symbols)]
+    tokens = specials + symbols + pairs
+    types = [int(gguf.TokenType.CONTROL)] * 3 + [int(gguf.TokenType.NORMAL)] * (size - 3)
+    return tokens, types, [f"{p[0]} {p[1]}" for p in pairs]
 
 
 def _converted_tensors(hf_dir: Path, config: Any, arch: str) -> list[tuple[str, np.ndarray]]:

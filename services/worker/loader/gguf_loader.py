@@ -191,15 +191,15 @@ def iter_gguf(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, to
     for tensor in reader.tensors:
         array = dequantize(tensor.data, tensor.tensor_type)
         array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        experts = expert_hf_names(tensor.name, config.num_experts)
+        experts = expert_hf_names(tensor.name, config.num_experts, arch)
         if experts is not None:
             if array.shape[0] != len(experts):
                 raise UnsupportedModelError(
                     f"GGUF tensor {tensor.name!r} stacks {array.shape[0]} experts, "
                     f"expected {len(experts)}"
                 )
-            for name, expert in zip(experts, array, strict=True):
-                yield name, _torch(expert)
+            for expert_name, expert in zip(experts, array, strict=True):
+                yield expert_name, _torch(expert)
             continue
         name = hf_name(tensor.name, arch)
         if name is None:

@@ -51,11 +51,14 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-#: stacked expert tensors -> the per-expert HF module
+#: Mixtral (llama architecture with experts) keeps its own HF spelling, so that a converted
+#: directory is a Mixtral checkpoint transformers can read
+_MIXTRAL_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"}
+#: stacked expert tensors -> the per-expert HF module (Qwen-MoE, Mixtral spelling)
 EXPERT_NAMES = {
-    "ffn_gate_exps": "gate_proj",
-    "ffn_up_exps": "up_proj",
-    "ffn_down_exps": "down_proj",
+    "ffn_gate_exps": ("mlp", "gate_proj", "w1"),
+    "ffn_up_exps": ("mlp", "up_proj", "w3"),
+    "ffn_down_exps": ("mlp", "down_proj", "w2"),
 }
 #: architectures whose converter permutes Q/K rows (llama.cpp's LlamaModel and its subclasses)
 PERMUTED_ARCHS = frozenset({"llama"})
@@ -72,7 +75,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     match = _LAYER_RE.match(gguf_name)
     if match:
         layer, module, kind = match.groups()
-        names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        names = _LAYER_NAMES
+        if arch == "gemma3":
+            names = _GEMMA_LAYER_NAMES
+        elif arch == "llama":
+            names = _MIXTRAL_LAYER_NAMES
         if module not in names:
             raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no mapping")
         return f"model.layers.{layer}.{names[module]}.{kind}"
@@ -84,13 +91,16 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return f"{_GLOBAL_NAMES[module]}.{kind}"
 
 
-def expert_hf_names(gguf_name: str, num_experts: int) -> list[str] | None:
+def expert_hf_names(gguf_name: str, num_experts: int, arch: str = "") -> list[str] | None:
     """Per-expert HF names (expert order) of a stacked expert tensor; None if it is not one."""
     match = _LAYER_RE.match(gguf_name)
     if not match or match[2] not in EXPERT_NAMES or match[3] != "weight":
         return None
-    part = EXPERT_NAMES[match[2]]
-    return [f"model.layers.{match[1]}.mlp.experts.{e}.{part}.weight" for e in range(num_experts)]
+    module, part, mixtral_part = EXPERT_NAMES[match[2]]
+    if arch == "llama":
+        module, part = "block_sparse_moe", mixtral_part
+    prefix = f"model.layers.{match[1]}.{module}.experts"
+    return [f"{prefix}.{e}.{part}.weight" for e in range(num_experts)]
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

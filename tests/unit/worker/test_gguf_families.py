@@ -11,10 +11,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.worker.loader import load_model
 from services.worker.loader.gguf_loader import hf_name
 from services.worker.models.config import UnsupportedModelError
+from shared.model_source import resolve_model
 from shared.protocol import SamplingParams
 from tests.support.grouped_plans import GroupedPlanDriver
 from tests.support.tiny_gguf import GGUF_FAMILIES, make_tiny_gguf
@@ -89,6 +91,33 @@ def test_gguf_family_switches(
     assert moe.moe_layers == [0, 1, 2] and moe.moe_intermediate_size == 48
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_model_source_converts_gguf_through_our_reader(
+    files: dict[str, tuple[Path, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    family: str,
+) -> None:
+    """MESHLLM_MODEL=<file>.gguf: the cached HF dir holds the file's model (transformers' own
+    GGUF reader would give Mixtral random dense MLPs and fails on Qwen2-MoE), its tokenizer and
+    chat template; transformers itself reads that dir back to the original logits."""
+    path, reference = tiny(files, tmp_path_factory, family)
+    source = resolve_model(str(path), tmp_path)
+    assert source.hf_dir != path and source.name == family
+    _, config = load_model(source, torch.float32)
+    assert config.architecture == type(reference).__name__
+    converted = AutoModelForCausalLM.from_pretrained(source.hf_dir).eval()
+    torch.testing.assert_close(
+        reference_logits(converted, PROMPT), reference_logits(reference, PROMPT), rtol=0, atol=1e-5
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
+    assert tokenizer.convert_ids_to_tokens([259, 260]) == ["aa", "ab"]
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<s>user: hi</s><s>assistant: "
+
+
 def test_gguf_names_per_architecture() -> None:
     assert hf_name("blk.2.attn_q_norm.weight", "qwen3") == "model.layers.2.self_attn.q_norm.weight"
     assert hf_name("blk.0.ffn_norm.weight", "qwen2") == (
@@ -99,6 +128,10 @@ def test_gguf_names_per_architecture() -> None:
     )
     assert hf_name("blk.1.ffn_gate_inp_shexp.weight", "qwen2moe") == (
         "model.layers.1.mlp.shared_expert_gate.weight"
+    )
+    assert hf_name("blk.1.ffn_gate_inp.weight", "qwen3moe") == "model.layers.1.mlp.gate.weight"
+    assert hf_name("blk.1.ffn_gate_inp.weight", "llama") == (
+        "model.layers.1.block_sparse_moe.gate.weight"  # Mixtral's spelling
     )
     with pytest.raises(UnsupportedModelError, match="no mapping"):
         hf_name("blk.0.ssm_conv1d.weight", "qwen2")
