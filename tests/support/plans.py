@@ -21,6 +21,25 @@ from shared.protocol import (
 )
 
 
+def new_request(
+    request_id: str,
+    tokens: list[int],
+    blocks: list[int],
+    computed: int = 0,
+    sampling: SamplingParams | None = None,
+) -> NewRequestData:
+    """A new request whose `tokens` are all prompt, its blocks in one KV cache group; greedy
+    unless `sampling` is given."""
+    return NewRequestData(
+        request_id=request_id,
+        token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        block_ids=[blocks],
+        num_computed_tokens=computed,
+        sampling=sampling or SamplingParams(temperature=0.0),
+    )
+
+
 @dataclass
 class DriverRequest:
     request_id: str

@@ -32,6 +32,7 @@ from shared.protocol import (
     SamplingParams,
     StepPlan,
 )
+from tests.support.plans import new_request
 from tests.support.redis_server import RedisServer
 from tests.support.tiny_llama import LogitsCapture, make_tiny_llama, tiny_runner
 
@@ -105,15 +106,8 @@ def offload(tiny_dir: Path, redis_url: str) -> Iterator[tuple[ModelRunner, Waite
     runner.kv_connector.close()
 
 
-def new_request(rid: str, blocks: list[int], computed: int = 0) -> NewRequestData:
-    return NewRequestData(
-        request_id=rid,
-        token_ids=PROMPT,
-        num_prompt_tokens=len(PROMPT),
-        block_ids=[blocks],
-        num_computed_tokens=computed,
-        sampling=GREEDY,
-    )
+def prompt_request(rid: str, blocks: list[int], computed: int = 0) -> NewRequestData:
+    return new_request(rid, PROMPT, blocks, computed, GREEDY)
 
 
 def cached(rid: str, computed: int) -> CachedRequestData:
@@ -134,7 +128,7 @@ def prefill_and_store(runner: ModelRunner, waiter: Waiter, chunk_keys: list[str]
     plan = StepPlan(
         step_id=0,
         scheduler_id="s",
-        new_requests=[new_request("a", [1, 2, 3, 4])],
+        new_requests=[prompt_request("a", [1, 2, 3, 4])],
         num_scheduled_tokens={"a": len(PROMPT)},
         kv_stores=[transfer("store-a", chunk_keys, [1, 2, 3])],
     )
@@ -163,7 +157,7 @@ def test_blocks_stored_then_loaded_into_other_ids_give_the_same_logits(
             step_id=1,
             scheduler_id="s",
             finished_request_ids=["a"],
-            new_requests=[new_request("b", [20, 21, 22, 23], computed=12)],
+            new_requests=[prompt_request("b", [20, 21, 22, 23], computed=12)],
             kv_loads=[load],
         )
     )
@@ -190,7 +184,7 @@ def test_blocks_stored_then_loaded_into_other_ids_give_the_same_logits(
             step_id=3,
             scheduler_id="s",
             preempted_request_ids=["b"],
-            new_requests=[new_request("c", [30, 31, 32, 33], computed=12)],
+            new_requests=[prompt_request("c", [30, 31, 32, 33], computed=12)],
             num_scheduled_tokens={"c": 1},
         )
     )
