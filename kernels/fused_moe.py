@@ -72,7 +72,8 @@ def _moe_gemm_kernel(
             other=0.0,
         )
         if FP32_DOT:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            # ieee: on a GPU an fp32 tl.dot defaults to TF32 (10-bit mantissa, ~1e-2 error)
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, b)
     if MUL_WEIGHT:
@@ -147,7 +148,8 @@ def _grouped_gemm(
         BLOCK_K=32,
         A_PER_TOKEN=weights is None,
         MUL_WEIGHT=weights is not None,
-        FP32_DOT=interpreting(),
+        # fp32 weights get an exact fp32 product (not TF32); the interpreter needs fp32 for bf16
+        FP32_DOT=interpreting() or a.dtype == torch.float32,
     )
 
 
