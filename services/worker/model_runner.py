@@ -111,6 +111,7 @@ class ModelRunner:
                 max_num_reqs=max_num_reqs,
                 max_model_len=self.max_model_len,
                 device=self.device,
+                target=model,
             )
             if speculative and speculative.enabled
             else None
@@ -238,10 +239,10 @@ class ModelRunner:
             self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
         if inputs.num_drafts is not None:
-            return self._propose(verify_and_sample(self, hidden, inputs, plan))
+            return self._propose(verify_and_sample(self, hidden, inputs, plan), hidden, inputs)
         sample_idx = np.flatnonzero(inputs.sample_mask)
         if not sample_idx.size:
-            return []
+            return self._propose([], hidden, inputs)
         last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
         logits = self.model.compute_logits(hidden[self._to_device(last_rows)])
         rows = inputs.rows[sample_idx]
@@ -253,12 +254,20 @@ class ModelRunner:
         self.batch.append_sampled(rows, tokens)
         self.sampler.record_sampled(rows_t, out.token_ids)
         return self._propose(
-            self._sampled_tokens([inputs.request_ids[i] for i in sample_idx], rows, tokens, out)
+            self._sampled_tokens([inputs.request_ids[i] for i in sample_idx], rows, tokens, out),
+            hidden,
+            inputs,
         )
 
-    def _propose(self, sampled: list[SampledTokens]) -> list[SampledTokens]:
-        """Attach each sampled request's drafts for its next step (speculative decoding)."""
-        if self.drafter is None or not sampled:
+    def _propose(
+        self, sampled: list[SampledTokens], hidden: torch.Tensor, inputs: StepInputs
+    ) -> list[SampledTokens]:
+        """Attach each sampled request's drafts for its next step (speculative decoding). An
+        EAGLE drafter first takes the step's hidden states (every row, sampled or not)."""
+        if self.drafter is None:
+            return sampled
+        self.drafter.observe(self.batch, hidden, inputs.rows, inputs.query_lens, inputs.seq_lens)
+        if not sampled:
             return sampled
         rows = np.array([self.batch.req_rows[s.request_id] for s in sampled], dtype=np.int64)
         for s, drafts in zip(sampled, self.drafter.propose(self.batch, rows), strict=True):

@@ -14,14 +14,20 @@ one token per step, unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.spec.config import SpeculativeConfig
 from services.worker.spec.draft_model import DraftModelDrafter, load_d2t
+from services.worker.spec.eagle_drafter import EagleDrafter
 from services.worker.spec.ngram import NgramProposer
 from shared.protocol import SamplingParams, StepPlan
+
+if TYPE_CHECKING:
+    from services.worker.models.base import CausalLM
 
 
 def stage_drafts(
@@ -58,7 +64,8 @@ def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool
 
 class Drafter:
     """Proposes each sampled request's drafts for the next step: prompt lookup ("ngram") or a
-    separate draft model ("draft", services/worker/spec/draft_model.py)."""
+    separate draft model ("draft", services/worker/spec/draft_model.py) or an EAGLE head fed
+    the target's features ("eagle", eagle.py / eagle_drafter.py; needs `target`)."""
 
     def __init__(
         self,
@@ -68,6 +75,7 @@ class Drafter:
         max_num_reqs: int = 256,
         max_model_len: int = 2048,
         device: torch.device | str = "cpu",
+        target: CausalLM | None = None,
     ) -> None:
         self.config = config
         self.proposer = NgramProposer(
@@ -89,10 +97,34 @@ class Drafter:
                 d2t=load_d2t(config.model),
                 device=device,
             )
-        elif config.method != "ngram":
-            raise ValueError(
-                f"MESHLLM_SPEC_METHOD={config.method!r} is not available yet (ngram, draft)"
+        self.eagle: EagleDrafter | None = None
+        if config.method == "eagle":
+            if not config.model:
+                raise ValueError("MESHLLM_SPEC_METHOD=eagle needs MESHLLM_SPEC_MODEL (the head)")
+            if target is None:
+                raise ValueError("an EAGLE drafter needs the target model")
+            from services.worker.spec.eagle import load_eagle_head
+
+            dtype = next(target.parameters()).dtype
+            head, d2t = load_eagle_head(config.model, dtype, device, max_model_len)
+            self.eagle = EagleDrafter(
+                head, target, vocab_size, max_num_reqs, max_model_len, d2t=d2t, device=device
             )
+        elif config.method not in ("ngram", "draft"):
+            raise ValueError(f"unknown MESHLLM_SPEC_METHOD={config.method!r} (ngram, draft, eagle)")
+
+    def observe(
+        self,
+        batch: InputBatch,
+        hidden: torch.Tensor,
+        rows: np.ndarray,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> None:
+        """After each forward (sampled or not): the EAGLE head takes the step's target
+        features; other drafters need nothing."""
+        if self.eagle is not None:
+            self.eagle.observe(batch, hidden, rows, query_lens, seq_lens)
 
     def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
         """Drafts per row (possibly empty), from the row's verified tokens. K is capped so the
@@ -108,6 +140,8 @@ class Drafter:
                 ks.append(min(self.config.num_spec_tokens, room))
         if self.draft_model is not None:
             return self.draft_model.propose(batch, rows, ks)
+        if self.eagle is not None:
+            return self.eagle.propose(batch, rows, ks)
         return [
             self.proposer.propose(batch.token_ids[row, : int(batch.num_tokens[row])], k)
             if k

@@ -1,0 +1,131 @@
+"""EAGLE speculative decoding on SmolLM2 with a random-weight head (hidden 576), loaded from a
+checkpoint dir the way a worker loads MESHLLM_SPEC_MODEL.
+
+Greedy output with the head equals greedy output without speculation, token for token, alone
+and batched. The head's incremental state (features fed step by step into its private KV
+cache) is checked against a from-scratch run of the same head over the same tokens: every
+draft proposed during generation must equal the draft a fresh head proposes after one
+prefill over the whole prefix.
+
+The head is random but built near the identity (fc passes the feature through, small random
+layers on top): its drafts are then the target's own previous predictions, perturbed through
+the head's attention, so some are accepted and multi-token catch-ups happen.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from services.worker.attention import AttentionMetadata
+from services.worker.input_batch import InputBatch
+from services.worker.kv_cache import KVCache
+from services.worker.loader import load_model
+from services.worker.spec import SpeculativeConfig
+from services.worker.spec.eagle import EagleHead, random_eagle_head, save_eagle_head
+from services.worker.spec.eagle_drafter import EagleDrafter
+from shared.protocol import SamplingParams
+from tests.support.engine import InProcessEngine
+
+TEXTS = {"a": "The capital of France is", "b": "ha ha ha ha ha ha ha ha"}  # b: repeats
+NEW_TOKENS = 8
+K = 3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def near_identity_head(target_dir, max_model_len: int) -> EagleHead:
+    hf = json.loads((target_dir / "config.json").read_text())
+    hf.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+    head = random_eagle_head(hf, max_model_len=max_model_len, seed=3, std=0.005)
+    hidden = head.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight[:, hidden:] += torch.eye(hidden)  # g starts as the target's feature
+    return head
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_dir, tmp_path_factory):
+    target = load_model(smollm2_dir, torch.float32)
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    prompts = {rid: tokenizer.encode(text).ids for rid, text in TEXTS.items()}
+    head_dir = tmp_path_factory.mktemp("eagle")
+    head = near_identity_head(smollm2_dir, 4096)
+    save_eagle_head(head, head_dir)
+    plain = InProcessEngine(smollm2_dir, model_and_config=target).generate(prompts, GREEDY)
+    reference = {rid: gen.token_ids for rid, gen in plain.items()}
+    return smollm2_dir, target, prompts, head_dir, reference
+
+
+def eagle_engine(setup, **options: object) -> InProcessEngine:
+    target_dir, target, _, head_dir, _ = setup
+    spec = SpeculativeConfig(method="eagle", model=str(head_dir), num_spec_tokens=K)
+    return InProcessEngine(target_dir, model_and_config=target, speculative=spec, **options)
+
+
+def test_greedy_output_with_eagle_equals_plain_decoding_alone(setup) -> None:
+    _, _, prompts, _, reference = setup
+    engine = eagle_engine(setup)
+    out = engine.generate({"a": prompts["a"]}, GREEDY)
+    assert out["a"].token_ids == reference["a"]
+    assert engine.scheduler.spec.stats.num_draft_tokens > 0
+
+
+def test_batched_drafts_match_a_fresh_head_and_output_is_exact(setup) -> None:
+    _, target, prompts, _, reference = setup
+    engine = eagle_engine(setup, enable_prefix_caching=False)
+    drafter = engine.runner.drafter
+    assert drafter is not None and drafter.eagle is not None
+    eagle = drafter.eagle
+    calls: list[tuple[list[int], list[int], torch.Tensor]] = []
+    propose = eagle.propose
+
+    def recording(batch, rows, ks):
+        result = propose(batch, rows, ks)
+        for row, drafts in zip(rows.tolist(), result, strict=True):
+            if drafts:
+                tokens = batch.token_ids[row, : batch.num_tokens[row]].tolist()
+                calls.append((tokens, drafts, eagle.last[row].clone()))
+        return result
+
+    eagle.propose = recording  # type: ignore[method-assign]
+    out = engine.generate(prompts, GREEDY)
+    assert {rid: gen.token_ids for rid, gen in out.items()} == reference
+    stats = engine.scheduler.spec.stats
+    assert stats.num_accepted_tokens > 0  # some catch-ups span accepted drafts
+    assert len(calls) >= 2 * (NEW_TOKENS // (K + 1))
+    for tokens, drafts, g in calls:
+        fresh, fresh_g = fresh_drafts(eagle.head, target[0], tokens, len(drafts))
+        # g (the head's output at the newest pair) attends over every earlier pair's KV: any
+        # misplaced or stale pair moves it far beyond the float noise of other batch shapes.
+        torch.testing.assert_close(g, fresh_g, atol=1e-3, rtol=1e-3)
+        assert fresh == drafts
+
+
+def fresh_drafts(
+    head: EagleHead, target: torch.nn.Module, tokens: list[int], k: int
+) -> tuple[list[int], torch.Tensor]:
+    """(drafts, g at the newest pair) of a new head after one prefill over `tokens` (the
+    target's features from one fresh forward over them)."""
+    n = len(tokens)
+    kv = KVCache.allocate(target.config, -(-n // 16), 16, torch.float32, "cpu")
+    attn = AttentionMetadata.build(
+        query_lens=np.array([n - 1]),
+        seq_lens=np.array([n - 1]),
+        block_tables=np.arange(-(-n // 16))[None, :],
+        block_size=16,
+        slot_mapping=np.arange(n - 1),
+    )
+    with torch.inference_mode():
+        hidden = target(torch.tensor(tokens[:-1]), torch.arange(n - 1), attn, kv.layers)
+    batch = InputBatch(1, 4096, 16)
+    batch.row_req[0] = "fresh"
+    batch.token_ids[0, :n] = tokens
+    batch.num_tokens[0] = n
+    batch.num_computed_tokens[0] = n - 1
+    drafter = EagleDrafter(head, target, target.config.vocab_size, 1, 4096)
+    drafter.observe(batch, hidden, np.array([0]), np.array([n - 1]), np.array([n - 1]))
+    return drafter.propose(batch, np.array([0]), [k])[0], drafter.last[0].clone()
