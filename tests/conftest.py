@@ -7,6 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton runs only in its interpreter, and TRITON_INTERPRET must be set before
+# `triton` is first imported (its own library functions are decorated at import). Test modules
+# import triton indirectly (transformers' model modules do), so it is set here, before any test
+# module is collected; tests/kernels/conftest.py only repeats it for runs of that directory.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support.redis_server import RedisServer
 
