@@ -24,6 +24,7 @@ from services.worker.bootstrap import build_runner
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import is_random_spec, random_source
+from services.worker.step_thread import StepThread
 from shared.config import WorkerSettings
 from shared.metrics import metric_name
 from shared.model_source import resolve_model
@@ -53,6 +54,7 @@ class WorkerService(Service):
         self.steps_run = 0
         self.scheduler_incarnation = ""
         self._busy = asyncio.Lock()
+        self.step_thread = StepThread()  # every forward on one OS thread (step_thread.py)
         self.kv_pump: KVTransferPump | None = None  # KV offload transfers (settings.kv_offload)
 
     async def start(self) -> None:
@@ -65,7 +67,7 @@ class WorkerService(Service):
             source = resolve_model(
                 self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
             )
-        self.runner, self.announcement = await asyncio.to_thread(
+        self.runner, self.announcement = await self.step_thread.run(
             build_runner, source, self.settings, self.incarnation
         )
         if self.settings.kv_offload:
@@ -78,6 +80,7 @@ class WorkerService(Service):
                 self.bus,
                 self.streams.results(self.settings.group),
                 self._busy,
+                self.step_thread,
             )
             self.runner.kv_connector = self.kv_pump.connector
             self.announcement.kv_chunk_bytes = self.kv_pump.connector.chunk_bytes
@@ -123,7 +126,7 @@ class WorkerService(Service):
         async with self._busy:
             t0 = time.perf_counter()
             try:
-                result = await asyncio.to_thread(runner.execute, plan)
+                result = await self.step_thread.run(runner.execute, plan)
             except Exception as exc:
                 log.exception("step %d failed", plan.step_id)
                 STEP_FAILURES.inc()

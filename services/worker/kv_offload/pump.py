@@ -19,6 +19,7 @@ from prometheus_client import Counter
 from services.worker.kv_cache import KVCache
 from services.worker.kv_offload.connector import KVConnector
 from services.worker.kv_offload.wiring import build_connector
+from services.worker.step_thread import StepThread
 from shared.bus import Bus
 from shared.config import WorkerSettings
 from shared.metrics import metric_name
@@ -42,10 +43,17 @@ KV_TRANSFER_SECONDS = Counter(
 
 
 class KVTransferPump:
-    def __init__(self, bus: Bus, results_stream: str, step_lock: asyncio.Lock) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        results_stream: str,
+        step_lock: asyncio.Lock,
+        step_thread: StepThread | None = None,
+    ) -> None:
         self.bus = bus
         self.results_stream = results_stream
         self.step_lock = step_lock
+        self.step_thread = step_thread or StepThread("kv-apply")
         self.connector: KVConnector | None = None
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -67,7 +75,7 @@ class KVTransferPump:
             return
         if connector.has_ready_loads():
             async with self.step_lock:
-                await asyncio.to_thread(connector.apply_ready_loads)
+                await self.step_thread.run(connector.apply_ready_loads)
         await self.publish()
 
     async def publish(self) -> None:
@@ -105,9 +113,10 @@ def attach_kv_offload(
     bus: Bus,
     results_stream: str,
     step_lock: asyncio.Lock,
+    step_thread: StepThread | None = None,
 ) -> KVTransferPump:
     """A pump with its connector (call on the event loop); the caller sets the runner's
     `kv_connector` to `pump.connector` and runs `pump.run`."""
-    pump = KVTransferPump(bus, results_stream, step_lock)
+    pump = KVTransferPump(bus, results_stream, step_lock, step_thread)
     pump.connector = build_connector(settings, kv_cache, config, model_name, incarnation, pump.wake)
     return pump
