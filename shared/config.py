@@ -114,6 +114,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_cache_bytes: int = 0  # 0 = kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.3
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    # Launch step N+1 while step N still runs on the device (its sampled tokens fed forward on
+    # the device; services/worker/in_flight.py). "auto": on for CUDA, off on CPU, where a step
+    # is computed while it is launched and holding its result back would only add latency.
+    overlap_steps: Literal["auto", "on", "off"] = "auto"
     # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
     kv_offload: bool = True
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -153,14 +154,18 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        feed: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Replay the graph for len(input_ids) decodes; returns hidden [n, H] (a view of the
-        graph's static output: valid until the next replay)."""
+        graph's static output: valid until the next replay). `feed(ids)` may then overwrite
+        device token ids that the host does not have yet (in_flight.py)."""
         n = len(input_ids)
         size = padded_size(n, self.sizes)
         if size is None or size not in self.graphs:
             raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
         self._stage(n, size, input_ids, positions, slot_mapping, seq_lens, block_tables)
+        if feed is not None:
+            feed(self.input_ids.gpu[:n])
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

@@ -10,6 +10,12 @@
 4. appends each sampled token to its request (the next plan schedules it without resending),
    advances num_computed_tokens, and returns the sampled tokens.
 
+`execute` is `finish(launch(plan))`. Split, they let a GPU worker overlap steps (asynchronous
+scheduling, in_flight.py): `launch` queues step N's work on the device and starts copying its
+sampled tokens to the host without waiting; step N+1 can be launched before `finish(N)`, its
+inputs for N's tokens gathered on the device. `can_overlap(plan)` says when that is allowed:
+drafts, grammars, routed experts and KV transfers need their step's tokens on the host first.
+
 A plan that does not fit the batch raises `PlanError` before the model runs; part of its diff
 may already be applied, so the caller `reset()`s the runner and the scheduler recomputes the
 requests (as after any failed step).
@@ -30,6 +36,7 @@ from services.worker.attention_select import TritonAttentionMetadata, build_atte
 from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.cuda_layers import install_cuda_kernels
 from services.worker.group_attention import group_attention, needs_group_attention
+from services.worker.in_flight import InFlightTokens, PendingFeed
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.kv_cache import KVCache
 from services.worker.models.base import CausalLM
@@ -39,12 +46,12 @@ from services.worker.sampling import SamplerOutput, SamplingState
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.drafts import Drafter, stage_drafts
 from services.worker.spec.verify_step import verify_and_sample
-from shared.protocol import SampledTokens, StepPlan, StepResult
+from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
     from services.worker.kv_offload.connector import KVConnector
 
-__all__ = ["ModelRunner", "PlanError", "StepInputs"]
+__all__ = ["LaunchedStep", "ModelRunner", "PlanError", "StepInputs"]
 
 
 @dataclass
@@ -60,6 +67,18 @@ class StepInputs:
     slot_mapping: np.ndarray  # [T]
     sample_mask: np.ndarray  # [R] bool: this request gets a token this step
     num_drafts: np.ndarray | None = None  # [R] drafts verified this step (None: no drafts)
+    flat_rows: np.ndarray | None = None  # [T] batch row of every flat token
+    fed: np.ndarray | None = None  # flat indices whose token is still only on the device
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued: `finish` turns it into the StepResult."""
+
+    step_id: int
+    started: float
+    tokens: InFlightTokens | None = None  # sampled tokens on their way to the host
+    sampled: list[SampledTokens] | None = None  # or: the results already assembled
 
 
 class ModelRunner:
@@ -122,34 +141,72 @@ class ModelRunner:
             install_cuda_kernels(model)
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
+        # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
+        self.feed = PendingFeed(max_num_reqs, self.device)
 
     # -- one step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        started = time.perf_counter()
+        return self.finish(self.launch(plan))
+
+    def can_overlap(self, plan: StepPlan) -> bool:
+        """May the next plan be launched before this one's `finish`? Not when a step's tokens
+        must be on the host before the next step is planned or run: drafts (proposed from
+        them), grammars (the scheduler advances the matcher), routed experts (recorded on the
+        host) and KV transfers (copies the connector runs between steps)."""
+        return not (
+            self.drafter is not None
+            or plan.spec_token_ids
+            or plan.grammar_request_ids
+            or plan.kv_stores
+            or plan.kv_loads
+            or self.routed_experts.wanted
+        )
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Apply the plan and queue its work; the sampled tokens may still be on the device."""
+        step = LaunchedStep(plan.step_id, time.perf_counter())
         if self.kv_connector is not None:  # finished loads into their blocks; queue new ones
             self.kv_connector.before_forward(plan)
         self._apply(plan)
-        sampled: list[SampledTokens] = []
         if plan.num_scheduled_tokens:
             inputs = self.prepare_inputs(plan)
-            sampled = self._run(inputs, plan)
+            out = self._run(inputs, plan)
+            if isinstance(out, InFlightTokens):
+                step.tokens = out
+            else:
+                step.sampled = out
         if self.kv_connector is not None:  # stores leave the blocks before the next plan
             self.kv_connector.after_forward(plan)
+        return step
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Wait for the step's tokens, append them to their requests, and build the result."""
+        sampled = step.sampled or []
+        if step.tokens is not None:
+            sampled = self._land(step.tokens)
         return StepResult(
-            step_id=plan.step_id,
+            step_id=step.step_id,
             worker_id=self.worker_id,
             worker_incarnation=self.worker_incarnation,
             sampled=sampled,
-            execute_ms=(time.perf_counter() - started) * 1000.0,
+            execute_ms=(time.perf_counter() - step.started) * 1000.0,
         )
+
+    def _land(self, tokens: InFlightTokens) -> list[SampledTokens]:
+        tokens.wait()
+        live = self.feed.landed(tokens)
+        host_ids = tokens.host.token_ids.numpy()
+        self.batch.append_sampled(tokens.rows[live], host_ids[live])
+        return self._sampled_tokens(tokens, host_ids)
 
     def _apply(self, plan: StepPlan) -> None:
         changes = self.batch.apply(plan)
         self.routed_experts.apply(plan)
         for row in changes.removed_rows:
             self.sampler.remove_request(row)
+            self.feed.drop(row)
         for row, new in changes.added:
             try:
                 self.sampler.add_request(
@@ -166,6 +223,7 @@ class ModelRunner:
         """Forget every request (after a failed step: the scheduler recomputes them). The KV
         cache tensors stay; their contents are simply no longer referenced."""
         self.routed_experts.clear()
+        self.feed.clear()
         for request_id in list(self.batch.req_rows):
             row = self.batch.remove(request_id)
             if row is not None:
@@ -187,7 +245,7 @@ class ModelRunner:
         ids = [ids[i] for i in order]
         starts = batch.num_computed_tokens[rows]
         ends = starts + counts
-        known = batch.num_tokens[rows]
+        known = batch.num_tokens[rows] + self.feed.pending(rows)  # + a token still on the device
         num_drafts = stage_drafts(batch, plan, ids, rows) if plan.spec_token_ids else None
         if num_drafts is not None:
             known = known + num_drafts  # drafts are this step's inputs after the known tokens
@@ -196,6 +254,10 @@ class ModelRunner:
         flat_rows = np.repeat(rows, counts)
         positions = np.arange(int(cu[-1])) + np.repeat(starts - (cu - counts), counts)
         blocks = batch.block_tables[0, flat_rows, positions // self.block_size]
+        try:
+            fed = self.feed.gather(flat_rows, positions, batch.num_tokens)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         return StepInputs(
             request_ids=ids,
             rows=rows,
@@ -206,6 +268,8 @@ class ModelRunner:
             slot_mapping=blocks * self.block_size + positions % self.block_size,
             sample_mask=ends == known,
             num_drafts=num_drafts,
+            flat_rows=flat_rows,
+            fed=fed,
         )
 
     def _check(
@@ -232,7 +296,7 @@ class ModelRunner:
                 f"it holds {int(self.batch.num_blocks[0, rows[i]])}"
             )
 
-    def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens]:
+    def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens] | InFlightTokens:
         recording = self.routed_experts.begin(inputs.request_ids)
         hidden = self._forward(inputs, eager=bool(recording))
         if recording:
@@ -250,14 +314,17 @@ class ModelRunner:
         bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
         positions = self._to_device(inputs.seq_lens[sample_idx])  # = tokens before the new one
         out = self.sampler.sample(logits, rows_t, positions, bitmask, bitmask_index=bitmask_index)
-        tokens = out.token_ids.to("cpu", torch.int64).numpy()
-        self.batch.append_sampled(rows, tokens)
         self.sampler.record_sampled(rows_t, out.token_ids)
-        return self._propose(
-            self._sampled_tokens([inputs.request_ids[i] for i in sample_idx], rows, tokens, out),
-            hidden,
-            inputs,
+        tokens = InFlightTokens.start(
+            [inputs.request_ids[i] for i in sample_idx],
+            rows,
+            [self.batch.sampling[int(row)] for row in rows],
+            out,
         )
+        self.feed.launched(tokens, rows_t)
+        if self.drafter is None:
+            return tokens
+        return self._propose(self._land(tokens), hidden, inputs)
 
     def _propose(
         self, sampled: list[SampledTokens], hidden: torch.Tensor, inputs: StepInputs
@@ -289,7 +356,12 @@ class ModelRunner:
             and self.graphs.fits(inputs.query_lens)
         ):
             return self.graphs.run(
-                inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
+                inputs.input_ids,
+                inputs.positions,
+                inputs.slot_mapping,
+                inputs.seq_lens,
+                tables,
+                feed=lambda ids: self._feed_ids(ids, inputs),
             )
         if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
             attn = group_attention(
@@ -309,13 +381,20 @@ class ModelRunner:
                 block_tables=tables,
                 slot_mapping=inputs.slot_mapping,
             )
+        input_ids = self._to_device(inputs.input_ids)
+        self._feed_ids(input_ids, inputs)
         hidden: torch.Tensor = self.model(
-            self._to_device(inputs.input_ids),
-            self._to_device(inputs.positions),
-            attn,
-            self.kv_cache.layers,
+            input_ids, self._to_device(inputs.positions), attn, self.kv_cache.layers
         )
         return hidden
+
+    def _feed_ids(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Write the tokens still on the device (sampled by a step not finished yet) into the
+        step's device input ids, in stream order after that step's sampling."""
+        if inputs.fed is None or inputs.flat_rows is None:
+            return
+        rows = self._to_device(inputs.flat_rows[inputs.fed])
+        input_ids[self._to_device(inputs.fed)] = self.feed.latest[rows]
 
     def _metadata(self, **arrays: np.ndarray) -> AttentionMetadata | TritonAttentionMetadata:
         """Attention metadata for this runner's device (Triton kernels on CUDA)."""
@@ -341,19 +420,19 @@ class ModelRunner:
         )
         return self.graphs.capture()
 
-    def _sampled_tokens(
-        self, ids: list[str], rows: np.ndarray, tokens: np.ndarray, out: SamplerOutput
-    ) -> list[SampledTokens]:
+    def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:
+        out: SamplerOutput = step.host
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
         # model_construct: the values are ints and floats this process just made, so pydantic's
         # per-item validation (~5 us per message) is skipped on this per-step path.
-        for i, (request_id, token) in enumerate(zip(ids, tokens.tolist(), strict=True)):
+        pairs = zip(step.request_ids, tokens.tolist(), strict=True)
+        for i, (request_id, token) in enumerate(pairs):
             fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}
             self.routed_experts.attach(fields, request_id)
-            params = self.batch.sampling[int(rows[i])]
+            params: SamplingParams | None = step.params[i]
             if params is not None and params.logprobs is not None and logprobs is not None:
                 fields["logprobs"] = [logprobs[i]]
                 if params.logprobs and top_ids is not None and top_lp is not None:

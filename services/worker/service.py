@@ -6,7 +6,14 @@ Each plan names the incarnation it was made for: plans for an earlier life of th
 KV cache is gone) are dropped; the scheduler sees the new incarnation in WorkerReady and
 re-sends its requests to be recomputed. WorkerReady is re-announced every heartbeat interval:
 it is the worker's liveness signal for its scheduler and lets a scheduler that starts later
-find it. Steps run in a thread so announcements continue during a long prefill.
+find it. Steps run on one step thread (step_thread.py) so announcements continue during a
+long prefill.
+
+Overlap (settings.overlap_steps, on for CUDA): with asynchronous scheduling the next plan
+arrives while a step still runs on the GPU. It is launched at once, its inputs for the running
+step's tokens gathered on the device (in_flight.py); the running step is answered as soon as its
+tokens reach the host or the next step has been launched, so the GPU never waits for the
+Redis round trip. Results are always published in step order.
 """
 
 from __future__ import annotations
@@ -15,14 +22,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from prometheus_client import Counter, Histogram
 
 from services.worker.bootstrap import build_runner
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import LaunchedStep, ModelRunner
 from services.worker.models.random_init import is_random_spec, random_source
 from services.worker.step_thread import StepThread
 from shared.config import WorkerSettings
@@ -32,6 +40,7 @@ from shared.protocol import StepPlan, StepResult, WorkerReady
 from shared.service import Service
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STEP_EXECUTE = Histogram(
     metric_name("worker_step_execute_seconds"),
@@ -55,6 +64,8 @@ class WorkerService(Service):
         self.scheduler_incarnation = ""
         self._busy = asyncio.Lock()
         self.step_thread = StepThread()  # every forward on one OS thread (step_thread.py)
+        self._in_flight: LaunchedStep | None = None  # launched, not answered yet
+        self._overlap = False  # set once the device is known (settings.overlap_steps)
         self.kv_pump: KVTransferPump | None = None  # KV offload transfers (settings.kv_offload)
 
     async def start(self) -> None:
@@ -67,23 +78,28 @@ class WorkerService(Service):
             source = resolve_model(
                 self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
             )
-        self.runner, self.announcement = await self.step_thread.run(
+        runner, announcement = await self.step_thread.run(
             build_runner, source, self.settings, self.incarnation
         )
+        mode = self.settings.overlap_steps
+        self._overlap = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
         if self.settings.kv_offload:
-            self.kv_pump = attach_kv_offload(
+            pump = attach_kv_offload(
                 self.settings,
-                self.runner.kv_cache,
-                self.runner.config,
-                self.announcement.model,
+                runner.kv_cache,
+                runner.config,
+                announcement.model,
                 self.incarnation,
                 self.bus,
                 self.streams.results(self.settings.group),
                 self._busy,
                 self.step_thread,
             )
-            self.runner.kv_connector = self.kv_pump.connector
-            self.announcement.kv_chunk_bytes = self.kv_pump.connector.chunk_bytes
+            assert pump.connector is not None
+            runner.kv_connector = pump.connector
+            announcement.kv_chunk_bytes = pump.connector.chunk_bytes
+            self.kv_pump = pump
+        self.runner, self.announcement = runner, announcement
 
     async def run(self) -> None:
         steps = self.streams.steps(self.settings.group)
@@ -94,15 +110,49 @@ class WorkerService(Service):
         if self.kv_pump is not None:  # KVTransferDone, and loads applied between steps
             tasks.append(asyncio.create_task(self.kv_pump.run(self.stopping), name="kv-pump"))
         try:
-            while not self.stopping.is_set():
-                for delivery in await self.bus.read(last, count=16, block_ms=500):
-                    if isinstance(delivery.message, StepPlan):
-                        await self._execute(delivery.message)
+            await self._step_loop(last)
         finally:
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def _step_loop(self, last: dict[str, str]) -> None:
+        """Read plans and run them; with overlap, answer the step in flight as soon as its
+        tokens reach the host or the next plan has been launched, whichever comes first."""
+        reading: asyncio.Task[list[Any]] | None = None
+        landing: tuple[LaunchedStep, asyncio.Task[None]] | None = None
+        try:
+            while not self.stopping.is_set():
+                if reading is None:
+                    reading = asyncio.create_task(self.bus.read(last, count=16, block_ms=500))
+                in_flight = self._in_flight
+                if in_flight is not None and (landing is None or landing[0] is not in_flight):
+                    landing = (in_flight, asyncio.create_task(self._tokens_landed(in_flight)))
+                waits: set[asyncio.Task[Any]] = {reading}
+                if landing is not None:
+                    waits.add(landing[1])
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if landing is not None and landing[1] in done:
+                    if landing[0] is self._in_flight:
+                        await self._finish_in_flight()
+                    landing = None
+                if reading in done:
+                    deliveries, reading = reading.result(), None
+                    for delivery in deliveries:
+                        if isinstance(delivery.message, StepPlan):
+                            await self._execute(delivery.message)
+        finally:
+            if reading is not None:
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reading
+            await self._finish_in_flight()
+
+    @staticmethod
+    async def _tokens_landed(step: LaunchedStep) -> None:
+        if step.tokens is not None and not step.tokens.is_ready():
+            await asyncio.to_thread(step.tokens.wait)  # not the step thread: it stays free
 
     async def _announce(self) -> None:
         control = self.streams.control(self.settings.group)
@@ -113,37 +163,88 @@ class WorkerService(Service):
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _execute(self, plan: StepPlan) -> None:
+        """Launch the plan's step; answer the previous one (results go out in step order);
+        answer this one too unless it may stay in flight while the next plan launches."""
         runner = self.runner
         assert runner is not None
         if plan.worker_incarnation != self.incarnation:
             STALE_PLANS.inc()
             return
         if plan.scheduler_incarnation != self.scheduler_incarnation:
+            await self._finish_in_flight()
             if self.scheduler_incarnation:
                 log.info("a new scheduler incarnation: dropping the batch of the previous one")
                 runner.reset()
             self.scheduler_incarnation = plan.scheduler_incarnation
+        if not (self._overlap and runner.can_overlap(plan)):
+            await self._finish_in_flight()
+            await self._run_step(plan, runner.execute, publish=True)
+            return
+        launched = await self._run_step(plan, runner.launch, publish=False)
+        await self._finish_in_flight()  # the previous step: results go out in step order
+        if launched is not None:
+            self._in_flight = launched
+
+    async def _run_step(
+        self, plan: StepPlan, call: Callable[[StepPlan], T], *, publish: bool
+    ) -> T | None:
+        """`call(plan)` on the step thread; a failure resets the runner and answers the plan
+        with an error (after any step still in flight)."""
+        started = time.perf_counter()
         async with self._busy:
-            t0 = time.perf_counter()
             try:
-                result = await self.step_thread.run(runner.execute, plan)
+                out = await self.step_thread.run(call, plan)
             except Exception as exc:
                 log.exception("step %d failed", plan.step_id)
                 STEP_FAILURES.inc()
+                error = self._error_result(plan.step_id, f"{type(exc).__name__}: {exc}")
+                runner = self.runner
+                assert runner is not None
                 runner.reset()
-                result = StepResult(
-                    step_id=plan.step_id,
-                    worker_id=self.settings.instance_id,
-                    worker_incarnation=self.incarnation,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-            STEP_EXECUTE.observe(time.perf_counter() - t0)
+            else:
+                if publish:
+                    STEP_EXECUTE.observe(time.perf_counter() - started)
+                    assert isinstance(out, StepResult)
+                    await self._publish(out)
+                return out
+        await self._finish_in_flight()
+        await self._publish(error)
+        return None
+
+    async def _finish_in_flight(self) -> None:
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        runner = self.runner
+        assert runner is not None
+        async with self._busy:
+            try:
+                result = await self.step_thread.run(runner.finish, step)
+            except Exception as exc:
+                log.exception("step %d failed", step.step_id)
+                STEP_FAILURES.inc()
+                runner.reset()
+                result = self._error_result(step.step_id, f"{type(exc).__name__}: {exc}")
+        STEP_EXECUTE.observe(time.perf_counter() - step.started)
+        await self._publish(result)
+
+    def _error_result(self, step_id: int, error: str) -> StepResult:
+        return StepResult(
+            step_id=step_id,
+            worker_id=self.settings.instance_id,
+            worker_incarnation=self.incarnation,
+            error=error,
+        )
+
+    async def _publish(self, result: StepResult) -> None:
         await self.bus.publish(self.streams.results(self.settings.group), result)
         self.steps_run += 1
 
     async def drain(self) -> None:
         async with self._busy:  # let the step in flight finish and reply
             pass
+        while self._in_flight is not None:  # the step loop answers it on its way out
+            await asyncio.sleep(0.005)
         if self.kv_pump is not None:  # finish queued transfers and answer every one
             await self.kv_pump.close()
 

@@ -13,10 +13,14 @@ from tests.support.mesh import Mesh
 #: Small KV cache (fast to allocate); 1 torch thread: the mesh runs 3+ processes on a 2-core
 #: CI machine, and OpenMP threads spinning against each other make 2 threads far slower.
 #: The context is capped at what that cache holds (the worker refuses a context it cannot hold).
+#: Overlapped steps (the GPU worker's loop: launch, answer the previous step, ...) are forced on
+#: so the API tests run through that loop too; the default CPU loop is what the other e2e
+#: modules' meshes run.
 E2E_ENV = {
     "MESHLLM_KV_CACHE_BYTES": str(256 * 2**20),
     "MESHLLM_MAX_MODEL_LEN": "4096",
     "MESHLLM_NUM_THREADS": "1",
+    "MESHLLM_OVERLAP_STEPS": "on",
 }
 
 

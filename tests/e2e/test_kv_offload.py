@@ -38,7 +38,8 @@ SERVICES = ("gateway", "scheduler", "worker", "kvstore")
 
 @pytest.fixture(scope="module")
 def kv_mesh(smollm2_dir) -> Iterator[Mesh]:
-    mesh = Mesh(services=SERVICES, env={**E2E_ENV, "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5"})
+    env = {**E2E_ENV, "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5", "MESHLLM_OVERLAP_STEPS": "auto"}
+    mesh = Mesh(services=SERVICES, env=env)  # the default CPU step loop (no overlap)
     mesh.extra_env.update(
         {
             "MESHLLM_KVSTORE_URL": mesh.url("kvstore"),

@@ -17,7 +17,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import LaunchedStep, ModelRunner
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
 
@@ -73,6 +73,7 @@ class InProcessEngine:
         )
         self.steps = 0
         self.planned_ahead = 0  # plans made while another step's result was outstanding
+        self.launched_ahead = 0  # steps launched while another step's tokens were unfinished
         self.max_tokens_per_step = 0
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -83,14 +84,19 @@ class InProcessEngine:
         )
         assert delta is None, delta
 
-    def run(self, max_steps: int = 10_000, *, pipeline: bool = False) -> dict[str, Generation]:
+    def run(
+        self, max_steps: int = 10_000, *, pipeline: bool = False, overlap: bool = False
+    ) -> dict[str, Generation]:
         """Step until every submitted request finished; outputs assembled from the deltas.
 
         With `pipeline`, steps are planned as the scheduler service does with async
         scheduling: step N+1 is planned (and executed: the worker runs what it receives) before
-        step N's result is applied, whenever the core allows planning ahead."""
+        step N's result is applied, whenever the core allows planning ahead. With `overlap`
+        (implies pipeline) the runner is driven as the worker service drives a GPU: step N+1 is
+        launched before step N is finished, its inputs fed from N's tokens on the device."""
+        pipeline = pipeline or overlap
         out: dict[str, Generation] = {}
-        pending: deque[tuple[StepPlan, StepResult]] = deque()
+        pending: deque[tuple[StepPlan, StepResult | LaunchedStep]] = deque()
         for _ in range(max_steps):
             depth = 2 if pipeline and self.scheduler.can_pipeline() else 1
             while len(pending) < depth:
@@ -100,19 +106,37 @@ class InProcessEngine:
                 self.max_tokens_per_step = max(
                     self.max_tokens_per_step, sum(plan.num_scheduled_tokens.values())
                 )
-                pending.append((plan, self.runner.execute(plan)))
+                pending.append((plan, self._launch(plan, pending, overlap)))
                 self.planned_ahead += len(pending) > 1
             if not pending:
                 if not self.scheduler.has_work():
                     return out
                 raise AssertionError("scheduler has work but planned nothing")
-            plan, result = pending.popleft()
+            plan, step = pending.popleft()
+            result = self.runner.finish(step) if isinstance(step, LaunchedStep) else step
             update = self.scheduler.update_from_output(plan, result)
             self.steps += 1
             for deltas in update.deltas.values():
                 for delta in deltas:
                     self._apply(out.setdefault(delta.request_id, Generation()), delta)
         raise AssertionError(f"not finished after {max_steps} steps")
+
+    def _launch(
+        self,
+        plan: StepPlan,
+        pending: deque[tuple[StepPlan, StepResult | LaunchedStep]],
+        overlap: bool,
+    ) -> StepResult | LaunchedStep:
+        """What the worker service does with a plan: steps that may not stay in flight are
+        finished before and right after their launch (services/worker/service.py)."""
+        may_overlap = overlap and self.runner.can_overlap(plan)
+        if not may_overlap:
+            for i, (earlier, step) in enumerate(pending):
+                if isinstance(step, LaunchedStep):
+                    pending[i] = (earlier, self.runner.finish(step))
+            return self.runner.execute(plan)
+        self.launched_ahead += any(isinstance(step, LaunchedStep) for _, step in pending)
+        return self.runner.launch(plan)
 
     @staticmethod
     def _apply(gen: Generation, delta: RequestDelta) -> None:
@@ -124,8 +148,13 @@ class InProcessEngine:
             gen.finish_reason = delta.finish_reason
 
     def generate(
-        self, prompts: dict[str, list[int]], params: SamplingParams, *, pipeline: bool = False
+        self,
+        prompts: dict[str, list[int]],
+        params: SamplingParams,
+        *,
+        pipeline: bool = False,
+        overlap: bool = False,
     ) -> dict[str, Generation]:
         for rid, prompt in prompts.items():
             self.submit(rid, prompt, params)
-        return self.run(pipeline=pipeline)
+        return self.run(pipeline=pipeline, overlap=overlap)
