@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -56,6 +57,7 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     before = scrape(mesh)
     arrivals: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(batch)}
+    tokens_of: dict[str, list[int]] = {rid: [] for rid in arrivals}
     submits = [
         (
             streams.requests,
@@ -83,6 +85,7 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
             for delta in msg.deltas:
                 if delta.request_id in arrivals:
                     arrivals[delta.request_id].extend([now] * len(delta.token_ids))
+                    tokens_of[delta.request_id].extend(delta.token_ids)
                     if delta.error:
                         raise RuntimeError(f"{delta.request_id}: {delta.error}")
                     if delta.finish_reason is not None:
@@ -113,6 +116,10 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
         "step_ms_mean": round(1000 * step_s / steps, 3) if steps else None,
         "overhead_ms_mean": round(1000 * overhead_s / steps, 3) if steps else None,
         "overhead_fraction": round(overhead_s / step_s, 4) if step_s else None,
+        # greedy tokens of every request, in request order: equal digests = identical outputs
+        "tokens_sha256": hashlib.sha256(
+            json.dumps([tokens_of[rid] for rid in arrivals]).encode()
+        ).hexdigest()[:16],
     }
 
 
@@ -130,6 +137,12 @@ def main() -> None:
         default="true",
         help="MESHLLM_ASYNC_SCHEDULING: plan step N+1 while the worker runs step N",
     )
+    parser.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="MESHLLM_OVERLAP_STEPS: launch step N+1 while step N runs (auto: on for CUDA)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -143,6 +156,7 @@ def main() -> None:
         "MESHLLM_MAX_NUM_BATCHED_TOKENS": "8192",
         "MESHLLM_LOG_JSON": "false",
         "MESHLLM_ASYNC_SCHEDULING": args.async_scheduling,
+        "MESHLLM_OVERLAP_STEPS": args.overlap,
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"
@@ -161,6 +175,7 @@ def main() -> None:
     results: dict[str, Any] = {
         "model": args.model,
         "async_scheduling": args.async_scheduling == "true",
+        "overlap_steps": args.overlap,
         "runs": [],
     }
     mesh = Mesh(services=("scheduler", "worker"), env=env)

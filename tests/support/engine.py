@@ -43,16 +43,17 @@ class InProcessEngine:
         model_and_config: tuple | None = None,
         speculative: SpeculativeConfig | None = None,
         scheduler_options: dict[str, object] | None = None,
+        device: str = "cpu",
     ) -> None:
-        model, config = model_and_config or load_model(model_dir, dtype, "cpu")
+        model, config = model_and_config or load_model(model_dir, dtype, device)
         self.model, self.model_config = model, config
-        self.kv_cache = KVCache.allocate(config, num_blocks, block_size, dtype, "cpu")
+        self.kv_cache = KVCache.allocate(config, num_blocks, block_size, dtype, device)
         max_model_len = min(config.max_position_embeddings, 4096)
         self.runner = ModelRunner(
             model,
             config,
             self.kv_cache,
-            "cpu",
+            device,
             max_model_len=max_model_len,
             speculative=speculative,
         )

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Sourced by the device-session scripts (h200_session.sh, overlap_session.sh): installs the
+# carried wheels, puts the carried redis-server on PATH, prints the machine, and defines
+# `step NAME CAP_SECONDS COMMAND...`, which runs a command within what is left of the
+# session's deadline (SESSION_SECONDS, default 560) so one slow step cannot cost the next.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+LOG=$OUT/session.log
+DEADLINE=$(($(date +%s) + ${SESSION_SECONDS:-560}))
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$LOG") 2>&1
+
+if [ -z "${SKIP_WHEELS:-}" ]; then  # SKIP_WHEELS=1: a dry run of this script on the CPU box
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p /tmp/rbin
+cat > /tmp/rbin/redis-server <<EOF
+#!/bin/sh
+LD_LIBRARY_PATH=$PWD/.redisbin/root/usr/lib/x86_64-linux-gnu:$PWD/.redisbin/fallback \
+exec $PWD/.redisbin/root/usr/bin/redis-server "\$@"
+EOF
+chmod +x /tmp/rbin/redis-server
+export PATH=/tmp/rbin:$PATH
+redis-server --version
+python3 -c "import torch, triton, transformers as t; print(torch.__version__, triton.__version__, t.__version__)"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv
+
+step() {  # step NAME CAP_SECONDS COMMAND...
+    local name=$1 cap=$2
+    shift 2
+    local left=$((DEADLINE - $(date +%s)))
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 10)); then
+        echo "=== $name: not run ($left s left)"
+        return
+    fi
+    echo "=== $name (limit ${limit}s)"
+    local t0=$(date +%s)
+    timeout -k 5 "$limit" "$@"
+    echo "=== $name rc=$? $(($(date +%s) - t0))s"
+}
+
