@@ -266,7 +266,9 @@ def run_transformers(hf_config: dict[str, Any], args: argparse.Namespace) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="llama-3-8b")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument(
+        "--batches", type=int, nargs="*", default=[1, 16, 64, 256], help="none: transformers only"
+    )
     parser.add_argument("--hf-batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=128)
@@ -295,16 +297,17 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    started = time.perf_counter()
-    model, config = build_random_model(hf_config, dtype, args.device, args.max_model_len)
-    results["build_s"] = round(time.perf_counter() - started, 2)
     results["worker"] = []
-    for batch in args.batches:
-        row = run_worker(model, config, args, batch)
-        results["worker"].append(row)
-        print("worker", row, flush=True)
+    if args.batches:
+        started = time.perf_counter()
+        model, config = build_random_model(hf_config, dtype, args.device, args.max_model_len)
+        results["build_s"] = round(time.perf_counter() - started, 2)
+        for batch in args.batches:
+            row = run_worker(model, config, args, batch)
+            results["worker"].append(row)
+            print("worker", row, flush=True)
+        del model
     results["dense_prefill"] = {"|".join(map(str, k)): v for k, v in DENSE_PREFILL_CHOICES.items()}
-    del model
     if not args.skip_hf:
         results["transformers"] = run_transformers(hf_config, args)
     text = json.dumps(results, indent=1)

@@ -183,8 +183,9 @@ def time_decode(report: Report) -> None:
     # Sweep tiles and split counts at batch 1, 32k context (the latency case).
     batches = [make_paged([32768], [1]) for _ in range(2)]
     sweep = []
-    for bn, ns, splits in itertools.product((32, 64, 128), (2, 3, 4), (None, 16, 32, 64)):
-        tiles = AttentionTiles(block_n=bn, num_warps=4, num_stages=ns)
+    grid = itertools.product((64, 128, 256), (4, 8), (2, 3), (None, 24, 32, 48))
+    for bn, nw, ns, splits in grid:
+        tiles = AttentionTiles(block_n=bn, num_warps=nw, num_stages=ns)
         try:
             sweep.append((graph_ms(_decode_calls(batches, tiles, splits)), tiles, splits))
         except Exception as exc:
