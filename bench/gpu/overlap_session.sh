@@ -16,6 +16,6 @@ step mesh-overlap-off 170 python3 -m bench.gpu.mesh_decode --overlap off \
     --batches 1 16 64 64 256 --out "$OUT/mesh_overlap_off.json"
 step transformers 200 python3 -m bench.gpu.decode_e2e --batches --hf-batches 1 64 256 \
     --out "$OUT/transformers.json"
-step decode-sweep 200 python3 bench/gpu/kernels_check.py --skip-checks --only decode \
+step decode-sweep 200 python3 bench/gpu/kernels_check.py --skip-checks --only hbm,decode \
     --out "$OUT/decode_sweep.json"
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"
