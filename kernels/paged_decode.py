@@ -181,11 +181,18 @@ def _decode_reduce_kernel(
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough pieces for about two waves of programs, each piece at least 256 keys long."""
+    """Enough pieces for about two waves of programs, each piece at least 256 keys long.
+
+    Pieces are whole tiles (the kernel rounds a piece up to BLOCK_N keys), so the count is then
+    trimmed to the pieces that hold keys: at 32k keys, 33 pieces of 993 keys become 32 of 1024,
+    and the empty 33rd program that would spill into a third wave is never launched (H200,
+    batch 1: 41.4 us instead of 43.0)."""
     programs = max(1, num_seqs * num_kv_heads)
     by_occupancy = triton.cdiv(2 * num_sms, programs)
     by_length = triton.cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    tiles = triton.cdiv(max(1, max_seq_len), DECODE_TILES.block_n)
+    return max(1, triton.cdiv(tiles, triton.cdiv(tiles, splits)))
 
 
 def _num_sms(device: torch.device) -> int:

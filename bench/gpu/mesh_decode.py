@@ -194,8 +194,8 @@ def main() -> None:
         warm = argparse.Namespace(**{**vars(args), "output": 4})
         asyncio.run(run_batch(mesh, 1, args, "warm"))
         asyncio.run(run_batch(mesh, max(args.batches), warm, "warm-max"))
-        for batch in args.batches:
-            row = asyncio.run(run_batch(mesh, batch, args, f"b{batch}"))
+        for i, batch in enumerate(args.batches):  # own ids and reply stream per run
+            row = asyncio.run(run_batch(mesh, batch, args, f"run{i}-b{batch}"))
             results["runs"].append(row)
             print("mesh", row, flush=True)
     finally:

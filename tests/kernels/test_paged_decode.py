@@ -91,8 +91,10 @@ def test_padded_sequence_of_length_zero_gives_zeros(device) -> None:  # type: ig
 
 
 def test_default_num_splits() -> None:
-    # Batch 1, 8 kv heads, 32k context on 132 SMs: enough pieces for two waves.
-    assert default_num_splits(1, 8, 32768, 132) == 33
+    # Batch 1, 8 kv heads, 32k context on 132 SMs: about two waves; 33 pieces would leave the
+    # last one empty (pieces are whole 128-key tiles), so 32.
+    assert default_num_splits(1, 8, 32768, 132) == 32
+    assert default_num_splits(1, 8, 32768 + 128 * 33, 132) == 33  # where 33 all hold keys
     # A short context is never cut below 256 keys a piece.
     assert default_num_splits(1, 8, 300, 132) == 2
     # A large batch already fills the GPU.
