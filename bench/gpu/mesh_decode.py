@@ -37,12 +37,14 @@ from tests.support.mesh import Mesh
 
 
 def scrape(mesh: Mesh) -> dict[str, float]:
-    """Histogram sums and counts of the scheduler's step and overhead metrics."""
+    """Histogram sums and counts of the scheduler's step and overhead metrics, and the
+    worker's device-busy seconds."""
     text = httpx.get(f"{mesh.url('scheduler')}/metrics", timeout=10).text
+    text += httpx.get(f"{mesh.url('worker')}/metrics", timeout=10).text
     values: dict[str, float] = {}
     for line in text.splitlines():
-        for name in ("scheduler_step_seconds", "scheduler_overhead_seconds"):
-            for suffix in ("_sum", "_count"):
+        for name in ("scheduler_step_seconds", "scheduler_overhead_seconds", "worker_device"):
+            for suffix in ("_sum", "_count", "_busy_seconds_total"):
                 key = f"meshllm:{name}{suffix}"
                 if line.startswith(key + " ") or line.startswith(key + "{"):
                     values[name + suffix] = float(line.rsplit(" ", 1)[1])
@@ -103,6 +105,7 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
     steps = delta.get("scheduler_step_seconds_count", 0.0)
     step_s = delta.get("scheduler_step_seconds_sum", 0.0)
     overhead_s = delta.get("scheduler_overhead_seconds_sum", 0.0)
+    busy_s = delta.get("worker_device_busy_seconds_total", 0.0)
     return {
         "batch": batch,
         "prompt": args.prompt,
@@ -116,6 +119,9 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
         "step_ms_mean": round(1000 * step_s / steps, 3) if steps else None,
         "overhead_ms_mean": round(1000 * overhead_s / steps, 3) if steps else None,
         "overhead_fraction": round(overhead_s / step_s, 4) if step_s else None,
+        # share of the run's wall time the GPU had no step queued: the mesh's cost per step
+        # once steps overlap (execute_ms then spans the wait behind the previous step)
+        "device_idle_fraction": round(1 - busy_s / wall, 4) if busy_s else None,
         # greedy tokens of every request, in request order: equal digests = identical outputs
         "tokens_sha256": hashlib.sha256(
             json.dumps([tokens_of[rid] for rid in arrivals]).encode()

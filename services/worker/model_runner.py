@@ -79,6 +79,8 @@ class LaunchedStep:
     started: float
     tokens: InFlightTokens | None = None  # sampled tokens on their way to the host
     sampled: list[SampledTokens] | None = None  # or: the results already assembled
+    # CUDA: timing events around the step's device work (device_seconds)
+    device_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 class ModelRunner:
@@ -143,6 +145,11 @@ class ModelRunner:
         self.kv_connector: KVConnector | None = None
         # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
         self.feed = PendingFeed(max_num_reqs, self.device)
+        # CUDA: seconds the device spent on the last finished step, from its first queued
+        # kernel to its last (a step queued behind another starts when that one ends). Summed
+        # over a run against its wall time, it gives the share of time the device had no step
+        # to run: the mesh's cost once steps overlap.
+        self.last_device_seconds = 0.0
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -167,6 +174,12 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Apply the plan and queue its work; the sampled tokens may still be on the device."""
         step = LaunchedStep(plan.step_id, time.perf_counter())
+        if self.device.type == "cuda":
+            step.device_span = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            step.device_span[0].record()
         if self.kv_connector is not None:  # finished loads into their blocks; queue new ones
             self.kv_connector.before_forward(plan)
         self._apply(plan)
@@ -179,6 +192,8 @@ class ModelRunner:
                 step.sampled = out
         if self.kv_connector is not None:  # stores leave the blocks before the next plan
             self.kv_connector.after_forward(plan)
+        if step.device_span is not None:
+            step.device_span[1].record()
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -186,6 +201,10 @@ class ModelRunner:
         sampled = step.sampled or []
         if step.tokens is not None:
             sampled = self._land(step.tokens)
+        if step.device_span is not None:
+            start, end = step.device_span
+            end.synchronize()  # recorded right after the token copies: no extra wait
+            self.last_device_seconds = start.elapsed_time(end) / 1000.0
         return StepResult(
             step_id=step.step_id,
             worker_id=self.worker_id,

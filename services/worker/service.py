@@ -49,6 +49,11 @@ STEP_EXECUTE = Histogram(
 )
 STEP_FAILURES = Counter(metric_name("worker_step_failures_total"), "Steps that raised")
 STALE_PLANS = Counter(metric_name("worker_stale_plans_total"), "Plans for another incarnation")
+DEVICE_BUSY = Counter(
+    metric_name("worker_device_busy_seconds_total"),
+    "CUDA: device time of the steps, first queued kernel to last (1 - its rate = the share of "
+    "time the GPU waited for a step)",
+)
 
 
 class WorkerService(Service):
@@ -204,6 +209,7 @@ class WorkerService(Service):
             else:
                 if publish:
                     STEP_EXECUTE.observe(time.perf_counter() - started)
+                    self._count_device_time()
                     assert isinstance(out, StepResult)
                     await self._publish(out)
                 return out
@@ -226,7 +232,14 @@ class WorkerService(Service):
                 runner.reset()
                 result = self._error_result(step.step_id, f"{type(exc).__name__}: {exc}")
         STEP_EXECUTE.observe(time.perf_counter() - step.started)
+        self._count_device_time()
         await self._publish(result)
+
+    def _count_device_time(self) -> None:
+        runner = self.runner
+        if runner is not None and runner.last_device_seconds:
+            DEVICE_BUSY.inc(runner.last_device_seconds)
+            runner.last_device_seconds = 0.0
 
     def _error_result(self, step_id: int, error: str) -> StepResult:
         return StepResult(

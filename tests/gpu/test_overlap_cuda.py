@@ -35,6 +35,7 @@ def _run(path: Path, overlap: bool) -> tuple[dict[str, tuple[list[int], str | No
         eng.submit(rid, prompt, params)
     out = eng.run(pipeline=True, overlap=overlap)
     assert not eng.scheduler.has_work()
+    assert 0 < eng.runner.last_device_seconds < 1  # the last step's device time, timed
     return {rid: (g.token_ids, g.finish_reason) for rid, g in out.items()}, eng.launched_ahead
 
 
