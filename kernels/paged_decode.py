@@ -41,8 +41,6 @@ INTERPRETER_TILES = AttentionTiles(block_n=16)
 # (batch 64 at 4k: 251 vs 286 us with 128).
 DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
 DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
-# Split-K pieces merged by their last finisher instead of a second kernel (see the launcher).
-FUSED_REDUCE = True
 
 
 @triton.jit
@@ -56,7 +54,6 @@ def _decode_partial_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     sm_scale_log2,
     window,
     stride_qb,
@@ -80,8 +77,6 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,63 +139,6 @@ def _decode_partial_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_valid)
-        if FUSED_REDUCE:
-            # The last piece of this (sequence, kv head) to finish merges all of them: no
-            # second launch. Every thread's partial stores precede the release of the count.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                for g in range(GROUP):
-                    _merge_pieces(
-                        part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head * GROUP + g,
-                        stride_ob, stride_oh, NUM_HEADS, NUM_SPLITS, BLOCK_S, HEAD_DIM, BLOCK_D,
-                    )  # fmt: skip
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA graph replays)
-
-
-@triton.jit
-def _merge_pieces(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    seq,
-    head,
-    stride_ob,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """out[seq, head] = the pieces' partial outputs weighted by exp2(lse - max lse). Loads
-    bypass L1 (".cg"): the pieces were written by other programs, possibly other SMs."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_valid = offs_s < NUM_SPLITS
-    d_valid = offs_d < HEAD_DIM
-    base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
-    lse = tl.load(
-        part_lse_ptr + base + offs_s, mask=s_valid, other=float("-inf"), cache_modifier=".cg"
-    )
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    w = w / tl.where(total > 0.0, total, 1.0)
-    parts = tl.load(
-        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_valid[:, None] & d_valid[None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    out = tl.sum(parts * w[:, None], 0)
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_valid,
-    )
 
 
 @triton.jit
@@ -216,10 +154,30 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    _merge_pieces(
-        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-        stride_ob, stride_oh, NUM_HEADS, NUM_SPLITS, BLOCK_S, HEAD_DIM, BLOCK_D,
-    )  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < NUM_SPLITS
+    d_valid = offs_d < HEAD_DIM
+    base = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_valid, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0.0, total, 1.0)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_valid,
+    )
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -257,16 +215,11 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     tiles: AttentionTiles | None = None,
-    fused_reduce: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, Hq, D], over its paged context.
 
     `num_splits` fixes the split-K factor (1 = single pass); otherwise it is chosen from
     `max_seq_len`, which is read back from seq_lens (a host sync) when not given.
-    `fused_reduce` (split-K only; default FUSED_REDUCE): the last piece of each (sequence, kv
-    head) to finish merges the pieces, instead of a second kernel. It counts finished pieces
-    in a per-device buffer that the merging program resets, so two such calls must not run
-    concurrently on different streams of one device.
     """
     q = check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     device = q.device
@@ -317,11 +270,8 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
     else:
         part_out = part_lse = out  # unused by the single-pass specialization
-    fused = num_splits > 1 and (FUSED_REDUCE if fused_reduce is None else fused_reduce)
-    counters = _piece_counters(device, num_seqs * geo.num_kv_heads) if fused else lens
-    block_s = max(2, next_power_of_2(num_splits))
     _decode_partial_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
-        q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse, counters,
+        q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse,
         scale * LOG2E, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -330,29 +280,15 @@ def paged_decode_attention(
         BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, WINDOWED=window > 0,
         FP32_DOT=interpreting() or q.dtype == torch.float32,
-        FUSED_REDUCE=fused, BLOCK_S=block_s,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-            BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _piece_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of >= n counters, kept per device: each fused launch leaves it
-    zeroed again. Allocated on first use (the worker's warm-up, before graph capture)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 def paged_decode_reference(

@@ -169,16 +169,11 @@ def time_gemv(report: Report) -> dict[tuple[int, int], GemvConfig]:
     return best
 
 
-def _decode_calls(
-    batches: list,  # type: ignore[type-arg]
-    tiles: AttentionTiles | None,
-    splits: int | None,
-    fused: bool | None = None,
-) -> list:  # type: ignore[type-arg]
+def _decode_calls(batches: list, tiles: AttentionTiles | None, splits: int | None) -> list:  # type: ignore[type-arg]
     return [
         lambda b=b: paged_decode_attention(
             b.q, b.cache, b.tables, b.lens, max_seq_len=b.max_len, num_splits=splits,
-            tiles=tiles, fused_reduce=fused, **b.scales,
+            tiles=tiles, **b.scales,
         )
         for b in batches
     ]  # fmt: skip
@@ -188,10 +183,7 @@ def time_decode(report: Report) -> None:
     # Sweep tiles and split counts at batch 1, 32k context (the latency case).
     batches = [make_paged([32768], [1]) for _ in range(2)]
     sweep = []
-    # 2026-11-30 sweep over (64, 128, 256) x (4, 8) warps x (2, 3) x (None, 24, 32, 48): best
-    # 128-key tiles, 4 warps, 2 stages, 32 splits (41.5 us); 8 warps and 256-key tiles never
-    # in the top five. The grid below keeps the neighbourhood.
-    grid = itertools.product((64, 128), (4,), (2, 3), (None, 32, 48))
+    grid = itertools.product((64, 128, 256), (4, 8), (2, 3), (None, 24, 32, 48))
     for bn, nw, ns, splits in grid:
         tiles = AttentionTiles(block_n=bn, num_warps=nw, num_stages=ns)
         try:
@@ -222,12 +214,6 @@ def time_decode(report: Report) -> None:
             flops=flops, baseline="same, 1 split", baseline_ms=ms_1,
             sweep_best_us=ms_best * 1e3,
         )  # fmt: skip
-        for fused in (False, True):  # the pieces merged by a second kernel / by the last piece
-            report.timing(
-                f"decode attention (graph, split-K auto, {'fused' if fused else 'two-kernel'} "
-                "merge)", shape, graph_ms(_decode_calls(bs, None, None, fused)),
-                bytes_moved=nbytes, flops=flops,
-            )  # fmt: skip
         del bs
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kernels.paged_decode import (
-    _COUNTERS,
     default_num_splits,
     paged_decode_attention,
     paged_decode_reference,
@@ -49,23 +48,6 @@ def test_split_k_matches_single_pass_and_reference(device, dtype, window) -> Non
         split = _decode(batch, num_splits=splits, sliding_window=window)
         torch.testing.assert_close(split, ref, atol=tolerance(dtype), rtol=0)
         torch.testing.assert_close(split, single, atol=tolerance(dtype), rtol=0)
-
-
-@pytest.mark.parametrize("window", [None, 20])
-def test_fused_reduce_equals_the_reduce_kernel(device, window) -> None:  # type: ignore[no-untyped-def]
-    """The last piece to finish merges the pieces: the same merge as the second kernel (bit for
-    bit), the counters back at zero after each launch, so launches can repeat (graph replays)
-    with other split counts and sequence lengths."""
-    batch = _batch(device, torch.bfloat16)
-    ref = paged_decode_reference(
-        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, sliding_window=window
-    ).float()
-    for splits in (7, 3, 7):
-        two_kernels = _decode(batch, num_splits=splits, sliding_window=window, fused_reduce=False)
-        fused = _decode(batch, num_splits=splits, sliding_window=window, fused_reduce=True)
-        assert torch.equal(fused, two_kernels)
-        torch.testing.assert_close(fused, ref, atol=tolerance(torch.bfloat16), rtol=0)
-        assert int(_COUNTERS[batch.q.device].abs().sum()) == 0
 
 
 def test_default_split_choice_matches_reference(device) -> None:  # type: ignore[no-untyped-def]
