@@ -23,10 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.attention import AttentionMetadata
 from services.worker.input_batch import InputBatch
-from services.worker.kv_cache import KVCache
 from services.worker.models.base import CausalLM
+from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map, to_target_ids
 
 
@@ -56,13 +55,9 @@ class DraftModelDrafter:
         self.model = model
         self.k = num_spec_tokens
         self.device = torch.device(device)
-        self.block_size = block_size
         self.vocab_map = draft_vocab_map(target_vocab_size, model.config.vocab_size, d2t)
-        self.blocks_per_row = -(-max_model_len // block_size)
         dtype = next(model.parameters()).dtype
-        self.kv = KVCache.allocate(
-            model.config, max_num_reqs * self.blocks_per_row, block_size, dtype, self.device
-        )
+        self.kv = RowKV(model.config, max_num_reqs, max_model_len, block_size, dtype, self.device)
         self.computed = np.zeros(max_num_reqs, dtype=np.int64)  # verified tokens in draft KV
         self.owner: list[str | None] = [None] * max_num_reqs
 
@@ -120,20 +115,7 @@ class DraftModelDrafter:
         flat = np.concatenate([tokens[offsets[i] : offsets[i] + counts[i]] for i in order])
         counts_o = counts[order]
         positions = np.concatenate([np.arange(s, e) for s, e in zip(starts_o, ends_o, strict=True)])
-        bases = np.array(rows_o) * self.blocks_per_row
-        tables = bases[:, None] + np.arange(self.blocks_per_row)[None, :]
-        flat_base = np.repeat(bases, counts_o)
-        slots = (flat_base + positions // self.block_size) * self.block_size + (
-            positions % self.block_size
-        )
-        attn = AttentionMetadata.build(
-            query_lens=counts_o,
-            seq_lens=ends_o,
-            block_tables=tables,
-            block_size=self.block_size,
-            slot_mapping=slots,
-            device=self.device,
-        )
+        attn = self.kv.metadata(np.array(rows_o), ends_o, counts_o, positions)
         hidden = self.model(
             torch.from_numpy(flat.astype(np.int64)).to(self.device),
             torch.from_numpy(positions.astype(np.int64)).to(self.device),

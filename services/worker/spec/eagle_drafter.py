@@ -24,11 +24,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.attention import AttentionMetadata
 from services.worker.input_batch import InputBatch
-from services.worker.kv_cache import KVCache
 from services.worker.models.base import CausalLM
 from services.worker.spec.eagle import EagleHead
+from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map, to_target_ids
 
 
@@ -47,14 +46,10 @@ class EagleDrafter:
         self.head = head
         self.target = target
         self.device = torch.device(device)
-        self.block_size = block_size
         draft_vocab = head.draft_vocab_size or target.config.vocab_size
         self.vocab_map = draft_vocab_map(target_vocab_size, draft_vocab, d2t)
-        self.blocks_per_row = -(-max_model_len // block_size)
         dtype = next(head.parameters()).dtype
-        self.kv = KVCache.allocate(
-            head.config, max_num_reqs * self.blocks_per_row, block_size, dtype, self.device
-        )
+        self.kv = RowKV(head.config, max_num_reqs, max_model_len, block_size, dtype, self.device)
         # Per row: the head's output at its newest pair, valid while the row holds `ready_req`
         # with `ready_len` known tokens (any other state proposes nothing).
         self.last = torch.zeros(max_num_reqs, head.config.hidden_size, dtype=dtype, device=device)
@@ -146,17 +141,7 @@ class EagleDrafter:
         perm = np.concatenate([np.arange(offsets[i], offsets[i] + counts[i]) for i in order])
         rows_o, starts_o, ends_o, counts_o = rows[order], starts[order], ends[order], counts[order]
         positions = np.concatenate([np.arange(s, e) for s, e in zip(starts_o, ends_o, strict=True)])
-        bases = rows_o * self.blocks_per_row
-        tables = bases[:, None] + np.arange(self.blocks_per_row)[None, :]
-        block = np.repeat(bases, counts_o) + positions // self.block_size
-        attn = AttentionMetadata.build(
-            query_lens=counts_o,
-            seq_lens=ends_o,
-            block_tables=tables,
-            block_size=self.block_size,
-            slot_mapping=block * self.block_size + positions % self.block_size,
-            device=self.device,
-        )
+        attn = self.kv.metadata(rows_o, ends_o, counts_o, positions)
         ids = torch.from_numpy(tokens[perm].astype(np.int64)).to(self.device)
         embed = getattr(self.target, "embed", self.target.embed_tokens)
         g = self.head(
