@@ -25,6 +25,7 @@ import signal
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,18 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     before = scrape(mesh)
     arrivals: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(batch)}
+    # Prompts of their own per run: the warm-up's (or an earlier run's) blocks must not serve
+    # this run's prefill from the prefix cache (transformers, the baseline, has none).
+    salt = zlib.crc32(tag.encode()) % 1_000_003
     tokens_of: dict[str, list[int]] = {rid: [] for rid in arrivals}
     submits = [
         (
             streams.requests,
             SubmitRequest(
                 request_id=rid,
-                prompt_token_ids=[(7919 * i + 31 * j) % args.vocab for j in range(args.prompt)],
+                prompt_token_ids=[
+                    (7919 * i + 31 * j + salt) % args.vocab for j in range(args.prompt)
+                ],
                 sampling=params,
                 reply_stream=reply,
                 arrival_time=time.time(),
