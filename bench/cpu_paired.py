@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -95,12 +96,17 @@ def start_vllm(
     return proc, "http://127.0.0.1:18123/v1"
 
 
+_BLOCKS = itertools.count(1)
+
+
 def serve_block(url: str, concurrency: int, prompts: int, args: argparse.Namespace) -> float:
+    """One block of requests with prompts never sent before (a seed per block): no engine's
+    prefix cache serves any of its prefill (transformers, the baseline, has none)."""
     ns = serve.parser().parse_args(
         [
             "--base-url", url, "--num-prompts", str(prompts),
             "--max-concurrency", str(concurrency), "--input-len", str(args.input_len),
-            "--output-len", str(args.output_len), "--no-warmup",
+            "--output-len", str(args.output_len), "--no-warmup", "--seed", str(next(_BLOCKS)),
         ]
     )  # fmt: skip
     return float(asyncio.run(serve.run(ns))["output_throughput"])
