@@ -148,10 +148,11 @@ class WorkerService(Service):
                         if isinstance(delivery.message, StepPlan):
                             await self._execute(delivery.message)
         finally:
-            if reading is not None:
-                reading.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reading
+            for task in (reading, landing[1] if landing else None):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
             await self._finish_in_flight()
 
     @staticmethod
