@@ -109,15 +109,18 @@ def bench(
     steps: int,
     plain_weights: bool = False,
     profile: bool = False,
+    compiled: bool = False,
 ) -> dict:
     if random:
-        model, config = random_model(random, dtype, device, plain_weights)
+        model, config = random_model(random, dtype, device, plain_weights or compiled)
     else:
-        model, config = load_model(model_dir, dtype, device)
+        model, config = load_model(model_dir, dtype, device, compiled=compiled)
     blocks = batch * (-(-(prompt_len + steps + 12) // 16)) + 8
     kv = KVCache.allocate(config, num_blocks=blocks, block_size=16, dtype=dtype, device=device)
-    runner = ModelRunner(model, config, kv, device, max_num_reqs=max(batch, 8), max_model_len=1024)
-    runner.warmup()
+    runner = ModelRunner(
+        model, config, kv, device, max_num_reqs=max(batch, 8), max_model_len=1024, compiled=compiled
+    )
+    warmup_s = runner.warmup()
     # A decode step reads every weight once, except the embedding (a few rows) when the head
     # has its own matrix (untied, or a packed copy of a tied one).
     tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if "packed" in n)]
@@ -125,10 +128,10 @@ def bench(
     if model.lm_head is not None:
         weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     sync = torch.device(device).type == "cuda"
-    forward = Timer(model.forward, sync)
-    logits = Timer(model.compute_logits, sync)
+    forward = Timer(runner.model_forward, sync)
+    logits = Timer(runner.compute_logits, sync)
     sample = Timer(runner.sampler.sample, sync)
-    model.forward, model.compute_logits = forward, logits  # type: ignore[method-assign]
+    runner.model_forward, runner.compute_logits = forward, logits  # type: ignore[method-assign]
     runner.sampler.sample = sample  # type: ignore[method-assign]
     driver = PlanDriver(runner, token_budget=batch * prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 12, ignore_eos=True)
@@ -165,6 +168,7 @@ def bench(
         "driver_ms": (wall - execute) * 1000,
         "best_tok_s": batch / min(row[1] for row in rows),
         "gb_s": weight_bytes / execute / 1e9,
+        "warmup_s": warmup_s,
     }
 
 
@@ -179,6 +183,9 @@ def main() -> None:
         help="with --random: skip the CPU weight layouts (column-major fp32, packed bf16)",
     )
     parser.add_argument("--profile", action="store_true", help="print a torch profile table")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the forward (CPU bf16; cpu_compile.py)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64)
@@ -211,11 +218,12 @@ def main() -> None:
                 args.steps,
                 args.plain_weights,
                 args.profile,
+                args.compile,
             )
             print(
                 f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>7.1f} "
                 f"{r['forward_ms']:>8.2f} {r['logits_sample_ms']:>13.2f} {r['overhead_ms']:>8.2f} "
-                f"{r['gb_s']:>6.1f} {r['best_tok_s']:>10.1f}"
+                f"{r['gb_s']:>6.1f} {r['best_tok_s']:>10.1f}   (warm-up {r['warmup_s']:.1f} s)"
             )
 
 

@@ -118,6 +118,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # the device; services/worker/in_flight.py). "auto": on for CUDA, off on CPU, where a step
     # is computed while it is launched and holding its result back would only add latency.
     overlap_steps: Literal["auto", "on", "off"] = "auto"
+    # Compile the forward with torch.compile on CPU (services/worker/cpu_compile.py). "auto":
+    # on where supported (bf16, dense models, no speculative decoding); start-up then takes
+    # tens of seconds longer. "on" is "auto" that also logs why it cannot compile a model.
+    cpu_compile: Literal["auto", "on", "off"] = "auto"
     # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
     kv_offload: bool = True
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis

@@ -33,6 +33,7 @@ import torch
 
 from kernels.staged_copy import stage_to_device
 from services.worker.attention import AttentionMetadata, paged_attention, step_lengths
+from services.worker.bound_attention import LayerAttention
 from services.worker.dense_prefill import DensePrefill, dense_prefill_impl
 from services.worker.models.rope import apply_rotary
 
@@ -187,7 +188,7 @@ def rotary_attention(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    attn: AttentionMetadata | TritonAttentionMetadata,
+    attn: AttentionMetadata | TritonAttentionMetadata | LayerAttention,
     kv_cache: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
@@ -204,6 +205,8 @@ def rotary_attention(
         qk = qkv[:, : q_size + kv_size].view(tokens, -1, head_dim)
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
+        if isinstance(attn, LayerAttention):  # inside a compiled forward (cpu_compile.py)
+            return attn.attend(q, k, v, kv_cache, scale)
         return paged_attention(q, k, v, kv_cache, attn, scale)
     from kernels.kv_insert import insert_qkv
 

@@ -7,8 +7,9 @@ import time
 
 import torch
 
+from services.worker.cpu_compile import compile_supported
 from services.worker.kv_cache import KVCache, KVCacheSizeError
-from services.worker.loader import load_model
+from services.worker.loader import load_model, prepare_for_device
 from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import is_random_spec, load_random_model
 from services.worker.spec import SpeculativeConfig
@@ -32,13 +33,23 @@ def build_runner(
     the model has computed something), and describe the result for the scheduler."""
     t0 = time.monotonic()
     device = pick_device(settings.device)
+    spec = SpeculativeConfig(
+        method=settings.spec_method, num_spec_tokens=settings.spec_tokens, model=settings.spec_model
+    )
+    # Drafters call the target's own modules eagerly, so speculative runs stay eager.
+    compiled = settings.cpu_compile != "off" and device.type == "cpu" and not spec.enabled
     if is_random_spec(source.path):  # benchmarks: real shapes, random weights, no checkpoint
         model, config = load_random_model(
-            str(source.path), settings.dtype, device, settings.max_model_len
+            str(source.path), settings.dtype, device, settings.max_model_len, compiled
         )
     else:
-        model, config = load_model(source, settings.dtype, device, settings.max_model_len)
+        model, config = load_model(source, settings.dtype, device, settings.max_model_len, compiled)
     dtype = next(model.parameters()).dtype
+    if compiled and (why_not := compile_supported(config, dtype, device)):
+        compiled = False
+        prepare_for_device(model, dtype, device)  # the eager layout load_model skipped
+        level = logging.WARNING if settings.cpu_compile == "on" else logging.INFO
+        log.log(level, "forward not compiled: %s", why_not)
     max_model_len = settings.max_model_len or config.max_position_embeddings
     kv_cache = KVCache.from_budget(
         config,
@@ -65,13 +76,20 @@ def build_runner(
         max_model_len=max_model_len,
         worker_id=settings.instance_id,
         worker_incarnation=incarnation,
-        speculative=SpeculativeConfig(
-            method=settings.spec_method,
-            num_spec_tokens=settings.spec_tokens,
-            model=settings.spec_model,
-        ),
+        speculative=spec,
+        compiled=compiled,
     )
-    warmup_s = runner.warmup()
+    if compiled:
+        log.info("compiling the forward (torch.compile, CPU): this takes a while at start-up")
+        try:
+            warmup_s = runner.warmup()
+        except Exception:  # a compiler failure must not stop the worker: serve eagerly
+            log.exception("compiling the forward failed: the worker runs it eagerly")
+            compiled, runner.compiled = False, None
+            prepare_for_device(model, dtype, device)
+            warmup_s = runner.warmup()
+    else:
+        warmup_s = runner.warmup()
     if device.type == "cuda":  # decode steps replay graphs; eager warm-up compiled the kernels
         try:
             warmup_s += runner.capture_cuda_graphs()
@@ -79,11 +97,12 @@ def build_runner(
             log.exception("CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None
     log.info(
-        "model %s loaded on %s as %s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
+        "model %s loaded on %s as %s%s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
         "tokens (%.0f MiB)",
         source.name,
         device,
         dtype,
+        ", compiled" if compiled else "",
         time.monotonic() - t0,
         warmup_s,
         kv_cache.num_blocks,

@@ -24,6 +24,7 @@ requests (as after any failed step).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ import torch
 from kernels.staged_copy import stage_to_device
 from services.worker.attention import AttentionMetadata
 from services.worker.attention_select import TritonAttentionMetadata, build_attention_metadata
+from services.worker.cpu_compile import CompiledForward
 from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.cuda_layers import install_cuda_kernels
 from services.worker.group_attention import group_attention, needs_group_attention
@@ -95,7 +97,10 @@ class ModelRunner:
         worker_id: str = "worker",
         worker_incarnation: str = "",
         speculative: SpeculativeConfig | None = None,
+        compiled: bool = False,
     ) -> None:
+        """`compiled`: run the forward and logits compiled (cpu_compile.py; the model's
+        linears must be plain nn.Linear, see load_model(compiled=True))."""
         self.model = model
         self.config = config
         self.kv_cache = kv_cache
@@ -137,6 +142,7 @@ class ModelRunner:
             if speculative and speculative.enabled
             else None
         )
+        self.compiled = CompiledForward(model) if compiled else None
         # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
@@ -327,7 +333,7 @@ class ModelRunner:
         if not sample_idx.size:
             return self._propose([], hidden, inputs)
         last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
-        logits = self.model.compute_logits(hidden[self._to_device(last_rows)])
+        logits = self.compute_logits(hidden[self._to_device(last_rows)])
         rows = inputs.rows[sample_idx]
         rows_t = self._to_device(rows)
         bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
@@ -402,10 +408,24 @@ class ModelRunner:
             )
         input_ids = self._to_device(inputs.input_ids)
         self._feed_ids(input_ids, inputs)
-        hidden: torch.Tensor = self.model(
-            input_ids, self._to_device(inputs.positions), attn, self.kv_cache.layers
-        )
+        return self.model_forward(input_ids, self._to_device(inputs.positions), attn)
+
+    def model_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata | TritonAttentionMetadata | Sequence[AttentionMetadata],
+    ) -> torch.Tensor:
+        """hidden [T, H]: the compiled forward where there is one (cpu_compile.py)."""
+        if self.compiled is not None:
+            return self.compiled.forward(input_ids, positions, attn, self.kv_cache.layers)
+        hidden: torch.Tensor = self.model(input_ids, positions, attn, self.kv_cache.layers)
         return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _feed_ids(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
         """Write the tokens still on the device (sampled by a step not finished yet) into the
@@ -505,10 +525,8 @@ class ModelRunner:
         )
         positions = np.arange(num_tokens)
         ids = positions % self.config.vocab_size
-        hidden = self.model(
-            self._to_device(ids), self._to_device(positions), attn, self.kv_cache.layers
-        )
-        self.model.compute_logits(hidden[-1:])
+        hidden = self.model_forward(self._to_device(ids), self._to_device(positions), attn)
+        self.compute_logits(hidden[self._to_device(positions[-1:])])  # gathered, as _run does
         num_decodes = max(1, min(num_decodes, self.batch.max_num_reqs))
         decode_lens = np.full(num_decodes, num_tokens)
         attn = self._metadata(
@@ -517,17 +535,19 @@ class ModelRunner:
             block_tables=np.repeat(table, num_decodes, axis=0),
             slot_mapping=np.full(num_decodes, num_tokens - 1),
         )
-        hidden = self.model(
-            self._to_device(ids[-1:].repeat(num_decodes)),
-            self._to_device(decode_lens - 1),
-            attn,
-            self.kv_cache.layers,
+        hidden = self.model_forward(
+            self._to_device(ids[-1:].repeat(num_decodes)), self._to_device(decode_lens - 1), attn
         )
-        logits = self.model.compute_logits(hidden)
+        logits = self.compute_logits(hidden)
         if not bool(torch.isfinite(logits).all()):
             raise RuntimeError("profile run produced non-finite logits")
         return time.perf_counter() - started
 
     def warmup(self) -> float:
-        """A small profile run (first-call allocations, kernel selection)."""
-        return self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
+        """A small profile run (first-call allocations, kernel selection). A compiled forward
+        is compiled here, for one-token steps too: size 1 gets a graph of its own, and
+        compiling it at the first batch-1 decode would stall that request for seconds."""
+        seconds = self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
+        if self.compiled is not None:
+            seconds += self.profile_run(num_tokens=min(16, self.max_model_len), num_decodes=1)
+        return seconds

@@ -47,9 +47,11 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     max_model_len: int = 0,
+    compiled: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """(model in eval mode on `device`, its config). `source` is a ModelSource, an HF dir or a
-    .gguf file. `max_model_len` (0 = the model's own) sizes the RoPE tables."""
+    .gguf file. `max_model_len` (0 = the model's own) sizes the RoPE tables. `compiled`: the
+    forward will be compiled (cpu_compile.py), which packs the weights itself."""
     path = Path(source.path if isinstance(source, ModelSource) else source).expanduser()
     device = torch.device(device)
     if path.suffix == ".gguf":
@@ -82,14 +84,19 @@ def load_model(
             )
     model.load_state_dict(state, strict=True, assign=True)
     model.materialize_rotary(device, torch_dtype)
-    prepare_for_device(model, torch_dtype, device)
+    prepare_for_device(model, torch_dtype, device, compiled)
     model.eval().requires_grad_(False)
     return model, config
 
 
-def prepare_for_device(model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
-    """Lay the loaded weights out for the fastest CPU matmuls of their dtype (no-op on GPU).
+def prepare_for_device(
+    model: CausalLM, dtype: torch.dtype, device: torch.device, compiled: bool = False
+) -> None:
+    """Lay the loaded weights out for the fastest CPU matmuls of their dtype (no-op on GPU, and
+    for a model whose forward will be compiled: freezing lays them out itself).
     Values are unchanged; state_dict() of an fp32 model is unchanged too."""
+    if compiled:
+        return
     if device.type == "cpu" and dtype == torch.float32:
         store_weights_column_major(model)
     elif packing_supported(dtype, device):

@@ -120,8 +120,10 @@ def build_random_model(
     max_model_len: int = 0,
     std: float = 0.02,
     seed: int = 0,
+    compiled: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
-    """(model in eval mode on `device` with random weights, its config)."""
+    """(model in eval mode on `device` with random weights, its config); `compiled` as in
+    load_model."""
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_hf_dict(config)
     device = torch.device(device)
@@ -132,17 +134,23 @@ def build_random_model(
     # Every RoPE table (families with per-layer-type tables name theirs in materialize_rotary).
     materialize = getattr(model, "materialize_rotary", None) or model.rotary.materialize
     materialize(device, dtype)
-    prepare_for_device(model, dtype, device)  # the same layout a loaded model gets
+    prepare_for_device(model, dtype, device, compiled)  # the layout a loaded model gets
     model.eval().requires_grad_(False)
     return model, config
 
 
 def load_random_model(
-    spec: str, dtype: torch.dtype | str, device: torch.device | str, max_model_len: int = 0
+    spec: str,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    max_model_len: int = 0,
+    compiled: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """`random:<preset or config.json>` built like load_model builds a checkpoint ('auto' dtype
     is the config's torch_dtype, with load_model's CPU rule)."""
     config = ModelConfig.from_hf_dict(random_hf_config(spec))
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, config, device)
-    return build_random_model(config, torch_dtype, device, max_model_len=max_model_len)
+    return build_random_model(
+        config, torch_dtype, device, max_model_len=max_model_len, compiled=compiled
+    )

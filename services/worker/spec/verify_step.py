@@ -65,7 +65,7 @@ def verify_and_sample(
     first_flat = ends - 1 - k  # flat row that samples position T (the first new token)
     offsets = np.cumsum(np.concatenate(([0], k[:-1] + 1)))  # each request's first logits row
     flat = np.concatenate([np.arange(f, f + n + 1) for f, n in zip(first_flat, k, strict=True)])
-    logits = runner.model.compute_logits(hidden[runner._to_device(flat)])
+    logits = runner.compute_logits(hidden[runner._to_device(flat)])
     bitmask, bitmask_first = bitmask_rows(plan, ids, k, runner.device)
     verified = batch.num_tokens[rows].copy()  # T: tokens known before this step's drafts
 

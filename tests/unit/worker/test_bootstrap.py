@@ -1,13 +1,22 @@
-"""The worker refuses a KV cache that cannot hold one sequence of the advertised context."""
+"""Worker start-up: the KV cache must hold one sequence of the advertised context; a bf16 CPU
+worker compiles its forward where it can and otherwise serves eagerly."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+import torch
 
 from services.worker.bootstrap import build_runner
 from services.worker.kv_cache import KVCacheSizeError
+from services.worker.model_runner import ModelRunner
+from services.worker.models.packed_linear import PackedLinear
+from services.worker.models.random_init import random_source
 from shared.config import WorkerSettings
 from shared.model_source import ModelSource
+from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
 
 def test_kv_cache_smaller_than_one_context_is_refused(smollm2_dir):
@@ -25,3 +34,45 @@ def test_kv_cache_holding_the_context_starts(smollm2_dir):
     assert ready.max_model_len == 1024
     assert (ready.num_kv_blocks - 1) * ready.block_size >= 1024
     assert runner.batch.num_reqs == 0
+
+
+def compile_settings(tmp_path: Path, **overrides: object) -> tuple[ModelSource, WorkerSettings]:
+    (tmp_path / "config.json").write_text(json.dumps(RANDOM_TINY_LLAMA))
+    spec = f"random:{tmp_path / 'config.json'}"
+    fields: dict[str, object] = {
+        "model": spec, "device": "cpu", "dtype": "bfloat16", "max_model_len": 32,
+        "kv_cache_bytes": 2**20, **overrides,
+    }  # fmt: skip
+    return random_source(spec), WorkerSettings(**fields)  # type: ignore[arg-type]
+
+
+def packed(runner: ModelRunner) -> bool:
+    return any(isinstance(m, PackedLinear) for m in runner.model.modules())
+
+
+def test_bf16_cpu_worker_compiles_its_forward(tmp_path: Path) -> None:
+    runner, _ = build_runner(*compile_settings(tmp_path), "inc")
+    assert runner.compiled is not None and not packed(runner)  # freezing packs the weights
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env"),
+    [
+        ({"cpu_compile": "off"}, {}),
+        ({"dtype": "float32"}, {}),
+        ({"cpu_compile": "on"}, {"CXX": "/nonexistent/g++"}),
+    ],
+    ids=["off", "float32", "no-compiler"],
+)
+def test_worker_stays_eager_where_it_cannot_compile(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    overrides: dict[str, object],
+    env: dict[str, str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    runner, _ = build_runner(*compile_settings(tmp_path, **overrides), "inc")
+    assert runner.compiled is None
+    # the eager layout is in place (bf16: packed linears; fp32: plain, column-major)
+    assert packed(runner) == (runner.kv_cache.layers[0].dtype == torch.bfloat16)
