@@ -151,10 +151,14 @@ def bench(
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU]
+        if sync:  # CUDA: where the device time of a step goes, kernel by kernel
+            activities.append(ProfilerActivity.CUDA)
+        with torch_profile(activities=activities) as prof:
             for _ in range(10):
                 driver.step()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+        order = "self_cuda_time_total" if sync else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=order, row_limit=18))
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     wall, execute, fwd, head = med
     return {

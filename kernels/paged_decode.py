@@ -41,6 +41,8 @@ INTERPRETER_TILES = AttentionTiles(block_n=16)
 # (batch 64 at 4k: 251 vs 286 us with 128).
 DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
 DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
+# Split-K merge launched with programmatic dependent launch where supported (see the launcher).
+PDL_DEFAULT = False
 
 
 @triton.jit
@@ -77,7 +79,10 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:  # the merge may be scheduled now; it waits for this grid's end
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,7 +158,10 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WAIT_PRIMARY: tl.constexpr = False,
 ):
+    if WAIT_PRIMARY:  # launched early (programmatic dependent launch): wait for the pieces
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -195,6 +203,15 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
     return max(1, triton.cdiv(tiles, triton.cdiv(tiles, splits)))
 
 
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels on Hopper (sm_90) and later."""
+    return (
+        device.type == "cuda"
+        and not interpreting()
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -215,11 +232,14 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     tiles: AttentionTiles | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, Hq, D], over its paged context.
 
     `num_splits` fixes the split-K factor (1 = single pass); otherwise it is chosen from
-    `max_seq_len`, which is read back from seq_lens (a host sync) when not given.
+    `max_seq_len`, which is read back from seq_lens (a host sync) when not given. `pdl`: launch
+    the split-K merge with programmatic dependent launch (Hopper+), so it is scheduled while
+    the pieces run instead of after them; None = PDL_DEFAULT where the device supports it.
     """
     q = check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     device = q.device
@@ -260,6 +280,7 @@ def paged_decode_attention(
         else:
             tiles = DECODE_TILES if num_splits > 1 else DECODE_TILES_SINGLE_PASS
     tiles.check()
+    use_pdl = supports_pdl(device) and (PDL_DEFAULT if pdl is None else pdl)
     group = num_heads // geo.num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -280,6 +301,7 @@ def paged_decode_attention(
         BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, WINDOWED=window > 0,
         FP32_DOT=interpreting() or q.dtype == torch.float32,
+        LAUNCH_DEPENDENTS=use_pdl and num_splits > 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -287,6 +309,7 @@ def paged_decode_attention(
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
             BLOCK_S=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            WAIT_PRIMARY=use_pdl, **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out
 

@@ -169,11 +169,16 @@ def time_gemv(report: Report) -> dict[tuple[int, int], GemvConfig]:
     return best
 
 
-def _decode_calls(batches: list, tiles: AttentionTiles | None, splits: int | None) -> list:  # type: ignore[type-arg]
+def _decode_calls(
+    batches: list,  # type: ignore[type-arg]
+    tiles: AttentionTiles | None,
+    splits: int | None,
+    pdl: bool | None = None,
+) -> list:  # type: ignore[type-arg]
     return [
         lambda b=b: paged_decode_attention(
             b.q, b.cache, b.tables, b.lens, max_seq_len=b.max_len, num_splits=splits,
-            tiles=tiles, **b.scales,
+            tiles=tiles, pdl=pdl, **b.scales,
         )
         for b in batches
     ]  # fmt: skip
@@ -183,7 +188,7 @@ def time_decode(report: Report) -> None:
     # Sweep tiles and split counts at batch 1, 32k context (the latency case).
     batches = [make_paged([32768], [1]) for _ in range(2)]
     sweep = []
-    grid = itertools.product((64, 128, 256), (4, 8), (2, 3), (None, 24, 32, 48))
+    grid = itertools.product((64, 128), (4, 8), (2, 3, 4), (None, 16, 24, 32, 48, 64))
     for bn, nw, ns, splits in grid:
         tiles = AttentionTiles(block_n=bn, num_warps=nw, num_stages=ns)
         try:
@@ -195,6 +200,24 @@ def time_decode(report: Report) -> None:
         "decode B=1 32k sweep top5: "
         + "; ".join(f"{t} splits={sp} {ms * 1e3:.1f}us" for ms, t, sp in sweep[:5])
     )
+    # Programmatic dependent launch of the split-K merge, off vs on, alternating, for the
+    # launcher's own choice and the sweep's top 3.
+    for _, tiles, splits in [(0.0, None, None), *sweep[:3]]:
+        try:
+            pair = {
+                pdl: [graph_ms(_decode_calls(batches, tiles, splits, pdl)) for _ in range(3)]
+                for pdl in (False, True)
+            }
+        except Exception as exc:
+            report.notes.append(f"decode pdl {tiles} splits {splits} failed: {exc!r}"[:300])
+            continue
+        report.notes.append(
+            f"decode B=1 32k {tiles or 'auto'} splits={splits}: pdl off "
+            + "/".join(f"{ms * 1e3:.1f}" for ms in pair[False])
+            + " us, pdl on "
+            + "/".join(f"{ms * 1e3:.1f}" for ms in pair[True])
+            + " us"
+        )
     cases = [
         ("bf16", [32768], {}), ("bf16", [32768] * 8, {}), ("bf16", [4096] * 64, {}),
         ("fp8", [32768], {"cache_dtype": FP8_E4M3}),

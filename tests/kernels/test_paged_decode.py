@@ -50,6 +50,17 @@ def test_split_k_matches_single_pass_and_reference(device, dtype, window) -> Non
         torch.testing.assert_close(split, single, atol=tolerance(dtype), rtol=0)
 
 
+@pytest.mark.parametrize("splits", [7, 32])
+def test_split_k_merge_launched_early_reads_finished_pieces(device, splits) -> None:  # type: ignore[no-untyped-def]
+    """pdl=True: on Hopper the merge is launched while the pieces still run (programmatic
+    dependent launch) and must wait for them; elsewhere the flag is ignored."""
+    batch = _batch(device, torch.bfloat16)
+    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
+    for _ in range(3):  # a race would show in some launch as NaN (unwritten) or stale rows
+        out = _decode(batch, num_splits=splits, pdl=True)
+        torch.testing.assert_close(out, ref.float(), atol=tolerance(torch.bfloat16), rtol=0)
+
+
 def test_default_split_choice_matches_reference(device) -> None:  # type: ignore[no-untyped-def]
     batch = _batch(device, num_heads=4, num_kv_heads=4, page=4)
     ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
