@@ -83,10 +83,10 @@ class CompiledForward:
         # The token count is the one dimension that varies: unbacked, so a 1-token step uses
         # the same graph (a backed size of 1 would be specialised into a graph of its own),
         # and never equated with a cache dimension that happens to have the same size.
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
         if isinstance(attn, TritonAttentionMetadata):
             raise TypeError("a compiled forward runs the CPU attention path only")
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
         with bind(per_layer_metadata(attn, len(self._layers))):
             # The model sees the layers' stand-ins where its metadata would be.
             layers: Any = self._layers

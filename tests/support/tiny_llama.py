@@ -45,6 +45,15 @@ RANDOM_TINY_LLAMA: dict[str, Any] = {
 }
 
 
+#: prompts the runner tests share: ragged, one of two tokens, one of one token
+TINY_PROMPTS = [
+    [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5],
+    [1, 400],
+    [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71],
+    [9],
+]
+
+
 def make_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     """TINY_SHAPE with a 160-wide MLP, untied unless overridden."""
     settings: dict[str, Any] = {

@@ -22,15 +22,10 @@ from services.worker.models.config import ModelConfig
 from services.worker.models.packed_linear import PackedLinear
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
-from tests.support.tiny_llama import make_tiny_llama, reference_logits
+from tests.support.tiny_llama import TINY_PROMPTS, make_tiny_llama, reference_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
-PROMPTS = [
-    [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5],
-    [1, 400],
-    [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71],
-    [9],
-]
+PROMPTS = TINY_PROMPTS
 
 
 @pytest.fixture(scope="module")

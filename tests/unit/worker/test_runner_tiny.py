@@ -22,6 +22,7 @@ from shared.protocol import (
 )
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import (
+    TINY_PROMPTS,
     LogitsCapture,
     make_tiny_llama,
     reference_greedy,
@@ -30,12 +31,7 @@ from tests.support.tiny_llama import (
 )
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-PROMPTS = [
-    [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5],
-    [1, 400],
-    [1, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71],
-    [9],
-]
+PROMPTS = TINY_PROMPTS
 
 ROPE_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
