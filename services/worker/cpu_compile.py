@@ -5,13 +5,13 @@ seven elementwise passes, RoPE four, SwiGLU two, each a dispatch of a few micros
 tensors of a few kilobytes. Compiled with freezing, the weights become constants that inductor
 packs for oneDNN once, and each chain of elementwise ops becomes one vectorised C++ loop. The
 attention stays the eager paged path behind an opaque op (bound_attention.py), so one graph
-serves every step: decode batches, prefill chunks and mixed steps, of any size (dynamic
-shapes; sizes 0 and 1 are specialised, so a 1-token and a many-token graph are compiled at
-warm-up).
+serves every step: decode batches, prefill chunks and mixed steps, of any size (the token
+count is unbacked, so size 1 is not specialised into a graph of its own).
 
 Measured on the 2-core dev VM (SmolLM2-135M bf16, batch-8 decode): the forward takes ~24-28 ms
-compiled vs ~41 ms eager (bench/worker_step.py --compile). Compiling takes tens of seconds at
-start-up; inductor keeps its C++ kernels in its on-disk cache, so later starts are faster.
+compiled vs ~41 ms eager (bench/worker_step.py --compile). Compiling takes 26-29 s at every
+start-up (frozen graphs bypass inductor's on-disk graph cache; a second start measured no
+faster).
 
 Numerics: fused chains keep fp32 intermediates that eager bf16 rounds, so outputs are close to
 the eager path, not bit-identical (as in vLLM, whose CPU backend compiles the same way).

@@ -545,9 +545,6 @@ class ModelRunner:
 
     def warmup(self) -> float:
         """A small profile run (first-call allocations, kernel selection). A compiled forward
-        is compiled here, for one-token steps too: size 1 gets a graph of its own, and
-        compiling it at the first batch-1 decode would stall that request for seconds."""
-        seconds = self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
-        if self.compiled is not None:
-            seconds += self.profile_run(num_tokens=min(16, self.max_model_len), num_decodes=1)
-        return seconds
+        is compiled here: its one graph (unbacked token count) then serves every step size,
+        1-token decodes included, so no request waits for a compile."""
+        return self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
