@@ -65,12 +65,50 @@ def attend_tile(
     CAUSAL or WINDOWED). Returns the updated (acc, l_i, m_i).
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_valid = offs_n < hi
     if MASKED:
-        block_ids = tl.load(table_ptr + offs_n // PAGE, mask=n_valid, other=0)
+        block_ids = tl.load(table_ptr + offs_n // PAGE, mask=offs_n < hi, other=0)
     else:
         block_ids = tl.load(table_ptr + offs_n // PAGE)
+    return attend_tile_ids(
+        acc, l_i, m_i, q, cache_ptr, block_ids, start_n, hi, kv_head, pos_m, window, qk_scale,
+        stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM, BLOCK_D, BLOCK_N,
+        MASKED, CAUSAL, WINDOWED, FP32_DOT,
+    )  # fmt: skip
+
+
+@triton.jit
+def attend_tile_ids(
+    acc,
+    l_i,
+    m_i,
+    q,
+    cache_ptr,
+    block_ids,
+    start_n,
+    hi,
+    kv_head,
+    pos_m,
+    window,
+    qk_scale,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_head,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """attend_tile once the tile's physical block ids [BLOCK_N] (one per key) are loaded: the
+    decode kernel that deals tiles to pieces loads them early (before the sequence length is
+    known, or one tile ahead)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_valid = offs_n < hi
     rows = block_ids.to(tl.int64) * stride_block + (offs_n % PAGE) * stride_slot
     ptrs = cache_ptr + (rows + kv_head * stride_head)[:, None] + offs_d[None, :]
     if MASKED:

@@ -11,6 +11,12 @@ first kernel writes the output directly.
 Pieces are computed from each sequence's own length at run time, so any num_splits is correct
 for any mix of lengths (empty pieces carry lse = -inf and weigh nothing); num_splits only
 changes speed. Window: the query at position seq_len - 1 sees keys > seq_len - 1 - W.
+
+Many pieces without a window (batch 1-2 at long contexts) run the strided kernel instead: a
+piece takes every num_splits-th tile, so its first tile's block ids load together with the
+sequence length (one dependent memory round trip fewer before the first K/V tile), the K/V
+tiles are double-buffered, and the last piece of each (sequence, kv head) to finish merges
+the pieces itself (an atomic count), so there is no second launch.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_step import AttentionTiles, attend_tile
+from kernels.attention_step import AttentionTiles, attend_tile, attend_tile_ids
 from kernels.paged_cache import (
     check_block_tables,
     check_kv_cache,
@@ -43,6 +49,55 @@ DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
 DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
 # Split-K merge launched with programmatic dependent launch where supported (see the launcher).
 PDL_DEFAULT = False
+# Split-K without a window runs the strided kernel (pieces dealt tile by tile, first block ids
+# loaded with seq_len, K/V double-buffered) with its pieces merged by the last one to finish
+# where the split count is at least STRIDED_MIN_SPLITS (the default choice gives that to
+# batches of 1-2 at 8 kv heads). H200, graph time, Llama-3-8B shape
+# (bench/gpu/decode_variants_h200.md): batch 1 at 32k 38.4 us vs 41.7 (64-key bf16 tiles, 3
+# stages, 32 pieces, fused merge; 41.6 with the second kernel instead); batch 2 at 32k 67.5 vs
+# 71.1 (measured with the second kernel); at batch 8 (5 pieces) it loses, 256-264 vs 250-254.
+# Tiles: STRIDED_TILE_BYTES of K per tile (64 keys of bf16 at head_dim 128, 128 of fp8: fp8
+# batch 1 at 32k 39.6 us with 16 pieces and the fused merge, 40.4 with 32 and the second
+# kernel, vs 44.1-45.5).
+STRIDED_DEFAULT = True
+STRIDED_MIN_SPLITS = 16
+STRIDED_TILE_BYTES = 16384
+FUSED_MERGE_DEFAULT = True
+
+
+@triton.jit
+def _group_query(
+    q_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, offs_g, offs_d, sm_scale_log2,
+    stride_qb, stride_qh, k_scale_stride, v_scale_stride,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    """The query rows of one kv head's group, [BLOCK_G, BLOCK_D] (padding rows zero), with
+    their head numbers and masks, the logit scale (log2 domain, k scale folded in) and the v
+    scale."""
+    heads = kv_head * GROUP + offs_g
+    g_valid = offs_g < GROUP
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
+    v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
+    return q, heads, g_valid, d_valid, sm_scale_log2 * k_scale, v_scale
+
+
+@triton.jit
+def _store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d, out_mask, g_valid,
+                 HEAD_DIM: tl.constexpr):  # fmt: skip
+    """A piece's partial output (normalized by its own sum) and log-sum-exp (log2 domain;
+    -inf for a piece without keys). Partials are contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and
+    lse [B, Hq, NUM_SPLITS]; `row` = (seq * Hq + head) * NUM_SPLITS + split."""
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    tl.store(part_lse_ptr + row, lse, mask=g_valid)
 
 
 @triton.jit
@@ -96,20 +151,10 @@ def _decode_partial_kernel(
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g
-    g_valid = offs_g < GROUP
-    d_valid = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
-    if FP32_DOT:
-        q = q.to(tl.float32)
-    k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
-    v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
-    qk_scale = sm_scale_log2 * k_scale
-
+    q, heads, g_valid, d_valid, qk_scale, v_scale = _group_query(
+        q_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, offs_g, offs_d, sm_scale_log2,
+        stride_qb, stride_qh, k_scale_stride, v_scale_stride, GROUP, HEAD_DIM, FP32_DOT,
+    )  # fmt: skip
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -139,11 +184,138 @@ def _decode_partial_kernel(
             mask=out_mask,
         )
     else:
-        # Partials are contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and lse [B, Hq, NUM_SPLITS].
         row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_valid)
+        _store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d, out_mask, g_valid,
+                     HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _decode_strided_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counter_ptr,
+    sm_scale_log2,
+    max_blocks,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_bt,
+    k_scale_stride,
+    v_scale_stride,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
+    MERGE_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Split-K decode without a window, pieces dealt tile by tile: tile t (keys
+    [t * BLOCK_N, (t + 1) * BLOCK_N)) belongs to piece t % NUM_SPLITS. A piece's first tile is
+    then known before the sequence length, so its block ids load together with seq_len and q
+    (two dependent memory round trips before the first K/V tile instead of three), and each
+    further tile's block ids load one tile ahead. Same partials as _decode_partial_kernel.
+
+    FUSED_MERGE: the last piece of each (sequence, kv head) to finish merges its GROUP heads'
+    pieces (one load of all of them) and resets its counter, instead of a second kernel."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    blk = (split * BLOCK_N + tl.arange(0, BLOCK_N)) // PAGE
+    ids = tl.load(table + blk, mask=blk < max_blocks, other=0)  # before seq_len: no dependency
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    q, heads, g_valid, d_valid, qk_scale, v_scale = _group_query(
+        q_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, offs_g, offs_d, sm_scale_log2,
+        stride_qb, stride_qh, k_scale_stride, v_scale_stride, GROUP, HEAD_DIM, FP32_DOT,
+    )  # fmt: skip
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    full_tiles = seq_len // BLOCK_N
+    for t in range(split, full_tiles, NUM_SPLITS):
+        blk = ((t + NUM_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)) // PAGE
+        next_ids = tl.load(table + blk, mask=blk < max_blocks, other=0)
+        acc, l_i, m_i = attend_tile_ids(
+            acc, l_i, m_i, q, cache_ptr, ids, t * BLOCK_N, seq_len, kv_head, offs_g, 0,
+            qk_scale, stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM,
+            BLOCK_D, BLOCK_N, False, False, False, FP32_DOT,
+        )  # fmt: skip
+        ids = next_ids
+    # The sequence's last, partial tile (number full_tiles), if this piece owns it: `ids` now
+    # holds the block ids of the piece's first tile at or past full_tiles.
+    last = split + tl.cdiv(tl.maximum(full_tiles - split, 0), NUM_SPLITS) * NUM_SPLITS
+    if (last == full_tiles) & (full_tiles * BLOCK_N < seq_len):
+        acc, l_i, m_i = attend_tile_ids(
+            acc, l_i, m_i, q, cache_ptr, ids, last * BLOCK_N, seq_len, kv_head, offs_g, 0,
+            qk_scale, stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM,
+            BLOCK_D, BLOCK_N, True, False, False, FP32_DOT,
+        )  # fmt: skip
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc * (v_scale / l_safe)[:, None]
+    row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+    _store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d,
+                 g_valid[:, None] & d_valid[None, :], g_valid, HEAD_DIM)  # fmt: skip
+    if FUSED_MERGE:
+        # Every thread's partial stores come before the release of the count; the merger
+        # reads the pieces from L2 (".cg": other programs wrote them, on other SMs).
+        tl.debug_barrier()
+        counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
+        done = tl.atomic_add(counter, 1, sem="acq_rel")
+        if done == NUM_SPLITS - 1:
+            offs_m = tl.arange(0, MERGE_G)
+            offs_s = tl.arange(0, BLOCK_S)
+            m_valid = offs_m < GROUP
+            s_valid = offs_s < NUM_SPLITS
+            rows = (seq.to(tl.int64) * NUM_HEADS + kv_head * GROUP + offs_m)[:, None] * (
+                NUM_SPLITS
+            ) + offs_s[None, :]  # [MERGE_G, BLOCK_S]
+            valid = m_valid[:, None] & s_valid[None, :]
+            lse_all = tl.load(
+                part_lse_ptr + rows, mask=valid, other=float("-inf"), cache_modifier=".cg"
+            )
+            parts = tl.load(
+                part_out_ptr + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                mask=valid[:, :, None] & d_valid[None, None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            m = tl.max(lse_all, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp2(lse_all - m[:, None])
+            total = tl.sum(w, 1)
+            w = w / tl.where(total > 0.0, total, 1.0)[:, None]
+            merged = tl.sum(parts * w[:, :, None], 1)  # [MERGE_G, BLOCK_D]
+            out_heads = kv_head * GROUP + offs_m
+            tl.store(
+                out_ptr + seq.to(tl.int64) * stride_ob + out_heads[:, None] * stride_oh
+                + offs_d[None, :],
+                merged.to(out_ptr.dtype.element_ty),
+                mask=m_valid[:, None] & d_valid[None, :],
+            )  # fmt: skip
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA graph replays)
 
 
 @triton.jit
@@ -203,6 +375,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
     return max(1, triton.cdiv(tiles, triton.cdiv(tiles, splits)))
 
 
+def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
+    """The strided kernel's tiles: STRIDED_TILE_BYTES of K per tile (16..128 keys), 4 warps,
+    3 stages (K and V double-buffered)."""
+    keys = STRIDED_TILE_BYTES // (next_power_of_2(head_dim) * cache_element_size)
+    return AttentionTiles(block_n=min(128, max(16, next_power_of_2(keys))), num_stages=3)
+
+
 def supports_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled kernels on Hopper (sm_90) and later."""
     return (
@@ -233,6 +412,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     tiles: AttentionTiles | None = None,
     pdl: bool | None = None,
+    strided: bool | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, Hq, D], over its paged context.
 
@@ -240,6 +421,17 @@ def paged_decode_attention(
     `max_seq_len`, which is read back from seq_lens (a host sync) when not given. `pdl`: launch
     the split-K merge with programmatic dependent launch (Hopper+), so it is scheduled while
     the pieces run instead of after them; None = PDL_DEFAULT where the device supports it.
+
+    `strided` (split-K without a window only; None = STRIDED_DEFAULT where num_splits >=
+    STRIDED_MIN_SPLITS): run the strided kernel, whose pieces take every num_splits-th tile,
+    so each piece's first block ids load together with the sequence length, and whose K/V
+    tiles are double-buffered. `fused_merge` (strided kernel only; None = FUSED_MERGE_DEFAULT):
+    the last piece of each (sequence, kv head) to finish merges them, instead of a second
+    kernel (where the merger's registers allow: group * num_splits * head_dim <= 4096 per
+    warp). It counts finished pieces in a per-device buffer that each merge leaves zeroed, so
+    two such launches must not run concurrently on different streams of one device; the
+    buffer is allocated by the first eager call, and a first use inside a CUDA graph capture
+    falls back to the second kernel.
     """
     q = check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     device = q.device
@@ -274,9 +466,14 @@ def paged_decode_attention(
         span = min(max_seq_len, window) if window else max_seq_len
         num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, _num_sms(device))
 
+    if strided is None:
+        strided = STRIDED_DEFAULT and num_splits >= STRIDED_MIN_SPLITS
+    use_strided = strided and num_splits > 1 and window == 0
     if tiles is None:
         if interpreting():
             tiles = INTERPRETER_TILES
+        elif use_strided:
+            tiles = strided_tiles(head_dim, kv_cache.element_size())
         else:
             tiles = DECODE_TILES if num_splits > 1 else DECODE_TILES_SINGLE_PASS
     tiles.check()
@@ -284,6 +481,15 @@ def paged_decode_attention(
     group = num_heads // geo.num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    merge_g, block_s = max(2, next_power_of_2(group)), max(2, next_power_of_2(num_splits))
+    counters = None
+    if (
+        use_strided
+        and (FUSED_MERGE_DEFAULT if fused_merge is None else fused_merge)
+        # the merger holds all its pieces at once: at most 128 fp32 registers a thread
+        and merge_g * block_s * block_d <= 128 * 32 * tiles.num_warps
+    ):
+        counters = _merge_counters(device, num_seqs * geo.num_kv_heads)
     if num_splits > 1:
         part_out = torch.empty(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
@@ -291,20 +497,35 @@ def paged_decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
     else:
         part_out = part_lse = out  # unused by the single-pass specialization
-    _decode_partial_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
-        q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse,
-        scale * LOG2E, window,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        tables.stride(0), ks_stride, vs_stride,
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE=geo.block_size, GROUP=group,
-        BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=tiles.block_n, WINDOWED=window > 0,
-        FP32_DOT=interpreting() or q.dtype == torch.float32,
-        LAUNCH_DEPENDENTS=use_pdl and num_splits > 1,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
-    if num_splits > 1:
+    fp32_dot = interpreting() or q.dtype == torch.float32
+    if use_strided:
+        _decode_strided_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
+            q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse,
+            lens if counters is None else counters, scale * LOG2E, tables.shape[1],
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            tables.stride(0), ks_stride, vs_stride,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=geo.num_kv_heads, NUM_SPLITS=num_splits,
+            PAGE=geo.block_size, GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=tiles.block_n, FP32_DOT=fp32_dot,
+            FUSED_MERGE=counters is not None, MERGE_G=merge_g, BLOCK_S=block_s,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )  # fmt: skip
+        use_pdl = False  # the strided kernel does not trigger the merge's launch early
+    else:
+        _decode_partial_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
+            q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse,
+            scale * LOG2E, window,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            tables.stride(0), ks_stride, vs_stride,
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE=geo.block_size, GROUP=group,
+            BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=tiles.block_n, WINDOWED=window > 0, FP32_DOT=fp32_dot,
+            LAUNCH_DEPENDENTS=use_pdl and num_splits > 1,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )  # fmt: skip
+    if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
@@ -312,6 +533,29 @@ def paged_decode_attention(
             WAIT_PRIMARY=use_pdl, **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: graphs captured earlier still point at them
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """A zeroed int32 buffer of >= n piece counters, one per device: each fused merge leaves
+    its counter at zero again, so launches must not overlap (one stream at a time; a CUDA
+    graph captured on another stream shares it). None when it would first be allocated
+    inside a graph capture: the caller then merges with the second kernel (the worker runs
+    each graph's forward once before capturing it)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def paged_decode_reference(

@@ -110,3 +110,93 @@ def test_default_num_splits() -> None:
     assert default_num_splits(1, 8, 300, 132) == 2
     # A large batch already fills the GPU.
     assert default_num_splits(64, 8, 32768, 132) == 1
+
+
+# The strided kernel: pieces take every num_splits-th tile (first block ids loaded with
+# seq_len), optionally merged by the last piece to finish instead of a second kernel.
+
+
+@pytest.mark.parametrize("fused_merge", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_strided_kernel_matches_reference(device, dtype, fused_merge) -> None:  # type: ignore[no-untyped-def]
+    from kernels import paged_decode
+
+    batch = _batch(device, dtype)
+    batch.seq_lens[2] = 0  # a padding row between real ones: zeros, never NaN
+    ref = paged_decode_reference(
+        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens
+    ).float()
+    # 3 pieces: several tiles each; 7: pieces left empty for the short sequences. Three
+    # launches in a row: each fused merge must leave its counters at zero for the next.
+    for splits in (3, 7, 7, 7):
+        out = _decode(batch, num_splits=splits, strided=True, fused_merge=fused_merge)
+        torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=0)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+    if fused_merge:
+        assert all(not c.any() for c in paged_decode._COUNTERS.values())
+
+
+@pytest.mark.parametrize("per_head_scale", [False, True])
+def test_strided_kernel_fp8_cache(device, per_head_scale) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(device, cache_dtype=FP8_E4M3, per_head_scale=per_head_scale, num_heads=4)
+    ref = paged_decode_reference(
+        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, **batch.scales
+    ).float()
+    out = _decode(batch, num_splits=4, strided=True, fused_merge=True)
+    torch.testing.assert_close(out, ref, atol=tolerance(torch.float16), rtol=0)
+
+
+def test_strided_request_with_a_window_runs_the_windowed_kernel(device) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(device, torch.bfloat16)
+    ref = paged_decode_reference(
+        batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, sliding_window=20
+    ).float()
+    out = _decode(batch, num_splits=3, sliding_window=20, strided=True, fused_merge=True)
+    torch.testing.assert_close(out, ref, atol=tolerance(torch.bfloat16), rtol=0)
+
+
+def test_launcher_picks_the_strided_kernel_for_many_splits(device) -> None:  # type: ignore[no-untyped-def]
+    """16+ pieces without a window: the strided kernel with the fused merge by default."""
+    from kernels import paged_decode
+
+    batch = _batch(device, torch.bfloat16)
+    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
+    paged_decode._COUNTERS.clear()
+    out = _decode(batch, num_splits=paged_decode.STRIDED_MIN_SPLITS)
+    torch.testing.assert_close(out, ref.float(), atol=tolerance(torch.bfloat16), rtol=0)
+    assert paged_decode._COUNTERS, "the fused merge's counters were never allocated"
+    assert all(not c.any() for c in paged_decode._COUNTERS.values())
+    assert paged_decode.strided_tiles(128, 2).block_n == 64  # 16 KB of bf16 K per tile
+    assert paged_decode.strided_tiles(128, 1).block_n == 128  # and of fp8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_fused_merge_kept_inside_a_cuda_graph(device) -> None:  # type: ignore[no-untyped-def]
+    """Counters allocated by an eager call are found inside a capture on another stream (a
+    capture that fell back to the second kernel would lose the fused merge's time), and
+    every replay leaves them at zero for the next."""
+    from kernels import paged_decode
+
+    batch = _batch(device, torch.bfloat16)
+    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
+    out = torch.full_like(batch.q, float("nan"))
+
+    def call() -> None:
+        paged_decode_attention(
+            batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, out=out,
+            num_splits=paged_decode.STRIDED_MIN_SPLITS,
+        )  # fmt: skip
+
+    call()  # eager: allocates the counters
+    counters = paged_decode._merge_counters(batch.q.device, 1)
+    assert counters is paged_decode._merge_counters(device, 1)  # "cuda" is "cuda:<current>"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert paged_decode._merge_counters(batch.q.device, 1) is counters
+        call()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), ref.float(), atol=tolerance(torch.bfloat16), rtol=0)
+    assert counters is not None and not counters.any()
