@@ -61,22 +61,32 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def start_mesh(args: argparse.Namespace, log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_mesh(
+    args: argparse.Namespace,
+    log_dir: Path,
+    *,
+    port_offset: int = 300,
+    extra_env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], str]:
+    """gateway + scheduler + worker (+ its Redis on args.redis_port) as local processes; the
+    gateway on 8000 + port_offset. Returns the launcher's process and the API's base URL."""
     env = {
         **os.environ,
         "MESHLLM_DTYPE": args.mesh_dtype,
         "MESHLLM_NUM_THREADS": str(args.threads),
         "MESHLLM_KV_CACHE_BYTES": str(512 * 2**20),
+        **(extra_env or {}),
     }
     cmd = [sys.executable, "-m", "infra.launcher", "--services", "gateway,scheduler,worker"]
-    cmd += ["--port-offset", "300", "--redis-port", str(args.redis_port)]
+    cmd += ["--port-offset", str(port_offset), "--redis-port", str(args.redis_port)]
     cmd += ["--log-dir", str(log_dir / "mesh")]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    wait_http("http://127.0.0.1:8300/ready", proc, 300)
-    return proc, "http://127.0.0.1:8300/v1"
+    base = f"http://127.0.0.1:{8000 + port_offset}"
+    wait_http(f"{base}/ready", proc, 400)
+    return proc, f"{base}/v1"
 
 
 def start_vllm(
