@@ -50,17 +50,18 @@ DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
 # Split-K merge launched with programmatic dependent launch where supported (see the launcher).
 PDL_DEFAULT = False
 # Split-K without a window runs the strided kernel (pieces dealt tile by tile, first block ids
-# loaded with seq_len, K/V double-buffered) with its pieces merged by the last one to finish
+# loaded with seq_len, K/V double-buffered) with its pieces merged by the last one to finish,
 # where the split count is at least STRIDED_MIN_SPLITS (the default choice gives that to
-# batches of 1-2 at 8 kv heads). H200, graph time, Llama-3-8B shape
-# (bench/gpu/decode_variants_h200.md): batch 1 at 32k 38.4 us vs 41.7 (64-key bf16 tiles, 3
-# stages, 32 pieces, fused merge; 41.6 with the second kernel instead); batch 2 at 32k 67.5 vs
-# 71.1 (measured with the second kernel); at batch 8 (5 pieces) it loses, 256-264 vs 250-254.
+# batches of 1-2 at 8 kv heads from 4k keys on), or at any split count where there are few
+# programs (`few_programs`: batch 1-2 at 8 kv heads, shorter contexts). H200, graph time,
+# Llama-3-8B shape (bench/gpu/decode_variants_h200.md): batch 1 at 32k 38.4-39.7 us vs
+# 41.7-43.3 (64-key bf16 tiles, 3 stages, 32 pieces, fused merge; 41.6 with the second kernel
+# instead); batch 2 at 32k 69.6 vs 73.1; at batch 8 (5 pieces) it loses, 256-264 vs 250-254.
 # Tiles: STRIDED_TILE_BYTES of K per tile (64 keys of bf16 at head_dim 128, 128 of fp8: fp8
-# batch 1 at 32k 39.6 us with 16 pieces and the fused merge, 40.4 with 32 and the second
-# kernel, vs 44.1-45.5).
+# batch 1 at 32k 39.7 us vs 44.7).
 STRIDED_DEFAULT = True
 STRIDED_MIN_SPLITS = 16
+SHORT_KEYS_PER_SPLIT = 64  # few programs, short context: a piece per 64-key tile
 STRIDED_TILE_BYTES = 16384
 FUSED_MERGE_DEFAULT = True
 
@@ -371,8 +372,22 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
     by_occupancy = triton.cdiv(2 * num_sms, programs)
     by_length = triton.cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT)
     splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
+    if splits < STRIDED_MIN_SPLITS and few_programs(num_seqs, num_kv_heads, num_sms):
+        # Short contexts at batch 1-2: latency, not bandwidth, decides; the strided kernel
+        # (chosen for few programs) with one 64-key piece each, up to 16, and its fused merge.
+        # H200, 8 kv heads: 512 keys 6.3 us (8 pieces) vs 8.9 (2 pieces, old kernel); 1k 6.7
+        # vs 9.2; 2k 8.2 vs 10.0; batch 2 at 512 6.6 vs 9.1 (decode_variants.py --short).
+        return max(
+            1, min(triton.cdiv(max(1, max_seq_len), SHORT_KEYS_PER_SPLIT), STRIDED_MIN_SPLITS)
+        )
     tiles = triton.cdiv(max(1, max_seq_len), DECODE_TILES.block_n)
     return max(1, triton.cdiv(tiles, triton.cdiv(tiles, splits)))
+
+
+def few_programs(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """So few (sequence, kv head) pairs that even split 16 ways they fill about one wave
+    (batch 1-2 at 8 kv heads on 132 SMs): the strided kernel's case at any split count."""
+    return num_seqs * num_kv_heads * 8 <= num_sms
 
 
 def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
@@ -423,15 +438,15 @@ def paged_decode_attention(
     the pieces run instead of after them; None = PDL_DEFAULT where the device supports it.
 
     `strided` (split-K without a window only; None = STRIDED_DEFAULT where num_splits >=
-    STRIDED_MIN_SPLITS): run the strided kernel, whose pieces take every num_splits-th tile,
-    so each piece's first block ids load together with the sequence length, and whose K/V
-    tiles are double-buffered. `fused_merge` (strided kernel only; None = FUSED_MERGE_DEFAULT):
-    the last piece of each (sequence, kv head) to finish merges them, instead of a second
-    kernel (where the merger's registers allow: group * num_splits * head_dim <= 4096 per
-    warp). It counts finished pieces in a per-device buffer that each merge leaves zeroed, so
-    two such launches must not run concurrently on different streams of one device; the
-    buffer is allocated by the first eager call, and a first use inside a CUDA graph capture
-    falls back to the second kernel.
+    STRIDED_MIN_SPLITS or `few_programs`): run the strided kernel, whose pieces take every
+    num_splits-th tile, so each piece's first block ids load together with the sequence
+    length, and whose K/V tiles are double-buffered. `fused_merge` (strided kernel only; None
+    = FUSED_MERGE_DEFAULT): the last piece of each (sequence, kv head) to finish merges them,
+    instead of a second kernel (where the merger's registers allow: group * num_splits *
+    head_dim <= 4096 per warp). It counts finished pieces in a per-device buffer that each
+    merge leaves zeroed, so two such launches must not run concurrently on different streams
+    of one device; the buffer is allocated by the first eager call, and a first use inside a
+    CUDA graph capture falls back to the second kernel.
     """
     q = check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     device = q.device
@@ -467,7 +482,10 @@ def paged_decode_attention(
         num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, _num_sms(device))
 
     if strided is None:
-        strided = STRIDED_DEFAULT and num_splits >= STRIDED_MIN_SPLITS
+        strided = STRIDED_DEFAULT and (
+            num_splits >= STRIDED_MIN_SPLITS
+            or few_programs(num_seqs, geo.num_kv_heads, _num_sms(device))
+        )
     use_strided = strided and num_splits > 1 and window == 0
     if tiles is None:
         if interpreting():

@@ -175,6 +175,106 @@ def reduce_calls(pieces: int) -> list:  # type: ignore[type-arg]
     return [lambda b=b: one(*b) for b in bufs]
 
 
+def run_ab(
+    cases: list[Case],
+    ab: list[Variant],
+    as_launched: Any,
+    repeats: int,
+    res: Results,
+    ceiling: float,
+    sms: int,
+    t0: float,
+) -> list[dict[str, Any]]:
+    """Every variant of `ab` on every case, in alternating order, `repeats` times."""
+
+    def timed(case: Case, v: Variant) -> float:
+        return graph_ms(calls(case, v)) * 1e3
+
+    summary: list[dict[str, Any]] = []
+    for case in cases:
+        try:
+            nsp = default_num_splits(len(case.lens), KV_HEADS, max(case.lens), sms)
+            times: dict[str, list[float]] = {v.name: [] for v in ab}
+            errs: dict[str, float] = {}
+            for v in ab:
+                try:
+                    errs[v.name] = check(case, as_launched(case, v))
+                except Exception as exc:
+                    res.notes.append(f"{case.name} {v.name} failed: {exc!r}"[:300])
+                    print(res.notes[-1], flush=True)
+            order = [v for v in ab if v.name in errs]
+            for r in range(repeats):
+                for v in order if r % 2 == 0 else order[::-1]:
+                    times[v.name].append(timed(case, as_launched(case, v)))
+            for v in order:
+                ts = times[v.name]
+                med = statistics.median(ts)
+                pct = 100 * case.nbytes / (med * 1e-6) / 1e9 / ceiling
+                row = {
+                    "case": case.name, "variant": v.name, "us_median": med, "us_min": min(ts),
+                    "us_max": max(ts), "pct_ceiling": pct, "pct_4200": pct * ceiling / 4200,
+                    "rel_err": errs[v.name], "default_splits": nsp, "times": ts,
+                }  # fmt: skip
+                summary.append(row)
+                res.add(kind="A/B", **{k: v for k, v in row.items() if k != "times"})
+            print(f"[{case.name} done, {time.perf_counter() - t0:.0f} s]", flush=True)
+
+        except Exception as exc:  # one failing case must not cost the others
+            res.notes.append(f"{case.name} A/B failed: {exc!r}"[:300])
+            print(res.notes[-1], flush=True)
+        case.batches = []
+        torch.cuda.empty_cache()
+
+    return summary
+
+
+def write_results(
+    out: Path, res: Results, summary: list[dict[str, Any]], ceiling: float, t0: float
+) -> None:
+    import json
+
+    res.env["wall_s"] = round(time.perf_counter() - t0, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"env": res.env, "rows": res.rows, "summary": summary, "notes": res.notes},
+            indent=1,
+            default=str,
+        )
+    )
+    print(f"\nwrote {out}\nread ceiling {ceiling:.0f} GB/s (same run)\n")
+    print("| case | variant | us median | min | max | % ceiling | % of 4.2 TB/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in summary:
+        print(
+            f"| {row['case']} | {row['variant']} | {row['us_median']:.1f} | {row['us_min']:.1f} "
+            f"| {row['us_max']:.1f} | {row['pct_ceiling']:.1f} | {row['pct_4200']:.1f} "
+            f"| {row['rel_err']:.1e} |"
+        )
+    for n in res.notes:
+        print("note:", n)
+
+
+def short_contexts(args: Any, res: Results, ceiling: float, sms: int, t0: float) -> int:
+    """Batch 1-2 at short contexts: is one launch with the merge fused and more, shorter
+    pieces faster than the old kernel at the default split count (2 pieces at 512 keys)?"""
+    ab = [OLD, Variant("launcher default")]
+    for sp in (4, 8, 16):
+        ab.append(Variant(f"strided +merge sp{sp}", True, True, None, sp))
+    for sp in (4, 8):
+        ab.append(Variant(f"old sp{sp}", False, None, None, sp))
+    cases = [
+        make_case("b1 512", [512]),
+        make_case("b1 1k", [1024]),
+        make_case("b1 2k", [2048]),
+        make_case("b1 4k", [4096]),
+        make_case("b2 512", [512] * 2),
+    ]
+    summary = run_ab(cases, ab, lambda case, v: v, args.repeats, res, ceiling, sms, t0)
+    write_results(args.out, res, summary, ceiling, t0)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_out = Path(os.environ.get("OUT", ROOT / "bench" / "gpu")) / "decode_variants.json"
@@ -185,8 +285,13 @@ def main() -> int:
     parser.add_argument(
         "--extra", default="", help="extra strided configs merge,bn,warps,stages,splits;..."
     )
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="batch 1-2 at 512-4096 keys (the e2e decode benchmark's contexts), fixed split "
+        "counts of both kernels against the launcher's choice; no sweep",
+    )
     args = parser.parse_args()
-    import json
 
     props = torch.cuda.get_device_properties(0)
     res = Results(
@@ -217,6 +322,8 @@ def main() -> int:
     )
     del flat
 
+    if args.short:
+        return short_contexts(args, res, ceiling, props.multi_processor_count, t0)
     b1 = make_case("b1 32k", [32768])
     for pieces in (16, 32):
         try:
@@ -266,63 +373,10 @@ def main() -> int:
         make_case("b64 4k", [4096] * 64),
         make_case("fp8 b1 32k", [32768], cache_dtype=FP8_E4M3),
     ]
-    summary: list[dict[str, Any]] = []
-    for case in cases:
-        try:
-            nsp = default_num_splits(
-                len(case.lens), KV_HEADS, max(case.lens), props.multi_processor_count
-            )
-            times: dict[str, list[float]] = {v.name: [] for v in ab}
-            errs: dict[str, float] = {}
-            for v in ab:
-                try:
-                    errs[v.name] = check(case, as_launched(case, v))
-                except Exception as exc:
-                    res.notes.append(f"{case.name} {v.name} failed: {exc!r}"[:300])
-                    print(res.notes[-1], flush=True)
-            order = [v for v in ab if v.name in errs]
-            for r in range(args.repeats):
-                for v in order if r % 2 == 0 else order[::-1]:
-                    times[v.name].append(timed(case, as_launched(case, v)))
-            for v in order:
-                ts = times[v.name]
-                med = statistics.median(ts)
-                pct = 100 * case.nbytes / (med * 1e-6) / 1e9 / ceiling
-                row = {
-                    "case": case.name, "variant": v.name, "us_median": med, "us_min": min(ts),
-                    "us_max": max(ts), "pct_ceiling": pct, "pct_4200": pct * ceiling / 4200,
-                    "rel_err": errs[v.name], "default_splits": nsp, "times": ts,
-                }  # fmt: skip
-                summary.append(row)
-                res.add(kind="A/B", **{k: v for k, v in row.items() if k != "times"})
-            print(f"[{case.name} done, {time.perf_counter() - t0:.0f} s]", flush=True)
-
-        except Exception as exc:  # one failing case must not cost the others
-            res.notes.append(f"{case.name} A/B failed: {exc!r}"[:300])
-            print(res.notes[-1], flush=True)
-        case.batches = []
-        torch.cuda.empty_cache()
-
-    res.env["wall_s"] = round(time.perf_counter() - t0, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"env": res.env, "rows": res.rows, "summary": summary, "notes": res.notes},
-            indent=1,
-            default=str,
-        )
+    summary = run_ab(
+        cases, ab, as_launched, args.repeats, res, ceiling, props.multi_processor_count, t0
     )
-    print(f"\nwrote {args.out}\nread ceiling {ceiling:.0f} GB/s (same run)\n")
-    print("| case | variant | us median | min | max | % ceiling | % of 4.2 TB/s | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
-    for row in summary:
-        print(
-            f"| {row['case']} | {row['variant']} | {row['us_median']:.1f} | {row['us_min']:.1f} "
-            f"| {row['us_max']:.1f} | {row['pct_ceiling']:.1f} | {row['pct_4200']:.1f} "
-            f"| {row['rel_err']:.1e} |"
-        )
-    for n in res.notes:
-        print("note:", n)
+    write_results(args.out, res, summary, ceiling, t0)
     return 0
 
 

@@ -7,6 +7,7 @@ import torch
 
 from kernels.paged_decode import (
     default_num_splits,
+    few_programs,
     paged_decode_attention,
     paged_decode_reference,
 )
@@ -106,10 +107,19 @@ def test_default_num_splits() -> None:
     # last one empty (pieces are whole 128-key tiles), so 32.
     assert default_num_splits(1, 8, 32768, 132) == 32
     assert default_num_splits(1, 8, 32768 + 128 * 33, 132) == 33  # where 33 all hold keys
-    # A short context is never cut below 256 keys a piece.
-    assert default_num_splits(1, 8, 300, 132) == 2
+    # With more programs, a short context is never cut below 256 keys a piece.
+    assert default_num_splits(4, 8, 300, 132) == 2
     # A large batch already fills the GPU.
     assert default_num_splits(64, 8, 32768, 132) == 1
+    # Batch 1-2 (few programs) at short contexts: a piece per 64-key tile, up to 16 (the
+    # strided kernel's latency-bound case); from 4k keys on the long-context rule again.
+    assert few_programs(2, 8, 132) and not few_programs(4, 8, 132)
+    assert default_num_splits(1, 8, 300, 132) == 5
+    assert default_num_splits(1, 8, 512, 132) == 8
+    assert default_num_splits(2, 8, 512, 132) == 8
+    assert default_num_splits(1, 8, 2048, 132) == 16
+    assert default_num_splits(1, 8, 4096, 132) == 16
+    assert default_num_splits(1, 8, 40, 132) == 1
 
 
 # The strided kernel: pieces take every num_splits-th tile (first block ids loaded with
