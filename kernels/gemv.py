@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -67,6 +68,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    GATED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,11 +90,15 @@ def _gemv_kernel(
                 mask=n_valid[:, None] & (offs_k < k_end)[None, :],
                 other=0.0,
             )
-        x = tl.load(
-            x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
-            mask=m_valid[None, :] & (offs_k < k_end)[:, None],
-            other=0.0,
-        )
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        x_mask = m_valid[None, :] & (offs_k < k_end)[:, None]
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if GATED:  # x holds [gate | up]: the input is silu(gate) * up, rounded as eager rounds
+            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = gate / (1.0 + tl.exp(-gate))
+            act = act.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+            x = (act * up).to(x.dtype, fp_downcast_rounding="rtne")
         if FP32_DOT:
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
@@ -145,16 +151,32 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype."""
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    *,
+    gated: bool = False,
+) -> torch.Tensor:
+    """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype.
+
+    gated: x is [M, 2K], a gated MLP's [gate | up], and the product is silu(gate) * up times
+    weight^T (the down projection with its activation fused into the loads of x: no
+    [M, K] intermediate and two elementwise launches fewer), rounded at the same points as
+    `F.silu(gate) * up` in x's dtype."""
     x = check_tensor("x", x, dtypes=WEIGHT_DTYPES, ndim=2, last_dim_contiguous=True)
     weight = check_tensor(
         "weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device, last_dim_contiguous=True
     )
     m, k = x.shape
     n = weight.shape[0]
+    if gated:
+        if k % 2:
+            raise ValueError(f"gated gemv takes x = [gate | up], an even width; got {k}")
+        k //= 2
     if weight.shape[1] != k:
-        raise ValueError(f"weight is [N, K] = {tuple(weight.shape)} but x has K = {k}")
+        what = "half of x (gate | up) has" if gated else "x has"
+        raise ValueError(f"weight is [N, K] = {tuple(weight.shape)} but {what} K = {k}")
     if not 1 <= m <= MAX_BATCH:
         raise ValueError(f"gemv takes 1..{MAX_BATCH} rows, got {m}; use a GEMM for more")
     if n == 0 or k == 0:
@@ -174,7 +196,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=split > 1,
         EVEN_K=k % k_per_split == 0 and k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
-        FP32_DOT=interpreting() or x.dtype == torch.float32,
+        FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
@@ -185,6 +207,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
     return out
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 product rounded to x's dtype."""
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
+    """fp32 product rounded to x's dtype (gated: of F.silu(gate) * up, as the eager MLP)."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
     return (x.float() @ weight.float().t()).to(x.dtype)

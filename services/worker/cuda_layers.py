@@ -1,4 +1,5 @@
-"""The worker's layers on CUDA: Triton RMSNorm(+residual) and the decode GEMV.
+"""The worker's layers on CUDA: Triton RMSNorm(+residual), the decode GEMV, and the gated
+MLP's down projection with its SiLU fused into the GEMV.
 
 `install_cuda_kernels(model)` re-classes the model's plain `nn.Linear` and `RMSNorm` modules in
 place (same parameters, same state_dict names), so every model family gets the kernels without
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.models.layers import RMSNorm
+from services.worker.models.layers import GatedMLP, RMSNorm
 
 # kernels.gemv's limits, restated so importing this module does not import Triton (the kernel
 # modules bind to the compiler or the interpreter at import; see attention_select.py).
@@ -29,18 +30,41 @@ class GemvLinear(nn.Linear):
     """nn.Linear whose skinny products (decode batches of <= 16 rows) run the Triton GEMV."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.is_cuda
-            and x.dim() == 2
-            and 1 <= x.shape[0] <= GEMV_MAX_ROWS
-            and x.dtype == self.weight.dtype
-            and x.dtype in GEMV_DTYPES
-        ):
+        if _gemv_rows(x, self.weight):
             from kernels.gemv import gemv
 
             out = gemv(x.contiguous(), self.weight)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The GEMV takes x: on CUDA, [rows, K] with 1..GEMV_MAX_ROWS rows, weight's dtype."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.dtype in GEMV_DTYPES
+    )
+
+
+class GemvGatedMLP(GatedMLP):
+    """GatedMLP whose decode-sized steps run silu(gate) * up inside the down projection's
+    GEMV (kernels.gemv `gated=True`): two elementwise launches and an [rows, intermediate]
+    round trip fewer per layer. SiLU models only; other activations take the plain path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if self.act is F.silu and gate_up.is_contiguous() and _gemv_rows(gate_up, down.weight):
+            from kernels.gemv import gemv
+
+            out = gemv(gate_up, down.weight, gated=True)
+            return out if down.bias is None else out + down.bias
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        out_: torch.Tensor = down(self.act(gate) * up)
+        return out_
 
 
 class TritonRMSNorm(RMSNorm):
@@ -67,9 +91,12 @@ def install_cuda_kernels(model: nn.Module) -> dict[str, int]:
 
     Only exact types are touched: a subclass (a packed CPU linear, a family's own norm) keeps
     its behaviour."""
-    counts = {"linear": 0, "rmsnorm": 0}
+    counts = {"linear": 0, "rmsnorm": 0, "gated_mlp": 0}
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is GatedMLP:
+            module.__class__ = GemvGatedMLP
+            counts["gated_mlp"] += 1
+        elif type(module) is nn.Linear:
             module.__class__ = GemvLinear
             counts["linear"] += 1
         elif type(module) is RMSNorm:

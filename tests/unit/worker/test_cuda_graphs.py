@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
-from services.worker.cuda_layers import GemvLinear, TritonRMSNorm, install_cuda_kernels
+from services.worker.cuda_layers import (
+    GemvGatedMLP,
+    GemvLinear,
+    TritonRMSNorm,
+    install_cuda_kernels,
+)
 from services.worker.kv_cache import KVCache
 from services.worker.models.random_init import build_random_model
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
@@ -77,14 +82,15 @@ def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
     expected = layer.mlp(layer.input_layernorm(x)[0])
     counts = install_cuda_kernels(model)
     # 2 layers x (qkv, o, gate_up, down) + lm_head; 2 layers x 2 norms + final norm.
-    assert counts == {"linear": 9, "rmsnorm": 5}
+    assert counts == {"linear": 9, "rmsnorm": 5, "gated_mlp": 2}
+    assert isinstance(layer.mlp, GemvGatedMLP)
     assert isinstance(layer.mlp.down_proj, GemvLinear)
     assert isinstance(layer.input_layernorm, TritonRMSNorm)
     assert model.state_dict().keys() == before.keys()
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert torch.equal(layer.mlp(layer.input_layernorm(x)[0]), expected)  # CPU: PyTorch ops
-    assert install_cuda_kernels(model) == {"linear": 0, "rmsnorm": 0}  # idempotent
+    assert install_cuda_kernels(model) == {"linear": 0, "rmsnorm": 0, "gated_mlp": 0}
 
 
 def test_rope_table_is_rebuilt_for_another_cos_tensor() -> None:
