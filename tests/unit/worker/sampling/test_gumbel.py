@@ -12,6 +12,7 @@ from services.worker.sampling.gumbel import (
     gumbel_from_uniform,
     gumbel_noise,
     log_f32,
+    row_argmax,
 )
 from services.worker.sampling.murmur3 import uniform_from_bits
 
@@ -89,6 +90,19 @@ def test_greedy_rows_are_plain_argmax_and_ties_go_to_the_smallest_id() -> None:
     logits[0, 123] = -5.0
     got = gumbel_argmax(logits, torch.ones(3), torch.arange(3), torch.arange(3))
     assert got[0].item() == 123 and got[2].item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_answers_as_torch_argmax(dtype: torch.dtype) -> None:
+    """Ties, NaN, all -inf and +inf rows, and plain random rows: the same index as argmax."""
+    scores = torch.randn(8, 1000).to(dtype)
+    scores[0, [3, 700]] = 9.0  # a tie: the first
+    scores[1, [5, 9]] = float("nan")  # NaN counts as the maximum, the first one
+    scores[2] = float("-inf")  # nothing finite: 0
+    scores[3, [11, 12]] = float("inf")
+    scores[4] = 0.0  # all equal: 0
+    assert torch.equal(row_argmax(scores), scores.argmax(dim=1))
+    assert row_argmax(scores)[:5].tolist() == [3, 5, 0, 11, 0]
 
 
 def test_bitmask_restricts_the_draw() -> None:
