@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import completion_counters
 from kernels.attention_step import AttentionTiles, attend_tile, attend_tile_ids
 from kernels.paged_cache import (
     check_block_tables,
@@ -64,6 +65,7 @@ STRIDED_MIN_SPLITS = 16
 SHORT_KEYS_PER_SPLIT = 64  # few programs, short context: a piece per 64-key tile
 STRIDED_TILE_BYTES = 16384
 FUSED_MERGE_DEFAULT = True
+MERGE_COUNTERS = "decode-merge"  # completion_counters family of the fused merge
 
 
 @triton.jit
@@ -507,7 +509,7 @@ def paged_decode_attention(
         # the merger holds all its pieces at once: at most 128 fp32 registers a thread
         and merge_g * block_s * block_d <= 128 * 32 * tiles.num_warps
     ):
-        counters = _merge_counters(device, num_seqs * geo.num_kv_heads)
+        counters = completion_counters.counters(MERGE_COUNTERS, device, num_seqs * geo.num_kv_heads)
     if num_splits > 1:
         part_out = torch.empty(
             num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
@@ -551,29 +553,6 @@ def paged_decode_attention(
             WAIT_PRIMARY=use_pdl, **({"launch_pdl": True} if use_pdl else {}),
         )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # kept alive: graphs captured earlier still point at them
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of >= n piece counters, one per device: each fused merge leaves
-    its counter at zero again, so launches must not overlap (one stream at a time; a CUDA
-    graph captured on another stream shares it). None when it would first be allocated
-    inside a graph capture: the caller then merges with the second kernel (the worker runs
-    each graph's forward once before capturing it)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if counters is not None:
-            _OUTGROWN.append(counters)
-        counters = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
 
 
 def paged_decode_reference(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import completion_counters
 from kernels.paged_decode import (
     default_num_splits,
     few_programs,
@@ -129,7 +130,6 @@ def test_default_num_splits() -> None:
 @pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_strided_kernel_matches_reference(device, dtype, fused_merge) -> None:  # type: ignore[no-untyped-def]
-    from kernels import paged_decode
 
     batch = _batch(device, dtype)
     batch.seq_lens[2] = 0  # a padding row between real ones: zeros, never NaN
@@ -143,7 +143,7 @@ def test_strided_kernel_matches_reference(device, dtype, fused_merge) -> None:  
         torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=0)
         assert torch.equal(out[2], torch.zeros_like(out[2]))
     if fused_merge:
-        assert all(not c.any() for c in paged_decode._COUNTERS.values())
+        assert completion_counters.all_zero()
 
 
 @pytest.mark.parametrize("per_head_scale", [False, True])
@@ -171,11 +171,11 @@ def test_launcher_picks_the_strided_kernel_for_many_splits(device) -> None:  # t
 
     batch = _batch(device, torch.bfloat16)
     ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
-    paged_decode._COUNTERS.clear()
+    completion_counters.clear()
     out = _decode(batch, num_splits=paged_decode.STRIDED_MIN_SPLITS)
     torch.testing.assert_close(out, ref.float(), atol=tolerance(torch.bfloat16), rtol=0)
-    assert paged_decode._COUNTERS, "the fused merge's counters were never allocated"
-    assert all(not c.any() for c in paged_decode._COUNTERS.values())
+    assert completion_counters.allocated(paged_decode.MERGE_COUNTERS), "the merge never ran"
+    assert completion_counters.all_zero()
     assert paged_decode.strided_tiles(128, 2).block_n == 64  # 16 KB of bf16 K per tile
     assert paged_decode.strided_tiles(128, 1).block_n == 128  # and of fp8
 
@@ -198,11 +198,12 @@ def test_fused_merge_kept_inside_a_cuda_graph(device) -> None:  # type: ignore[n
         )  # fmt: skip
 
     call()  # eager: allocates the counters
-    counters = paged_decode._merge_counters(batch.q.device, 1)
-    assert counters is paged_decode._merge_counters(device, 1)  # "cuda" is "cuda:<current>"
+    family = paged_decode.MERGE_COUNTERS
+    counters = completion_counters.counters(family, batch.q.device, 1)
+    assert counters is completion_counters.counters(family, device, 1)  # "cuda" = current
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert paged_decode._merge_counters(batch.q.device, 1) is counters
+        assert completion_counters.counters(family, batch.q.device, 1) is counters
         call()
     for _ in range(3):
         out.fill_(float("nan"))

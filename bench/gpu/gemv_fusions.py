@@ -1,10 +1,15 @@
-"""The gated MLP's down projection at decode sizes on the GPU: silu(gate) * up fused into the
-GEMV's loads (kernels.gemv `gated=True`) vs the eager F.silu and multiply before the GEMV.
+"""The decode GEMV's fusions on the GPU against the unfused launches they replace: the gated
+MLP's down projection with silu(gate) * up fused into the GEMV's loads (`gemv(..., gated=True)`)
+vs the eager F.silu and multiply before the GEMV.
 
-Llama-3-8B shape (intermediate 14336, hidden 4096), bf16, CUDA-graph time per call over weight
-copies that defeat L2 (bench/gpu/kernel_timings.py `graph_ms`), alternating order, medians:
+(A split-K reduce done by each tile's last split instead of a reduce launch was measured here
+too and dropped: 15.66 vs 15.69 us on qkv, 11.63 vs 11.60 on o, 30.64 vs 30.49 on down at 1 row,
+the same within 0.5% at 16 rows; bench/gpu/fused_reduce_h200.log.)
 
-    python3 bench/gpu/gated_gemv.py
+Llama-3-8B shapes, bf16, CUDA-graph time per call over weight copies that defeat L2
+(bench/gpu/kernel_timings.py `graph_ms`), alternating order, medians of 5:
+
+    python3 bench/gpu/gemv_fusions.py
 """
 
 from __future__ import annotations
