@@ -2,11 +2,12 @@
 
 A split kernel (today: the split-K decode attention's fused merge, kernels/paged_decode.py) can
 skip its second, merging launch: each program writes its partial result, then counts itself
-done with an acq_rel atomic on its output tile's counter; the one that brings the count to the number of pieces merges the
-partials and sets the counter back to zero for the next launch (or CUDA graph replay). The
-buffers live here, one per (kernel family, device), allocated zeroed and never freed. (The
-same trick for the decode GEMV's split-K reduce was measured on the H200 and dropped: no
-faster than its reduce launch inside a CUDA graph; bench/gpu/fused_reduce_h200.log.)
+done with an acq_rel atomic on its output tile's counter; the one that brings the count to
+the number of pieces merges the partials and sets the counter back to zero for the next
+launch (or CUDA graph replay). The buffers live here, one per (kernel family, device),
+allocated zeroed and never freed. (The same trick for the decode GEMV's split-K reduce was
+measured on the H200 and dropped: no faster than its reduce launch inside a CUDA graph;
+bench/gpu/fused_reduce_h200.log.)
 
 Two launches sharing a buffer must not overlap: one stream at a time (a CUDA graph captured
 on another stream shares the buffer, which is fine as long as its replays do not run

@@ -1,11 +1,11 @@
 """The worker's layers on CUDA: Triton RMSNorm(+residual), the decode GEMV, and the gated
 MLP's down projection with its SiLU fused into the GEMV.
 
-`install_cuda_kernels(model)` re-classes the model's plain `nn.Linear` and `RMSNorm` modules in
-place (same parameters, same state_dict names), so every model family gets the kernels without
-its files naming a device. Each forward still falls back to PyTorch for what the kernel does
-not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job: cuBLAS), a dtype mismatch,
-a norm over a non-contiguous tensor.
+`install_cuda_kernels(model)` re-classes the model's plain `nn.Linear`, `RMSNorm` and
+`GatedMLP` modules in place (same parameters, same state_dict names), so every model family
+gets the kernels without its files naming a device. Each forward still falls back to PyTorch
+for what the kernel does not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job:
+cuBLAS), a dtype mismatch, a norm over a non-contiguous tensor, an activation other than SiLU.
 
 Numerics: the RMSNorm kernel rounds exactly as transformers' Llama does (see kernels/rmsnorm.py),
 the GEMV accumulates in fp32 and rounds once, so greedy tokens of an fp32 model equal the CPU
