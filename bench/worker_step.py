@@ -110,6 +110,7 @@ def bench(
     plain_weights: bool = False,
     profile: bool = False,
     compiled: bool = False,
+    cpu_attention: str = "auto",
 ) -> dict:
     if random:
         model, config = random_model(random, dtype, device, plain_weights or compiled)
@@ -118,7 +119,14 @@ def bench(
     blocks = batch * (-(-(prompt_len + steps + 12) // 16)) + 8
     kv = KVCache.allocate(config, num_blocks=blocks, block_size=16, dtype=dtype, device=device)
     runner = ModelRunner(
-        model, config, kv, device, max_num_reqs=max(batch, 8), max_model_len=1024, compiled=compiled
+        model,
+        config,
+        kv,
+        device,
+        max_num_reqs=max(batch, 8),
+        max_model_len=1024,
+        compiled=compiled,
+        cpu_attention=cpu_attention,  # type: ignore[arg-type]
     )
     warmup_s = runner.warmup()
     # A decode step reads every weight once, except the embedding (a few rows) when the head
@@ -190,6 +198,12 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="compile the forward (CPU bf16; cpu_compile.py)"
     )
+    parser.add_argument(
+        "--cpu-attention",
+        default="auto",
+        choices=["auto", "kernel", "torch"],
+        help="decode attention on CPU: the C++ kernel (auto/kernel) or PyTorch",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=64)
@@ -223,6 +237,7 @@ def main() -> None:
                 args.plain_weights,
                 args.profile,
                 args.compile,
+                args.cpu_attention,
             )
             print(
                 f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>7.1f} "

@@ -122,6 +122,9 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # on where supported (bf16, dense models, no speculative decoding); start-up then takes
     # tens of seconds longer. "on" is "auto" that also logs why it cannot compile a model.
     cpu_compile: Literal["auto", "on", "off"] = "auto"
+    # Decode attention on CPU (kernels/cpu_decode_attention.py): "auto" = the C++ kernel where
+    # a compiler builds it, else PyTorch; "kernel" = the kernel or fail; "torch" = PyTorch.
+    cpu_attention: Literal["auto", "kernel", "torch"] = "auto"
     # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
     kv_offload: bool = True
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis

@@ -20,15 +20,25 @@ blocks however long the sequence is.
 
 `AttentionMetadata` is built once per step on the host per KV cache group and shared by the
 layers of that group.
+
+With a `decode_kernel` (kernels/cpu_decode_attention.py, the worker's default where a C++
+compiler is present), the K/V write and the decode rows go through one C++ call that reads the
+cache in place instead of the gather + SDPA below (not for sliding windows); prefill spans take
+the same path as without it. The gather + SDPA code stays the reference the kernel is tested
+against, and the path of machines without a compiler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kernels.cpu_decode_attention import CpuDecodeAttention
 
 
 def step_lengths(
@@ -67,6 +77,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64 (with decode_kernel)
+    decode_kernel: CpuDecodeAttention | None = None  # decodes in C++ (module docstring)
 
     @classmethod
     def build(
@@ -79,6 +91,7 @@ class AttentionMetadata:
         slot_mapping: np.ndarray,
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
+        decode_kernel: CpuDecodeAttention | None = None,
     ) -> AttentionMetadata:
         """From per-request arrays in flat-batch order (decodes first for the fast path).
 
@@ -86,11 +99,13 @@ class AttentionMetadata:
         `block_tables[i]` holds at least ceil(seq_lens[i] / block_size) valid block ids.
         A single-token request placed after a prefill is treated as a prefill span (correct,
         only slower). With `sliding_window`, only entries from the window's first block on need
-        to be valid.
+        to be valid. `decode_kernel` is kept only where it applies (decodes on CPU, no window).
         """
         device = torch.device(device)
         query_lens, seq_lens, num_decodes = step_lengths(query_lens, seq_lens)
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_seq_lens = None
+        if device.type != "cpu" or sliding_window is not None or not num_decodes:
+            decode_kernel = None
         if num_decodes and sliding_window is not None:
             decode_tables, decode_mask = _window_decode(
                 seq_lens[:num_decodes], block_tables[:num_decodes], block_size, sliding_window
@@ -103,6 +118,8 @@ class AttentionMetadata:
                 np.ascontiguousarray(block_tables[:num_decodes, :max_blocks], dtype=np.int64)
             ).to(device)
             window = np.arange(max_blocks * block_size)
+            if decode_kernel is not None:
+                decode_seq_lens = torch.from_numpy(np.ascontiguousarray(d_lens))
             if (d_lens == max_blocks * block_size).all():
                 decode_mask = None
             else:
@@ -141,6 +158,8 @@ class AttentionMetadata:
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=prefills,
+            decode_seq_lens=decode_seq_lens,
+            decode_kernel=decode_kernel,
         )
 
 
@@ -201,11 +220,26 @@ def paged_attention(
     Writes this step's K/V into the cache first, so a decode (or an extend chunk) sees its own
     token through the cache like every earlier one.
     """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
-    kv_heads = k.shape[1]
+    kernel = meta.decode_kernel
     parts: list[torch.Tensor] = []
-    if meta.num_decodes:
-        parts.append(_decode(q[: meta.num_decodes], kv_cache, meta, scale, kv_heads))
+    if kernel is not None and kernel.supports(q, kv_cache):
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        parts.append(
+            kernel(
+                q,
+                k,
+                v,
+                kv_cache,
+                meta.slot_mapping,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                scale,
+            )
+        )
+    else:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.num_decodes:
+            parts.append(_decode(q[: meta.num_decodes], kv_cache, meta, scale, k.shape[1]))
     for span in meta.prefills:
         parts.append(_prefill(q, k, v, kv_cache, span, scale))
     if len(parts) == 1:

@@ -1,4 +1,5 @@
-"""Which attention implementation a step uses: the Triton kernels on CUDA, PyTorch on CPU.
+"""Which attention implementation a step uses: the Triton kernels on CUDA, PyTorch on CPU
+(with the C++ decode kernel of kernels/cpu_decode_attention.py where it builds).
 
 The choice is made once per step, when the runner builds the metadata
 (`build_attention_metadata`): on a CUDA device it returns `TritonAttentionMetadata`, otherwise
@@ -25,21 +26,29 @@ to the interpreter (TRITON_INTERPRET) at import time, and a CPU worker never nee
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from kernels.cpu_decode_attention import CpuDecodeAttention, KernelUnavailable, load
 from kernels.staged_copy import stage_to_device
 from services.worker.attention import AttentionMetadata, paged_attention, step_lengths
 from services.worker.bound_attention import LayerAttention
 from services.worker.dense_prefill import DensePrefill, dense_prefill_impl
 from services.worker.models.rope import apply_rotary
 
+log = logging.getLogger(__name__)
+
+CpuAttention = Literal["auto", "kernel", "torch"]
+
 __all__ = [
+    "CpuAttention",
     "TritonAttentionMetadata",
     "build_attention_metadata",
+    "cpu_decode_kernel",
     "decode_splits",
     "rotary_attention",
     "uses_triton",
@@ -49,6 +58,22 @@ __all__ = [
 def uses_triton(device: torch.device | str) -> bool:
     """The Triton kernels run on CUDA devices only (on CPU they need the interpreter)."""
     return torch.device(device).type == "cuda"
+
+
+def cpu_decode_kernel(
+    choice: CpuAttention, device: torch.device | str
+) -> CpuDecodeAttention | None:
+    """The C++ decode attention for a CPU runner: "auto" uses it where it builds (else logs
+    why not and keeps PyTorch), "kernel" requires it, "torch" never uses it."""
+    if choice == "torch" or torch.device(device).type != "cpu":
+        return None
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        if choice == "kernel":
+            raise
+        log.info("CPU decode attention kernel unavailable, using PyTorch: %s", exc)
+        return None
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -171,17 +196,21 @@ def _upload(array: np.ndarray, device: torch.device, dtype: type = np.int64) -> 
 
 
 def build_attention_metadata(
-    *, num_kv_heads: int, device: torch.device | str, **step: Any
+    *,
+    num_kv_heads: int,
+    device: torch.device | str,
+    decode_kernel: CpuDecodeAttention | None = None,
+    **step: Any,
 ) -> AttentionMetadata | TritonAttentionMetadata:
     """The step's metadata for the attention path of `device` (see the module docstring).
 
     `step` is AttentionMetadata.build's keyword arguments (query_lens, seq_lens, block_tables,
     block_size, slot_mapping, sliding_window), which both paths take; only the Triton path
-    needs `num_kv_heads` (its decode split factor).
+    needs `num_kv_heads` (its decode split factor), only the CPU path `decode_kernel`.
     """
     if uses_triton(device):
         return TritonAttentionMetadata.build(num_kv_heads=num_kv_heads, device=device, **step)
-    return AttentionMetadata.build(device=device, **step)
+    return AttentionMetadata.build(device=device, decode_kernel=decode_kernel, **step)
 
 
 def rotary_attention(

@@ -78,6 +78,7 @@ def build_runner(
         worker_incarnation=incarnation,
         speculative=spec,
         compiled=compiled,
+        cpu_attention=settings.cpu_attention,
     )
     if compiled:
         log.info("compiling the forward (torch.compile, CPU): this takes a while at start-up")

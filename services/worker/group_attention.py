@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from services.worker.attention import AttentionMetadata
 from shared.kv_groups import KVGroupSpec, layer_group_index
 
@@ -28,6 +29,7 @@ def group_attention(
     positions: np.ndarray,
     block_size: int,
     device: torch.device,
+    decode_kernel: CpuDecodeAttention | None = None,
 ) -> list[AttentionMetadata]:
     """One metadata per LAYER (layers of a group share the object), for the requests at batch
     `rows` in flat-batch order; block_tables is the batch's [groups, max_reqs, max_blocks]."""
@@ -44,6 +46,7 @@ def group_attention(
                 slot_mapping=blocks * block_size + positions % block_size,
                 device=device,
                 sliding_window=group.sliding_window,
+                decode_kernel=decode_kernel,
             )
         )
     num_layers = sum(len(g.layer_indices) for g in groups)

@@ -33,7 +33,12 @@ import torch
 
 from kernels.staged_copy import stage_to_device
 from services.worker.attention import AttentionMetadata
-from services.worker.attention_select import TritonAttentionMetadata, build_attention_metadata
+from services.worker.attention_select import (
+    CpuAttention,
+    TritonAttentionMetadata,
+    build_attention_metadata,
+    cpu_decode_kernel,
+)
 from services.worker.cpu_compile import CompiledForward
 from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.cuda_layers import install_cuda_kernels
@@ -98,9 +103,12 @@ class ModelRunner:
         worker_incarnation: str = "",
         speculative: SpeculativeConfig | None = None,
         compiled: bool = False,
+        cpu_attention: CpuAttention = "auto",
     ) -> None:
         """`compiled`: run the forward and logits compiled (cpu_compile.py; the model's
-        linears must be plain nn.Linear, see load_model(compiled=True))."""
+        linears must be plain nn.Linear, see load_model(compiled=True)). `cpu_attention`: the
+        C++ decode attention on CPU ("auto": where it builds; see
+        attention_select.cpu_decode_kernel)."""
         self.model = model
         self.config = config
         self.kv_cache = kv_cache
@@ -113,6 +121,7 @@ class ModelRunner:
                 f"{rope_positions} positions (load_model(..., max_model_len=...))"
             )
         self.block_size = kv_cache.block_size
+        self.decode_kernel = cpu_decode_kernel(cpu_attention, self.device)
         self.worker_id = worker_id
         self.worker_incarnation = worker_incarnation
         # KV cache groups (shared/kv_groups.py): one block table per group and request.
@@ -398,6 +407,7 @@ class ModelRunner:
                 inputs.positions,
                 self.block_size,
                 self.device,
+                self.decode_kernel,
             )
         else:
             attn = self._metadata(
@@ -441,6 +451,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=self.config.num_key_value_heads,
             device=self.device,
+            decode_kernel=self.decode_kernel,
             **arrays,  # type: ignore[arg-type]
         )
 
