@@ -11,13 +11,15 @@
 // Layout (services/worker/kv_cache.py): cache [2, num_blocks, block_size, kv_heads, head_dim],
 // K at index 0 and V at 1; key position p of a sequence lives in slot
 // table[p / block_size] * block_size + p % block_size. Rows of q, k, v and out are `*_stride`
-// elements apart, with the heads of a row contiguous. head_dim must be a multiple of 16.
+// elements apart, with the heads of a row contiguous. head_dim must be a multiple of 16, at most
+// 128.
 //
 // Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
 // pairs of AVX2 ones (or narrower) where not. Built at worker start by
 // kernels/cpu_decode_attention.py (no torch headers; loaded with ctypes).
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -94,31 +96,36 @@ struct Shape {
     int64_t num_blocks, block_size, heads, kv_heads, head_dim;
 };
 
-// One (sequence, KV head): out[g] = softmax(q_g . K) V for the `group` query heads q.
-// `scores` holds group * padded floats, `padded` = len rounded up to kWidth.
-template <typename T>
-void attend_head(const T* q, const T* cache_k, const T* cache_v, const int64_t* table,
-                 int64_t len, const Shape& s, int64_t head, int64_t group, float scale,
-                 float* scores, int64_t padded, T* out) {
+constexpr int kMaxChunks = 8;  // head_dim up to 128
+constexpr int kMaxGroup = 4;   // query heads computed together; larger groups go 4 at a time
+
+// Query heads q[0..G) sharing KV head `head` of one sequence: out[g] = softmax(q_g . K) V.
+// G and C (head_dim / kWidth) are compile-time, so queries, K/V rows and accumulators stay in
+// registers. `scores` holds G * padded floats, `padded` = len rounded up to kWidth.
+template <typename T, int C, int G>
+void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t* table,
+                  int64_t len, const Shape& s, int64_t head, float scale, float* scores,
+                  int64_t padded, T* out) {
     const int64_t row = s.kv_heads * s.head_dim;
-    const int64_t chunks = s.head_dim / kWidth;
-    std::vector<Floats> query(group * chunks), acc(group * chunks, Floats{});
-    for (int64_t i = 0; i < group * chunks; i++) query[i] = load(q + i * kWidth) * scale;
+    Floats query[G][C];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) query[g][c] = load(q + g * s.head_dim + c * kWidth) * scale;
 
     for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
         const int64_t count = len - start < s.block_size ? len - start : s.block_size;
         const T* block = cache_k + table[b] * s.block_size * row + head * s.head_dim;
         for (int64_t j = 0; j < count; j++) {
-            const T* key = block + j * row;
-            for (int64_t g = 0; g < group; g++) {
-                Floats dot{};
-                for (int64_t c = 0; c < chunks; c++) dot += query[g * chunks + c] * load(key + c * kWidth);
+            Floats key[C];
+            for (int c = 0; c < C; c++) key[c] = load(block + j * row + c * kWidth);
+            for (int g = 0; g < G; g++) {
+                Floats dot = query[g][0] * key[0];
+                for (int c = 1; c < C; c++) dot += query[g][c] * key[c];
                 scores[g * padded + start + j] = horizontal_sum(dot);
             }
         }
     }
 
-    for (int64_t g = 0; g < group; g++) {
+    for (int g = 0; g < G; g++) {
         float* sg = scores + g * padded;
         for (int64_t t = len; t < padded; t++) sg[t] = -INFINITY;
         Floats top = Floats{} - INFINITY;
@@ -138,18 +145,58 @@ void attend_head(const T* q, const T* cache_k, const T* cache_v, const int64_t* 
         for (int64_t t = 0; t < padded; t += kWidth) store(sg + t, load(sg + t) * inv);
     }
 
+    Floats acc[G][C] = {};
     for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
         const int64_t count = len - start < s.block_size ? len - start : s.block_size;
         const T* block = cache_v + table[b] * s.block_size * row + head * s.head_dim;
         for (int64_t j = 0; j < count; j++) {
-            const T* value = block + j * row;
-            for (int64_t c = 0; c < chunks; c++) {
-                const Floats v = load(value + c * kWidth);
-                for (int64_t g = 0; g < group; g++) acc[g * chunks + c] += scores[g * padded + start + j] * v;
+            Floats value[C];
+            for (int c = 0; c < C; c++) value[c] = load(block + j * row + c * kWidth);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[g * padded + start + j];
+                for (int c = 0; c < C; c++) acc[g][c] += p * value[c];
             }
         }
     }
-    for (int64_t i = 0; i < group * chunks; i++) store(out + i * kWidth, acc[i]);
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) store(out + g * s.head_dim + c * kWidth, acc[g][c]);
+}
+
+// All `group` query heads of one (sequence, KV head), kMaxGroup at a time.
+template <typename T, int C>
+void attend_head(const T* q, const T* cache_k, const T* cache_v, const int64_t* table,
+                 int64_t len, const Shape& s, int64_t head, int64_t group, float scale,
+                 float* scores, int64_t padded, T* out) {
+    for (int64_t g = 0; g < group; g += kMaxGroup) {
+        const int64_t n = group - g < kMaxGroup ? group - g : kMaxGroup;
+        const T* qg = q + g * s.head_dim;
+        T* og = out + g * s.head_dim;
+        switch (n) {
+            case 1: attend_group<T, C, 1>(qg, cache_k, cache_v, table, len, s, head, scale, scores, padded, og); break;
+            case 2: attend_group<T, C, 2>(qg, cache_k, cache_v, table, len, s, head, scale, scores, padded, og); break;
+            case 3: attend_group<T, C, 3>(qg, cache_k, cache_v, table, len, s, head, scale, scores, padded, og); break;
+            default: attend_group<T, C, 4>(qg, cache_k, cache_v, table, len, s, head, scale, scores, padded, og); break;
+        }
+    }
+}
+
+template <typename T>
+using HeadFunction = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, const Shape&,
+                              int64_t, int64_t, float, float*, int64_t, T*);
+
+template <typename T>
+HeadFunction<T> head_function(int64_t chunks) {
+    switch (chunks) {
+        case 1: return attend_head<T, 1>;
+        case 2: return attend_head<T, 2>;
+        case 3: return attend_head<T, 3>;
+        case 4: return attend_head<T, 4>;
+        case 5: return attend_head<T, 5>;
+        case 6: return attend_head<T, 6>;
+        case 7: return attend_head<T, 7>;
+        case 8: return attend_head<T, 8>;
+        default: return nullptr;
+    }
 }
 
 template <typename T>
@@ -157,7 +204,9 @@ int decode_attention(const T* q, int64_t q_stride, const T* k, const T* v, int64
                      T* cache, const Shape& s, const int64_t* slots, int64_t num_writes,
                      const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
                      int64_t num_decodes, float scale, T* out, int64_t out_stride) {
-    if (s.head_dim % kWidth != 0 || s.kv_heads <= 0 || s.heads % s.kv_heads != 0) return -1;
+    const HeadFunction<T> attend = head_function<T>(s.head_dim / kWidth);
+    if (s.head_dim % kWidth != 0 || !attend || s.kv_heads <= 0 || s.heads % s.kv_heads != 0)
+        return -1;
     const int64_t row = s.kv_heads * s.head_dim;
     T* cache_k = cache;
     T* cache_v = cache + s.num_blocks * s.block_size * row;
@@ -172,16 +221,15 @@ int decode_attention(const T* q, int64_t q_stride, const T* k, const T* v, int64
     const int64_t tasks = num_decodes * s.kv_heads;
 #pragma omp parallel if (tasks > 1)
     {
-        std::vector<float> scores(group * padded_max);
+        std::vector<float> scores(std::min(group, int64_t{kMaxGroup}) * padded_max);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t i = task / s.kv_heads, h = task % s.kv_heads;
             const int64_t len = seq_lens[i];
             const int64_t padded = (len + kWidth - 1) / kWidth * kWidth;
             const int64_t offset = h * group * s.head_dim;
-            attend_head(q + i * q_stride + offset, cache_k, cache_v, tables + i * table_stride,
-                        len, s, h, group, scale, scores.data(), padded,
-                        out + i * out_stride + offset);
+            attend(q + i * q_stride + offset, cache_k, cache_v, tables + i * table_stride, len, s,
+                   h, group, scale, scores.data(), padded, out + i * out_stride + offset);
         }
     }
     return 0;

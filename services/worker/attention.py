@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kernels.cpu_decode_attention import CpuDecodeAttention
+    from kernels.cpu_decode_attention import CpuDecodeAttention, DecodeStep
 
 
 def step_lengths(
@@ -77,8 +77,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64 (with decode_kernel)
-    decode_kernel: CpuDecodeAttention | None = None  # decodes in C++ (module docstring)
+    decode_kernel: DecodeStep | None = None  # decodes in C++ (module docstring)
 
     @classmethod
     def build(
@@ -103,7 +102,8 @@ class AttentionMetadata:
         """
         device = torch.device(device)
         query_lens, seq_lens, num_decodes = step_lengths(query_lens, seq_lens)
-        decode_tables = decode_mask = decode_seq_lens = None
+        slots = torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device)
+        decode_tables = decode_mask = decode_step = None
         if device.type != "cpu" or sliding_window is not None or not num_decodes:
             decode_kernel = None
         if num_decodes and sliding_window is not None:
@@ -119,7 +119,8 @@ class AttentionMetadata:
             ).to(device)
             window = np.arange(max_blocks * block_size)
             if decode_kernel is not None:
-                decode_seq_lens = torch.from_numpy(np.ascontiguousarray(d_lens))
+                lens = torch.from_numpy(np.ascontiguousarray(d_lens))
+                decode_step = decode_kernel.step(slots, decode_tables, lens)
             if (d_lens == max_blocks * block_size).all():
                 decode_mask = None
             else:
@@ -153,13 +154,12 @@ class AttentionMetadata:
             )
         return cls(
             num_tokens=int(starts[-1]),
-            slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
+            slot_mapping=slots,
             num_decodes=num_decodes,
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=prefills,
-            decode_seq_lens=decode_seq_lens,
-            decode_kernel=decode_kernel,
+            decode_kernel=decode_step,
         )
 
 
@@ -220,22 +220,10 @@ def paged_attention(
     Writes this step's K/V into the cache first, so a decode (or an extend chunk) sees its own
     token through the cache like every earlier one.
     """
-    kernel = meta.decode_kernel
+    step = meta.decode_kernel
     parts: list[torch.Tensor] = []
-    if kernel is not None and kernel.supports(q, kv_cache):
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        parts.append(
-            kernel(
-                q,
-                k,
-                v,
-                kv_cache,
-                meta.slot_mapping,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                scale,
-            )
-        )
+    if step is not None and step.supports(q, kv_cache):
+        parts.append(step(q, k, v, kv_cache, scale))
     else:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.num_decodes:

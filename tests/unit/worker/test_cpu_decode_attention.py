@@ -84,7 +84,7 @@ def test_kernel_matches_the_reference_path(
         q, k, v, ref_cache, metadata(lens, tables, slots, block_size, None), scale
     )
     meta = metadata(lens, tables, slots, block_size, kernel)
-    assert meta.decode_kernel is kernel
+    assert meta.decode_kernel is not None
     out = paged_attention(q, k, v, cache, meta, scale)
     assert torch.equal(cache, ref_cache)  # this step's K/V written into the same slots
     tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # bf16: one rounding of the output
@@ -176,7 +176,7 @@ def test_metadata_keeps_the_kernel_only_where_it_applies(kernel: CpuDecodeAttent
         slot_mapping=np.array([4, 15]),
     )
     meta = AttentionMetadata.build(**step, decode_kernel=kernel)
-    assert meta.decode_kernel is kernel and meta.decode_seq_lens.tolist() == [5, 8]
+    assert meta.decode_kernel is not None and meta.decode_kernel.seq_lens.tolist() == [5, 8]
     assert meta.decode_mask is not None  # kept for a layer the kernel cannot take
     assert (
         AttentionMetadata.build(**step, decode_kernel=kernel, sliding_window=4).decode_kernel
@@ -227,8 +227,11 @@ def test_input_errors(kernel: CpuDecodeAttention) -> None:
             seq_lens,
             1.0,
         )
+    three = torch.tensor([6, 11, 2])
+    with pytest.raises(ValueError, match="3 sequence lengths for 2 block tables"):
+        kernel(q, k, v, cache, slots, tables, three, 1.0)
     with pytest.raises(ValueError, match="3 sequence lengths for 2 query rows"):
-        kernel(q, k, v, cache, slots, tables, torch.tensor([6, 11, 2]), 1.0)
+        kernel(q, k, v, cache, slots, torch.cat([tables, tables[:1]]), three, 1.0)
     with pytest.raises(TypeError, match="seq_lens has dtype"):
         kernel(q, k, v, cache, slots, tables, seq_lens.int(), 1.0)
     with pytest.raises(ValueError, match="slot_mapping has shape"):
@@ -263,3 +266,44 @@ def test_build_is_cached_by_source_compiler_and_cpu(tmp_path) -> None:
     finally:
         load.cache_clear()
     assert cpu_decode_attention.SOURCE.exists()
+
+
+def test_indexes_outside_the_cache_are_refused_before_the_kernel_runs(
+    kernel: CpuDecodeAttention,
+) -> None:
+    """The C++ code trusts its indexes, so every slot, block id and length is checked against
+    the cache first (the reference path would raise an IndexError)."""
+    lens = [6, 11]
+    cache, tables, slots, q, k, v = decode_step(
+        lens=lens, heads=4, kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    num_blocks = cache.shape[1]
+    before = cache.clone()
+    seq_lens = torch.tensor(lens)
+    bad_slots = slots.clone()
+    bad_slots[1] = num_blocks * 4
+    with pytest.raises(ValueError, match=r"slot_mapping .* outside"):
+        kernel(q, k, v, cache, bad_slots, tables, seq_lens, 1.0)
+    bad_tables = tables.clone()
+    bad_tables[0, 0] = num_blocks
+    with pytest.raises(ValueError, match=r"block_tables .* outside"):
+        kernel(q, k, v, cache, slots, bad_tables, seq_lens, 1.0)
+    with pytest.raises(ValueError, match=r"seq_lens .* outside"):
+        kernel(q, k, v, cache, slots, tables, torch.tensor([6, tables.shape[1] * 4 + 1]), 1.0)
+    with pytest.raises(ValueError, match=r"seq_lens .* outside"):
+        kernel(q, k, v, cache, slots, tables, torch.tensor([0, 11]), 1.0)
+    assert torch.equal(cache, before)  # nothing was written
+
+
+def test_a_step_checks_each_new_layer_geometry(kernel: CpuDecodeAttention) -> None:
+    lens = [6, 11]
+    cache, tables, slots, q, k, v = decode_step(
+        lens=lens, heads=4, kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    step = kernel.step(slots, tables, torch.tensor(lens))
+    step(q, k, v, cache, 0.25)  # the first layer: checked in full
+    small = torch.zeros(2, 2, 4, 2, 16)  # a later "layer" whose cache is too small
+    with pytest.raises(ValueError, match="outside the cache's 2 blocks"):
+        step(q, k, v, small, 0.25)
+    with pytest.raises(TypeError, match="kv_cache has dtype"):
+        step(q, k, v, cache.bfloat16(), 0.25)
