@@ -67,9 +67,11 @@ def start_mesh(
     *,
     port_offset: int = 300,
     extra_env: dict[str, str] | None = None,
+    repo: Path = REPO,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """gateway + scheduler + worker (+ its Redis on args.redis_port) as local processes; the
-    gateway on 8000 + port_offset. Returns the launcher's process and the API's base URL."""
+    """gateway + scheduler + worker (+ its Redis on args.redis_port) as local processes, run
+    from the checkout `repo`; the gateway on 8000 + port_offset. Returns the launcher's process
+    and the API's base URL."""
     env = {
         **os.environ,
         "MESHLLM_DTYPE": args.mesh_dtype,
@@ -81,7 +83,7 @@ def start_mesh(
     cmd += ["--port-offset", str(port_offset), "--redis-port", str(args.redis_port)]
     cmd += ["--log-dir", str(log_dir / "mesh")]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, start_new_session=True,
+        cmd, cwd=repo, env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{8000 + port_offset}"

@@ -9,6 +9,7 @@ an optional nice value for every thread of B's worker:
     python -m bench.mesh_ab --b-env GOMP_SPINCOUNT=3000000 --rounds 6
     python -m bench.mesh_ab --b-env MESHLLM_NUM_THREADS=1
     python -m bench.mesh_ab --b-worker-nice -5
+    python -m bench.mesh_ab --b-repo /tmp/baseline   # B runs another checkout (e.g. HEAD~1)
 
 Results of 2026-11-30: bench/cpu_mesh_env_2026-11-30.log.
 """
@@ -21,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from bench.cpu_compare import stop
-from bench.cpu_paired import _descendants, serve_block, start_mesh
+from bench.cpu_paired import REPO, _descendants, serve_block, start_mesh
 
 
 def _env(pairs: list[str]) -> dict[str, str]:
@@ -51,6 +52,7 @@ def main() -> None:
     p.add_argument("--a-env", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--b-env", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--b-worker-nice", type=int, default=None)
+    p.add_argument("--b-repo", default="", help="run mesh B from this checkout")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mesh-dtype", default="bfloat16")
     p.add_argument("--input-len", type=int, default=32)
@@ -65,8 +67,11 @@ def main() -> None:
             args.redis_port = 16411 + i
             log_dir = Path(args.log_dir) / "ab"[i]
             log_dir.mkdir(parents=True, exist_ok=True)
+            repo = Path(args.b_repo) if i == 1 and args.b_repo else REPO
             meshes.append(
-                start_mesh(args, log_dir, port_offset=310 + 10 * i, extra_env=_env(pairs))
+                start_mesh(
+                    args, log_dir, port_offset=310 + 10 * i, extra_env=_env(pairs), repo=repo
+                )
             )
         if args.b_worker_nice is not None:
             renice_worker(meshes[1][0].pid, args.b_worker_nice)
@@ -80,7 +85,10 @@ def main() -> None:
             print(f"round {r}: A {runs[0][-1]} B {runs[1][-1]} tok/s", flush=True)
         ratios = [round(b / a, 3) for a, b in zip(*runs, strict=True)]
         print(f"A {args.a_env} median {statistics.median(runs[0])} tok/s")
-        print(f"B {args.b_env} nice {args.b_worker_nice} median {statistics.median(runs[1])} tok/s")
+        print(
+            f"B {args.b_env} nice {args.b_worker_nice} repo {args.b_repo or REPO} "
+            f"median {statistics.median(runs[1])} tok/s"
+        )
         print(f"B/A per round {ratios}, median {statistics.median(ratios)}")
     finally:
         for proc, _ in meshes:
