@@ -13,7 +13,9 @@ Tasks, all in one event loop:
   means the worker restarted empty: every running request is recomputed. Silence longer than
   `worker_timeout_s` means it died.
 - step loop: schedule -> publish StepPlan -> await the StepResult with the same step id ->
-  update -> publish TokenDelta batches (one pipelined round trip) -> ack finished requests.
+  update -> publish TokenDelta batches -> ack finished requests. A step's TokenDeltas go out
+  in the same pipelined round trip as the next plan (one write and one wake-up of Redis a
+  step, not two), or alone when no plan follows.
 
 Prefill/decode disaggregation (services/scheduler/pd, SchedulerSettings.role): a "prefill"
 scheduler runs prefill jobs (services/scheduler/pd_edge.py) and acks a request once it handed it
@@ -80,6 +82,7 @@ OVERHEAD_SECONDS = Histogram(
 
 ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
 CLAIM_REFRESH_S = 2.0
+METRICS_INTERVAL_S = 0.1  # gauges while stepping; always when the loop goes idle
 
 
 @dataclass
@@ -87,7 +90,7 @@ class _InFlight:
     """A published plan awaiting its result."""
 
     plan: StepPlan
-    future: asyncio.Future[StepResult]
+    future: asyncio.Future[StepResult | None]
     published_at: float
 
 
@@ -108,8 +111,12 @@ class SchedulerService(Service):
         self.backlog: list[SubmitRequest] = []  # arrived before any worker announced itself
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.wakeup = asyncio.Event()
-        self.worker_changed = asyncio.Event()
-        self.results: dict[int, asyncio.Future[StepResult]] = {}
+        # Result futures of published plans; a new worker incarnation resolves them with None.
+        self.results: dict[int, asyncio.Future[StepResult | None]] = {}
+        # What a finished step sends on with the next plan (_publish) or alone (_flush).
+        self.outbox: list[tuple[str, TokenDelta]] = []
+        self.finished: list[Delivery] = []  # acked after the outbox is out
+        self.metrics_at = 0.0
         self.steps_run = 0
         # KV offload tier: the kvstore edge (services/scheduler/offload_edge.py), if configured.
         self.offload: OffloadEdge | None = (
@@ -355,7 +362,9 @@ class SchedulerService(Service):
         if self.core is None or self.core.config != config:
             self._rebuild_core(config)
         self.core.reset_worker_state(ready.incarnation)  # type: ignore[union-attr]
-        self.worker_changed.set()
+        for future in self.results.values():  # every plan in flight was for the old worker
+            if not future.done():
+                future.set_result(None)
         self.wakeup.set()
 
     def _rebuild_core(self, config: SchedulerConfig) -> None:
@@ -403,6 +412,7 @@ class SchedulerService(Service):
             core = self.core
             if core is None or not self._worker_alive():
                 self._abandon(pending)
+                await self._flush()
                 await self._wait(self.wakeup, 0.5)
                 continue
             if self.pd is not None:
@@ -416,7 +426,8 @@ class SchedulerService(Service):
                     break
                 plan.worker_incarnation = core.worker_incarnation
                 plan.scheduler_incarnation = self.incarnation
-                pending.append(await self._publish(plan, fresh=not pending))
+                pending.append(await self._publish(plan))
+            await self._flush()  # deltas no plan carried (nothing more to schedule now)
             if not pending:
                 self._update_metrics(core)
                 await self._wait(self.wakeup, 0.5)
@@ -435,7 +446,7 @@ class SchedulerService(Service):
                 # made ahead of the failure is void.
                 core.reset_worker_state(core.worker_incarnation)
                 self._abandon(pending)
-            await self._finish_step(out)
+            self._finish_step(out)
             self.steps_run += 1
             now = time.perf_counter()
             # The worker's view: from the later of "previous result" and "this plan sent" to
@@ -444,15 +455,32 @@ class SchedulerService(Service):
             last_result = now
             STEP_SECONDS.observe(elapsed)
             OVERHEAD_SECONDS.observe(max(0.0, elapsed - result.execute_ms / 1000))
-            self._update_metrics(core)
+            if now - self.metrics_at > METRICS_INTERVAL_S:  # and whenever the loop goes idle
+                self.metrics_at = now
+                self._update_metrics(core)
 
-    async def _publish(self, plan: StepPlan, *, fresh: bool) -> _InFlight:
-        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        self.results[plan.step_id] = future
-        if fresh:  # nothing in flight: a worker change from now on concerns this plan
-            self.worker_changed.clear()
-        await self.bus.publish(self.streams.steps(self.settings.group), plan)
+    async def _publish(self, plan: StepPlan) -> _InFlight:
+        """The plan, with the outbox of the step before it in the same round trip."""
+        future: asyncio.Future[StepResult | None] = asyncio.get_running_loop().create_future()
+        self.results[plan.step_id] = future  # registered first: a worker change resolves it
+        outbox, self.outbox = self.outbox, []
+        await self.bus.publish_many([*outbox, (self.streams.steps(self.settings.group), plan)])
+        await self._ack_finished()
         return _InFlight(plan, future, time.perf_counter())
+
+    async def _flush(self) -> None:
+        """Send the outbox alone (no plan follows it now)."""
+        if self.outbox:
+            outbox, self.outbox = self.outbox, []
+            await self.bus.publish_many(list(outbox))
+        await self._ack_finished()
+
+    async def _ack_finished(self) -> None:
+        """Ack finished requests once their last deltas are out (an entry is acked only when
+        its request's effect is durable)."""
+        if self.finished:
+            finished, self.finished = self.finished, []
+            await self.bus.ack(self.intake_group, finished)
 
     def _abandon(self, pending: deque[_InFlight]) -> None:
         """Forget plans made ahead whose results no longer matter (the core was reset)."""
@@ -461,41 +489,34 @@ class SchedulerService(Service):
         pending.clear()
 
     async def _await_result(self, step: _InFlight) -> StepResult | None:
+        """The step's result; None when its worker died (silent past the step timeout, or
+        gone quiet) or was replaced (_on_worker resolves the future with None and has already
+        reset the core)."""
         plan, future = step.plan, step.future
-        changed = asyncio.create_task(self.worker_changed.wait())
         deadline = time.monotonic() + self.settings.step_timeout_s
         try:
-            while True:
+            while not future.done():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._worker_alive():
                     log.error("step %d: worker silent; recomputing its requests", plan.step_id)
                     self.core.reset_worker_state("")  # type: ignore[union-attr]
                     self.worker = None
                     return None
-                done, _ = await asyncio.wait(
-                    [future, changed],
-                    timeout=min(remaining, 1.0),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if future in done:
-                    result = future.result()
-                    if result.worker_incarnation != plan.worker_incarnation:
-                        return None
-                    return result
-                if changed in done:
-                    return None  # a new incarnation: _on_worker already reset the core
+                await asyncio.wait([future], timeout=min(remaining, 1.0))
+            result = future.result()
+            if result is None or result.worker_incarnation != plan.worker_incarnation:
+                return None
+            return result
         finally:
-            changed.cancel()
             self.results.pop(plan.step_id, None)
 
-    async def _finish_step(self, out: SchedulerOutput) -> None:
+    def _finish_step(self, out: SchedulerOutput) -> None:
+        """Queue the step's deltas (and the acks of the requests it finished) for the outbox."""
         if out.deltas:
-            await self.bus.publish_many(out.token_deltas(self.settings.instance_id))
-        if out.finished_request_ids:
-            finished = [
-                self._forget(rid)[1] for rid in out.finished_request_ids if rid in self.inflight
-            ]
-            await self.bus.ack(self.intake_group, finished)
+            self.outbox.extend(out.token_deltas(self.settings.instance_id))
+        for rid in out.finished_request_ids:
+            if rid in self.inflight:
+                self.finished.append(self._forget(rid)[1])
 
     async def _hand_off(self, core: Scheduler) -> None:
         """Prefill role: publish the requests whose prompt KV is stored to the decode side,
