@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import check_tensor, interpreting
+from kernels import tensor_checks
+from kernels.tensor_checks import check_tensor, interpreting, pdl_launch, supports_pdl
 
 MAX_BATCH = 16
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,7 +70,11 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
     GATED: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,8 +122,18 @@ def _gemv_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    part_ptr, out_ptr, M, N, stride_om, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr
+    part_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < M * N
     acc = tl.zeros([BLOCK], tl.float32)
@@ -157,13 +172,17 @@ def gemv(
     config: GemvConfig | None = None,
     *,
     gated: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype.
 
     gated: x is [M, 2K], a gated MLP's [gate | up], and the product is silu(gate) * up times
     weight^T (the down projection with its activation fused into the loads of x: no
     [M, K] intermediate and two elementwise launches fewer), rounded at the same points as
-    `F.silu(gate) * up` in x's dtype."""
+    `F.silu(gate) * up` in x's dtype.
+
+    pdl: launch as part of the decode step's PDL chain (Hopper+; None =
+    tensor_checks.CHAIN_PDL_DEFAULT)."""
     x = check_tensor("x", x, dtypes=WEIGHT_DTYPES, ndim=2, last_dim_contiguous=True)
     weight = check_tensor(
         "weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device, last_dim_contiguous=True
@@ -186,6 +205,7 @@ def gemv(
         raise ValueError(f"invalid gemv config {cfg}")
     if interpreting():
         cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
+    use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -196,13 +216,21 @@ def gemv(
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=split > 1,
         EVEN_K=k % k_per_split == 0 and k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
-        FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=gated, PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(use_pdl),
     )  # fmt: skip
     if split > 1:
         block = 1024
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block
+            part,
+            out,
+            m,
+            n,
+            out.stride(0),
+            SPLIT_K=split,
+            BLOCK=block,
+            PDL=use_pdl,
+            **pdl_launch(use_pdl),
         )
     return out
 

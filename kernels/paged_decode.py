@@ -37,7 +37,13 @@ from kernels.paged_cache import (
     fp8_scales,
     gather_sequence_kv,
 )
-from kernels.tensor_checks import MODEL_DTYPES, check_tensor, interpreting, next_power_of_2
+from kernels.tensor_checks import (
+    MODEL_DTYPES,
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+    supports_pdl,
+)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -397,15 +403,6 @@ def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
     3 stages (K and V double-buffered)."""
     keys = STRIDED_TILE_BYTES // (next_power_of_2(head_dim) * cache_element_size)
     return AttentionTiles(block_n=min(128, max(16, next_power_of_2(keys))), num_stages=3)
-
-
-def supports_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled kernels on Hopper (sm_90) and later."""
-    return (
-        device.type == "cuda"
-        and not interpreting()
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
 
 
 def _num_sms(device: torch.device) -> int:

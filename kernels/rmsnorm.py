@@ -17,7 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tensor_checks import MODEL_DTYPES, check_shape, check_tensor, next_power_of_2
+from kernels import tensor_checks
+from kernels.tensor_checks import (
+    MODEL_DTYPES,
+    check_shape,
+    check_tensor,
+    next_power_of_2,
+    pdl_launch,
+    supports_pdl,
+)
 
 MAX_HIDDEN = 65536
 
@@ -37,7 +45,11 @@ def _rmsnorm_kernel(
     stride_ro,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -59,8 +71,11 @@ def rmsnorm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Normalize rows of x [T, hidden]; returns (normed, x + residual or None)."""
+    """Normalize rows of x [T, hidden]; returns (normed, x + residual or None). `pdl`: launch
+    in the decode step's PDL chain (None = tensor_checks.CHAIN_PDL_DEFAULT)."""
     x = check_tensor("x", x, dtypes=MODEL_DTYPES, ndim=2, last_dim_contiguous=True)
     num_rows, hidden = x.shape
     if not 0 < hidden <= MAX_HIDDEN:
@@ -82,13 +97,14 @@ def rmsnorm(
     if num_rows == 0:
         return out, residual_out
     block = next_power_of_2(hidden)
+    use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
     _rmsnorm_kernel[(num_rows,)](
         x, r, weight, out, ro, float(eps), hidden,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=use_pdl,
+        num_warps=min(16, max(1, block // 256)), **pdl_launch(use_pdl),
     )  # fmt: skip
     return out, residual_out
 

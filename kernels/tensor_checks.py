@@ -88,3 +88,25 @@ def scale_tensor(
             f"got shape {tuple(scale.shape)}"
         )
     return scale, 1
+
+
+def supports_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels on Hopper (sm_90) and later."""
+    return (
+        device.type == "cuda"
+        and not interpreting()
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+def pdl_launch(use: bool) -> dict[str, bool]:
+    """Launch keywords of a kernel that takes part in a PDL chain (see CHAIN_PDL_DEFAULT)."""
+    return {"launch_pdl": True} if use else {}
+
+
+# The decode step's chain of RMSNorm, GEMV and split-K reduce kernels launched with
+# programmatic dependent launch: each such kernel waits for its predecessor's grid first
+# (griddepcontrol.wait, before reading anything), then lets its own successor be scheduled
+# (griddepcontrol.launch_dependents), so the next launch overlaps this one's run instead of
+# following its end. Waiting before triggering keeps at most one grid waiting ahead.
+CHAIN_PDL_DEFAULT = False

@@ -1,0 +1,99 @@
+"""The decode step's RMSNorm / GEMV / split-K reduce kernels chained with programmatic dependent
+launch (PDL, `tensor_checks.CHAIN_PDL_DEFAULT`) against the same launches without it.
+
+One "layer" is the Triton part of a Llama-3-8B decode layer without attention: RMSNorm(+res),
+qkv GEMV (+reduce), o GEMV (+reduce), RMSNorm(+res), gate_up GEMV, down GEMV with the SiLU fused
+(+reduce): 9 launches. 32 layers with their own weights (15 GB, so every GEMV streams from HBM)
+are captured in one CUDA graph per mode; the replays alternate between modes, and the output of
+both modes is compared (the chain only changes when launches start, not what they compute).
+
+    python3 bench/gpu/pdl_chain.py [--rows 1 16] [--layers 32] [--replays 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from kernels.gemv import gemv
+from kernels.rmsnorm import rmsnorm
+
+HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
+
+
+def layer_weights(layers: int) -> list[dict[str, torch.Tensor]]:
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+
+    return [
+        {
+            "norm1": torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
+            "norm2": torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16),
+            "qkv": w(QKV, HIDDEN),
+            "o": w(HIDDEN, HIDDEN),
+            "gate_up": w(2 * INTERMEDIATE, HIDDEN),
+            "down": w(HIDDEN, INTERMEDIATE),
+        }
+        for _ in range(layers)
+    ]
+
+
+def step(x: torch.Tensor, weights: list[dict[str, torch.Tensor]], pdl: bool) -> torch.Tensor:
+    residual = torch.zeros_like(x)
+    for w in weights:
+        normed, residual = rmsnorm(x, w["norm1"], 1e-5, residual, pdl=pdl)
+        qkv = gemv(normed, w["qkv"], pdl=pdl)
+        attn = gemv(qkv[:, :HIDDEN], w["o"], pdl=pdl)  # a strided row: no copy launch
+        normed, residual = rmsnorm(attn, w["norm2"], 1e-5, residual, pdl=pdl)
+        gate_up = gemv(normed, w["gate_up"], pdl=pdl)
+        x = gemv(gate_up, w["down"], gated=True, pdl=pdl)
+    return x
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--replays", type=int, default=9)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    weights = layer_weights(args.layers)
+    for rows in args.rows:
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        graphs, outputs = {}, {}
+        for pdl in (False, True):
+            step(x, weights, pdl)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs[pdl] = step(x, weights, pdl)
+            graphs[pdl] = graph
+        times: dict[bool, list[float]] = {False: [], True: []}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for r in range(args.replays):
+            for pdl in (False, True) if r % 2 == 0 else (True, False):
+                start.record()
+                graphs[pdl].replay()
+                end.record()
+                torch.cuda.synchronize()
+                times[pdl].append(start.elapsed_time(end) * 1e3)
+        same = torch.equal(outputs[False], outputs[True])
+        off, on = statistics.median(times[False]), statistics.median(times[True])
+        launches = 9 * args.layers
+        print(
+            f"rows {rows}: {launches} launches, without PDL {off:.1f} us, with {on:.1f} us "
+            f"({(off - on) / launches:+.2f} us a launch saved, {off / on:.3f}x); "
+            f"outputs identical: {same}; all us without {sorted(round(t) for t in times[False])}"
+            f" with {sorted(round(t) for t in times[True])}",
+            flush=True,
+        )
+        if not same:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
