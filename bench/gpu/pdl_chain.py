@@ -1,11 +1,12 @@
 """The decode step's RMSNorm / GEMV / split-K reduce kernels chained with programmatic dependent
-launch (PDL, `tensor_checks.CHAIN_PDL_DEFAULT`) against the same launches without it.
+launch (PDL, `tensor_checks.CHAIN_PDL_DEFAULT`) against the same launches without it, with the
+GEMVs prefetching 0, 2 or 4 K-steps of weights into L2 before they wait (gemv.PDL_PREFETCH_STEPS).
 
 One "layer" is the Triton part of a Llama-3-8B decode layer without attention: RMSNorm(+res),
 qkv GEMV (+reduce), o GEMV (+reduce), RMSNorm(+res), gate_up GEMV, down GEMV with the SiLU fused
 (+reduce): 9 launches. 32 layers with their own weights (15 GB, so every GEMV streams from HBM)
-are captured in one CUDA graph per mode; the replays alternate between modes, and the output of
-both modes is compared (the chain only changes when launches start, not what they compute).
+are captured in one CUDA graph per mode; the replays rotate through the modes, and the outputs of
+all modes are compared (the chain only changes when launches start, not what they compute).
 
     python3 bench/gpu/pdl_chain.py [--rows 1 16] [--layers 32] [--replays 9]
 """
@@ -18,6 +19,7 @@ import sys
 
 import torch
 
+from kernels import gemv as gemv_module
 from kernels.gemv import gemv
 from kernels.rmsnorm import rmsnorm
 
@@ -61,35 +63,40 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     weights = layer_weights(args.layers)
+    modes = {"plain": (False, 0), "pdl": (True, 0), "pdl+2": (True, 2), "pdl+4": (True, 4)}
     for rows in args.rows:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         graphs, outputs = {}, {}
-        for pdl in (False, True):
+        for name, (pdl, prefetch) in modes.items():
+            gemv_module.PDL_PREFETCH_STEPS = prefetch
             step(x, weights, pdl)  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outputs[pdl] = step(x, weights, pdl)
-            graphs[pdl] = graph
-        times: dict[bool, list[float]] = {False: [], True: []}
+                outputs[name] = step(x, weights, pdl)
+            graphs[name] = graph
+        times: dict[str, list[float]] = {name: [] for name in modes}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        names = list(modes)
         for r in range(args.replays):
-            for pdl in (False, True) if r % 2 == 0 else (True, False):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 start.record()
-                graphs[pdl].replay()
+                graphs[name].replay()
                 end.record()
                 torch.cuda.synchronize()
-                times[pdl].append(start.elapsed_time(end) * 1e3)
-        same = torch.equal(outputs[False], outputs[True])
-        off, on = statistics.median(times[False]), statistics.median(times[True])
+                times[name].append(start.elapsed_time(end) * 1e3)
+        same = all(torch.equal(outputs["plain"], out) for out in outputs.values())
+        base = statistics.median(times["plain"])
         launches = 9 * args.layers
-        print(
-            f"rows {rows}: {launches} launches, without PDL {off:.1f} us, with {on:.1f} us "
-            f"({(off - on) / launches:+.2f} us a launch saved, {off / on:.3f}x); "
-            f"outputs identical: {same}; all us without {sorted(round(t) for t in times[False])}"
-            f" with {sorted(round(t) for t in times[True])}",
-            flush=True,
-        )
+        for name in modes:
+            med = statistics.median(times[name])
+            print(
+                f"rows {rows} {name:6s}: {med:7.1f} us for {launches} launches "
+                f"({(base - med) / launches:+.2f} us a launch vs plain, {base / med:.3f}x); "
+                f"replays {sorted(round(t) for t in times[name])}",
+                flush=True,
+            )
+        print(f"rows {rows}: outputs identical across modes: {same}", flush=True)
         if not same:
             return 1
     return 0

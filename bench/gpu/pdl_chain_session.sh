@@ -9,14 +9,14 @@
 source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 200 python3 -m pytest -q -x tests/gpu/test_pdl_chain_cuda.py \
-    tests/kernels/test_gemv.py tests/kernels/test_rmsnorm.py tests/gpu/test_worker_cuda.py
+    tests/kernels/test_gemv.py tests/kernels/test_rmsnorm.py ${GPU_TESTS:-tests/gpu/test_worker_cuda.py}
 step pdl-chain 120 python3 bench/gpu/pdl_chain.py
 rm -rf /tmp/pdl && mkdir -p /tmp/pdl && cp -r . /tmp/pdl/ 2>/dev/null
 sed -i 's/^CHAIN_PDL_DEFAULT = False/CHAIN_PDL_DEFAULT = True/' /tmp/pdl/kernels/tensor_checks.py
 grep -n "^CHAIN_PDL_DEFAULT" /tmp/pdl/kernels/tensor_checks.py
 (cd /tmp/pdl && export PYTHONPATH=/tmp/site:/tmp/pdl && step pdl-tests 120 python3 -m pytest -q -x \
     tests/gpu/test_worker_cuda.py tests/gpu/test_overlap_cuda.py)
-for round in 1 2; do
+for round in $(seq 1 ${ROUNDS:-2}); do
     step "mesh-plain-$round" 100 python3 -m bench.gpu.mesh_decode --batches 1 16 \
         --out "$OUT/mesh_plain_$round.json"
     (cd /tmp/pdl && export PYTHONPATH=/tmp/site:/tmp/pdl && step "mesh-pdl-$round" \
