@@ -25,9 +25,6 @@ from kernels import tensor_checks
 from kernels.tensor_checks import check_tensor, interpreting, pdl_launch, supports_pdl
 
 MAX_BATCH = 16
-# K-steps of weights a GEMV in the PDL chain prefetches into L2 before it waits for its
-# predecessor (kernels/tensor_checks.py CHAIN_PDL_DEFAULT).
-PDL_PREFETCH_STEPS = 2
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -74,9 +71,10 @@ def _gemv_kernel(
     FP32_DOT: tl.constexpr,
     GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    PREFETCH_STEPS: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
 ):
+    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,23 +84,6 @@ def _gemv_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT)
-        # The weights do not depend on the predecessor: pull the first K-steps' rows into L2
-        # (one prefetch per LINE-element cache line) while it finishes, then wait for it.
-        for step in tl.static_range(PREFETCH_STEPS):
-            offs_line = k_start + step * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE
-            ok = n_valid[:, None] & (offs_line < k_end)[None, :]
-            lines = tl.where(ok, w_rows + offs_line[None, :], w_ptr)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-                "=r,l",
-                [lines],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
@@ -236,8 +217,6 @@ def gemv(
         EVEN_K=k % k_per_split == 0 and k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
         FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=gated, PDL=use_pdl,
-        PREFETCH_STEPS=PDL_PREFETCH_STEPS if use_pdl else 0,
-        LINE=max(1, 128 // weight.element_size()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(use_pdl),
     )  # fmt: skip
     if split > 1:

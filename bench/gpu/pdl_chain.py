@@ -1,6 +1,5 @@
 """The decode step's RMSNorm / GEMV / split-K reduce kernels chained with programmatic dependent
-launch (PDL, `tensor_checks.CHAIN_PDL_DEFAULT`) against the same launches without it, with the
-GEMVs prefetching 0, 2 or 4 K-steps of weights into L2 before they wait (gemv.PDL_PREFETCH_STEPS).
+launch (PDL, `tensor_checks.CHAIN_PDL_DEFAULT`) against the same launches without it.
 
 One "layer" is the Triton part of a Llama-3-8B decode layer without attention: RMSNorm(+res),
 qkv GEMV (+reduce), o GEMV (+reduce), RMSNorm(+res), gate_up GEMV, down GEMV with the SiLU fused
@@ -9,6 +8,12 @@ are captured in one CUDA graph per mode; the replays rotate through the modes, a
 all modes are compared (the chain only changes when launches start, not what they compute).
 
     python3 bench/gpu/pdl_chain.py [--rows 1 16] [--layers 32] [--replays 9]
+
+H200, 2026-11-30 (bench/gpu/pdl_chain_h200.log, two device calls): 1 row 3787 -> 3699 us and
+3708 -> 3640 us (1.02x, ~0.3 us a launch), 16 rows 3886 -> 3838 and 3837 -> 3795 (1.01x).
+Tried with it and dropped: each GEMV prefetching its first 2 or 4 K-steps of weights into L2
+(`prefetch.global.L2`) before waiting for its predecessor: 3707 / 3752 us at 1 row, 3824 / 3880
+at 16 (no better than PDL alone, worse at 4).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import sys
 
 import torch
 
-from kernels import gemv as gemv_module
 from kernels.gemv import gemv
 from kernels.rmsnorm import rmsnorm
 
@@ -63,12 +67,11 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     weights = layer_weights(args.layers)
-    modes = {"plain": (False, 0), "pdl": (True, 0), "pdl+2": (True, 2), "pdl+4": (True, 4)}
+    modes = {"plain": False, "pdl": True}
     for rows in args.rows:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         graphs, outputs = {}, {}
-        for name, (pdl, prefetch) in modes.items():
-            gemv_module.PDL_PREFETCH_STEPS = prefetch
+        for name, pdl in modes.items():
             step(x, weights, pdl)  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
