@@ -13,9 +13,7 @@ Overlap (settings.overlap_steps, on for CUDA): with asynchronous scheduling the 
 arrives while a step still runs on the GPU. It is launched at once, its inputs for the running
 step's tokens gathered on the device (in_flight.py); the running step is answered as soon as its
 tokens reach the host or the next step has been launched, so the GPU never waits for the
-Redis round trip. Results are always published in step order, by one task
-(result_publisher.py), so the next step starts without waiting for the previous result's
-round trip.
+Redis round trip. Results are always published in step order.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from services.worker.bootstrap import build_runner
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.model_runner import LaunchedStep, ModelRunner
 from services.worker.models.random_init import is_random_spec, random_source
-from services.worker.result_publisher import ResultPublisher
 from services.worker.step_thread import StepThread
 from shared.config import WorkerSettings
 from shared.metrics import metric_name
@@ -75,7 +72,6 @@ class WorkerService(Service):
         self._in_flight: LaunchedStep | None = None  # launched, not answered yet
         self._overlap = False  # set once the device is known (settings.overlap_steps)
         self.kv_pump: KVTransferPump | None = None  # KV offload transfers (settings.kv_offload)
-        self.results_out = ResultPublisher(self._send_result)
 
     async def start(self) -> None:
         await super().start()
@@ -121,7 +117,6 @@ class WorkerService(Service):
         try:
             await self._step_loop(last)
         finally:
-            await self.results_out.close()
             for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -217,10 +212,10 @@ class WorkerService(Service):
                     STEP_EXECUTE.observe(time.perf_counter() - started)
                     self._count_device_time()
                     assert isinstance(out, StepResult)
-                    self._publish(out)
+                    await self._publish(out)
                 return out
         await self._finish_in_flight()
-        self._publish(error)
+        await self._publish(error)
         return None
 
     async def _finish_in_flight(self) -> None:
@@ -239,7 +234,7 @@ class WorkerService(Service):
                 result = self._error_result(step.step_id, f"{type(exc).__name__}: {exc}")
         STEP_EXECUTE.observe(time.perf_counter() - step.started)
         self._count_device_time()
-        self._publish(result)
+        await self._publish(result)
 
     def _count_device_time(self) -> None:
         runner = self.runner
@@ -255,11 +250,7 @@ class WorkerService(Service):
             error=error,
         )
 
-    def _publish(self, result: StepResult) -> None:
-        """Queue the result; it goes out after those queued before it (results_out)."""
-        self.results_out.put(result)
-
-    async def _send_result(self, result: StepResult) -> None:
+    async def _publish(self, result: StepResult) -> None:
         await self.bus.publish(self.streams.results(self.settings.group), result)
         self.steps_run += 1
 
@@ -268,7 +259,6 @@ class WorkerService(Service):
             pass
         while self._in_flight is not None:  # the step loop answers it on its way out
             await asyncio.sleep(0.005)
-        await self.results_out.flush()
         if self.kv_pump is not None:  # finish queued transfers and answer every one
             await self.kv_pump.close()
 
