@@ -99,33 +99,23 @@ struct Shape {
 constexpr int kMaxChunks = 8;  // head_dim up to 128
 constexpr int kMaxGroup = 4;   // query heads computed together; larger groups go 4 at a time
 
-// Query heads q[0..G) sharing KV head `head` of one sequence: out[g] = softmax(q_g . K) V.
-// G and C (head_dim / kWidth) are compile-time, so queries, K/V rows and accumulators stay in
-// registers. `scores` holds G * padded floats, `padded` = len rounded up to kWidth.
-template <typename T, int C, int G>
-void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t* table,
-                  int64_t len, const Shape& s, int64_t head, float scale, float* scores,
-                  int64_t padded, T* out) {
+// Calls visit(t, row) for key positions t = 0..len-1 of a sequence, `row` pointing at KV head
+// `head` of that position in `cache` (K or V), block by block through the block table.
+template <typename T, typename Visit>
+inline void for_each_position(const T* cache, const int64_t* table, int64_t len, const Shape& s,
+                              int64_t head, Visit visit) {
     const int64_t row = s.kv_heads * s.head_dim;
-    Floats query[G][C];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) query[g][c] = load(q + g * s.head_dim + c * kWidth) * scale;
-
     for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
         const int64_t count = len - start < s.block_size ? len - start : s.block_size;
-        const T* block = cache_k + table[b] * s.block_size * row + head * s.head_dim;
-        for (int64_t j = 0; j < count; j++) {
-            Floats key[C];
-            for (int c = 0; c < C; c++) key[c] = load(block + j * row + c * kWidth);
-            for (int g = 0; g < G; g++) {
-                Floats dot = query[g][0] * key[0];
-                for (int c = 1; c < C; c++) dot += query[g][c] * key[c];
-                scores[g * padded + start + j] = horizontal_sum(dot);
-            }
-        }
+        const T* block = cache + table[b] * s.block_size * row + head * s.head_dim;
+        for (int64_t j = 0; j < count; j++) visit(start + j, block + j * row);
     }
+}
 
-    for (int g = 0; g < G; g++) {
+// In place: each of `rows` rows of scores (len valid of `padded`) -> softmax probabilities
+// (the padding becomes 0).
+inline void softmax_rows(float* scores, int rows, int64_t len, int64_t padded) {
+    for (int g = 0; g < rows; g++) {
         float* sg = scores + g * padded;
         for (int64_t t = len; t < padded; t++) sg[t] = -INFINITY;
         Floats top = Floats{} - INFINITY;
@@ -144,20 +134,37 @@ void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t*
         const float inv = 1.0f / horizontal_sum(total);
         for (int64_t t = 0; t < padded; t += kWidth) store(sg + t, load(sg + t) * inv);
     }
+}
 
-    Floats acc[G][C] = {};
-    for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
-        const int64_t count = len - start < s.block_size ? len - start : s.block_size;
-        const T* block = cache_v + table[b] * s.block_size * row + head * s.head_dim;
-        for (int64_t j = 0; j < count; j++) {
-            Floats value[C];
-            for (int c = 0; c < C; c++) value[c] = load(block + j * row + c * kWidth);
-            for (int g = 0; g < G; g++) {
-                const float p = scores[g * padded + start + j];
-                for (int c = 0; c < C; c++) acc[g][c] += p * value[c];
-            }
+// Query heads q[0..G) sharing KV head `head` of one sequence: out[g] = softmax(q_g . K) V.
+// G and C (head_dim / kWidth) are compile-time, so queries, K/V rows and accumulators stay in
+// registers. `scores` holds G * padded floats, `padded` = len rounded up to kWidth.
+template <typename T, int C, int G>
+void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t* table,
+                  int64_t len, const Shape& s, int64_t head, float scale, float* scores,
+                  int64_t padded, T* out) {
+    Floats query[G][C];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) query[g][c] = load(q + g * s.head_dim + c * kWidth) * scale;
+    for_each_position(cache_k, table, len, s, head, [&](int64_t t, const T* row) {
+        Floats key[C];
+        for (int c = 0; c < C; c++) key[c] = load(row + c * kWidth);
+        for (int g = 0; g < G; g++) {
+            Floats dot = query[g][0] * key[0];
+            for (int c = 1; c < C; c++) dot += query[g][c] * key[c];
+            scores[g * padded + t] = horizontal_sum(dot);
         }
-    }
+    });
+    softmax_rows(scores, G, len, padded);
+    Floats acc[G][C] = {};
+    for_each_position(cache_v, table, len, s, head, [&](int64_t t, const T* row) {
+        Floats value[C];
+        for (int c = 0; c < C; c++) value[c] = load(row + c * kWidth);
+        for (int g = 0; g < G; g++) {
+            const float p = scores[g * padded + t];
+            for (int c = 0; c < C; c++) acc[g][c] += p * value[c];
+        }
+    });
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) store(out + g * s.head_dim + c * kWidth, acc[g][c]);
 }
