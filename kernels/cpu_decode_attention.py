@@ -72,9 +72,9 @@ def _library_path(compiler: str, cache_dir: Path) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), _cpu_flags().encode(), " ".join(FLAGS)):
-        key.update(part if isinstance(part, bytes) else part.encode())
+    key = hashlib.sha256(SOURCE.read_bytes())
+    for part in (version, _cpu_flags(), " ".join(FLAGS)):
+        key.update(part.encode())
     return cache_dir / "cpu_kernels" / f"decode_attention-{key.hexdigest()[:16]}.so"
 
 
