@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_cache import check_kv_cache
+from kernels.paged_cache import check_kv_cache, unit_scale
 from kernels.tensor_checks import (
     FP8_E4M3,
     FP8_E4M3_MAX,
@@ -253,7 +253,7 @@ def _launch(
     elif k_scale is not None or v_scale is not None:
         raise ValueError("k_scale/v_scale are only for an fp8 kv_cache")
     else:
-        ks = vs = torch.ones(1, dtype=torch.float32, device=device)
+        ks = vs = unit_scale(device)
         ks_stride = vs_stride = 0
     if max_tile_programs < 1:
         raise ValueError(f"max_tile_programs must be >= 1, got {max_tile_programs}")
