@@ -458,6 +458,7 @@ class SchedulerService(Service):
             if now - self.metrics_at > METRICS_INTERVAL_S:  # and whenever the loop goes idle
                 self.metrics_at = now
                 self._update_metrics(core)
+        await self._flush()  # stopping: the last step's deltas and acks still go out
 
     async def _publish(self, plan: StepPlan) -> _InFlight:
         """The plan, with the outbox of the step before it in the same round trip."""
