@@ -11,7 +11,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
-.PHONY: help venv redis up test docker-test lint format bench clean
+.PHONY: help venv redis cxx up test docker-test lint format bench clean
 
 help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1; PROFILE=pd)"
@@ -38,10 +38,16 @@ redis:
 	command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
 
+# A C++ compiler: the CPU worker builds its decode attention kernel and inductor its compiled
+# forward with it (without one both fall back to PyTorch eager, but their tests need it).
+cxx:
+	command -v $${CXX:-g++} >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y g++)
+
 # PROFILE=gpu / PROFILE=pd: compose profiles (pd: the default group prefills, a decode group
 # decodes; MESHLLM_ROLE defaults to prefill then).
 PROFILE ?=
-up: venv redis
+up: venv redis cxx
 	$(if $(filter pd,$(PROFILE)),MESHLLM_ROLE=$${MESHLLM_ROLE:-prefill} )$(VENV_PY) -m infra.launcher \
 		$(foreach p,$(PROFILE),--profile $(p))
 
@@ -51,7 +57,7 @@ DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
 
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 # tests/docker are deselected here (they need built images); docker-test runs them after.
-test: venv redis
+test: venv redis cxx
 	@$(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	if [ $$status -ne 0 ]; then exit $$status; fi
