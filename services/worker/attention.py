@@ -77,7 +77,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
-    decode_kernel: DecodeStep | None = None  # decodes in C++ (module docstring)
+    decode_step: DecodeStep | None = None  # decodes in C++ (module docstring)
 
     @classmethod
     def build(
@@ -159,7 +159,7 @@ class AttentionMetadata:
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=prefills,
-            decode_kernel=decode_step,
+            decode_step=decode_step,
         )
 
 
@@ -220,7 +220,7 @@ def paged_attention(
     Writes this step's K/V into the cache first, so a decode (or an extend chunk) sees its own
     token through the cache like every earlier one.
     """
-    step = meta.decode_kernel
+    step = meta.decode_step
     parts: list[torch.Tensor] = []
     if step is not None and step.supports(q, kv_cache):
         parts.append(step(q, k, v, kv_cache, scale))

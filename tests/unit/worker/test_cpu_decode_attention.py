@@ -84,7 +84,7 @@ def test_kernel_matches_the_reference_path(
         q, k, v, ref_cache, metadata(lens, tables, slots, block_size, None), scale
     )
     meta = metadata(lens, tables, slots, block_size, kernel)
-    assert meta.decode_kernel is not None
+    assert meta.decode_step is not None
     out = paged_attention(q, k, v, cache, meta, scale)
     assert torch.equal(cache, ref_cache)  # this step's K/V written into the same slots
     tol = 2e-6 if dtype == torch.float32 else 1.6e-2  # bf16: one rounding of the output
@@ -176,14 +176,13 @@ def test_metadata_keeps_the_kernel_only_where_it_applies(kernel: CpuDecodeAttent
         slot_mapping=np.array([4, 15]),
     )
     meta = AttentionMetadata.build(**step, decode_kernel=kernel)
-    assert meta.decode_kernel is not None and meta.decode_kernel.seq_lens.tolist() == [5, 8]
+    assert meta.decode_step is not None and meta.decode_step.seq_lens.tolist() == [5, 8]
     assert meta.decode_mask is not None  # kept for a layer the kernel cannot take
     assert (
-        AttentionMetadata.build(**step, decode_kernel=kernel, sliding_window=4).decode_kernel
-        is None
+        AttentionMetadata.build(**step, decode_kernel=kernel, sliding_window=4).decode_step is None
     )
     prefill = {**step, "query_lens": np.array([5, 8]), "slot_mapping": np.arange(13)}
-    assert AttentionMetadata.build(**prefill, decode_kernel=kernel).decode_kernel is None
+    assert AttentionMetadata.build(**prefill, decode_kernel=kernel).decode_step is None
 
 
 def test_layers_the_kernel_cannot_take_use_the_reference_path(kernel: CpuDecodeAttention) -> None:
