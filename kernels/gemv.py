@@ -22,7 +22,14 @@ import triton
 import triton.language as tl
 
 from kernels import tensor_checks
-from kernels.tensor_checks import check_tensor, interpreting, pdl_launch, supports_pdl
+from kernels.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
+from kernels.tensor_checks import (
+    check_tensor,
+    interpreting,
+    next_power_of_2,
+    pdl_launch,
+    supports_pdl,
+)
 
 MAX_BATCH = 16
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -144,6 +151,41 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+@triton.jit
+def _split_k_norm_kernel(
+    part_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    normed_ptr,
+    stream_ptr,
+    M,
+    N,
+    eps,
+    stride_r,
+    stride_o,
+    stride_s,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """One row: the partials summed in the reduce kernel's order and rounded as it rounds,
+    then the residual add and RMSNorm of kernels/rmsnorm.py."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
+    x = acc.to(normed_ptr.dtype.element_ty).to(tl.float32)
+    add_rmsnorm_row(
+        x, residual_ptr + row * stride_r, norm_weight_ptr, normed_ptr + row * stride_o,
+        stream_ptr + row * stride_s, offs, mask, eps, N, True,
+    )  # fmt: skip
+
+
 def heuristic_config(n: int, k: int, num_sms: int) -> GemvConfig:
     """Split K until the tiles about fill the SMs once and no split walks more than 32
     K-steps, keeping at least 4 K-steps per split (the H200 sweep's optimum on 8B shapes)."""
@@ -166,23 +208,34 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def gemv(
+@dataclass(frozen=True)
+class _GemvLaunch:
+    """A checked product: its operands, K (the weight's width) and the tile config."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    k: int
+    config: GemvConfig
+    gated: bool
+    pdl: bool
+
+    @property
+    def k_per_split(self) -> int:
+        cfg = self.config
+        return triton.cdiv(triton.cdiv(self.k, cfg.split_k), cfg.block_k) * cfg.block_k
+
+    @property
+    def split(self) -> int:
+        return triton.cdiv(self.k, self.k_per_split)
+
+
+def _checked(
     x: torch.Tensor,
     weight: torch.Tensor,
-    config: GemvConfig | None = None,
-    *,
-    gated: bool = False,
-    pdl: bool | None = None,
-) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype.
-
-    gated: x is [M, 2K], a gated MLP's [gate | up], and the product is silu(gate) * up times
-    weight^T (the down projection with its activation fused into the loads of x: no
-    [M, K] intermediate and two elementwise launches fewer), rounded at the same points as
-    `F.silu(gate) * up` in x's dtype.
-
-    pdl: launch as part of the decode step's PDL chain (Hopper+; None =
-    tensor_checks.CHAIN_PDL_DEFAULT)."""
+    config: GemvConfig | None,
+    gated: bool,
+    pdl: bool | None,
+) -> _GemvLaunch:
     x = check_tensor("x", x, dtypes=WEIGHT_DTYPES, ndim=2, last_dim_contiguous=True)
     weight = check_tensor(
         "weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device, last_dim_contiguous=True
@@ -206,33 +259,94 @@ def gemv(
     if interpreting():
         cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
     use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, out, part, m, n, k, k_per_split,
+    return _GemvLaunch(x, weight, k, cfg, gated, use_pdl)
+
+
+def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None) -> None:
+    """The GEMV kernel: into `out` directly, or fp32 partials [split, M, N] into `part`."""
+    x, weight, cfg, k = g.x, g.weight, g.config, g.k
+    m, n = x.shape[0], weight.shape[0]
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
+        x, weight, out, part if part is not None else out, m, n, k, g.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=split > 1,
-        EVEN_K=k % k_per_split == 0 and k_per_split % cfg.block_k == 0,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=part is not None,
+        EVEN_K=k % g.k_per_split == 0 and g.k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
-        FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=gated, PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(use_pdl),
+        FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=g.gated, PDL=g.pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(g.pdl),
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            part,
-            out,
-            m,
-            n,
-            out.stride(0),
-            SPLIT_K=split,
-            BLOCK=block,
-            PDL=use_pdl,
-            **pdl_launch(use_pdl),
-        )
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    *,
+    gated: bool = False,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype.
+
+    gated: x is [M, 2K], a gated MLP's [gate | up], and the product is silu(gate) * up times
+    weight^T (the down projection with its activation fused into the loads of x: no
+    [M, K] intermediate and two elementwise launches fewer), rounded at the same points as
+    `F.silu(gate) * up` in x's dtype.
+
+    pdl: launch as part of the decode step's PDL chain (Hopper+; None =
+    tensor_checks.CHAIN_PDL_DEFAULT)."""
+    g = _checked(x, weight, config, gated, pdl)
+    m, n = g.x.shape[0], g.weight.shape[0]
+    out = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
+    if g.split == 1:
+        _launch_product(g, out, None)
+        return out
+    part = torch.empty(g.split, m, n, dtype=torch.float32, device=g.x.device)
+    _launch_product(g, out, part)
+    block = 1024
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, out, m, n, out.stride(0),
+        SPLIT_K=g.split, BLOCK=block, PDL=g.pdl, **pdl_launch(g.pdl),
+    )  # fmt: skip
     return out
+
+
+def gemv_add_rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    config: GemvConfig | None = None,
+    *,
+    gated: bool = False,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product of `gemv`, added to the residual stream, then RMSNorm'd: returns (normed,
+    stream) with stream = residual + x @ weight^T and normed = rmsnorm(stream) * norm_weight,
+    rounded exactly as `gemv` followed by `kernels.rmsnorm.rmsnorm(out, norm_weight, eps,
+    residual)`, in two launches instead of three: the split-K partials are summed by the
+    norm's kernel (one program per row) rather than by a reduce kernel of their own. The
+    decode step's o and down projections run this way (services/worker/decode_chain.py)."""
+    g = _checked(x, weight, config, gated, pdl)
+    m, n = g.x.shape[0], g.weight.shape[0]
+    checked, norm_weight = check_norm_inputs(g.x, (m, n), norm_weight, eps, residual)
+    if checked is None:
+        raise ValueError("gemv_add_rmsnorm needs the residual stream")
+    residual = checked
+    if n > MAX_HIDDEN:
+        raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {n}")
+    part = torch.empty(g.split, m, n, dtype=torch.float32, device=g.x.device)
+    _launch_product(g, part, part)
+    normed = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
+    stream = torch.empty_like(normed)
+    block = next_power_of_2(n)
+    _split_k_norm_kernel[(m,)](
+        part, residual, norm_weight, normed, stream, m, n, float(eps),
+        residual.stride(0), normed.stride(0), stream.stride(0),
+        SPLIT_K=g.split, BLOCK=block, PDL=g.pdl,
+        num_warps=norm_warps(block), **pdl_launch(g.pdl),
+    )  # fmt: skip
+    return normed, stream
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:

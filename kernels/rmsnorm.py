@@ -53,17 +53,70 @@ def _rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    add_rmsnorm_row(
+        x, residual_ptr + row * stride_r, weight_ptr, out_ptr + row * stride_o,
+        residual_out_ptr + row * stride_ro, offs, mask, eps, hidden, HAS_RESIDUAL,
+    )  # fmt: skip
+
+
+@triton.jit
+def add_rmsnorm_row(
+    x,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    offs,
+    mask,
+    eps,
+    hidden,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """One row: x (fp32 holding activation-dtype values) plus the residual row, rounded and
+    stored at residual_out_ptr; its RMSNorm times the weight stored at out_ptr (the rounding
+    order of the module docstring). Shared with the GEMV's fused reduce (kernels/gemv.py)."""
+    dtype = out_ptr.dtype.element_ty
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(dtype)
-        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
+        tl.store(residual_out_ptr + offs, x, mask=mask)
         x = x.to(tl.float32)
     mean_sq = tl.sum(x * x, 0) / hidden
     normed = (x * tl.math.rsqrt(mean_sq + eps)).to(dtype).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(dtype), mask=mask)
+    tl.store(out_ptr + offs, (normed * w).to(dtype), mask=mask)
+
+
+def norm_warps(block: int) -> int:
+    """Warps of a one-row-per-program norm over `block` (a power of two) elements."""
+    return min(16, max(1, block // 256))
+
+
+def check_norm_inputs(
+    x: torch.Tensor,
+    rows_shape: tuple[int, ...],
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(residual, weight) checked against x's dtype and device and the rows' shape
+    [T, hidden]."""
+    hidden = rows_shape[-1]
+    weight = check_tensor(
+        "weight", weight, dtypes=(x.dtype,), ndim=1, device=x.device, contiguous=True
+    )
+    check_shape("weight", weight, (hidden,))
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if residual is None:
+        return None, weight
+    residual = check_tensor(
+        "residual", residual, dtypes=(x.dtype,), ndim=2, device=x.device,
+        last_dim_contiguous=True,
+    )  # fmt: skip
+    check_shape("residual", residual, rows_shape)
+    return residual, weight
 
 
 def rmsnorm(
@@ -80,18 +133,7 @@ def rmsnorm(
     num_rows, hidden = x.shape
     if not 0 < hidden <= MAX_HIDDEN:
         raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {hidden}")
-    weight = check_tensor(
-        "weight", weight, dtypes=(x.dtype,), ndim=1, device=x.device, contiguous=True
-    )
-    check_shape("weight", weight, (hidden,))
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
-    if residual is not None:
-        residual = check_tensor(
-            "residual", residual, dtypes=(x.dtype,), ndim=2, device=x.device,
-            last_dim_contiguous=True,
-        )  # fmt: skip
-        check_shape("residual", residual, tuple(x.shape))
+    residual, weight = check_norm_inputs(x, tuple(x.shape), weight, eps, residual)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     residual_out = torch.empty_like(out) if residual is not None else None
     if num_rows == 0:
@@ -104,7 +146,7 @@ def rmsnorm(
         x, r, weight, out, ro, float(eps), hidden,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=use_pdl,
-        num_warps=min(16, max(1, block // 256)), **pdl_launch(use_pdl),
+        num_warps=norm_warps(block), **pdl_launch(use_pdl),
     )  # fmt: skip
     return out, residual_out
 
