@@ -87,7 +87,8 @@ class TritonRMSNorm(RMSNorm):
 
 
 def install_cuda_kernels(model: nn.Module) -> dict[str, int]:
-    """Re-class plain nn.Linear / RMSNorm modules under `model`; returns how many of each.
+    """Re-class plain nn.Linear / RMSNorm modules under `model`, and a plain Llama model to the
+    decode chain (decode_chain.py); returns how many of each.
 
     Only exact types are touched: a subclass (a packed CPU linear, a family's own norm) keeps
     its behaviour."""
@@ -102,4 +103,7 @@ def install_cuda_kernels(model: nn.Module) -> dict[str, int]:
         elif type(module) is RMSNorm:
             module.__class__ = TritonRMSNorm
             counts["rmsnorm"] += 1
+    from services.worker.decode_chain import install_decode_chain  # it builds on these classes
+
+    counts["decode_chain"] = int(install_decode_chain(model))
     return counts

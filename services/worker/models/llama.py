@@ -60,14 +60,24 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata | TritonAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
+        return self.o_proj(self.attend(hidden, cos, sin, attn, kv_cache))  # type: ignore[no-any-return]
+
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata | TritonAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Everything before the output projection: [T, heads * head_dim]."""
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None and self.k_norm is not None:
             qkv = self._norm_qk(qkv)
-        out = rotary_attention(
+        return rotary_attention(
             qkv, cos, sin, attn, kv_cache,
             self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
         )  # fmt: skip
-        return self.o_proj(out)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv with each q and k head RMS-normalised (before RoPE, as Qwen3/Gemma3 do)."""
@@ -171,24 +181,34 @@ class LlamaForCausalLM(CausalLM):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         hidden = self.embed(input_ids)
+        residual: torch.Tensor | None = None
+        layer_inputs = self.layer_inputs(positions, attn, kv_caches)
+        for layer, (cos, sin, meta, kv_cache) in zip(self.layers, layer_inputs, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def layer_inputs(
+        self,
+        positions: torch.Tensor,
+        attn: AttentionMetadata | Sequence[AttentionMetadata],
+        kv_caches: list[torch.Tensor],
+    ) -> list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]]:
+        """Per layer: the RoPE cos/sin of its kind (sliding layers may have their own), its
+        attention metadata and its KV cache."""
         cos, sin = self.rotary.lookup(positions)
         cos_local, sin_local = (
             self.rotary_local.lookup(positions) if self.rotary_local is not None else (cos, sin)
         )
         metas = per_layer_metadata(attn, len(self.layers))
-        residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            local = i in self._local_layers
-            hidden, residual = layer(
-                hidden,
-                residual,
-                cos_local if local else cos,
-                sin_local if local else sin,
-                metas[i],
-                kv_cache,
-            )
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        return [
+            (cos_local, sin_local, metas[i], kv_caches[i])
+            if i in self._local_layers
+            else (cos, sin, metas[i], kv_caches[i])
+            for i in range(len(self.layers))
+        ]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] of the sampled rows -> logits [R, vocab].

@@ -82,7 +82,7 @@ def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
     expected = layer.mlp(layer.input_layernorm(x)[0])
     counts = install_cuda_kernels(model)
     # 2 layers x (qkv, o, gate_up, down) + lm_head; 2 layers x 2 norms + final norm.
-    assert counts == {"linear": 9, "rmsnorm": 5, "gated_mlp": 2}
+    assert counts == {"linear": 9, "rmsnorm": 5, "gated_mlp": 2, "decode_chain": 1}
     assert isinstance(layer.mlp, GemvGatedMLP)
     assert isinstance(layer.mlp.down_proj, GemvLinear)
     assert isinstance(layer.input_layernorm, TritonRMSNorm)
@@ -90,7 +90,8 @@ def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert torch.equal(layer.mlp(layer.input_layernorm(x)[0]), expected)  # CPU: PyTorch ops
-    assert install_cuda_kernels(model) == {"linear": 0, "rmsnorm": 0, "gated_mlp": 0}
+    again = {"linear": 0, "rmsnorm": 0, "gated_mlp": 0, "decode_chain": 0}
+    assert install_cuda_kernels(model) == again
 
 
 def test_rope_table_is_rebuilt_for_another_cos_tensor() -> None:

@@ -1,0 +1,124 @@
+"""The decode chain: a Llama stack's decode-sized CUDA forward with each output projection's
+split-K reduce fused into the residual add and the RMSNorm that follows it.
+
+The layer-by-layer forward runs, per layer, RMSNorm(+residual), qkv GEMV, attention, o GEMV
+and its split-K reduce, RMSNorm(+residual), gate_up GEMV, down GEMV and its reduce. Here the o
+and down projections go through `kernels.gemv.gemv_add_rmsnorm`: the kernel that sums their
+partials also adds the residual stream and normalizes it with the norm that comes next (the
+layer's post-attention norm, the next layer's input norm, the final norm after the last layer),
+so each layer launches two kernels fewer and the residual stream never round-trips through a
+separate reduce output. The rounding is the unfused chain's, step for step (bit-identical;
+tests/kernels/test_gemv_add_rmsnorm.py, tests/unit/worker/test_decode_chain.py).
+
+It needs the next norm's weight inside a layer, so it is a model-level forward: installed on a
+plain `LlamaForCausalLM` (Llama, Mistral, Qwen2/3) whose layers all have the re-classed CUDA
+modules of cuda_layers.py, no bias on o/down, and a SiLU MLP; other families and models keep
+their own forward. At run time it takes steps of 1..16 rows on CUDA (the GEMV's range) and
+leaves larger steps to the layer-by-layer forward (cuBLAS GEMMs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention import AttentionMetadata
+from services.worker.cuda_layers import (
+    GEMV_DTYPES,
+    GEMV_MAX_ROWS,
+    GemvGatedMLP,
+    GemvLinear,
+    TritonRMSNorm,
+)
+from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+def chain_fits(model: LlamaForCausalLM) -> bool:
+    """Whether every layer of `model` has the structure the chain runs (see the module doc)."""
+    if not isinstance(model, LlamaForCausalLM) or type(model.norm) is not TritonRMSNorm:
+        return False
+    dtype = model.norm.weight.dtype
+    return dtype in GEMV_DTYPES and all(_layer_fits(layer, dtype) for layer in model.layers)
+
+
+def _layer_fits(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
+    if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.o_proj, getattr(mlp, "down_proj", None))
+    return (
+        type(mlp) is GemvGatedMLP
+        and mlp.act is F.silu
+        and all(type(lin) is GemvLinear and lin.bias is None for lin in linears)
+        and all(type(norm) is TritonRMSNorm for norm in _norms(layer))
+        and all(lin.weight.dtype == dtype for lin in linears)  # type: ignore[union-attr]
+    )
+
+
+def _norms(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
+def chain_forward(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: AttentionMetadata | Sequence[AttentionMetadata],
+    kv_caches: list[torch.Tensor],
+) -> torch.Tensor:
+    """`model.forward` with the fused reduces: input_ids [T] (1..16) -> final normed hidden."""
+    from kernels.gemv import gemv_add_rmsnorm
+    from kernels.rmsnorm import rmsnorm
+
+    layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
+    stream = model.embed(input_ids)
+    first = layers[0].input_layernorm
+    normed, _ = rmsnorm(stream, first.weight, first.eps)
+    layer_inputs = model.layer_inputs(positions, attn, kv_caches)
+    for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
+        attn_out = layer.self_attn.attend(normed, cos, sin, meta, kv_cache)
+        post = layer.post_attention_layernorm
+        normed, stream = gemv_add_rmsnorm(
+            attn_out, layer.self_attn.o_proj.weight, stream, post.weight, post.eps
+        )
+        mlp: GemvGatedMLP = layer.mlp  # type: ignore[assignment]
+        gate_up = mlp.gate_up_proj(normed)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        normed, stream = gemv_add_rmsnorm(
+            gate_up, mlp.down_proj.weight, stream, nxt.weight, nxt.eps, gated=True
+        )
+    return normed
+
+
+def chain_takes(input_ids: torch.Tensor) -> bool:
+    """A step the chain runs: on CUDA, 1..GEMV_MAX_ROWS tokens."""
+    return input_ids.is_cuda and input_ids.dim() == 1 and 1 <= input_ids.shape[0] <= GEMV_MAX_ROWS
+
+
+class DecodeChainLlama(LlamaForCausalLM):
+    """LlamaForCausalLM whose decode-sized CUDA steps run `chain_forward`."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata | Sequence[AttentionMetadata],
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        if DECODE_CHAIN_DEFAULT and chain_takes(input_ids):
+            return chain_forward(self, input_ids, positions, attn, kv_caches)
+        return super().forward(input_ids, positions, attn, kv_caches)
+
+
+def install_decode_chain(model: torch.nn.Module) -> bool:
+    """Re-class a plain LlamaForCausalLM that `chain_fits` (after install_cuda_kernels)."""
+    if type(model) is not LlamaForCausalLM or not chain_fits(model):
+        return False
+    model.__class__ = DecodeChainLlama
+    return True
+
+
+# On by default; False runs every step layer by layer (for A/B runs on the GPU).
+DECODE_CHAIN_DEFAULT = True

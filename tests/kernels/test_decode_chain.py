@@ -1,0 +1,104 @@
+"""The decode chain (services/worker/decode_chain.py) against the layer-by-layer forward.
+
+On CPU the Triton kernels run in the interpreter and the layer-by-layer forward in PyTorch, so
+the two agree to fp32 rounding; tests/gpu/test_decode_chain_cuda.py checks bit-identity against
+the layer-by-layer Triton forward on the GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from services.worker.attention_select import build_attention_metadata
+from services.worker.cuda_layers import install_cuda_kernels
+from services.worker.decode_chain import DecodeChainLlama, chain_fits, chain_forward
+from services.worker.kv_cache import KVCache
+from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.random_init import build_random_model
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+}
+BLOCK = 4
+
+
+def _model(device: torch.device, **overrides: object) -> LlamaForCausalLM:
+    # compiled=True: the checkpoint's [out, in] weight layout on CPU too (as on CUDA).
+    model, _ = build_random_model(
+        dict(TINY, **overrides), torch.float32, device, std=0.2, seed=5, compiled=True
+    )
+    with torch.no_grad():  # norm scales of their own, so using the wrong norm shows
+        generator = torch.Generator(device).manual_seed(2)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5, generator=generator)
+    install_cuda_kernels(model)
+    return model  # type: ignore[return-value]
+
+
+def _decode_step(model: LlamaForCausalLM, cache: KVCache, seq_lens: list[int]):  # type: ignore[no-untyped-def]
+    """A decode step of len(seq_lens) rows over a cache prefilled by the same model."""
+    device = model.embed_tokens.weight.device
+    rows = len(seq_lens)
+    tables = np.arange(rows * 4).reshape(rows, 4)
+    lens = np.array(seq_lens)
+    positions = lens - 1
+    slots = tables[np.arange(rows), positions // BLOCK] * BLOCK + positions % BLOCK
+    meta = build_attention_metadata(
+        query_lens=np.ones(rows, dtype=np.int64), seq_lens=lens, block_tables=tables,
+        block_size=BLOCK, slot_mapping=slots, num_kv_heads=2, device=device,
+    )  # fmt: skip
+    ids = torch.tensor([(7 * r + 3) % 128 for r in range(rows)], device=device)
+    return ids, torch.as_tensor(positions, device=device), meta
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_chain_matches_layer_by_layer(device, rows) -> None:  # type: ignore[no-untyped-def]
+    model = _model(device)
+    assert isinstance(model, DecodeChainLlama)
+    cache = KVCache.allocate(model.config, rows * 4, BLOCK, torch.float32, device)
+    for layer_cache in cache.layers:  # an earlier context, the same in both runs
+        layer_cache.normal_(0, 1, generator=torch.Generator(device).manual_seed(1))
+    other = copy.deepcopy(cache)
+    ids, positions, meta = _decode_step(model, cache, [9, 14, 5][:rows])
+    with torch.inference_mode():
+        fused = chain_forward(model, ids, positions, meta, cache.layers)
+        plain = LlamaForCausalLM.forward(model, ids, positions, meta, other.layers)
+    assert fused.shape == plain.shape == (rows, 64)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    for a, b in zip(cache.layers, other.layers, strict=True):  # the step's K/V written alike
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # The chain is the model's forward on CUDA steps of 1..16 rows.
+    if device.type == "cuda":
+        with torch.inference_mode():
+            assert torch.equal(model(ids, positions, meta, cache.layers), fused)
+
+
+def test_fits_only_the_structure_it_runs(device) -> None:  # type: ignore[no-untyped-def]
+    assert chain_fits(_model(device))
+    biased = _model(device, attention_bias=True)  # o_proj with a bias: not taken
+    assert type(biased) is LlamaForCausalLM and not chain_fits(biased)
+    gelu = _model(device, hidden_act="gelu_pytorch_tanh")
+    assert type(gelu) is LlamaForCausalLM
+    plain, _ = build_random_model(TINY, torch.float32, device, std=0.2, seed=5, compiled=True)
+    assert not chain_fits(plain)  # without the CUDA modules installed
+
+
+def test_larger_steps_take_the_layer_by_layer_forward(device) -> None:  # type: ignore[no-untyped-def]
+    from services.worker.decode_chain import chain_takes
+
+    ids = torch.zeros(17, dtype=torch.long, device=device)
+    assert not chain_takes(ids)
+    assert chain_takes(ids[:16]) == (device.type == "cuda")
