@@ -111,6 +111,7 @@ def bench(
     profile: bool = False,
     compiled: bool = False,
     cpu_attention: str = "auto",
+    trace: str = "",
 ) -> dict:
     if random:
         model, config = random_model(random, dtype, device, plain_weights or compiled)
@@ -167,6 +168,11 @@ def bench(
                 driver.step()
         order = "self_cuda_time_total" if sync else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=order, row_limit=18))
+        if trace:
+            from bench.kernel_trace import summarize_trace
+
+            prof.export_chrome_trace(trace)
+            print(summarize_trace(trace, steps=10))
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     wall, execute, fwd, head = med
     return {
@@ -195,6 +201,12 @@ def main() -> None:
         help="with --random: skip the CPU weight layouts (column-major fp32, packed bf16)",
     )
     parser.add_argument("--profile", action="store_true", help="print a torch profile table")
+    parser.add_argument(
+        "--trace",
+        default="",
+        help="with --profile: write the chrome trace here and print each kernel's time and the "
+        "gaps between kernels (bench/kernel_trace.py)",
+    )
     parser.add_argument(
         "--compile", action="store_true", help="compile the forward (CPU bf16; cpu_compile.py)"
     )
@@ -238,6 +250,7 @@ def main() -> None:
                 args.profile,
                 args.compile,
                 args.cpu_attention,
+                args.trace,
             )
             print(
                 f"{r['dtype']:<9} {r['batch']:>5} {r['step_ms']:>8.2f} {r['tok_s']:>7.1f} "

@@ -51,6 +51,9 @@ H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (4096, 4096): GemvConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4),
     (1024, 4096): GemvConfig(block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4),
     (14336, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    # The fused gate_up of the model, swept inside the 32-layer decode chain
+    # (bench/gpu/gemv_chain_sweep.py: -28 / -31 us a step at 1 / 16 rows vs (64, 128, 1, 4)).
+    (28672, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
     (4096, 14336): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4),
     (128256, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=4),
 }

@@ -6,6 +6,8 @@ qkv GEMV (+reduce), o GEMV (+reduce), RMSNorm(+res), gate_up GEMV, down GEMV wit
 (+reduce): 9 launches. 32 layers with their own weights (15 GB, so every GEMV streams from HBM)
 are captured in one CUDA graph per mode; the replays rotate through the modes, and the outputs of
 all modes are compared (the chain only changes when launches start, not what they compute).
+Mode "fused" is the decode chain of services/worker/decode_chain.py: the o and down reduces
+summed by the residual-add + RMSNorm kernel that follows them (7 launches a layer).
 
     python3 bench/gpu/pdl_chain.py [--rows 1 16] [--layers 32] [--replays 9]
 
@@ -14,6 +16,14 @@ H200, 2026-11-30 (bench/gpu/pdl_chain_h200.log, two device calls): 1 row 3787 ->
 Tried with it and dropped: each GEMV prefetching its first 2 or 4 K-steps of weights into L2
 (`prefetch.global.L2`) before waiting for its predecessor: 3707 / 3752 us at 1 row, 3824 / 3880
 at 16 (no better than PDL alone, worse at 4).
+
+H200, 2026-11-30 later (bench/gpu/decode_chain_h200.log, trigger_first_h200.log): "fused"
+3679 / 3597 us vs "pdl" 3713 / 3637 at 1 row, 3803 / 3752 vs 3845 / 3822 at 16 (1.01-1.02x).
+Tried and dropped: every chain kernel triggering its successor before waiting for its
+predecessor (so the GEMV two launches ahead is resident, and can prefetch its first weight
+tiles into L2, while the one before it streams its tail): 3865 us at 1 row (trigger first
+only), 3931 (+4 K-steps of L2 prefetch), 4108 (+8), against 3597 for "fused" in the same run;
+16 rows alike. Grids parked at their wait cost more than the ramps they were meant to hide.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import sys
 
 import torch
 
-from kernels.gemv import gemv
+from kernels.gemv import GemvConfig, gemv, gemv_add_rmsnorm
 from kernels.rmsnorm import rmsnorm
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
@@ -56,7 +66,35 @@ def step(x: torch.Tensor, weights: list[dict[str, torch.Tensor]], pdl: bool) -> 
         normed, residual = rmsnorm(attn, w["norm2"], 1e-5, residual, pdl=pdl)
         gate_up = gemv(normed, w["gate_up"], pdl=pdl)
         x = gemv(gate_up, w["down"], gated=True, pdl=pdl)
-    return x
+    normed, _ = rmsnorm(x, weights[0]["norm1"], 1e-5, residual, pdl=pdl)
+    return normed
+
+
+def fused_step(
+    x: torch.Tensor,
+    weights: list[dict[str, torch.Tensor]],
+    pdl: bool,
+    configs: dict[str, GemvConfig] | None = None,
+) -> torch.Tensor:
+    """`step` as services/worker/decode_chain.py runs it: the o and down reduces fused into the
+    residual add and the next norm (7 launches a layer instead of 9); the same values.
+    `configs`: GEMV tile configs by weight name ("qkv", "o", "gate_up", "down"; default: the
+    launcher's choice), for bench/gpu/gemv_chain_sweep.py."""
+    cfg = configs or {}
+    stream = x  # `step` adds a zero residual first: x + 0 rounds to x
+    normed, _ = rmsnorm(stream, weights[0]["norm1"], 1e-5, pdl=pdl)
+    for i, w in enumerate(weights):
+        qkv = gemv(normed, w["qkv"], cfg.get("qkv"), pdl=pdl)
+        attn = qkv[:, :HIDDEN]
+        normed, stream = gemv_add_rmsnorm(
+            attn, w["o"], stream, w["norm2"], 1e-5, cfg.get("o"), pdl=pdl
+        )
+        gate_up = gemv(normed, w["gate_up"], cfg.get("gate_up"), pdl=pdl)
+        nxt = weights[i + 1]["norm1"] if i + 1 < len(weights) else weights[0]["norm1"]
+        normed, stream = gemv_add_rmsnorm(
+            gate_up, w["down"], stream, nxt, 1e-5, cfg.get("down"), gated=True, pdl=pdl
+        )
+    return normed
 
 
 def main() -> int:
@@ -67,16 +105,16 @@ def main() -> int:
     args = p.parse_args()
     torch.manual_seed(0)
     weights = layer_weights(args.layers)
-    modes = {"plain": False, "pdl": True}
+    modes = {"plain": (step, False), "pdl": (step, True), "fused": (fused_step, True)}
     for rows in args.rows:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         graphs, outputs = {}, {}
-        for name, pdl in modes.items():
-            step(x, weights, pdl)  # compile outside the capture
+        for name, (fn, pdl) in modes.items():
+            fn(x, weights, pdl)  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                outputs[name] = step(x, weights, pdl)
+                outputs[name] = fn(x, weights, pdl)
             graphs[name] = graph
         times: dict[str, list[float]] = {name: [] for name in modes}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,7 +128,7 @@ def main() -> int:
                 times[name].append(start.elapsed_time(end) * 1e3)
         same = all(torch.equal(outputs["plain"], out) for out in outputs.values())
         base = statistics.median(times["plain"])
-        launches = 9 * args.layers
+        launches = 9 * args.layers + 1
         for name in modes:
             med = statistics.median(times[name])
             print(

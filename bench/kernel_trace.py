@@ -1,0 +1,75 @@
+"""Where a profiled run's device time goes, kernel by kernel, and how much of it is gaps.
+
+Reads a torch.profiler chrome trace (`prof.export_chrome_trace`) and sorts its GPU kernel
+events (kernels inside CUDA graph replays included) by start time. A gap is the idle time
+between one kernel's end and the next one's start; gaps longer than `step_gap_us` are taken as
+the time between steps (host work, the sync) and reported apart from the gaps inside a step.
+
+    python -m bench.kernel_trace TRACE.json [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    start_us: float
+    dur_us: float
+
+
+def load_kernels(path: str) -> list[Kernel]:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [
+        Kernel(e["name"], float(e["ts"]), float(e["dur"]))
+        for e in events
+        if e.get("cat") == "kernel" and e.get("ph") == "X"
+    ]
+    return sorted(kernels, key=lambda k: k.start_us)
+
+
+def summarize_trace(path: str, steps: int = 1, step_gap_us: float = 50.0) -> str:
+    kernels = load_kernels(path)
+    if not kernels:
+        return "no kernel events in the trace"
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for k in kernels:
+        by_name[k.name[:60]].append(k.dur_us)
+    inner: list[float] = []
+    between: list[float] = []
+    for a, b in itertools.pairwise(kernels):
+        gap = max(0.0, b.start_us - (a.start_us + a.dur_us))
+        (between if gap > step_gap_us else inner).append(gap)
+    busy = sum(k.dur_us for k in kernels)
+    lines = [f"{len(kernels)} kernels over {steps} step(s); per step:"]
+    lines.append(f"{'kernel':<60} {'calls':>6} {'us':>9} {'us/call':>8}")
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(
+            f"{name:<60} {len(durs) / steps:>6.1f} {sum(durs) / steps:>9.1f} "
+            f"{sum(durs) / len(durs):>8.2f}"
+        )
+    lines.append(
+        f"kernel time {busy / steps:.1f} us; gaps inside steps {sum(inner) / steps:.1f} us "
+        f"({len(inner) / steps:.0f} gaps, mean {sum(inner) / max(1, len(inner)):.2f} us); "
+        f"gaps > {step_gap_us:.0f} us (between steps) {sum(between) / steps:.1f} us"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("trace")
+    parser.add_argument("--steps", type=int, default=1)
+    args = parser.parse_args()
+    print(summarize_trace(args.trace, args.steps))
+
+
+if __name__ == "__main__":
+    main()
