@@ -12,13 +12,8 @@ source "$(dirname "$0")/session_env.sh"
 step gpu-tests 200 python3 -m pytest -q -x tests/gpu/test_pdl_chain_cuda.py \
     tests/kernels/test_gemv.py tests/kernels/test_rmsnorm.py ${GPU_TESTS:-tests/gpu/test_worker_cuda.py}
 step pdl-chain 120 python3 bench/gpu/pdl_chain.py
-rm -rf /tmp/plain && mkdir -p /tmp/plain && cp -r . /tmp/plain/ 2>/dev/null
+plain_copy
 sed -i 's/^CHAIN_PDL_DEFAULT = True/CHAIN_PDL_DEFAULT = False/' /tmp/plain/kernels/tensor_checks.py
 grep -n "^CHAIN_PDL_DEFAULT" /tmp/plain/kernels/tensor_checks.py
-for round in $(seq 1 ${ROUNDS:-2}); do
-    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && step "mesh-plain-$round" \
-        100 python3 -m bench.gpu.mesh_decode --batches 1 16 --out "$OUT/mesh_plain_$round.json")
-    step "mesh-pdl-$round" 100 python3 -m bench.gpu.mesh_decode --batches 1 16 \
-        --out "$OUT/mesh_pdl_$round.json"
-done
+mesh_ab "${ROUNDS:-2}" plain pdl
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"

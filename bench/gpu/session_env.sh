@@ -44,3 +44,17 @@ step() {  # step NAME CAP_SECONDS COMMAND...
     echo "=== $name rc=$? $(($(date +%s) - t0))s"
 }
 
+
+plain_copy() {  # a fresh copy of this tree at /tmp/plain, for the A side of an A/B (sed it after)
+    rm -rf /tmp/plain && mkdir -p /tmp/plain && cp -r . /tmp/plain/ 2>/dev/null
+}
+
+mesh_ab() {  # mesh_ab ROUNDS NAME_A NAME_B: the mesh at batch 1 and 16, /tmp/plain (A) then this
+    local rounds=$1 a=$2 b=$3 round    # tree (B), alternating; JSON to $OUT/mesh_<name>_<round>
+    for round in $(seq 1 "$rounds"); do
+        (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && step "mesh-$a-$round" \
+            100 python3 -m bench.gpu.mesh_decode --batches 1 16 --out "$OUT/mesh_${a}_$round.json")
+        step "mesh-$b-$round" 100 python3 -m bench.gpu.mesh_decode --batches 1 16 \
+            --out "$OUT/mesh_${b}_$round.json"
+    done
+}

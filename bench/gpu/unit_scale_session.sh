@@ -9,16 +9,11 @@ source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 200 python3 -m pytest -q -x tests/gpu tests/kernels/test_unit_scale.py \
     tests/kernels/test_kv_insert.py tests/kernels/test_paged_decode.py
-rm -rf /tmp/plain && mkdir -p /tmp/plain && cp -r . /tmp/plain/ 2>/dev/null
+plain_copy
 sed -i 's/    one = unit_scale(device)$/    one = torch.ones(1, dtype=torch.float32, device=device)/' \
     /tmp/plain/kernels/paged_cache.py
 sed -i 's/        ks = vs = unit_scale(device)$/        ks = vs = torch.ones(1, dtype=torch.float32, device=device)/' \
     /tmp/plain/kernels/kv_insert.py
 grep -n "torch.ones(1, dtype=torch.float32" /tmp/plain/kernels/paged_cache.py /tmp/plain/kernels/kv_insert.py
-for round in 1 2 3; do
-    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && step "mesh-plain-$round" \
-        100 python3 -m bench.gpu.mesh_decode --batches 1 16 --out "$OUT/mesh_plain_$round.json")
-    step "mesh-shared-$round" 100 python3 -m bench.gpu.mesh_decode --batches 1 16 \
-        --out "$OUT/mesh_shared_$round.json"
-done
+mesh_ab 3 plain shared
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"
