@@ -44,9 +44,12 @@ def summarize_trace(path: str, steps: int = 1, step_gap_us: float = 50.0) -> str
         by_name[k.name[:60]].append(k.dur_us)
     inner: list[float] = []
     between: list[float] = []
+    by_pair: dict[str, list[float]] = defaultdict(list)  # gaps inside steps, by kernel pair
     for a, b in itertools.pairwise(kernels):
         gap = max(0.0, b.start_us - (a.start_us + a.dur_us))
         (between if gap > step_gap_us else inner).append(gap)
+        if gap <= step_gap_us:
+            by_pair[f"{_short(a.name)} -> {_short(b.name)}"].append(gap)
     busy = sum(k.dur_us for k in kernels)
     lines = [f"{len(kernels)} kernels over {steps} step(s); per step:"]
     lines.append(f"{'kernel':<60} {'calls':>6} {'us':>9} {'us/call':>8}")
@@ -60,7 +63,17 @@ def summarize_trace(path: str, steps: int = 1, step_gap_us: float = 50.0) -> str
         f"({len(inner) / steps:.0f} gaps, mean {sum(inner) / max(1, len(inner)):.2f} us); "
         f"gaps > {step_gap_us:.0f} us (between steps) {sum(between) / steps:.1f} us"
     )
+    lines.append(f"{'gaps inside steps, by kernel pair':<60} {'count':>6} {'us':>9} {'us/gap':>8}")
+    for pair, gaps in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        lines.append(
+            f"{pair[:60]:<60} {len(gaps) / steps:>6.1f} {sum(gaps) / steps:>9.1f} "
+            f"{sum(gaps) / len(gaps):>8.2f}"
+        )
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    return name[:28]
 
 
 def main() -> None:

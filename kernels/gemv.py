@@ -313,6 +313,24 @@ def gemv(
     return out
 
 
+def gemv_partials(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    *,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """The product's fp32 split-K partials [split, M, N] (split 1: the whole accumulator), for
+    a kernel that sums them itself in the reduce kernel's order and rounds as it rounds (the
+    decode attention of kernels/decode_from_qkv.py)."""
+    g = _checked(x, weight, config, False, pdl)
+    part = torch.empty(
+        g.split, g.x.shape[0], g.weight.shape[0], dtype=torch.float32, device=g.x.device
+    )
+    _launch_product(g, part, part)
+    return part
+
+
 def gemv_add_rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -47,7 +47,7 @@ def tokens_per_tile() -> int:
 
 
 @triton.jit
-def _to_cache(x, scale, FP8: tl.constexpr, dtype: tl.constexpr):
+def to_cache(x, scale, FP8: tl.constexpr, dtype: tl.constexpr):
     if FP8:
         x = tl.math.div_rn(x, scale)
         x = tl.minimum(tl.maximum(x, -448.0), 448.0)
@@ -83,13 +83,13 @@ def _rope_store(
         x2 = tl.load(src_ptrs[:, None] + i2[None, :], mask=h_mask, other=0.0).to(tl.float32)
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
-        tl.store(dst_ptrs[:, None] + i1[None, :], _to_cache(o1, scale, FP8, dtype), mask=h_mask)
-        tl.store(dst_ptrs[:, None] + i2[None, :], _to_cache(o2, scale, FP8, dtype), mask=h_mask)
+        tl.store(dst_ptrs[:, None] + i1[None, :], to_cache(o1, scale, FP8, dtype), mask=h_mask)
+        tl.store(dst_ptrs[:, None] + i2[None, :], to_cache(o2, scale, FP8, dtype), mask=h_mask)
     if PASS_DIM > 0:
         ip = 2 * ROT_HALF + offs_p
         p_mask = mask[:, None] & (offs_p < PASS_DIM)[None, :]
         xp = tl.load(src_ptrs[:, None] + ip[None, :], mask=p_mask, other=0.0).to(tl.float32)
-        tl.store(dst_ptrs[:, None] + ip[None, :], _to_cache(xp, scale, FP8, dtype), mask=p_mask)
+        tl.store(dst_ptrs[:, None] + ip[None, :], to_cache(xp, scale, FP8, dtype), mask=p_mask)
 
 
 # num_tokens is not specialized: Triton would otherwise compile separate variants for 1 and

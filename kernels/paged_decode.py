@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from kernels import completion_counters
-from kernels.attention_step import AttentionTiles, attend_tile, attend_tile_ids
+from kernels.attention_step import AttentionTiles, attend_tile
+from kernels.decode_pieces import finish_piece, first_tile_ids, store_piece, walk_piece
 from kernels.paged_cache import (
     check_block_tables,
     check_kv_cache,
@@ -96,17 +97,6 @@ def _group_query(
     k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
     v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
     return q, heads, g_valid, d_valid, sm_scale_log2 * k_scale, v_scale
-
-
-@triton.jit
-def _store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d, out_mask, g_valid,
-                 HEAD_DIM: tl.constexpr):  # fmt: skip
-    """A piece's partial output (normalized by its own sum) and log-sum-exp (log2 domain;
-    -inf for a piece without keys). Partials are contiguous [B, Hq, NUM_SPLITS, HEAD_DIM] and
-    lse [B, Hq, NUM_SPLITS]; `row` = (seq * Hq + head) * NUM_SPLITS + split."""
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    tl.store(part_lse_ptr + row, lse, mask=g_valid)
 
 
 @triton.jit
@@ -194,7 +184,7 @@ def _decode_partial_kernel(
         )
     else:
         row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-        _store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d, out_mask, g_valid,
+        store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d, out_mask, g_valid,
                      HEAD_DIM)  # fmt: skip
 
 
@@ -237,20 +227,15 @@ def _decode_strided_kernel(
     MERGE_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
-    """Split-K decode without a window, pieces dealt tile by tile: tile t (keys
-    [t * BLOCK_N, (t + 1) * BLOCK_N)) belongs to piece t % NUM_SPLITS. A piece's first tile is
-    then known before the sequence length, so its block ids load together with seq_len and q
-    (two dependent memory round trips before the first K/V tile instead of three), and each
-    further tile's block ids load one tile ahead. Same partials as _decode_partial_kernel.
-
-    FUSED_MERGE: the last piece of each (sequence, kv head) to finish merges its GROUP heads'
-    pieces (one load of all of them) and resets its counter, instead of a second kernel."""
+    """Split-K decode without a window, pieces dealt tile by tile (kernels/decode_pieces.py):
+    a piece's first block ids load together with seq_len and q (two dependent memory round
+    trips before the first K/V tile instead of three). Same partials as
+    _decode_partial_kernel; FUSED_MERGE: the last piece to finish merges them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    blk = (split * BLOCK_N + tl.arange(0, BLOCK_N)) // PAGE
-    ids = tl.load(table + blk, mask=blk < max_blocks, other=0)  # before seq_len: no dependency
+    ids = first_tile_ids(table, split, max_blocks, PAGE, BLOCK_N)
     seq_len = tl.load(seq_lens_ptr + seq)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -259,72 +244,16 @@ def _decode_strided_kernel(
         q_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, offs_g, offs_d, sm_scale_log2,
         stride_qb, stride_qh, k_scale_stride, v_scale_stride, GROUP, HEAD_DIM, FP32_DOT,
     )  # fmt: skip
-    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    full_tiles = seq_len // BLOCK_N
-    for t in range(split, full_tiles, NUM_SPLITS):
-        blk = ((t + NUM_SPLITS) * BLOCK_N + tl.arange(0, BLOCK_N)) // PAGE
-        next_ids = tl.load(table + blk, mask=blk < max_blocks, other=0)
-        acc, l_i, m_i = attend_tile_ids(
-            acc, l_i, m_i, q, cache_ptr, ids, t * BLOCK_N, seq_len, kv_head, offs_g, 0,
-            qk_scale, stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, False, False, FP32_DOT,
-        )  # fmt: skip
-        ids = next_ids
-    # The sequence's last, partial tile (number full_tiles), if this piece owns it: `ids` now
-    # holds the block ids of the piece's first tile at or past full_tiles.
-    last = split + tl.cdiv(tl.maximum(full_tiles - split, 0), NUM_SPLITS) * NUM_SPLITS
-    if (last == full_tiles) & (full_tiles * BLOCK_N < seq_len):
-        acc, l_i, m_i = attend_tile_ids(
-            acc, l_i, m_i, q, cache_ptr, ids, last * BLOCK_N, seq_len, kv_head, offs_g, 0,
-            qk_scale, stride_kv, stride_block, stride_slot, stride_head, PAGE, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, False, False, FP32_DOT,
-        )  # fmt: skip
-
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc * (v_scale / l_safe)[:, None]
-    row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
-    _store_piece(part_out_ptr, part_lse_ptr, out, l_i, m_i, row, offs_d,
-                 g_valid[:, None] & d_valid[None, :], g_valid, HEAD_DIM)  # fmt: skip
-    if FUSED_MERGE:
-        # Every thread's partial stores come before the release of the count; the merger
-        # reads the pieces from L2 (".cg": other programs wrote them, on other SMs).
-        tl.debug_barrier()
-        counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
-        done = tl.atomic_add(counter, 1, sem="acq_rel")
-        if done == NUM_SPLITS - 1:
-            offs_m = tl.arange(0, MERGE_G)
-            offs_s = tl.arange(0, BLOCK_S)
-            m_valid = offs_m < GROUP
-            s_valid = offs_s < NUM_SPLITS
-            rows = (seq.to(tl.int64) * NUM_HEADS + kv_head * GROUP + offs_m)[:, None] * (
-                NUM_SPLITS
-            ) + offs_s[None, :]  # [MERGE_G, BLOCK_S]
-            valid = m_valid[:, None] & s_valid[None, :]
-            lse_all = tl.load(
-                part_lse_ptr + rows, mask=valid, other=float("-inf"), cache_modifier=".cg"
-            )
-            parts = tl.load(
-                part_out_ptr + rows[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                mask=valid[:, :, None] & d_valid[None, None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            m = tl.max(lse_all, 1)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            w = tl.exp2(lse_all - m[:, None])
-            total = tl.sum(w, 1)
-            w = w / tl.where(total > 0.0, total, 1.0)[:, None]
-            merged = tl.sum(parts * w[:, :, None], 1)  # [MERGE_G, BLOCK_D]
-            out_heads = kv_head * GROUP + offs_m
-            tl.store(
-                out_ptr + seq.to(tl.int64) * stride_ob + out_heads[:, None] * stride_oh
-                + offs_d[None, :],
-                merged.to(out_ptr.dtype.element_ty),
-                mask=m_valid[:, None] & d_valid[None, :],
-            )  # fmt: skip
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA graph replays)
+    acc, l_i, m_i = walk_piece(
+        q, ids, table, max_blocks, seq_len, split, kv_head, offs_g, qk_scale, cache_ptr,
+        stride_kv, stride_block, stride_slot, stride_head,
+        BLOCK_G, NUM_SPLITS, PAGE, HEAD_DIM, BLOCK_D, BLOCK_N, FP32_DOT,
+    )  # fmt: skip
+    finish_piece(
+        acc, l_i, m_i, v_scale, seq, kv_head, split, heads, g_valid, d_valid, offs_d,
+        out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, stride_ob, stride_oh,
+        NUM_HEADS, NUM_KV_HEADS, NUM_SPLITS, GROUP, HEAD_DIM, FUSED_MERGE, MERGE_G, BLOCK_S,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -396,6 +325,14 @@ def few_programs(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
     """So few (sequence, kv head) pairs that even split 16 ways they fill about one wave
     (batch 1-2 at 8 kv heads on 132 SMs): the strided kernel's case at any split count."""
     return num_seqs * num_kv_heads * 8 <= num_sms
+
+
+def strided_choice(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
+    """Whether split-K without a window runs the strided kernel by default (STRIDED_DEFAULT):
+    at STRIDED_MIN_SPLITS pieces or more, or at any split count with few programs."""
+    return STRIDED_DEFAULT and (
+        num_splits >= STRIDED_MIN_SPLITS or few_programs(num_seqs, num_kv_heads, _num_sms(device))
+    )
 
 
 def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
@@ -481,10 +418,7 @@ def paged_decode_attention(
         num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, _num_sms(device))
 
     if strided is None:
-        strided = STRIDED_DEFAULT and (
-            num_splits >= STRIDED_MIN_SPLITS
-            or few_programs(num_seqs, geo.num_kv_heads, _num_sms(device))
-        )
+        strided = strided_choice(num_seqs, geo.num_kv_heads, num_splits, device)
     use_strided = strided and num_splits > 1 and window == 0
     if tiles is None:
         if interpreting():
@@ -499,19 +433,13 @@ def paged_decode_attention(
     block_d = max(16, next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     merge_g, block_s = max(2, next_power_of_2(group)), max(2, next_power_of_2(num_splits))
-    counters = None
-    if (
-        use_strided
-        and (FUSED_MERGE_DEFAULT if fused_merge is None else fused_merge)
-        # the merger holds all its pieces at once: at most 128 fp32 registers a thread
-        and merge_g * block_s * block_d <= 128 * 32 * tiles.num_warps
-    ):
-        counters = completion_counters.counters(MERGE_COUNTERS, device, num_seqs * geo.num_kv_heads)
+    counters = (
+        merge_counters(num_seqs, geo.num_kv_heads, group, num_splits, head_dim, tiles, device)
+        if use_strided and (FUSED_MERGE_DEFAULT if fused_merge is None else fused_merge)
+        else None
+    )
     if num_splits > 1:
-        part_out = torch.empty(
-            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
-        )
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=device)
+        part_out, part_lse = piece_buffers(num_seqs, num_heads, num_splits, head_dim, device)
     else:
         part_out = part_lse = out  # unused by the single-pass specialization
     fp32_dot = interpreting() or q.dtype == torch.float32
@@ -543,13 +471,52 @@ def paged_decode_attention(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
     if num_splits > 1 and counters is None:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-            BLOCK_S=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            WAIT_PRIMARY=use_pdl, **({"launch_pdl": True} if use_pdl else {}),
-        )  # fmt: skip
+        merge_pieces(part_out, part_lse, out, use_pdl)
     return out
+
+
+def piece_buffers(
+    num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial outputs [B, Hq, splits, D] and log-sum-exps [B, Hq, splits] of split-K."""
+    part_out = torch.empty(
+        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=device
+    )
+    return part_out, torch.empty(
+        num_seqs, num_heads, num_splits, dtype=torch.float32, device=device
+    )
+
+
+def merge_counters(
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    num_splits: int,
+    head_dim: int,
+    tiles: AttentionTiles,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The fused merge's counters, or None where the merger's registers do not allow it (it
+    holds all its pieces at once: at most 128 fp32 registers a thread) or a graph capture
+    would have to allocate them; None means: merge with `merge_pieces`."""
+    merge_g, block_s = max(2, next_power_of_2(group)), max(2, next_power_of_2(num_splits))
+    if merge_g * block_s * max(16, next_power_of_2(head_dim)) > 128 * 32 * tiles.num_warps:
+        return None
+    return completion_counters.counters(MERGE_COUNTERS, device, num_seqs * num_kv_heads)
+
+
+def merge_pieces(
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, pdl: bool = False
+) -> None:
+    """The second kernel of split-K: out [B, Hq, D] = the pieces weighted by their lse."""
+    num_seqs, num_heads, num_splits, head_dim = part_out.shape
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        BLOCK_S=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        WAIT_PRIMARY=pdl, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
 
 
 def paged_decode_reference(

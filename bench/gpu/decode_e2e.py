@@ -135,6 +135,8 @@ def run_worker(model: Any, config: Any, args: argparse.Namespace, batch: int) ->
     }
     if batch == 1:
         row["breakdown"] = breakdown(runner, model, config, driver)
+        if args.trace and runner.graphs is not None and 1 in runner.graphs.graphs:
+            print(trace_replays(runner.graphs.graphs[1].replay, args.trace), flush=True)
     del driver, runner, kv
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -153,6 +155,23 @@ def warm_pass(runner: ModelRunner, prompts: list[list[int]], args: argparse.Name
     while not all(r.finished for r in warm.requests.values()):
         warm.step()
     runner.reset()
+
+
+def trace_replays(replay: Callable[[], Any], path: str, replays: int = 10) -> str:
+    """Kernel by kernel, the device time of `replays` graph replays and the gaps between their
+    kernels (bench/kernel_trace.py): where a graph step's time goes, launch gaps included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.kernel_trace import summarize_trace
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    return summarize_trace(path, steps=replays)
 
 
 def breakdown(runner: ModelRunner, model: Any, config: Any, driver: PlanDriver) -> dict[str, Any]:
@@ -281,6 +300,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU")
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--trace", default="", help="chrome trace of 10 batch-1 step graph replays, summarized"
+    )
     args = parser.parse_args()
     args.device = "cpu" if args.dry_run else "cuda"
     hf_config = TINY if args.dry_run else PRESETS[args.preset]

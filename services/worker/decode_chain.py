@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import AttentionMetadata
+from services.worker.attention_select import TritonAttentionMetadata
 from services.worker.cuda_layers import (
     GEMV_DTYPES,
     GEMV_MAX_ROWS,
@@ -77,8 +78,12 @@ def chain_forward(
     first = layers[0].input_layernorm
     normed, _ = rmsnorm(stream, first.weight, first.eps)
     layer_inputs = model.layer_inputs(positions, attn, kv_caches)
+    fused = FUSED_ATTENTION_DEFAULT and fused_attention_takes(model, attn, input_ids.shape[0])
     for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
-        attn_out = layer.self_attn.attend(normed, cos, sin, meta, kv_cache)
+        if fused:
+            attn_out = fused_attention(layer.self_attn, normed, cos, sin, meta, kv_cache)
+        else:
+            attn_out = layer.self_attn.attend(normed, cos, sin, meta, kv_cache)
         post = layer.post_attention_layernorm
         normed, stream = gemv_add_rmsnorm(
             attn_out, layer.self_attn.o_proj.weight, stream, post.weight, post.eps
@@ -90,6 +95,60 @@ def chain_forward(
             gate_up, mlp.down_proj.weight, stream, nxt.weight, nxt.eps, gated=True
         )
     return normed
+
+
+def fused_attention_takes(
+    model: LlamaForCausalLM, attn: AttentionMetadata | Sequence[AttentionMetadata], rows: int
+) -> bool:
+    """Whether this step's attention runs from the qkv partials in one kernel
+    (kernels/decode_from_qkv.py): one metadata for all layers, every row a decode, no
+    window, the strided split-K decode, and every layer's qkv without bias or q/k norm."""
+    from kernels.paged_decode import strided_choice
+
+    if not isinstance(attn, TritonAttentionMetadata):
+        return False
+    meta = attn
+    if not (meta.num_decodes == meta.num_tokens == rows and meta.sliding_window is None):
+        return False
+    if meta.decode_num_splits < 2 or meta.decode_block_tables is None:
+        return False
+    device = meta.decode_block_tables.device
+    if not strided_choice(rows, meta.num_kv_heads, meta.decode_num_splits, device):
+        return False
+    return all(_plain_qkv(layer.self_attn) for layer in model.layers)  # type: ignore[union-attr]
+
+
+def _plain_qkv(attn: torch.nn.Module) -> bool:
+    return (
+        type(attn) is LlamaAttention
+        and type(attn.qkv_proj) is GemvLinear
+        and attn.qkv_proj.bias is None
+        and attn.q_norm is None
+        and attn.k_norm is None
+    )
+
+
+def fused_attention(
+    attn: LlamaAttention,
+    normed: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    meta: TritonAttentionMetadata,
+    kv_cache: torch.Tensor,
+) -> torch.Tensor:
+    """`attn.attend` for a step `fused_attention_takes`: the qkv GEMV's partials, then the
+    reduce, RoPE + KV insert and decode attention in one launch; bit-identical."""
+    from kernels.decode_from_qkv import decode_from_qkv
+    from kernels.gemv import gemv_partials
+
+    part = gemv_partials(normed, attn.qkv_proj.weight)
+    assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+    out = decode_from_qkv(
+        part, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping,
+        meta.token_index, meta.rope_table(cos, sin), num_heads=attn.num_heads,
+        num_splits=meta.decode_num_splits, dtype=normed.dtype, sm_scale=attn.scale,
+    )  # fmt: skip
+    return out.view(normed.shape[0], -1)
 
 
 def chain_takes(input_ids: torch.Tensor) -> bool:
@@ -122,3 +181,5 @@ def install_decode_chain(model: torch.nn.Module) -> bool:
 
 # On by default; False runs every step layer by layer (for A/B runs on the GPU).
 DECODE_CHAIN_DEFAULT = True
+# On by default; False keeps the three launches of the chain's attention (A/B runs).
+FUSED_ATTENTION_DEFAULT = True

@@ -5,6 +5,7 @@ inside a CUDA graph, and what the model's forward runs for steps of 1..16 rows."
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from services.worker.attention_select import build_attention_metadata
 from services.worker.cuda_layers import install_cuda_kernels
-from services.worker.decode_chain import DecodeChainLlama
+from services.worker.decode_chain import DecodeChainLlama, fused_attention_takes
 from services.worker.kv_cache import KVCache
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.random_init import build_random_model
@@ -46,8 +47,13 @@ def _step(rows: int):  # type: ignore[no-untyped-def]
     return ids, torch.as_tensor(positions, device="cuda"), meta
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_chain_is_bit_identical_to_the_layer_by_layer_forward(rows: int) -> None:
+@pytest.mark.parametrize(("rows", "splits"), [(1, None), (5, None), (16, None), (1, 16), (2, 7)])
+def test_chain_is_bit_identical_to_the_layer_by_layer_forward(
+    rows: int, splits: int | None
+) -> None:
+    """splits: the decode split count forced (the graphs' choice from max_model_len), so the
+    chain's attention runs from the qkv partials in one kernel (kernels/decode_from_qkv.py);
+    rows=5 gets there by itself (3 strided pieces at 2 kv heads)."""
     model, config = build_random_model(SHAPE, torch.bfloat16, "cuda", std=0.05, seed=1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -60,6 +66,9 @@ def test_chain_is_bit_identical_to_the_layer_by_layer_forward(rows: int) -> None
         layer_cache.normal_()
     other = copy.deepcopy(cache)
     ids, positions, meta = _step(rows)
+    if splits is not None:
+        meta = dataclasses.replace(meta, decode_num_splits=splits)
+    assert fused_attention_takes(model, meta, rows) == (splits is not None or rows == 5)
     with torch.inference_mode():
         fused = model(ids, positions, meta, cache.layers)
         plain = LlamaForCausalLM.forward(model, ids, positions, meta, other.layers)

@@ -102,3 +102,51 @@ def test_larger_steps_take_the_layer_by_layer_forward(device) -> None:  # type: 
     ids = torch.zeros(17, dtype=torch.long, device=device)
     assert not chain_takes(ids)
     assert chain_takes(ids[:16]) == (device.type == "cuda")
+
+
+def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Triton metadata with the strided split-K decode: the chain runs each layer's attention
+    from the qkv partials in one kernel (kernels/decode_from_qkv.py)."""
+    import dataclasses
+
+    from kernels import decode_from_qkv as fused_module
+    from kernels.paged_decode import STRIDED_MIN_SPLITS
+    from services.worker import decode_chain
+    from services.worker.attention_select import TritonAttentionMetadata
+
+    calls = []
+    real = fused_module.decode_from_qkv
+    monkeypatch.setattr(
+        fused_module, "decode_from_qkv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    model = _model(device)
+    cache = KVCache.allocate(model.config, 2 * 4, BLOCK, torch.float32, device)
+    for layer_cache in cache.layers:
+        layer_cache.normal_(0, 1, generator=torch.Generator(device).manual_seed(1))
+    other = copy.deepcopy(cache)
+    lens, tables = np.array([9, 14]), np.arange(8).reshape(2, 4)
+    positions = lens - 1
+    slots = tables[[0, 1], positions // BLOCK] * BLOCK + positions % BLOCK
+    meta = TritonAttentionMetadata.build(
+        query_lens=np.ones(2, dtype=np.int64), seq_lens=lens, block_tables=tables,
+        block_size=BLOCK, slot_mapping=slots,
+        num_kv_heads=2, device=device,
+    )  # fmt: skip
+    meta = dataclasses.replace(meta, decode_num_splits=STRIDED_MIN_SPLITS)  # the strided kernel
+    ids, pos = torch.tensor([3, 10], device=device), torch.as_tensor(positions, device=device)
+    assert decode_chain.fused_attention_takes(model, meta, 2)
+    with torch.inference_mode():
+        fused = chain_forward(model, ids, pos, meta, cache.layers)
+        assert len(calls) == TINY["num_hidden_layers"]
+        plain = LlamaForCausalLM.forward(model, ids, pos, dataclasses.replace(meta), other.layers)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    for a, b in zip(cache.layers, other.layers, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # Steps it does not take: a window, a non-decode row, a split count of one.
+    assert not decode_chain.fused_attention_takes(
+        model, dataclasses.replace(meta, sliding_window=4), 2
+    )
+    assert not decode_chain.fused_attention_takes(model, meta, 3)
+    assert not decode_chain.fused_attention_takes(
+        model, dataclasses.replace(meta, decode_num_splits=1), 2
+    )
