@@ -61,9 +61,7 @@ def _three_launches(s: Step, config: GemvConfig, num_splits: int, is_neox: bool)
     q = qkv[:, : HEADS * HEAD_DIM].view(b, HEADS, HEAD_DIM)
     k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(b, KV_HEADS, HEAD_DIM)
     v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(b, KV_HEADS, HEAD_DIM)
-    q_rot = insert_qkv(
-        q, k, v, cache, s.slots, s.rope_rows, s.table, is_neox=is_neox, **s.scales
-    )
+    q_rot = insert_qkv(q, k, v, cache, s.slots, s.rope_rows, s.table, is_neox=is_neox, **s.scales)
     out = paged_decode_attention(
         q_rot, cache, s.block_tables, s.seq_lens, num_splits=num_splits, strided=True,
         **s.scales,
