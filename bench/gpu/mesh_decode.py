@@ -155,6 +155,11 @@ def main() -> None:
         default="auto",
         help="MESHLLM_OVERLAP_STEPS: launch step N+1 while step N runs (auto: on for CUDA)",
     )
+    parser.add_argument(
+        "--timeline",
+        default="",
+        help="MESHLLM_STEP_TIMELINE of the worker: a line per step (bench/step_timeline.py)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -169,6 +174,7 @@ def main() -> None:
         "MESHLLM_LOG_JSON": "false",
         "MESHLLM_ASYNC_SCHEDULING": args.async_scheduling,
         "MESHLLM_OVERLAP_STEPS": args.overlap,
+        "MESHLLM_STEP_TIMELINE": os.path.abspath(args.timeline) if args.timeline else "",
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"

@@ -13,6 +13,7 @@ from services.worker.loader import load_model, prepare_for_device
 from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import is_random_spec, load_random_model
 from services.worker.spec import SpeculativeConfig
+from services.worker.step_timeline import StepTimeline
 from shared.config import WorkerSettings
 from shared.model_source import ModelSource
 from shared.protocol import WorkerReady
@@ -80,6 +81,8 @@ def build_runner(
         compiled=compiled,
         cpu_attention=settings.cpu_attention,
     )
+    if settings.step_timeline:
+        runner.timeline = StepTimeline(settings.step_timeline, device)
     if compiled:
         log.info("compiling the forward (torch.compile, CPU): this takes a while at start-up")
         try:

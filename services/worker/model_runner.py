@@ -53,6 +53,7 @@ from services.worker.sampling import SamplerOutput, SamplingState
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.drafts import Drafter, stage_drafts
 from services.worker.spec.verify_step import verify_and_sample
+from services.worker.step_timeline import StepMarks, StepTimeline
 from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
@@ -88,6 +89,7 @@ class LaunchedStep:
     sampled: list[SampledTokens] | None = None  # or: the results already assembled
     # CUDA: timing events around the step's device work (device_seconds)
     device_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    marks: StepMarks | None = None  # the step timeline's record (step_timeline.py), if on
 
 
 class ModelRunner:
@@ -165,6 +167,8 @@ class ModelRunner:
         # over a run against its wall time, it gives the share of time the device had no step
         # to run: the mesh's cost once steps overlap.
         self.last_device_seconds = 0.0
+        # MESHLLM_STEP_TIMELINE: a line per step with its host and device marks.
+        self.timeline: StepTimeline | None = None
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -189,6 +193,9 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> LaunchedStep:
         """Apply the plan and queue its work; the sampled tokens may still be on the device."""
         step = LaunchedStep(plan.step_id, time.perf_counter())
+        if self.timeline is not None:
+            counts = plan.num_scheduled_tokens.values()
+            step.marks = self.timeline.marks(sum(counts), sum(1 for n in counts if n == 1))
         if self.device.type == "cuda":
             step.device_span = (
                 torch.cuda.Event(enable_timing=True),
@@ -200,6 +207,8 @@ class ModelRunner:
         self._apply(plan)
         if plan.num_scheduled_tokens:
             inputs = self.prepare_inputs(plan)
+            if step.marks is not None and self.timeline is not None:
+                self.timeline.inputs_staged(step.marks)
             out = self._run(inputs, plan)
             if isinstance(out, InFlightTokens):
                 step.tokens = out
@@ -209,6 +218,8 @@ class ModelRunner:
             self.kv_connector.after_forward(plan)
         if step.device_span is not None:
             step.device_span[1].record()
+        if step.marks is not None:
+            step.marks.queued = time.perf_counter()
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -220,6 +231,8 @@ class ModelRunner:
             start, end = step.device_span
             end.synchronize()  # recorded right after the token copies: no extra wait
             self.last_device_seconds = start.elapsed_time(end) / 1000.0
+        if self.timeline is not None and step.marks is not None:
+            self.timeline.write(step.step_id, step.marks, step.device_span)
         return StepResult(
             step_id=step.step_id,
             worker_id=self.worker_id,

@@ -1,0 +1,83 @@
+"""The worker's step timeline (MESHLLM_STEP_TIMELINE=path): one JSON line per finished step,
+for finding where the device sits idle between steps (`python -m bench.step_timeline FILE`).
+
+Each line holds the step's shape (scheduled tokens, decode rows) and, in ms since the timeline
+opened, its host marks: `launch` (launch() called: the plan is in hand), `queued` (launch()
+returned: all its work is on the stream) and `finished` (its result built). On CUDA it also
+holds three device marks from events on the step's stream: `device_start` (the step's first
+event, recorded as launch() begins: it completes when the previous step's work is done or at
+once on an idle device), `device_inputs` (after its inputs are staged; from device_start to
+here the device waited for the host to prepare the step if it was idle) and `device_end`.
+
+The host and device clocks are aligned by an event recorded when the timeline opens (on an
+idle device it completes at once), so `launch` can be compared with the previous step's
+`device_end`: a launch after it means the plan came too late (bus, scheduler, step thread).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+
+@dataclass
+class StepMarks:
+    """What the timeline records of one step while it is launched."""
+
+    launch: float  # perf_counter at launch()
+    queued: float = 0.0  # perf_counter when launch() returned
+    tokens: int = 0
+    decodes: int = 0
+    inputs_event: torch.cuda.Event | None = field(default=None, repr=False)
+
+
+class StepTimeline:
+    def __init__(self, path: str, device: torch.device) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 (closed by close())
+        self._host_origin = time.perf_counter()
+        self._origin: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+
+    def marks(self, tokens: int, decodes: int) -> StepMarks:
+        return StepMarks(time.perf_counter(), tokens=tokens, decodes=decodes)
+
+    def inputs_staged(self, marks: StepMarks) -> None:
+        if self._origin is not None:
+            marks.inputs_event = torch.cuda.Event(enable_timing=True)
+            marks.inputs_event.record()
+
+    def write(
+        self,
+        step_id: int,
+        marks: StepMarks,
+        device_span: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+    ) -> None:
+        """The finished step's line (its device events have completed)."""
+        row: dict[str, Any] = {
+            "step": step_id,
+            "tokens": marks.tokens,
+            "decodes": marks.decodes,
+            "launch": self._host_ms(marks.launch),
+            "queued": self._host_ms(marks.queued),
+            "finished": self._host_ms(time.perf_counter()),
+        }
+        if self._origin is not None and device_span is not None:
+            start, end = device_span
+            row["device_start"] = round(self._origin.elapsed_time(start), 3)
+            if marks.inputs_event is not None:
+                row["device_inputs"] = round(self._origin.elapsed_time(marks.inputs_event), 3)
+            row["device_end"] = round(self._origin.elapsed_time(end), 3)
+        self._file.write(json.dumps(row) + "\n")
+
+    def _host_ms(self, t: float) -> float:
+        return round((t - self._host_origin) * 1000.0, 3)
+
+    def close(self) -> None:
+        self._file.close()

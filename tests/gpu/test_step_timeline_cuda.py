@@ -1,0 +1,33 @@
+"""The step timeline on CUDA: device marks in order within and across steps, on the clock of
+the host marks (services/worker/step_timeline.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+from services.worker.step_timeline import StepTimeline
+from shared.protocol import SamplingParams
+from tests.support.plans import PlanDriver
+from tests.support.tiny_llama import make_tiny_llama, tiny_runner
+
+
+def test_device_marks_on_cuda(tmp_path: Path) -> None:
+    make_tiny_llama(tmp_path)
+    runner = tiny_runner(tmp_path, device="cuda")
+    path = tmp_path / "timeline.jsonl"
+    runner.timeline = StepTimeline(str(path), runner.device)
+    driver = PlanDriver(runner, token_budget=8)
+    driver.add("a", list(range(1, 12)), SamplingParams(max_tokens=4))
+    driver.run()
+    runner.timeline.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == len(driver.results) >= 4
+    for r in rows:
+        assert r["device_start"] <= r["device_inputs"] <= r["device_end"]
+        # the clocks agree to within a few ms: the device starts a step after its launch call
+        assert r["device_start"] >= r["launch"] - 5.0
+        assert r["device_end"] <= r["finished"] + 5.0
+    for a, b in itertools.pairwise(rows):
+        assert a["device_end"] <= b["device_start"] + 1e-3
