@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # One device call at the end of a session: every GPU and kernel test on the H200 with the
 # defaults as committed (decode chain on), the mesh at batch 1, 16, 64 and 256 (prompt 512,
-# output 128) twice around transformers `generate` at 64 and 256 in the same call; the second
-# mesh run writes the worker's step timeline (where the GPU idles between steps,
-# bench/step_timeline.py), and the batch-1 step graph is timed alone (bench/gpu/decode_e2e.py).
+# output 128) twice around transformers `generate` at 64 and 256 in the same call, each with
+# the worker's step timeline (where the GPU idles between steps, bench/step_timeline.py); the
+# batch-1 step graph timed alone (bench/gpu/decode_e2e.py).
 #
 #   run(command="bash bench/gpu/final_session.sh", carry=[".whl", ".redisbin"])
 source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 330 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py
-step mesh-1 120 python3 -m bench.gpu.mesh_decode --batches 1 16 64 256 --out "$OUT/mesh_1.json"
+# mesh-1: a copy of this tree without the start-up heap freeze (shared/service.py), for the
+# A/B of that change around transformers in the same call; mesh-2: this tree.
+plain_copy
+sed -i 's/frozen = freeze_startup_heap()/frozen = 0/' /tmp/plain/shared/service.py
+grep -n "frozen = " /tmp/plain/shared/service.py
+(cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && step mesh-1 120 python3 -m \
+    bench.gpu.mesh_decode --batches 1 16 64 256 --out "$OUT/mesh_1.json" \
+    --timeline "$OUT/timeline_1.jsonl")
+step timeline-1 20 python3 -m bench.step_timeline "$OUT/timeline_1.jsonl" --split-ms 200
 step transformers 150 python3 -m bench.gpu.decode_e2e --batches --hf-batches 64 256 \
     --out "$OUT/transformers.json"
 step mesh-2 120 python3 -m bench.gpu.mesh_decode --batches 1 16 64 256 --out "$OUT/mesh_2.json" \
-    --timeline "$OUT/timeline.jsonl"
-step timeline 20 python3 -m bench.step_timeline "$OUT/timeline.jsonl"
+    --timeline "$OUT/timeline_2.jsonl"
+step timeline-2 20 python3 -m bench.step_timeline "$OUT/timeline_2.jsonl" --split-ms 200
 step b1-graph 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf --max-model-len 1024 \
     --out "$OUT/b1_graph.json"
+gzip -f "$OUT"/timeline_*.jsonl
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"
