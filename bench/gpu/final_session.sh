@@ -9,11 +9,14 @@
 source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 330 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py
-# mesh-1: a copy of this tree without the start-up heap freeze (shared/service.py), for the
-# A/B of that change around transformers in the same call; mesh-2: this tree.
+# mesh-1: a copy of this tree without the start-up heap freeze (shared/service.py) and with
+# the worker launching a plan before answering a landed step (services/worker/service.py), for
+# the A/B of those changes around transformers in the same call; mesh-2: this tree.
 plain_copy
 sed -i 's/frozen = freeze_startup_heap()/frozen = 0/' /tmp/plain/shared/service.py
-grep -n "frozen = " /tmp/plain/shared/service.py
+sed -i 's/if self._in_flight is not None and self._in_flight.landed():/if False:/' \
+    /tmp/plain/services/worker/service.py
+grep -n "frozen = \|if False:" /tmp/plain/shared/service.py /tmp/plain/services/worker/service.py
 (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && step mesh-1 120 python3 -m \
     bench.gpu.mesh_decode --batches 1 16 64 256 --out "$OUT/mesh_1.json" \
     --timeline "$OUT/timeline_1.jsonl")

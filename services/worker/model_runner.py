@@ -91,6 +91,10 @@ class LaunchedStep:
     device_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
     marks: StepMarks | None = None  # the step timeline's record (step_timeline.py), if on
 
+    def landed(self) -> bool:
+        """Its sampled tokens are on the host (its device work is done): finish() won't wait."""
+        return self.tokens is None or self.tokens.is_ready()
+
 
 class ModelRunner:
     def __init__(
