@@ -8,7 +8,7 @@
 #   run(command="bash bench/gpu/final_session.sh", carry=[".whl", ".redisbin"])
 source "$(dirname "$0")/session_env.sh"
 
-step gpu-tests 330 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py
+step gpu-tests 320 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py
 # mesh-1: a copy of this tree without the start-up heap freeze (shared/service.py) and with
 # the worker launching a plan before answering a landed step (services/worker/service.py), for
 # the A/B of those changes around transformers in the same call; mesh-2: this tree.
@@ -26,6 +26,10 @@ step transformers 150 python3 -m bench.gpu.decode_e2e --batches --hf-batches 64 
 step mesh-2 120 python3 -m bench.gpu.mesh_decode --batches 1 16 64 256 --out "$OUT/mesh_2.json" \
     --timeline "$OUT/timeline_2.jsonl"
 step timeline-2 20 python3 -m bench.step_timeline "$OUT/timeline_2.jsonl" --split-ms 200
+# mesh-3: this tree with three plans out at once (MESHLLM_SCHEDULE_AHEAD=3), batch 64 and 256.
+step mesh-3 90 python3 -m bench.gpu.mesh_decode --batches 64 256 --out "$OUT/mesh_3.json" \
+    --schedule-ahead 3 --timeline "$OUT/timeline_3.jsonl"
+step timeline-3 20 python3 -m bench.step_timeline "$OUT/timeline_3.jsonl" --split-ms 200
 step b1-graph 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf --max-model-len 1024 \
     --out "$OUT/b1_graph.json"
 gzip -f "$OUT"/timeline_*.jsonl

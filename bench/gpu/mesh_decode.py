@@ -156,6 +156,9 @@ def main() -> None:
         help="MESHLLM_OVERLAP_STEPS: launch step N+1 while step N runs (auto: on for CUDA)",
     )
     parser.add_argument(
+        "--schedule-ahead", default="2", help="MESHLLM_SCHEDULE_AHEAD: plans out at once (2-3)"
+    )
+    parser.add_argument(
         "--timeline",
         default="",
         help="MESHLLM_STEP_TIMELINE of the worker: a line per step (bench/step_timeline.py)",
@@ -175,6 +178,7 @@ def main() -> None:
         "MESHLLM_ASYNC_SCHEDULING": args.async_scheduling,
         "MESHLLM_OVERLAP_STEPS": args.overlap,
         "MESHLLM_STEP_TIMELINE": os.path.abspath(args.timeline) if args.timeline else "",
+        "MESHLLM_SCHEDULE_AHEAD": args.schedule_ahead,
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"

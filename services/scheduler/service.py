@@ -401,11 +401,12 @@ class SchedulerService(Service):
     # --- the step loop -----------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        """Plans go out up to two steps ahead (async scheduling): step N+1 is planned and
-        published while the worker runs step N, which it follows by feeding its own sampled
-        tokens forward, so scheduling, the bus hops and the processing of N's result hide behind
-        the worker's compute. Steps whose plan depends on the previous step's tokens (the core
-        says when: grammars, drafts, routed experts) go one at a time."""
+        """Plans go out ahead (async scheduling, settings.schedule_ahead plans at once): step
+        N+1 is planned and published while the worker runs step N, which it follows by feeding
+        its own sampled tokens forward, so scheduling, the bus hops and the processing of N's
+        result hide behind the worker's compute. Steps whose plan depends on the previous
+        step's tokens (the core says when: grammars, drafts, routed experts) go one at a
+        time."""
         pending: deque[_InFlight] = deque()
         last_result = time.perf_counter()
         while not self.stopping.is_set():
@@ -417,7 +418,11 @@ class SchedulerService(Service):
                 continue
             if self.pd is not None:
                 await self._hand_off(core)
-            depth = 2 if self.settings.async_scheduling and core.can_pipeline() else 1
+            depth = (
+                self.settings.schedule_ahead
+                if self.settings.async_scheduling and core.can_pipeline()
+                else 1
+            )
             while len(pending) < depth:
                 plan = core.schedule()
                 if self.offload is not None:  # probes, load pins, which stores to write

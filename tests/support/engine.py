@@ -86,7 +86,12 @@ class InProcessEngine:
         assert delta is None, delta
 
     def run(
-        self, max_steps: int = 10_000, *, pipeline: bool = False, overlap: bool = False
+        self,
+        max_steps: int = 10_000,
+        *,
+        pipeline: bool = False,
+        overlap: bool = False,
+        ahead: int = 2,
     ) -> dict[str, Generation]:
         """Step until every submitted request finished; outputs assembled from the deltas.
 
@@ -94,12 +99,15 @@ class InProcessEngine:
         scheduling: step N+1 is planned (and executed: the worker runs what it receives) before
         step N's result is applied, whenever the core allows planning ahead. With `overlap`
         (implies pipeline) the runner is driven as the worker service drives a GPU: step N+1 is
-        launched before step N is finished, its inputs fed from N's tokens on the device."""
+        launched before step N is finished, its inputs fed from N's tokens on the device.
+        `ahead`: plans out at once when pipelining (the scheduler's schedule_ahead); the
+        runner still holds at most one unfinished step when the next launches, as the worker
+        service does (it answers step N before it reads the plan after N + 1)."""
         pipeline = pipeline or overlap
         out: dict[str, Generation] = {}
         pending: deque[tuple[StepPlan, StepResult | LaunchedStep]] = deque()
         for _ in range(max_steps):
-            depth = 2 if pipeline and self.scheduler.can_pipeline() else 1
+            depth = ahead if pipeline and self.scheduler.can_pipeline() else 1
             while len(pending) < depth:
                 plan = self.scheduler.schedule()
                 if plan is None:
@@ -136,6 +144,9 @@ class InProcessEngine:
                 if isinstance(step, LaunchedStep):
                     pending[i] = (earlier, self.runner.finish(step))
             return self.runner.execute(plan)
+        for i, (earlier, step) in enumerate(list(pending)[:-1]):  # all but the newest one
+            if isinstance(step, LaunchedStep):
+                pending[i] = (earlier, self.runner.finish(step))
         self.launched_ahead += any(isinstance(step, LaunchedStep) for _, step in pending)
         return self.runner.launch(plan)
 
@@ -155,7 +166,8 @@ class InProcessEngine:
         *,
         pipeline: bool = False,
         overlap: bool = False,
+        ahead: int = 2,
     ) -> dict[str, Generation]:
         for rid, prompt in prompts.items():
             self.submit(rid, prompt, params)
-        return self.run(pipeline=pipeline, overlap=overlap)
+        return self.run(pipeline=pipeline, overlap=overlap, ahead=ahead)

@@ -152,15 +152,17 @@ def test_preemption_keeps_every_output(ours, prompts, reference):
     assert {rid: g.token_ids for rid, g in got.items()} == reference
 
 
+@pytest.mark.parametrize("ahead", [2, 3])
 @pytest.mark.parametrize("overlap", [False, True], ids=["planned-ahead", "launched-ahead"])
-def test_async_scheduling_matches_transformers(ours, prompts, reference, overlap):
+def test_async_scheduling_matches_transformers(ours, prompts, reference, overlap, ahead):
     """Step N+1 planned before step N's result (the worker feeds its tokens forward), with
     chunked prefill and preemption in play: the same tokens, and every block back. With
     `overlap`, step N+1 is also launched before step N is finished (the GPU worker's order):
-    its inputs for N's tokens come from the device tensor of N's samples."""
+    its inputs for N's tokens come from the device tensor of N's samples. `ahead`: plans out
+    at once (SchedulerSettings.schedule_ahead)."""
     eng = engine(ours, num_blocks=14, block_size=16, max_num_batched_tokens=24)
     free_at_start = eng.scheduler.kv.num_free_blocks
-    got = eng.generate(prompts, GREEDY, overlap=overlap, pipeline=True)
+    got = eng.generate(prompts, GREEDY, overlap=overlap, pipeline=True, ahead=ahead)
     assert eng.planned_ahead > NEW_TOKENS  # really pipelined, most of the way
     assert (eng.launched_ahead > NEW_TOKENS) == overlap
     assert eng.scheduler.num_preemptions > 0
@@ -173,12 +175,12 @@ def test_async_scheduling_stops_where_sync_does(ours, prompts):
     while its next step is already planned (or launched) gets exactly the tokens of a
     step-by-step run."""
     outs = []
-    for mode in ({}, {"pipeline": True}, {"overlap": True}):
+    for mode in ({}, {"pipeline": True}, {"overlap": True}, {"overlap": True, "ahead": 3}):
         eng = engine(ours)
         for i, (rid, ids) in enumerate(prompts.items()):
             params = SamplingParams(temperature=0.8, seed=i, max_tokens=3 + 5 * i)
             eng.submit(rid, ids, params)
         outs.append({rid: (g.token_ids, g.finish_reason) for rid, g in eng.run(**mode).items()})
         assert not eng.scheduler.has_work()
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1] == outs[2] == outs[3]
     assert {reason for _, reason in outs[0].values()} >= {"length"}

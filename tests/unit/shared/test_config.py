@@ -110,6 +110,8 @@ def test_fields_of_other_services_are_ignored(monkeypatch: pytest.MonkeyPatch) -
         ("MESHLLM_DEVICE", "tpu", WorkerSettings),
         ("MESHLLM_LOG_JSON", "maybe", GrammarSettings),
         ("MESHLLM_HEARTBEAT_INTERVAL_S", "soon", KVStoreSettings),
+        ("MESHLLM_SCHEDULE_AHEAD", "4", SchedulerSettings),  # 2..3 plans out at once
+        ("MESHLLM_SCHEDULE_AHEAD", "1", SchedulerSettings),  # 1: MESHLLM_ASYNC_SCHEDULING=false
     ],
 )
 def test_invalid_values_are_rejected_naming_the_field(
