@@ -156,7 +156,7 @@ def main() -> None:
         help="MESHLLM_OVERLAP_STEPS: launch step N+1 while step N runs (auto: on for CUDA)",
     )
     parser.add_argument(
-        "--schedule-ahead", default="2", help="MESHLLM_SCHEDULE_AHEAD: plans out at once (2-3)"
+        "--schedule-ahead", default="3", help="MESHLLM_SCHEDULE_AHEAD: plans out at once (2-3)"
     )
     parser.add_argument(
         "--timeline",

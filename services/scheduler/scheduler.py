@@ -525,7 +525,7 @@ class Scheduler:
     def _stops_before_placeholder(self, request: Request) -> bool:
         """A request whose in-flight tokens already reach max_tokens or max_model_len would
         only compute a position whose token is discarded: do not plan it (eos cannot be
-        foreseen; that costs at most one wasted row per request)."""
+        foreseen; that costs a wasted row per request and plan out ahead of its result)."""
         pending = request.num_output_placeholders
         if not pending:
             return False
