@@ -231,9 +231,12 @@ async def serve(
     *,
     sock: socket.socket | None = None,
     shutdown: asyncio.Event | None = None,
+    freeze_heap: bool = False,
 ) -> int:
     """Run `service` until SIGTERM/SIGINT (or `shutdown` is set) or a failure; returns the
-    process exit status. `sock` and `shutdown` let tests run a service in-process."""
+    process exit status. `sock` and `shutdown` let tests run a service in-process;
+    `freeze_heap` (a service's own process: run_service) freezes the start-up heap once the
+    service has started (freeze_startup_heap)."""
     settings = service.settings
     sock = sock or bind_socket(settings.host, settings.port)
     config = uvicorn.Config(
@@ -259,7 +262,7 @@ async def serve(
         await asyncio.wait({start_task, shutdown_task, server_task}, return_when=FIRST)
         if start_task.done():
             start_task.result()
-            frozen = freeze_startup_heap()
+            frozen = freeze_startup_heap() if freeze_heap else 0
             log.info(
                 "%s started (%d start-up objects frozen out of the collector's scans)",
                 service.name, frozen, extra={"incarnation": service.incarnation},
@@ -338,7 +341,7 @@ def run_service(service: Service) -> None:
     settings = service.settings
     configure_logging(service.name, settings.instance_id, settings.log_level, settings.log_json)
     try:
-        status = asyncio.run(serve(service))
+        status = asyncio.run(serve(service, freeze_heap=True))
     except OSError as exc:
         log.error("%s", exc)
         status = 1

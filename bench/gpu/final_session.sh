@@ -6,6 +6,9 @@
 # batch-1 step graph timed alone (bench/gpu/decode_e2e.py).
 #
 #   run(command="bash bench/gpu/final_session.sh", carry=[".whl", ".redisbin"])
+#
+# (The call that wrote bench/gpu/final_h200.log froze the heap in serve() itself and disabled
+# it with "frozen = 0"; it now happens in run_service, disabled by the sed below.)
 source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 320 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py
@@ -13,10 +16,10 @@ step gpu-tests 320 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worke
 # the worker launching a plan before answering a landed step (services/worker/service.py), for
 # the A/B of those changes around transformers in the same call; mesh-2: this tree.
 plain_copy
-sed -i 's/frozen = freeze_startup_heap()/frozen = 0/' /tmp/plain/shared/service.py
+sed -i 's/serve(service, freeze_heap=True)/serve(service)/' /tmp/plain/shared/service.py
 sed -i 's/if self._in_flight is not None and self._in_flight.landed():/if False:/' \
     /tmp/plain/services/worker/service.py
-grep -n "frozen = \|if False:" /tmp/plain/shared/service.py /tmp/plain/services/worker/service.py
+grep -n "serve(service)\|if False:" /tmp/plain/shared/service.py /tmp/plain/services/worker/service.py
 (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && step mesh-1 120 python3 -m \
     bench.gpu.mesh_decode --batches 1 16 64 256 --out "$OUT/mesh_1.json" \
     --timeline "$OUT/timeline_1.jsonl")
