@@ -10,6 +10,11 @@ so each layer launches two kernels fewer and the residual stream never round-tri
 separate reduce output. The rounding is the unfused chain's, step for step (bit-identical;
 tests/kernels/test_gemv_add_rmsnorm.py, tests/unit/worker/test_decode_chain.py).
 
+Where the step allows it (`fused_attention_takes`: all decodes, no window, the strided split-K
+decode, plain qkv projections), each layer's attention also runs from the qkv GEMV's split-K
+partials in one kernel (kernels/decode_from_qkv.py: the reduce, RoPE + KV insert and the
+decode attention; bit-identical to the three launches): 7 launches a layer instead of 9.
+
 It needs the next norm's weight inside a layer, so it is a model-level forward: installed on a
 plain `LlamaForCausalLM` (Llama, Mistral, Qwen2/3) whose layers all have the re-classed CUDA
 modules of cuda_layers.py, no bias on o/down, and a SiLU MLP; other families and models keep
