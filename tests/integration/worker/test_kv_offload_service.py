@@ -14,7 +14,6 @@ from services.worker.kv_offload.payload import LAYOUT_VERSION
 from services.worker.kv_offload.wiring import key_space
 from services.worker.service import WorkerService
 from shared.bus import Bus
-from shared.config import WorkerSettings
 from shared.protocol import (
     KVTransfer,
     KVTransferDone,
@@ -27,18 +26,11 @@ from shared.protocol import (
 )
 from shared.service import bind_socket, serve
 from shared.streams import Streams
+from tests.integration.worker.service_support import next_message, tiny_worker_settings
 from tests.support.tiny_llama import make_tiny_llama
 
 PROMPT = [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5, 40, 61]
 STREAMS = Streams("kvsvc")
-
-
-async def next_message(bus: Bus, last: dict[str, str], kind: type[Message]) -> Message:
-    async with asyncio.timeout(60):
-        while True:
-            for delivery in await bus.read(last, block_ms=1000):
-                if isinstance(delivery.message, kind):
-                    return delivery.message
 
 
 def transfer(tid: str, keys: list[str], blocks: list[int]) -> KVTransfer:
@@ -49,20 +41,7 @@ def transfer(tid: str, keys: list[str], blocks: list[int]) -> KVTransfer:
 
 async def test_store_then_idle_load_through_the_service(tmp_path: Path, redis_url: str) -> None:
     make_tiny_llama(tmp_path / "tiny", seed=5)
-    settings = WorkerSettings(
-        redis_url=redis_url,
-        cluster="kvsvc",
-        instance_id="w-kv",
-        model=str(tmp_path / "tiny"),
-        served_model_name="tiny",
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        max_model_len=64,
-        kv_cache_bytes=40 * 3 * 2 * 4 * 2 * 16 * 4,  # 40 blocks
-        num_threads=1,
-        heartbeat_interval_s=0.2,
-    )
+    settings = tiny_worker_settings(tmp_path / "tiny", redis_url, "kvsvc", "w-kv")
     space = key_space(settings, "tiny")
     assert space.layout_version == LAYOUT_VERSION
     keys = [space.payload_key(OffloadKey(bytes([i]) * 16, 0)) for i in range(3)]

@@ -11,10 +11,8 @@ from pathlib import Path
 
 from services.worker.service import WorkerService
 from shared.bus import Bus
-from shared.config import WorkerSettings
 from shared.protocol import (
     CachedRequestData,
-    Message,
     NewRequestData,
     SamplingParams,
     StepPlan,
@@ -23,18 +21,11 @@ from shared.protocol import (
 )
 from shared.service import bind_socket, serve
 from shared.streams import Streams
+from tests.integration.worker.service_support import next_message, tiny_worker_settings
 from tests.support.tiny_llama import make_tiny_llama
 
 PROMPT = [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5, 40, 61]
 STREAMS = Streams("ovsvc")
-
-
-async def next_message(bus: Bus, last: dict[str, str], kind: type[Message]) -> Message:
-    async with asyncio.timeout(60):
-        while True:
-            for delivery in await bus.read(last, block_ms=1000):
-                if isinstance(delivery.message, kind):
-                    return delivery.message
 
 
 def plans(incarnation: str) -> list[StepPlan]:
@@ -77,23 +68,11 @@ async def test_landed_step_is_answered_before_the_next_launch(
 ) -> None:
     make_tiny_llama(tmp_path / "tiny", seed=5)
     timeline = tmp_path / "timeline.jsonl"
-    settings = WorkerSettings(
-        redis_url=redis_url,
-        cluster="ovsvc",
-        instance_id="w-ov",
-        model=str(tmp_path / "tiny"),
-        served_model_name="tiny",
-        dtype="float32",
-        device="cpu",
-        block_size=4,
-        max_model_len=64,
-        kv_cache_bytes=40 * 3 * 2 * 4 * 2 * 16 * 4,  # 40 blocks
-        num_threads=1,
-        heartbeat_interval_s=0.2,
+    settings = tiny_worker_settings(
+        tmp_path / "tiny", redis_url, "ovsvc", "w-ov",
         overlap_steps="on",  # on CPU a launched step has landed by the time launch returns
-        step_timeline=str(timeline),
-        kv_offload=False,
-    )
+        step_timeline=str(timeline), kv_offload=False,
+    )  # fmt: skip
     service = WorkerService(settings)
     shutdown = asyncio.Event()
     task = asyncio.create_task(serve(service, sock=bind_socket("127.0.0.1", 0), shutdown=shutdown))
