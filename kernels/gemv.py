@@ -280,6 +280,15 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
     )  # fmt: skip
 
 
+def _partials(g: _GemvLaunch) -> torch.Tensor:
+    """The product's fp32 split-K partials [split, M, N], launched."""
+    part = torch.empty(
+        g.split, g.x.shape[0], g.weight.shape[0], dtype=torch.float32, device=g.x.device
+    )
+    _launch_product(g, part, part)
+    return part
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -303,8 +312,7 @@ def gemv(
     if g.split == 1:
         _launch_product(g, out, None)
         return out
-    part = torch.empty(g.split, m, n, dtype=torch.float32, device=g.x.device)
-    _launch_product(g, out, part)
+    part = _partials(g)
     block = 1024
     _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
         part, out, m, n, out.stride(0),
@@ -323,12 +331,7 @@ def gemv_partials(
     """The product's fp32 split-K partials [split, M, N] (split 1: the whole accumulator), for
     a kernel that sums them itself in the reduce kernel's order and rounds as it rounds (the
     decode attention of kernels/decode_from_qkv.py)."""
-    g = _checked(x, weight, config, False, pdl)
-    part = torch.empty(
-        g.split, g.x.shape[0], g.weight.shape[0], dtype=torch.float32, device=g.x.device
-    )
-    _launch_product(g, part, part)
-    return part
+    return _partials(_checked(x, weight, config, False, pdl))
 
 
 def gemv_add_rmsnorm(
@@ -356,8 +359,7 @@ def gemv_add_rmsnorm(
     residual = checked
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {n}")
-    part = torch.empty(g.split, m, n, dtype=torch.float32, device=g.x.device)
-    _launch_product(g, part, part)
+    part = _partials(g)
     normed = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
     stream = torch.empty_like(normed)
     block = next_power_of_2(n)
