@@ -1,9 +1,10 @@
 """Where a profiled run's device time goes, kernel by kernel, and how much of it is gaps.
 
-Reads a torch.profiler chrome trace (`prof.export_chrome_trace`) and sorts its GPU kernel
-events (kernels inside CUDA graph replays included) by start time. A gap is the idle time
-between one kernel's end and the next one's start; gaps longer than `step_gap_us` are taken as
-the time between steps (host work, the sync) and reported apart from the gaps inside a step.
+Reads a torch.profiler chrome trace (`prof.export_chrome_trace`) and sorts its device events
+(kernels inside CUDA graph replays included, and the copies and fills between them) by start
+time. A gap is the idle time between one event's end and the next one's start; gaps longer
+than `step_gap_us` are taken as the time between steps (host work, the sync) and reported
+apart from the gaps inside a step.
 
     python -m bench.kernel_trace TRACE.json [--steps N]
 """
@@ -15,6 +16,9 @@ import itertools
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+
+# Device activity: kernels, and the copies and fills that occupy the stream between them.
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ def load_kernels(path: str) -> list[Kernel]:
     kernels = [
         Kernel(e["name"], float(e["ts"]), float(e["dur"]))
         for e in events
-        if e.get("cat") == "kernel" and e.get("ph") == "X"
+        if e.get("cat") in DEVICE_CATEGORIES and e.get("ph") == "X"
     ]
     return sorted(kernels, key=lambda k: k.start_us)
 
@@ -46,7 +50,7 @@ def summarize_trace(path: str, steps: int = 1, step_gap_us: float = 50.0) -> str
     between: list[float] = []
     by_pair: dict[str, list[float]] = defaultdict(list)  # gaps inside steps, by kernel pair
     for a, b in itertools.pairwise(kernels):
-        gap = max(0.0, b.start_us - (a.start_us + a.dur_us))
+        gap = max(0.0, b.start_us - _end(a))
         (between if gap > step_gap_us else inner).append(gap)
         if gap <= step_gap_us:
             by_pair[f"{_short(a.name)} -> {_short(b.name)}"].append(gap)
@@ -61,7 +65,8 @@ def summarize_trace(path: str, steps: int = 1, step_gap_us: float = 50.0) -> str
     lines.append(
         f"kernel time {busy / steps:.1f} us; gaps inside steps {sum(inner) / steps:.1f} us "
         f"({len(inner) / steps:.0f} gaps, mean {sum(inner) / max(1, len(inner)):.2f} us); "
-        f"gaps > {step_gap_us:.0f} us (between steps) {sum(between) / steps:.1f} us"
+        f"gaps > {step_gap_us:.0f} us (between steps) {sum(between) / steps:.1f} us; "
+        f"first start to last end {(max(map(_end, kernels)) - kernels[0].start_us) / steps:.1f} us"
     )
     lines.append(f"{'gaps inside steps, by kernel pair':<60} {'count':>6} {'us':>9} {'us/gap':>8}")
     for pair, gaps in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:12]:
@@ -70,6 +75,10 @@ def summarize_trace(path: str, steps: int = 1, step_gap_us: float = 50.0) -> str
             f"{sum(gaps) / len(gaps):>8.2f}"
         )
     return "\n".join(lines)
+
+
+def _end(k: Kernel) -> float:
+    return k.start_us + k.dur_us
 
 
 def _short(name: str) -> str:

@@ -137,6 +137,10 @@ def run_worker(model: Any, config: Any, args: argparse.Namespace, batch: int) ->
         row["breakdown"] = breakdown(runner, model, config, driver)
         if args.trace and runner.graphs is not None and 1 in runner.graphs.graphs:
             print(trace_replays(runner.graphs.graphs[1].replay, args.trace), flush=True)
+    if args.trace_steps:
+        runner.reset()
+        path = args.trace_steps.replace(".json", f"_b{batch}.json")
+        print(f"batch {batch}:", trace_overlapped(runner, prompts, path), flush=True)
     del driver, runner, kv
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -172,6 +176,53 @@ def trace_replays(replay: Callable[[], Any], path: str, replays: int = 10) -> st
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
     return summarize_trace(path, steps=replays)
+
+
+def trace_overlapped(
+    runner: ModelRunner, prompts: list[list[int]], path: str, steps: int = 20, warm: int = 8
+) -> str:
+    """Kernel by kernel, `steps` whole decode steps as the worker service runs them
+    with the scheduler ahead: plan N+1 launched before step N is finished (its input token
+    fed on the device), then N finished. Everything a step puts on the device is in the
+    trace: input copies, the graph's kernels, the LM head, sampling and the token copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.kernel_trace import summarize_trace
+
+    driver = PlanDriver(runner, token_budget=8192)
+    params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 8, ignore_eos=True)
+    reqs = [driver.add(f"trace{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    while any(not r.output for r in reqs):
+        driver.step()  # prefill; the first tokens are on the host
+
+    def launch() -> Any:
+        plan = driver.build_plan()
+        driver.step_id += 1
+        launched = runner.launch(plan)
+        for req in reqs:
+            req.num_computed += 1
+            req.tokens.append(-1)  # its value reaches the worker on the device (the feed)
+        return launched
+
+    cuda = runner.device.type == "cuda"
+    in_flight = launch()
+    for _ in range(warm):
+        nxt = launch()
+        runner.finish(in_flight)
+        in_flight = nxt
+    if cuda:
+        torch.cuda.synchronize()
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            nxt = launch()
+            runner.finish(in_flight)
+            in_flight = nxt
+        runner.finish(in_flight)
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+    return summarize_trace(path, steps=steps + 1)
 
 
 def breakdown(runner: ModelRunner, model: Any, config: Any, driver: PlanDriver) -> dict[str, Any]:
@@ -302,6 +353,12 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument(
         "--trace", default="", help="chrome trace of 10 batch-1 step graph replays, summarized"
+    )
+    parser.add_argument(
+        "--trace-steps",
+        default="",
+        help="chrome traces (FILE_b<batch>.json) of 20 whole decode steps at each batch, scheduled "
+        "ahead as the mesh runs them (copies, graph, LM head, sampling), summarized",
     )
     args = parser.parse_args()
     args.device = "cpu" if args.dry_run else "cuda"
