@@ -1,5 +1,6 @@
-"""The worker's layers on CUDA: Triton RMSNorm(+residual), the decode GEMV, and the gated
-MLP's down projection with its SiLU fused into the GEMV.
+"""The worker's layers on CUDA: Triton RMSNorm(+residual), the decode GEMV, the gated MLP's
+down projection with its SiLU fused into the GEMV, and one SiLU-and-multiply kernel for the
+gated MLP's larger steps.
 
 `install_cuda_kernels(model)` re-classes the model's plain `nn.Linear`, `RMSNorm` and
 `GatedMLP` modules in place (same parameters, same state_dict names), so every model family
@@ -52,7 +53,8 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class GemvGatedMLP(GatedMLP):
     """GatedMLP whose decode-sized steps run silu(gate) * up inside the down projection's
     GEMV (kernels.gemv `gated=True`): two elementwise launches and an [rows, intermediate]
-    round trip fewer per layer. SiLU models only; other activations take the plain path."""
+    round trip fewer per layer. Larger steps run it as one kernel (kernels.silu_mul) instead
+    of eager's two. SiLU models only; other activations take the plain path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -62,9 +64,23 @@ class GemvGatedMLP(GatedMLP):
 
             out = gemv(gate_up, down.weight, gated=True)
             return out if down.bias is None else out + down.bias
+        if self.act is F.silu and _silu_mul_takes(gate_up):
+            from kernels.silu_mul import silu_mul
+
+            return down(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         out_: torch.Tensor = down(self.act(gate) * up)
         return out_
+
+
+def _silu_mul_takes(gate_up: torch.Tensor) -> bool:
+    """The SiLU-and-multiply kernel takes [T, 2D] on CUDA with a contiguous last dimension."""
+    return (
+        gate_up.is_cuda
+        and gate_up.dim() == 2
+        and gate_up.stride(-1) == 1
+        and gate_up.dtype in GEMV_DTYPES
+    )
 
 
 class TritonRMSNorm(RMSNorm):
