@@ -7,9 +7,10 @@ replayed; a step of n requests runs the graph of the smallest captured size >= n
 extra rows padded. Steps with prefill chunks or draft tokens run eagerly (`fits` says which).
 
 Static inputs: the graph reads its inputs from fixed device tensors (token ids, positions, KV
-slots, sequence lengths, block tables), each paired with a pinned host tensor
-(kernels.staged_copy.CpuGpuBuffer). A step writes its values into the host tensors and copies
-them asynchronously; the buffer's fence keeps the host from overwriting bytes still in flight.
+slots, sequence lengths, block tables), typed views into one device allocation paired with one
+pinned host allocation (kernels.staged_copy.PackedCpuGpuBuffer). A step writes its values into
+the host views and uploads them in one asynchronous copy; the buffer's fence keeps the host
+from overwriting bytes still in flight.
 
 Padding rows are harmless by construction: slot -1 (kv_insert skips the write), sequence length
 1 over block 0 (the scheduler's null block, never handed to a request; reading it is safe),
@@ -30,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kernels.staged_copy import CpuGpuBuffer
+from kernels.staged_copy import PackedCpuGpuBuffer
 from services.worker.attention_select import TritonAttentionMetadata, decode_splits
 from services.worker.models.base import CausalLM
 
@@ -80,11 +81,17 @@ class DecodeGraphs:
         self.num_kv_heads = model.config.num_key_value_heads
         rows = self.sizes[-1]
         dev = self.device
-        self.input_ids = CpuGpuBuffer(rows, dtype=torch.int64, device=dev)
-        self.positions = CpuGpuBuffer(rows, dtype=torch.int64, device=dev)
-        self.slots = CpuGpuBuffer(rows, dtype=torch.int64, device=dev)
-        self.seq_lens = CpuGpuBuffer(rows, dtype=torch.int32, device=dev)
-        self.block_tables = CpuGpuBuffer(rows, max_blocks_per_req, dtype=torch.int32, device=dev)
+        self.inputs = PackedCpuGpuBuffer(
+            {
+                "input_ids": ((rows,), torch.int64),
+                "positions": ((rows,), torch.int64),
+                "slots": ((rows,), torch.int64),
+                "seq_lens": ((rows,), torch.int32),
+                "block_tables": ((rows, max_blocks_per_req), torch.int32),  # last: see _stage
+            },
+            device=dev,
+        )
+        self.static = self.inputs.gpu  # the graphs' input tensors, by name
         self.token_index = torch.arange(rows, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -95,12 +102,12 @@ class DecodeGraphs:
         """Metadata over the static buffers' first `size` rows (what the graph reads)."""
         return TritonAttentionMetadata(
             num_tokens=size,
-            slot_mapping=self.slots.gpu[:size],
+            slot_mapping=self.static["slots"][:size],
             token_index=self.token_index[:size],
             num_kv_heads=self.num_kv_heads,
             num_decodes=size,
-            decode_block_tables=self.block_tables.gpu[:size],
-            decode_seq_lens=self.seq_lens.gpu[:size],
+            decode_block_tables=self.static["block_tables"][:size],
+            decode_seq_lens=self.static["seq_lens"][:size],
             decode_max_seq_len=self.max_model_len,
             decode_num_splits=decode_splits(
                 size, self.num_kv_heads, self.max_model_len, self.device
@@ -109,7 +116,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         hidden: torch.Tensor = self.model(
-            self.input_ids.gpu[:size], self.positions.gpu[:size], meta, self.kv_layers
+            self.static["input_ids"][:size], self.static["positions"][:size], meta, self.kv_layers
         )
         return hidden
 
@@ -165,7 +172,7 @@ class DecodeGraphs:
             raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
         self._stage(n, size, input_ids, positions, slot_mapping, seq_lens, block_tables)
         if feed is not None:
-            feed(self.input_ids.gpu[:n])
+            feed(self.static["input_ids"][:n])
         self.graphs[size].replay()
         return self.outputs[size][:n]
 
@@ -179,9 +186,12 @@ class DecodeGraphs:
         seq_lens: np.ndarray | None,
         block_tables: np.ndarray | None,
     ) -> None:
-        """Write rows [0, n) from the step and pad rows [n, size), then copy [0, size) up."""
-        ids, pos, slots = self.input_ids.np, self.positions.np, self.slots.np
-        lens, tables = self.seq_lens.np, self.block_tables.np
+        """Write rows [0, n) from the step and pad rows [n, size), then upload in one copy
+        every field up to the block tables' first `size` rows (the fields before them are
+        uploaded whole: a few KB; their rows past `size` are never read by this graph)."""
+        host = self.inputs.host()
+        ids, pos, slots = host["input_ids"], host["positions"], host["slots"]
+        lens, tables = host["seq_lens"], host["block_tables"]
         if n:
             assert input_ids is not None and positions is not None and slot_mapping is not None
             assert seq_lens is not None and block_tables is not None
@@ -190,6 +200,4 @@ class DecodeGraphs:
             tables[:n, :width] = block_tables[:, :width]
         ids[n:size], pos[n:size], slots[n:size], lens[n:size] = 0, 0, -1, 1
         tables[n:size] = 0
-        for buffer in (self.input_ids, self.positions, self.slots, self.seq_lens):
-            buffer.copy_to_gpu(size)
-        self.block_tables.copy_to_gpu(size)
+        self.inputs.copy_to_gpu(self.inputs.end("block_tables", size))

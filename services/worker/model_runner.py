@@ -359,11 +359,15 @@ class ModelRunner:
         if not sample_idx.size:
             return self._propose([], hidden, inputs)
         last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
-        logits = self.compute_logits(hidden[self._to_device(last_rows)])
+        if len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1:
+            last = hidden  # every row is one token, sampled (a decode-only step): no gather
+        else:
+            last = hidden[self._to_device(last_rows)]
+        logits = self.compute_logits(last)
         rows = inputs.rows[sample_idx]
-        rows_t = self._to_device(rows)
+        # One upload: the state rows, and the positions (= tokens before the new one).
+        rows_t, positions = self._to_device(np.stack([rows, inputs.seq_lens[sample_idx]]))
         bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
-        positions = self._to_device(inputs.seq_lens[sample_idx])  # = tokens before the new one
         out = self.sampler.sample(logits, rows_t, positions, bitmask, bitmask_index=bitmask_index)
         self.sampler.record_sampled(rows_t, out.token_ids)
         tokens = InFlightTokens.start(
@@ -459,8 +463,8 @@ class ModelRunner:
         step's device input ids, in stream order after that step's sampling."""
         if inputs.fed is None or inputs.flat_rows is None:
             return
-        rows = self._to_device(inputs.flat_rows[inputs.fed])
-        input_ids[self._to_device(inputs.fed)] = self.feed.latest[rows]
+        at, rows = self._to_device(np.stack([inputs.fed, inputs.flat_rows[inputs.fed]]))
+        input_ids[at] = self.feed.latest[rows]
 
     def _metadata(self, **arrays: np.ndarray) -> AttentionMetadata | TritonAttentionMetadata:
         """Attention metadata for this runner's device (Triton kernels on CUDA)."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.staged_copy import CpuGpuBuffer, stage_to_device
+from kernels.staged_copy import CpuGpuBuffer, PackedCpuGpuBuffer, stage_to_device
 
 
 class RecordingFence:
@@ -77,3 +77,51 @@ def test_stage_to_device_rejects_device_sources() -> None:
         stage_to_device(torch.zeros(2, device="meta"), "cpu")
     with pytest.raises(TypeError, match="takes a tensor or ndarray"):
         stage_to_device([1, 2], "cpu")  # type: ignore[arg-type]
+
+
+def _packed(device: torch.device | str, fence: RecordingFence | None = None) -> PackedCpuGpuBuffer:
+    return PackedCpuGpuBuffer(
+        {
+            "ids": ((4,), torch.int64),
+            "lens": ((3,), torch.int32),  # 12 bytes: the next field starts aligned anyway
+            "tables": ((4, 5), torch.int32),
+        },
+        device=device,
+        fence=fence,
+    )
+
+
+def test_packed_fields_arrive_in_one_copy(device) -> None:  # type: ignore[no-untyped-def]
+    buf = _packed(device)
+    host = buf.host()
+    host["ids"][:] = [7, 8, 9, 10]
+    host["lens"][:] = [1, 2, 3]
+    host["tables"][:] = np.arange(20).reshape(4, 5)
+    buf.copy_to_gpu(buf.end("tables", 2))  # the tables' first two rows, every field before
+    assert buf.gpu["ids"].tolist() == [7, 8, 9, 10]
+    assert buf.gpu["lens"].dtype == torch.int32 and buf.gpu["lens"].tolist() == [1, 2, 3]
+    assert buf.gpu["tables"].shape == (4, 5)
+    assert buf.gpu["tables"][:2].tolist() == np.arange(10).reshape(2, 5).tolist()
+    assert buf.gpu["tables"][2:].abs().sum().item() == 0  # rows past `end` were not copied
+    for name, t in buf.gpu.items():  # typed views of one device allocation, aligned
+        assert t.data_ptr() % PackedCpuGpuBuffer.ALIGN == 0, name
+        assert t.untyped_storage().data_ptr() == buf.gpu["ids"].untyped_storage().data_ptr()
+
+
+def test_packed_host_waits_for_the_copy_in_flight() -> None:
+    log: list[str] = []
+    buf = _packed("cpu", RecordingFence(log))
+    buf.host()["ids"][:] = 1
+    buf.copy_to_gpu(buf.end("ids", 4))
+    assert log == ["record"]
+    buf.host()  # every field shares the one fence
+    assert log == ["record", "synchronize"]
+
+
+def test_packed_end_bounds() -> None:
+    buf = _packed("cpu")
+    assert buf.end("ids", 0) == 0 and buf.end("ids", 4) == 32
+    assert buf.end("lens", 3) == 32 + 12
+    assert buf.end("tables", 1) == 48 + 20  # lens padded to 48
+    with pytest.raises(ValueError, match="tables has 4 rows, not 5"):
+        buf.end("tables", 5)

@@ -123,7 +123,7 @@ def test_padded_graph_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.M
     )
     assert graphs.sizes == (1, 2, 4)
     graphs._stage(3, 4, np.array(new), positions, slots, seq_lens, tables)
-    assert graphs.slots.gpu[3].item() == -1 and graphs.seq_lens.gpu[3].item() == 1
+    assert graphs.static["slots"][3].item() == -1 and graphs.static["seq_lens"][3].item() == 1
     with torch.inference_mode():
         b = graphs._forward(4, graphs.metadata(4))
     assert b.shape[0] == 4

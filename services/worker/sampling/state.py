@@ -197,6 +197,10 @@ class SamplingState:
                 f"rows {tuple(rows.shape)} and token_ids {tuple(token_ids.shape)} must be "
                 "1-D of the same length"
             )
+        if not self.min_tokens_stops and self.output_counts is None:
+            # Nothing reads the counts: num_output only gates min_tokens, and a row that gets
+            # a min_tokens stop has it set by add_request. Five launches a step saved.
+            return
         valid = (token_ids >= 0) & (token_ids < self.vocab_size)
         self.num_output.index_add_(0, rows, valid.to(torch.int64))
         if self.output_counts is not None:
@@ -227,13 +231,18 @@ class SamplingState:
         """
         batch, vocab = self._check_batch(logits, rows, positions)
         rows = rows.to(self.device, torch.int64)
-        positions = positions.to(self.device, torch.int64) + position_salt
+        positions = positions.to(self.device, torch.int64)
+        if position_salt:
+            positions = positions + position_salt
         if bitmask is not None and bitmask_index is None:
             bitmask_index = torch.arange(batch, device=self.device)
-        work = logits.to(torch.float32, copy=True)
-
         truncating = bool(self._top_k_rows or self._top_p_rows or self._min_p_rows)
         want_logprobs = bool(self._logprob_rows)
+        by_entry = bool(self.allowed or self.banned or self.min_tokens_stops or self.logit_bias)
+        if truncating or want_logprobs or by_entry or self._penalty_rows:
+            work = logits.to(torch.float32, copy=True)  # the stages below write into it
+        else:  # the draw alone reads the logits as they are (fp32 inside; exact for bf16/fp16)
+            work = logits
         fused_bitmask = bitmask
         if bitmask is not None and (truncating or want_logprobs):
             # Truncation and logprobs must see the grammar's distribution: mask up front.
@@ -242,8 +251,9 @@ class SamplingState:
             fused_bitmask = None
         logprobs = model_logprobs(work) if want_logprobs else None
 
-        batch_pos = torch.full((self.max_num_reqs,), -1, dtype=torch.int64, device=self.device)
-        batch_pos[rows] = torch.arange(batch, device=self.device)
+        if by_entry:
+            batch_pos = torch.full((self.max_num_reqs,), -1, dtype=torch.int64, device=self.device)
+            batch_pos[rows] = torch.arange(batch, device=self.device)
         if self.allowed:
             keep_only_entries(work, self.restricted[rows], self.allowed.in_batch(batch_pos))
         if self.banned:

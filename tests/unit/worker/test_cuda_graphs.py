@@ -50,17 +50,17 @@ def test_staging_writes_real_rows_and_pads_the_rest() -> None:
         3, 4, np.array([11, 12, 13]), np.array([5, 9, 2]), np.array([13, 25, 34]),
         np.array([6, 10, 3]), tables,
     )  # fmt: skip
-    assert graphs.input_ids.gpu[:4].tolist() == [11, 12, 13, 0]
-    assert graphs.positions.gpu[:4].tolist() == [5, 9, 2, 0]
-    assert graphs.slots.gpu[:4].tolist() == [13, 25, 34, -1]  # the pad row writes no KV
-    assert graphs.seq_lens.gpu[:4].tolist() == [6, 10, 3, 1]  # reads one key of block 0
-    assert graphs.block_tables.gpu[:4].tolist() == [*tables.tolist(), [0] * 5]
+    assert graphs.static["input_ids"][:4].tolist() == [11, 12, 13, 0]
+    assert graphs.static["positions"][:4].tolist() == [5, 9, 2, 0]
+    assert graphs.static["slots"][:4].tolist() == [13, 25, 34, -1]  # the pad row writes no KV
+    assert graphs.static["seq_lens"][:4].tolist() == [6, 10, 3, 1]  # reads one key of block 0
+    assert graphs.static["block_tables"][:4].tolist() == [*tables.tolist(), [0] * 5]
     meta = graphs.metadata(4)
     assert meta.num_decodes == meta.num_tokens == 4
     assert meta.decode_max_seq_len == 20 and meta.decode_num_splits >= 1
     # A later, smaller step re-pads rows that held a real request before.
     graphs._stage(1, 1, np.array([7]), np.array([6]), np.array([14]), np.array([7]), tables[:1])
-    assert graphs.slots.gpu[:1].tolist() == [14]
+    assert graphs.static["slots"][:1].tolist() == [14]
 
 
 def test_fits_only_decode_only_steps_of_a_captured_size() -> None:
