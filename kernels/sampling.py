@@ -307,7 +307,7 @@ def gumbel_argmax_triton(
         return torch.empty(0, dtype=torch.int64, device=device)
     has_bitmask = bitmask is not None
     if bitmask is None:
-        bitmask = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        bitmask = torch.empty(1, 1, dtype=torch.int32, device=device)  # never read
     if has_bitmask and bitmask_index is None:
         bitmask_index = torch.arange(rows, dtype=torch.int32, device=device)
     if bitmask_index is None:
