@@ -112,6 +112,44 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert _greedy(state, logits, row=2) == EOS
 
 
+def test_min_tokens_counts_start_at_add_when_counting_was_off() -> None:
+    # With no min_tokens or penalty row, record_sampled counts nothing (nothing reads the
+    # counts); a min_tokens request that joins later is counted from its add onwards.
+    state = _state()
+    state.add_request(0, SamplingParams(temperature=0.0), [1], [])
+    state.record_sampled(torch.tensor([0]), torch.tensor([40]))
+    assert state.num_output[0].item() == 0  # not counted: no reader
+    logits = _logits(top=EOS, second=30)
+    logits[40] = 4.8
+    state.add_request(1, SamplingParams(temperature=0.0, min_tokens=2), [1], [7])
+    assert _greedy(state, logits, row=1) == 40  # 1 output of 2: eos masked
+    state.record_sampled(torch.tensor([0, 1]), torch.tensor([40, 40]))
+    assert _greedy(state, logits, row=1) == EOS  # counted: 2 outputs
+    assert _greedy(state, logits, row=0) == EOS  # the plain row was never masked
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_logits_are_not_written_and_plain_rows_read_them_as_they_are(dtype) -> None:  # type: ignore[no-untyped-def]
+    # A plain batch (temperature and seed only) hands the model's logits straight to the draw;
+    # a batch with an editing stage (here a banned token) works on an fp32 copy. Either way
+    # the caller's logits are unchanged and the draw is that of their fp32 values.
+    torch.manual_seed(0)
+    logits = torch.randn(4, V).to(dtype)
+    before = logits.clone()
+    plain, edited = _state(), _state()
+    for row in range(4):
+        plain.add_request(row, SamplingParams(temperature=0.8, seed=row), [1], [])
+        edited.add_request(row, SamplingParams(temperature=0.8, seed=row), [1], [])
+    edited.add_request(3, SamplingParams(temperature=0.8, seed=3, bad_token_ids=[63]), [1], [])
+    rows, pos = torch.arange(4), torch.tensor([3, 4, 5, 6])
+    out = plain.sample(logits, rows, pos)
+    assert torch.equal(logits, before)
+    assert torch.equal(out.token_ids, plain.sample(logits.float(), rows, pos).token_ids)
+    out_edited = edited.sample(logits, rows, pos)
+    assert torch.equal(logits, before)
+    assert torch.equal(out_edited.token_ids[:3], out.token_ids[:3])  # rows 0-2 unaffected
+
+
 def test_bitmask_full_and_indexed_forms() -> None:
     state = _state()
     for row in range(3):
