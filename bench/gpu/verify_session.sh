@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One device call: every GPU and kernel test on the H200 with the session's defaults (the PDL
-# chain on), then the mesh at batch 1, 16 and 64 (prompt 512, output 128), twice.
+# One device call at the end of a session: every GPU and kernel test on the H200 at the
+# committed code, one eager 8192-token prefill step against its matmuls alone
+# (bench/gpu/prefill_step.py), and the batch-1 decode breakdown (bench/gpu/decode_e2e.py).
 #
 #   run(command="bash bench/gpu/verify_session.sh", carry=[".whl", ".redisbin"])
+SESSION_SECONDS=${SESSION_SECONDS:-560}
 source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 330 python3 -m pytest -q tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py
-for round in 1 2; do
-    step "mesh-$round" 100 python3 -m bench.gpu.mesh_decode --batches 1 16 64 \
-        --out "$OUT/mesh_$round.json"
-done
+step prefill-step 90 python3 -m bench.gpu.prefill_step --out "$OUT/prefill_step.json"
+step b1-graph 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf --max-model-len 1024 \
+    --out "$OUT/b1_graph.json"
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"
