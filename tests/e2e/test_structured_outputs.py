@@ -192,6 +192,34 @@ async def test_regex_and_choice_outputs_match(client: openai.AsyncOpenAI, model:
     assert picked in {"yes", "no", "it depends"}
 
 
+async def test_min_tokens_gives_way_to_a_finished_grammar(
+    client: openai.AsyncOpenAI, model: str
+) -> None:
+    # The model closes "{}" in two tokens, after which the grammar allows only eos, which
+    # min_tokens masks. The grammar wins: the output ends there and parses (it was a 500, the
+    # sampler drawing token 0 from an all -inf row). A choice grammar alike.
+    reply = await client.completions.create(
+        model=model,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"min_tokens": 8, "response_format": {"type": "json_object"}},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(json.loads(choice.text), dict)
+    picked = await client.chat.completions.create(
+        model=model,
+        messages=ask("Is the sky green?"),
+        max_tokens=16,
+        temperature=0.8,
+        seed=5,
+        extra_body={"min_tokens": 16, "structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert picked.choices[0].message.content in {"yes", "no"}
+    assert picked.choices[0].finish_reason == "stop"
+
+
 async def test_constrained_and_free_requests_batched_together(
     client: openai.AsyncOpenAI, model: str
 ) -> None:

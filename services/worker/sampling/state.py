@@ -298,6 +298,9 @@ class SamplingState:
             fused_bitmask,
             bitmask_index if fused_bitmask is not None else None,
         )
+        if bitmask is not None:
+            assert bitmask_index is not None
+            token_ids = grammar_first(token_ids, allowed_mask(bitmask, bitmask_index, vocab))
         if logprobs is None:
             return SamplerOutput(token_ids=token_ids)
         k = max(self._logprob_rows.values())
@@ -365,3 +368,15 @@ class SamplingState:
             if t.shape != (batch,):
                 raise ValueError(f"{name} must be [{batch}], got {tuple(t.shape)}")
         return batch, logits.shape[1]
+
+
+def grammar_first(token_ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The grammar's mask is hard, every other mask gives way to it: a row whose grammar-allowed
+    tokens all scored -inf (min_tokens masking the stop tokens of a finished JSON object, a
+    banned or penalised-to-overflow token the grammar requires) gets its smallest allowed token
+    id, the argmax's tie rule applied to the allowed tokens alone, instead of token 0 of the
+    whole vocabulary, which the grammar would reject. So structured output stays parseable and
+    min_tokens is best-effort under a grammar. `allowed` is bool [B, V] (rows without a grammar
+    all True); a row whose draw is allowed is left alone."""
+    drawn = allowed.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    return torch.where(drawn, token_ids, allowed.to(torch.uint8).argmax(dim=1))

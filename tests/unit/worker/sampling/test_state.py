@@ -150,6 +150,29 @@ def test_logits_are_not_written_and_plain_rows_read_them_as_they_are(dtype) -> N
     assert torch.equal(out_edited.token_ids[:3], out.token_ids[:3])  # rows 0-2 unaffected
 
 
+def _allow(*token_ids: int) -> torch.Tensor:
+    allowed = torch.zeros(1, V, dtype=torch.bool)
+    allowed[0, list(token_ids)] = True
+    return pack_bitmask(allowed)
+
+
+def test_the_grammar_wins_over_min_tokens_and_banned_tokens() -> None:
+    # A finished JSON object allows only eos; min_tokens masks eos. Before: every allowed token
+    # at -inf drew token 0, which the grammar rejects (a 500). Now the grammar's smallest
+    # allowed token is drawn: the output ends, parseable, min_tokens yielding.
+    state = _state()
+    logits = torch.randn(3, V)
+    state.add_request(0, SamplingParams(temperature=0.0, min_tokens=4), [1], [])
+    state.add_request(1, SamplingParams(temperature=0.7, seed=3, bad_token_ids=[9, 17]), [1], [])
+    state.add_request(2, SamplingParams(temperature=0.0, min_tokens=4), [1], [])
+    bitmask = torch.cat([_allow(EOS), _allow(9, 17), _allow(EOS, 12)])
+    out = state.sample(logits, torch.arange(3), torch.tensor([1, 1, 1]), bitmask)
+    # row 0: only eos allowed, masked by min_tokens; row 1: both allowed tokens banned;
+    # row 2: eos masked but 12 remains, so min_tokens holds.
+    assert out.token_ids.tolist() == [EOS, 9, 12]
+    assert state.sample(logits, torch.arange(3), torch.tensor([1, 1, 1])).token_ids[0] != EOS
+
+
 def test_bitmask_full_and_indexed_forms() -> None:
     state = _state()
     for row in range(3):
