@@ -1,0 +1,78 @@
+"""Decode attention at large batches and short contexts (the batch-64/256 decode steps of
+bench/gpu/decode_e2e.py: ~512-640 keys a sequence): the single-pass kernel's tile configs,
+and 2-way split-K, against the launcher's default. CUDA-graph times over two cache copies
+(kernel_timings.graph_ms), medians of alternating repeats; GB/s counts the K/V bytes read.
+
+    python3 bench/gpu/decode_batch_sweep.py            # on the H200
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.gpu.kernel_checks import HEAD_DIM, KV_HEADS, make_paged  # noqa: E402
+from bench.gpu.kernel_timings import graph_ms  # noqa: E402
+from kernels.attention_step import AttentionTiles  # noqa: E402
+from kernels.paged_decode import paged_decode_attention  # noqa: E402
+
+CASES = [(256, 576), (64, 576)]
+CONFIGS: list[tuple[int, AttentionTiles | None]] = (
+    [(1, None)]
+    + [
+        (1, AttentionTiles(block_n=bn, num_warps=nw, num_stages=ns))
+        for bn, nw, ns in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))
+        if not (bn == 128 and ns == 4)
+    ]
+    + [(2, None), (4, None)]
+)
+
+
+def main() -> None:
+    for batch, keys in CASES:
+        copies = [make_paged([keys] * batch, [1] * batch) for _ in range(2)]
+        nbytes = batch * keys * KV_HEADS * HEAD_DIM * 2 * 2
+        ref = paged_decode_attention(
+            copies[0].q, copies[0].cache, copies[0].tables, copies[0].lens, max_seq_len=keys
+        )
+        times: dict[str, list[float]] = {}
+        for _ in range(3):
+            for splits, tiles in CONFIGS:
+                name = f"splits {splits} " + (
+                    f"n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}" if tiles else "auto"
+                )
+                calls = [
+                    lambda b=b, s=splits, t=tiles, k=keys: paged_decode_attention(
+                        b.q, b.cache, b.tables, b.lens, max_seq_len=k, num_splits=s, tiles=t
+                    )
+                    for b in copies
+                ]
+                try:
+                    out = calls[0]()
+                    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+                    times.setdefault(name, []).append(graph_ms(calls))
+                except Exception as exc:  # a config the compiler or the checks refuse
+                    times.setdefault(name, []).append(float("nan"))
+                    print(f"  {name}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+        print(f"batch {batch} x {keys} keys ({nbytes / 1e6:.0f} MB of K/V):", flush=True)
+        rows = sorted(((statistics.median(v), k) for k, v in times.items()), key=lambda r: r[0])
+        default = statistics.median(times["splits 1 auto"])
+        for ms, name in rows[:10]:
+            print(
+                f"  {name:<24} {ms * 1000:8.1f} us {nbytes / ms / 1e9:7.0f} GB/s "
+                f"{default / ms:5.2f}x vs default",
+                flush=True,
+            )
+        print(f"  {'splits 1 auto':<24} {default * 1000:8.1f} us (default)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
