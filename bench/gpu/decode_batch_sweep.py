@@ -4,6 +4,12 @@ and 2-way split-K, against the launcher's default. CUDA-graph times over two cac
 (kernel_timings.graph_ms), medians of alternating repeats; GB/s counts the K/V bytes read.
 
     python3 bench/gpu/decode_batch_sweep.py            # on the H200
+
+H200, 2026-11-30 (bench/gpu/decode_batch_h200.log, 3 repeats): the default single pass (n64 w4
+s2) reads 3.85 TB/s at 256 x 576 and 3.67 at 64 x 576. Only n32 w2 s2 at batch 256 stood out
+(144.9 vs 157.0 us, 1.08x) and it was 0.95x at batch 64; n64 w2 s2 was 1.02x at both. The
+defaults were left as they are: a batch-dependent tile choice for ~1% of a batch-256 run wants
+more repeats than this call had.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def main() -> None:
         default = statistics.median(times["splits 1 auto"])
         for ms, name in rows[:10]:
             print(
-                f"  {name:<24} {ms * 1000:8.1f} us {nbytes / ms / 1e9:7.0f} GB/s "
+                f"  {name:<24} {ms * 1000:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s "
                 f"{default / ms:5.2f}x vs default",
                 flush=True,
             )
