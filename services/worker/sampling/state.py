@@ -300,7 +300,7 @@ class SamplingState:
         )
         if bitmask is not None:
             assert bitmask_index is not None
-            token_ids = grammar_first(token_ids, allowed_mask(bitmask, bitmask_index, vocab))
+            token_ids = grammar_first(token_ids, bitmask, bitmask_index, vocab)
         if logprobs is None:
             return SamplerOutput(token_ids=token_ids)
         k = max(self._logprob_rows.values())
@@ -370,13 +370,24 @@ class SamplingState:
         return batch, logits.shape[1]
 
 
-def grammar_first(token_ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def grammar_first(
+    token_ids: torch.Tensor, bitmask: torch.Tensor, bitmask_index: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     """The grammar's mask is hard, every other mask gives way to it: a row whose grammar-allowed
     tokens all scored -inf (min_tokens masking the stop tokens of a finished JSON object, a
     banned or penalised-to-overflow token the grammar requires) gets its smallest allowed token
     id, the argmax's tie rule applied to the allowed tokens alone, instead of token 0 of the
     whole vocabulary, which the grammar would reject. So structured output stays parseable and
-    min_tokens is best-effort under a grammar. `allowed` is bool [B, V] (rows without a grammar
-    all True); a row whose draw is allowed is left alone."""
-    drawn = allowed.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    min_tokens is best-effort under a grammar.
+
+    Each drawn token's bit is read from the packed mask (bit j of word w allows 32w + j); the
+    full [B, V] unpack runs only when some row drew a token its grammar does not allow. The
+    check reads one value back: grammar steps wait for their tokens anyway (the scheduler
+    advances the matcher before the next plan)."""
+    index = bitmask_index.to(torch.int64)
+    words = bitmask[index.clamp(min=0), token_ids // 32].to(torch.int64)
+    drawn = ((words >> (token_ids % 32)) & 1).bool() | (index < 0)
+    if bool(drawn.all()):
+        return token_ids
+    allowed = allowed_mask(bitmask, bitmask_index, vocab_size)
     return torch.where(drawn, token_ids, allowed.to(torch.uint8).argmax(dim=1))

@@ -173,6 +173,23 @@ def test_the_grammar_wins_over_min_tokens_and_banned_tokens() -> None:
     assert state.sample(logits, torch.arange(3), torch.tensor([1, 1, 1])).token_ids[0] != EOS
 
 
+def test_grammar_check_reads_the_sign_bit_and_skips_unconstrained_rows() -> None:
+    # Token 63 is bit 31 of word 1 (the int32 sign bit); an allowed draw there is kept (a
+    # misread bit would fall back to 31, the smallest allowed). A row without a grammar
+    # (index -1) keeps its draw, whatever mask row 0 holds.
+    state = _state()
+    logits = torch.full((2, V), -5.0)
+    logits[0, 63] = 3.0
+    logits[1, 40] = 4.0
+    for row in range(2):
+        state.add_request(row, SamplingParams(temperature=0.0), [1], [])
+    bitmask = _allow(31, 63)
+    out = state.sample(
+        logits, torch.arange(2), torch.tensor([1, 1]), bitmask, bitmask_index=torch.tensor([0, -1])
+    )
+    assert out.token_ids.tolist() == [63, 40]
+
+
 def test_bitmask_full_and_indexed_forms() -> None:
     state = _state()
     for row in range(3):
