@@ -6,5 +6,5 @@
 SESSION_SECONDS=${SESSION_SECONDS:-280}
 source "$(dirname "$0")/session_env.sh"
 
-step sweep 260 python3 bench/gpu/decode_batch_sweep.py
+step sweep 260 python3 bench/gpu/decode_batch_sweep.py ${SWEEP_ARGS:-}
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"

@@ -14,6 +14,7 @@ more repeats than this call had.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 import sys
@@ -42,16 +43,32 @@ CONFIGS: list[tuple[int, AttentionTiles | None]] = (
 )
 
 
+FOCUS = [
+    (1, None),
+    *(
+        (1, AttentionTiles(block_n=bn, num_warps=nw, num_stages=ns))
+        for bn, nw, ns in ((32, 2, 2), (32, 2, 3), (32, 4, 2), (64, 2, 2))
+    ),
+]
+
+
 def main() -> None:
-    for batch, keys in CASES:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--cases", nargs="+", default=[f"{b}x{k}" for b, k in CASES])
+    p.add_argument("--focus", action="store_true", help="the default and 4 configs only")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    configs = FOCUS if args.focus else CONFIGS
+    for case in args.cases:
+        batch, keys = (int(v) for v in case.split("x"))
         copies = [make_paged([keys] * batch, [1] * batch) for _ in range(2)]
         nbytes = batch * keys * KV_HEADS * HEAD_DIM * 2 * 2
         ref = paged_decode_attention(
             copies[0].q, copies[0].cache, copies[0].tables, copies[0].lens, max_seq_len=keys
         )
         times: dict[str, list[float]] = {}
-        for _ in range(3):
-            for splits, tiles in CONFIGS:
+        for _ in range(args.repeats):
+            for splits, tiles in configs:
                 name = f"splits {splits} " + (
                     f"n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}" if tiles else "auto"
                 )
@@ -70,11 +87,13 @@ def main() -> None:
                     print(f"  {name}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
         print(f"batch {batch} x {keys} keys ({nbytes / 1e6:.0f} MB of K/V):", flush=True)
         rows = sorted(((statistics.median(v), k) for k, v in times.items()), key=lambda r: r[0])
+        spread = {k: (min(v), max(v)) for k, v in times.items()}
         default = statistics.median(times["splits 1 auto"])
         for ms, name in rows[:10]:
             print(
                 f"  {name:<24} {ms * 1000:8.1f} us {nbytes / ms / 1e6:7.0f} GB/s "
-                f"{default / ms:5.2f}x vs default",
+                f"{default / ms:5.2f}x vs default (repeats {spread[name][0] * 1000:.1f}-"
+                f"{spread[name][1] * 1000:.1f} us)",
                 flush=True,
             )
         print(f"  {'splits 1 auto':<24} {default * 1000:8.1f} us (default)", flush=True)
