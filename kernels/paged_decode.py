@@ -55,6 +55,12 @@ INTERPRETER_TILES = AttentionTiles(block_n=16)
 # (batch 64 at 4k: 251 vs 286 us with 128).
 DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
 DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
+# Single pass over many programs (128+ sequences at 8 kv heads), 16-bit caches: 32-key tiles
+# on 2 warps. H200, graph time, Llama-3-8B shape (bench/gpu/decode_batch_h200.log, 9
+# repeats): batch 256 at 576 keys 143.0 vs 155.7 us (4.22 vs 3.88 TB/s), at 1024 keys 249.4
+# vs 271.9, batch 128 at 576 73.5 vs 78.6; they lose below that (batch 64 0.93x, 32 0.72x).
+DECODE_TILES_MANY_PROGRAMS = AttentionTiles(block_n=32, num_warps=2, num_stages=2)
+MANY_PROGRAMS = 1024
 # Split-K merge launched with programmatic dependent launch where supported (see the launcher).
 PDL_DEFAULT = False
 # Split-K without a window runs the strided kernel (pieces dealt tile by tile, first block ids
@@ -335,6 +341,15 @@ def strided_choice(num_seqs: int, num_kv_heads: int, num_splits: int, device: to
     )
 
 
+def single_pass_tiles(num_seqs: int, num_kv_heads: int, cache_element_size: int) -> AttentionTiles:
+    """Tiles of the single-pass kernel (no split-K): DECODE_TILES_MANY_PROGRAMS where there are
+    MANY_PROGRAMS (sequence, kv head) programs or more over a 16-bit cache, else
+    DECODE_TILES_SINGLE_PASS."""
+    if cache_element_size == 2 and num_seqs * num_kv_heads >= MANY_PROGRAMS:
+        return DECODE_TILES_MANY_PROGRAMS
+    return DECODE_TILES_SINGLE_PASS
+
+
 def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
     """The strided kernel's tiles: STRIDED_TILE_BYTES of K per tile (16..128 keys), 4 warps,
     3 stages (K and V double-buffered)."""
@@ -426,7 +441,11 @@ def paged_decode_attention(
         elif use_strided:
             tiles = strided_tiles(head_dim, kv_cache.element_size())
         else:
-            tiles = DECODE_TILES if num_splits > 1 else DECODE_TILES_SINGLE_PASS
+            tiles = (
+                DECODE_TILES
+                if num_splits > 1
+                else single_pass_tiles(num_seqs, geo.num_kv_heads, kv_cache.element_size())
+            )
     tiles.check()
     use_pdl = supports_pdl(device) and (PDL_DEFAULT if pdl is None else pdl)
     group = num_heads // geo.num_kv_heads

@@ -47,7 +47,7 @@ FOCUS = [
     (1, None),
     *(
         (1, AttentionTiles(block_n=bn, num_warps=nw, num_stages=ns))
-        for bn, nw, ns in ((32, 2, 2), (32, 2, 3), (32, 4, 2), (64, 2, 2))
+        for bn, nw, ns in ((32, 2, 2), (32, 2, 3), (32, 4, 2), (64, 2, 2), (64, 4, 2))
     ),
 ]
 

@@ -7,10 +7,14 @@ import torch
 
 from kernels import completion_counters
 from kernels.paged_decode import (
+    DECODE_TILES_MANY_PROGRAMS,
+    DECODE_TILES_SINGLE_PASS,
+    MANY_PROGRAMS,
     default_num_splits,
     few_programs,
     paged_decode_attention,
     paged_decode_reference,
+    single_pass_tiles,
 )
 from kernels.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import make_paged_batch, tolerance
@@ -121,6 +125,23 @@ def test_default_num_splits() -> None:
     assert default_num_splits(1, 8, 2048, 132) == 16
     assert default_num_splits(1, 8, 4096, 132) == 16
     assert default_num_splits(1, 8, 40, 132) == 1
+
+
+def test_single_pass_tiles_choice() -> None:
+    # 32-key tiles on 2 warps from MANY_PROGRAMS (sequence, kv head) pairs on 16-bit caches.
+    assert MANY_PROGRAMS == 1024
+    assert single_pass_tiles(128, 8, 2) == DECODE_TILES_MANY_PROGRAMS
+    assert single_pass_tiles(256, 4, 2) == DECODE_TILES_MANY_PROGRAMS
+    assert single_pass_tiles(127, 8, 2) == DECODE_TILES_SINGLE_PASS
+    assert single_pass_tiles(256, 8, 1) == DECODE_TILES_SINGLE_PASS  # fp8 keeps its tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_many_programs_tiles_match_reference(device, dtype) -> None:  # type: ignore[no-untyped-def]
+    batch = _batch(device, dtype)
+    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
+    out = _decode(batch, num_splits=1, tiles=DECODE_TILES_MANY_PROGRAMS)
+    torch.testing.assert_close(out, ref.float(), atol=tolerance(dtype), rtol=0)
 
 
 # The strided kernel: pieces take every num_splits-th tile (first block ids loaded with
