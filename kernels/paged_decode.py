@@ -56,9 +56,10 @@ INTERPRETER_TILES = AttentionTiles(block_n=16)
 DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
 DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
 # Single pass over many programs (128+ sequences at 8 kv heads), 16-bit caches: 32-key tiles
-# on 2 warps. H200, graph time, Llama-3-8B shape (bench/gpu/decode_batch_h200.log, 9
-# repeats): batch 256 at 576 keys 143.0 vs 155.7 us (4.22 vs 3.88 TB/s), at 1024 keys 249.4
-# vs 271.9, batch 128 at 576 73.5 vs 78.6; they lose below that (batch 64 0.93x, 32 0.72x).
+# on 2 warps. H200, graph time, Llama-3-8B shape (bench/gpu/decode_batch_confirm_h200.log, 9
+# repeats; decode_tiles_h200.log, 5): batch 256 at 576 keys 143.0 vs 155.7 us (4.22 vs 3.88
+# TB/s), at 1024 keys 249.4 vs 271.9, at 4096 958.7 vs 1041.0 (4.48 TB/s); batch 128 at 576
+# 73.5 vs 78.6, at 1024 125.6 vs 132.0. They lose below that (batch 64 0.88-0.93x, 32 0.72x).
 DECODE_TILES_MANY_PROGRAMS = AttentionTiles(block_n=32, num_warps=2, num_stages=2)
 MANY_PROGRAMS = 1024
 # Split-K merge launched with programmatic dependent launch where supported (see the launcher).

@@ -7,9 +7,11 @@ and 2-way split-K, against the launcher's default. CUDA-graph times over two cac
 
 H200, 2026-11-30 (bench/gpu/decode_batch_h200.log, 3 repeats): the default single pass (n64 w4
 s2) reads 3.85 TB/s at 256 x 576 and 3.67 at 64 x 576. Only n32 w2 s2 at batch 256 stood out
-(144.9 vs 157.0 us, 1.08x) and it was 0.95x at batch 64; n64 w2 s2 was 1.02x at both. The
-defaults were left as they are: a batch-dependent tile choice for ~1% of a batch-256 run wants
-more repeats than this call had.
+(144.9 vs 157.0 us, 1.08x) and it was 0.95x at batch 64; n64 w2 s2 was 1.02x at both. A
+second call with 9 repeats (decode_batch_confirm_h200.log: 1.07-1.09x at 128-256 sequences,
+tight spreads) and a third at 1024-4096 keys (decode_tiles_h200.log) confirmed it, and the
+launcher now takes those tiles from 1024 (sequence, kv head) programs on
+(kernels/paged_decode.py single_pass_tiles).
 """
 
 from __future__ import annotations
