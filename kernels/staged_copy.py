@@ -133,14 +133,13 @@ class PackedCpuGpuBuffer:
         for name, (shape, dtype) in fields.items():
             offset = -(-offset // self.ALIGN) * self.ALIGN
             self._layout[name] = (offset, shape, dtype)
-            offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            offset = self.end(name, shape[0])
         self._bytes = CpuGpuBuffer(max(offset, 1), dtype=torch.uint8, device=device, fence=fence)
         self.gpu = {name: self._view(self._bytes.gpu, name) for name in self._layout}
 
     def _view(self, raw: torch.Tensor, name: str) -> torch.Tensor:
         offset, shape, dtype = self._layout[name]
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return raw[offset : offset + size].view(dtype).view(shape)
+        return raw[offset : self.end(name, shape[0])].view(dtype).view(shape)
 
     def host(self) -> dict[str, np.ndarray]:
         """Every field's host array, safe to write (waits for the previous copy once)."""

@@ -1,5 +1,5 @@
-"""What the in-process worker service tests share: a tiny CPU worker's settings and a wait for
-the next message of a kind on the bus."""
+"""What the in-process worker service tests share: a tiny CPU worker's settings, a prompt for
+it, and a wait for the next message of a kind on the bus."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 from shared.bus import Bus
 from shared.config import WorkerSettings
 from shared.protocol import Message
+
+PROMPT = [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5, 40, 61]  # token ids of the tiny Llama
 
 
 async def next_message(bus: Bus, last: dict[str, str], kind: type[Message]) -> Message:

@@ -26,10 +26,13 @@ from shared.protocol import (
 )
 from shared.service import bind_socket, serve
 from shared.streams import Streams
-from tests.integration.worker.service_support import next_message, tiny_worker_settings
+from tests.integration.worker.service_support import (
+    PROMPT,
+    next_message,
+    tiny_worker_settings,
+)
 from tests.support.tiny_llama import make_tiny_llama
 
-PROMPT = [1, 17, 99, 4, 250, 31, 8, 77, 300, 12, 5, 40, 61]
 STREAMS = Streams("kvsvc")
 
 
