@@ -3,20 +3,27 @@
 Few requests carry such lists and each list is short next to the vocabulary, so a dense
 [rows, V] tensor per kind would waste memory. Each row's entries are kept in Python (they
 change only when a request joins or leaves the batch) and flattened into three device tensors
-— row, token id, value — rebuilt lazily after a change. A sampling step then selects the
-entries of the rows in its batch with tensor ops only, whatever the number of requests.
+— row, token id, value — rebuilt lazily after a change (one staged upload). A sampling step
+then addresses the entries of the rows in its batch with tensor ops only, whatever the number
+of requests, and without a host sync: entries are never compacted (a boolean selection would
+wait for the device to count them); those of rows outside the batch, or filtered out, point at
+a scratch row after the batch's rows instead (transforms.py writes there and nobody reads it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from kernels.staged_copy import stage_to_device
 
 
 @dataclass(frozen=True)
 class BatchEntries:
-    """Entries of the rows present in one batch, addressed by batch index (not state row)."""
+    """Entries addressed by batch index (not state row); those of rows not taking part point
+    at the scratch row (the batch size)."""
 
     batch_idx: torch.Tensor  # int64 [N]
     token_ids: torch.Tensor  # int64 [N]
@@ -61,23 +68,23 @@ class RowTokens:
                 rows.extend([row] * len(ids))
                 tokens.extend(ids)
                 values.extend(vals)
+            ids = stage_to_device(np.array([rows, tokens], np.int64).reshape(2, -1), self.device)
             self._flat = (
-                torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.tensor(tokens, dtype=torch.int64, device=self.device),
-                torch.tensor(values, dtype=torch.float32, device=self.device),
+                ids[0],
+                ids[1],
+                stage_to_device(np.array(values, np.float32), self.device),
             )
         return self._flat
 
     def in_batch(
-        self, batch_pos: torch.Tensor, row_filter: torch.Tensor | None = None
+        self, batch_pos: torch.Tensor, scratch: int, row_filter: torch.Tensor | None = None
     ) -> BatchEntries:
-        """Entries whose row sits in the batch: `batch_pos[row]` is its batch index or -1.
-
-        `row_filter` (bool per state row) keeps only the entries of rows where it is True.
-        """
+        """Every entry, addressed by batch index: `batch_pos[row]` is its row's batch index or
+        -1 (not in the batch). Entries of rows not in the batch, and of rows where
+        `row_filter` (bool per state row) is False, point at row `scratch` instead."""
         rows, tokens, values = self._flatten()
         idx = batch_pos[rows]
         keep = idx >= 0
         if row_filter is not None:
             keep &= row_filter[rows]
-        return BatchEntries(idx[keep], tokens[keep], values[keep])
+        return BatchEntries(torch.where(keep, idx, scratch), tokens, values)

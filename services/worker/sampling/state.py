@@ -23,11 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kernels.staged_copy import stage_to_device
 from services.worker.sampling.bitmask import allowed_mask
 from services.worker.sampling.gumbel import gumbel_argmax
 from services.worker.sampling.logprobs import model_logprobs, pick_logprobs
+from services.worker.sampling.row_params import RowParams
 from services.worker.sampling.row_tokens import RowTokens
 from services.worker.sampling.transforms import (
     add_entries,
@@ -71,19 +74,29 @@ class SamplingState:
         self.device = torch.device(device)
         self.eos_token_ids = [t for t in (eos_token_ids or []) if 0 <= t < vocab_size]
         rows, dev = max_num_reqs, self.device
-        self.temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
-        # float32(1/T), 0 for greedy rows: the draw multiplies by it (see gumbel.py).
-        self.inv_temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.seed = torch.zeros(rows, dtype=torch.int64, device=dev)  # uint64 bit pattern
-        self.top_k = torch.full((rows,), vocab_size, dtype=torch.int64, device=dev)
-        self.top_p = torch.ones(rows, dtype=torch.float32, device=dev)
-        self.min_p = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.repetition = torch.ones(rows, dtype=torch.float32, device=dev)
-        self.frequency = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.presence = torch.zeros(rows, dtype=torch.float32, device=dev)
-        self.min_tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.num_output = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.restricted = torch.zeros(rows, dtype=torch.bool, device=dev)  # has allowed ids
+        # Per-row parameters, written on the host and sent without a sync (row_params.py).
+        # inv_temperature: float32(1/T), 0 for greedy rows (the draw multiplies by it, see
+        # gumbel.py); seed: the uint64 bit pattern; restricted: has allowed ids.
+        self.row_params = RowParams(
+            rows,
+            dev,
+            floats={
+                "temperature": 0.0,
+                "inv_temperature": 0.0,
+                "top_p": 1.0,
+                "min_p": 0.0,
+                "repetition": 1.0,
+                "frequency": 0.0,
+                "presence": 0.0,
+            },
+            ints={
+                "seed": 0,
+                "top_k": vocab_size,
+                "min_tokens": 0,
+                "num_output": 0,
+                "restricted": 0,
+            },
+        )
         # Dense [rows, V] history for penalties, allocated when a request first needs it.
         self.prompt_mask: torch.Tensor | None = None
         self.output_counts: torch.Tensor | None = None
@@ -98,6 +111,20 @@ class SamplingState:
         self._min_p_rows: set[int] = set()
         self._penalty_rows: set[int] = set()
         self._logprob_rows: dict[int, int] = {}
+
+    # Device views of the per-row parameters (each flushes the host writes first).
+    temperature = property(lambda self: self.row_params.column("temperature"))
+    inv_temperature = property(lambda self: self.row_params.column("inv_temperature"))
+    seed = property(lambda self: self.row_params.column("seed"))
+    top_k = property(lambda self: self.row_params.column("top_k"))
+    top_p = property(lambda self: self.row_params.column("top_p"))
+    min_p = property(lambda self: self.row_params.column("min_p"))
+    repetition = property(lambda self: self.row_params.column("repetition"))
+    frequency = property(lambda self: self.row_params.column("frequency"))
+    presence = property(lambda self: self.row_params.column("presence"))
+    min_tokens = property(lambda self: self.row_params.column("min_tokens"))
+    num_output = property(lambda self: self.row_params.column("num_output"))
+    restricted = property(lambda self: self.row_params.column("restricted") != 0)
 
     # ---- batch composition -------------------------------------------------------------
 
@@ -123,43 +150,48 @@ class SamplingState:
         self.params[row] = params
 
         greedy = params.temperature < GREEDY_TEMPERATURE
-        self.temperature[row] = 0.0 if greedy else params.temperature
-        self.inv_temperature[row] = 0.0 if greedy else 1.0 / params.temperature
+        seed = params.seed
+        values: dict[str, float] = {
+            "temperature": 0.0 if greedy else params.temperature,
+            "inv_temperature": 0.0 if greedy else 1.0 / params.temperature,
+            "seed": seed - 2**64 if seed >= 2**63 else seed,
+            "num_output": len(output_token_ids),
+            "min_tokens": params.min_tokens,
+        }
         if not greedy:
             self._random_rows.add(row)
-        seed = params.seed
-        self.seed[row] = seed - 2**64 if seed >= 2**63 else seed
         if 0 < params.top_k < self.vocab_size:
-            self.top_k[row] = params.top_k
+            values["top_k"] = params.top_k
             self._top_k_rows[row] = params.top_k
         if params.top_p < 1.0:
-            self.top_p[row] = params.top_p
+            values["top_p"] = params.top_p
             self._top_p_rows.add(row)
         if params.min_p > 0.0:
-            self.min_p[row] = params.min_p
+            values["min_p"] = params.min_p
             self._min_p_rows.add(row)
 
         if bias_ids:
-            values = [
+            bias = [
                 max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
                 for v in params.logit_bias.values()
             ]
-            self.logit_bias.set(row, bias_ids, values)
+            self.logit_bias.set(row, bias_ids, bias)
         if params.allowed_token_ids is not None:
             self.allowed.set(row, list(params.allowed_token_ids))
-            self.restricted[row] = True
+            values["restricted"] = 1
         self.banned.set(row, list(params.bad_token_ids))
 
-        self.num_output[row] = len(output_token_ids)
-        self.min_tokens[row] = params.min_tokens
         stops = {t for t in params.stop_token_ids if 0 <= t < self.vocab_size}
         if not params.ignore_eos:
             stops.update(self.eos_token_ids)
         if params.min_tokens > len(output_token_ids) and stops:
             self.min_tokens_stops.set(row, sorted(stops))
-
         if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
-            self._set_penalties(row, params, prompt_token_ids, output_token_ids)
+            values["repetition"] = params.repetition_penalty
+            values["frequency"] = params.frequency_penalty
+            values["presence"] = params.presence_penalty
+            self._set_history(row, prompt_token_ids, output_token_ids)
+        self.row_params.set(row, **values)
         if params.logprobs is not None:
             self._logprob_rows[row] = params.logprobs
 
@@ -167,17 +199,7 @@ class SamplingState:
         """Free `row`; every per-row parameter returns to its neutral value."""
         self._check_row(row)
         self.params[row] = None
-        self.temperature[row] = 0.0
-        self.inv_temperature[row] = 0.0
-        self.top_k[row] = self.vocab_size
-        self.top_p[row] = 1.0
-        self.min_p[row] = 0.0
-        self.repetition[row] = 1.0
-        self.frequency[row] = 0.0
-        self.presence[row] = 0.0
-        self.min_tokens[row] = 0
-        self.num_output[row] = 0
-        self.restricted[row] = False
+        self.row_params.reset(row)
         for table in (self.logit_bias, self.allowed, self.banned, self.min_tokens_stops):
             table.clear(row)
         for rows in (self._random_rows, self._top_p_rows, self._min_p_rows, self._penalty_rows):
@@ -239,8 +261,14 @@ class SamplingState:
         truncating = bool(self._top_k_rows or self._top_p_rows or self._min_p_rows)
         want_logprobs = bool(self._logprob_rows)
         by_entry = bool(self.allowed or self.banned or self.min_tokens_stops or self.logit_bias)
+        staged = logits  # with a scratch row after the batch's rows for the by-entry stages
         if truncating or want_logprobs or by_entry or self._penalty_rows:
-            work = logits.to(torch.float32, copy=True)  # the stages below write into it
+            # The stages below write into their own fp32 copy.
+            staged = torch.empty(
+                batch + int(by_entry), vocab, dtype=torch.float32, device=logits.device
+            )
+            work = staged[:batch]
+            work.copy_(logits)
         else:  # the draw alone reads the logits as they are (fp32 inside; exact for bf16/fp16)
             work = logits
         fused_bitmask = bitmask
@@ -255,14 +283,15 @@ class SamplingState:
             batch_pos = torch.full((self.max_num_reqs,), -1, dtype=torch.int64, device=self.device)
             batch_pos[rows] = torch.arange(batch, device=self.device)
         if self.allowed:
-            keep_only_entries(work, self.restricted[rows], self.allowed.in_batch(batch_pos))
+            allowed = self.allowed.in_batch(batch_pos, batch)
+            keep_only_entries(staged, self.restricted[rows], allowed)
         if self.banned:
-            mask_entries(work, self.banned.in_batch(batch_pos))
+            mask_entries(staged, self.banned.in_batch(batch_pos, batch))
         if self.min_tokens_stops:
             below_min = self.num_output < self.min_tokens
-            mask_entries(work, self.min_tokens_stops.in_batch(batch_pos, below_min))
+            mask_entries(staged, self.min_tokens_stops.in_batch(batch_pos, batch, below_min))
         if self.logit_bias:
-            add_entries(work, self.logit_bias.in_batch(batch_pos))
+            add_entries(staged, self.logit_bias.in_batch(batch_pos, batch))
         if self._penalty_rows:
             assert self.prompt_mask is not None and self.output_counts is not None
             work = apply_penalties(
@@ -310,31 +339,21 @@ class SamplingState:
     # ---- helpers -----------------------------------------------------------------------
 
     @torch.inference_mode(False)
-    def _set_penalties(
-        self,
-        row: int,
-        params: SamplingParams,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
+    def _set_history(
+        self, row: int, prompt_token_ids: list[int], output_token_ids: list[int]
     ) -> None:
+        """The penalties' history of `row`: which tokens the prompt has, and how often each
+        output token occurred; built on the host and sent in one staged copy (no sync)."""
         shape = (self.max_num_reqs, self.vocab_size)
         if self.prompt_mask is None or self.output_counts is None:
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
-        self.repetition[row] = params.repetition_penalty
-        self.frequency[row] = params.frequency_penalty
-        self.presence[row] = params.presence_penalty
-        self.prompt_mask[row] = False
-        self.prompt_mask[
-            row, torch.tensor(prompt_token_ids, dtype=torch.int64, device=self.device)
-        ] = True
-        counts = torch.zeros(self.vocab_size, dtype=torch.int32)
-        counts.index_add_(
-            0,
-            torch.tensor(output_token_ids, dtype=torch.int64),
-            torch.ones(len(output_token_ids), dtype=torch.int32),
-        )
-        self.output_counts[row] = counts.to(self.device)
+        history = np.zeros((2, self.vocab_size), np.int32)
+        history[0, np.asarray(prompt_token_ids, np.int64)] = 1
+        np.add.at(history[1], np.asarray(output_token_ids, np.int64), 1)
+        staged = stage_to_device(history, self.device)
+        self.prompt_mask[row].copy_(staged[0] != 0)
+        self.output_counts[row].copy_(staged[1])
         self._penalty_rows.add(row)
 
     def _check_row(self, row: int) -> None:

@@ -33,22 +33,28 @@ NEG_INF = float("-inf")
 
 
 def mask_entries(logits: torch.Tensor, entries: BatchEntries) -> None:
-    """Set the listed (batch row, token) logits to -inf, in place."""
+    """Set the listed (batch row, token) logits to -inf, in place. `logits` has the batch's
+    rows and a scratch row after them (row_tokens.py), as has every by-entry stage's."""
     if len(entries):
-        logits[entries.batch_idx, entries.token_ids] = NEG_INF
+        neg_inf = torch.full((), NEG_INF, dtype=logits.dtype, device=logits.device)
+        logits.index_put_((entries.batch_idx, entries.token_ids), neg_inf)
 
 
 def keep_only_entries(
     logits: torch.Tensor, restricted: torch.Tensor, entries: BatchEntries
 ) -> None:
-    """For rows where `restricted` [B] is True, -inf every token not listed; in place."""
-    keep = ~restricted.unsqueeze(1).expand_as(logits).clone()
-    keep[entries.batch_idx, entries.token_ids] = True
+    """For rows where `restricted` [B] is True, -inf every token not listed; in place
+    (`logits` [B + 1, V]: the scratch row last)."""
+    keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[:-1] = ~restricted.unsqueeze(1)
+    keep[-1:].fill_(True)
+    listed = torch.ones((), dtype=torch.bool, device=logits.device)
+    keep.index_put_((entries.batch_idx, entries.token_ids), listed)
     logits.masked_fill_(~keep, NEG_INF)
 
 
 def add_entries(logits: torch.Tensor, entries: BatchEntries) -> None:
-    """Add each entry's value to its logit (logit_bias), in place."""
+    """Add each entry's value to its logit (logit_bias), in place (`logits` [B + 1, V])."""
     if len(entries):
         logits.index_put_((entries.batch_idx, entries.token_ids), entries.values, accumulate=True)
 

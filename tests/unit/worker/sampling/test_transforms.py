@@ -47,11 +47,13 @@ def test_neutral_penalties_leave_logits_bit_identical() -> None:
 
 
 def test_masks_and_bias_entries() -> None:
-    logits = torch.zeros(2, 5)
-    mask_entries(logits, _entries([0, 1], [1, 4]))
-    add_entries(logits, _entries([0, 0], [2, 3], [1.5, -2.0]))
+    """Two batch rows and the scratch row (2): entries pointed there touch no batch row."""
+    staged = torch.zeros(3, 5)
+    logits = staged[:2]
+    mask_entries(staged, _entries([0, 1, 2], [1, 4, 0]))
+    add_entries(staged, _entries([0, 0, 2], [2, 3, 2], [1.5, -2.0, 7.0]))
     assert logits.tolist() == [[0, -INF, 1.5, -2.0, 0], [0, 0, 0, 0, -INF]]
-    keep_only_entries(logits, torch.tensor([False, True]), _entries([1, 1], [0, 4]))
+    keep_only_entries(staged, torch.tensor([False, True]), _entries([1, 1, 2], [0, 4, 1]))
     assert logits.tolist() == [[0, -INF, 1.5, -2.0, 0], [0, -INF, -INF, -INF, -INF]]
 
 

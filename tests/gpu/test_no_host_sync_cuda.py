@@ -1,0 +1,113 @@
+"""Launching a step never waits for the GPU (issue #9: no host synchronisation on the hot path
+except the one copy of sampled tokens, which `finish` waits for).
+
+A launch that synchronizes (a pageable upload with `non_blocking=False`, `.item()`, `.tolist()`
+or `nonzero()` on a device tensor) blocks the host until the step before it has finished on the
+device, so the next step's inputs are staged and its kernels launched on an idle GPU. Each
+`ModelRunner.launch` here runs under `torch.cuda.set_sync_debug_mode("warn")`, which warns at
+every synchronizing call; the test lists where they came from. The run mixes what the mesh
+meets: requests arriving in chunked prefill while others decode (eager steps and CUDA graphs,
+launched one ahead as the worker service launches them) and every sampling feature that keeps
+per-request state on the device."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from shared.protocol import SamplingParams, StepPlan
+from tests.support.engine import InProcessEngine
+from tests.support.tiny_llama import make_tiny_llama
+
+Launch = Callable[[StepPlan], object]
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=3, top_p=0.9, top_k=20, max_tokens=12, ignore_eos=True),
+    SamplingParams(
+        temperature=0.7,
+        seed=4,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        max_tokens=12,
+        ignore_eos=True,
+    ),
+    SamplingParams(
+        temperature=0.0, logit_bias={5: 2.0, 7: -100.0}, bad_token_ids=[9, 10], max_tokens=12
+    ),
+    SamplingParams(
+        temperature=0.9, seed=5, allowed_token_ids=list(range(3, 200)), min_p=0.05, max_tokens=12
+    ),
+    SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=[11], max_tokens=12),
+    SamplingParams(temperature=0.6, seed=6, logprobs=3, max_tokens=12, ignore_eos=True),
+]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's message in "warn" mode
+
+
+def _call_site(filename: str, lineno: int) -> str:
+    """The innermost frame of the project's own code (not tests/) on the current stack, else
+    the warning's own frame with the stack under it."""
+    stack = [f for f in traceback.extract_stack() if not f.filename.startswith("<")]
+    for frame in reversed(stack):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "tests"):
+            return f"{path.relative_to(ROOT)}:{frame.lineno}"
+    under = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(stack[-12:]))
+    return f"{Path(filename).name}:{lineno} ({threading.current_thread().name}: {under})"
+
+
+def _guarded(launch: Launch, sites: list[str]) -> Launch:
+    """`launch` with every synchronizing CUDA call in it recorded as "file:line"."""
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+        if SYNC_WARNING in str(message):
+            sites.append(_call_site(filename, lineno))
+
+    def run(plan: StepPlan) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")  # (it warns that it is on: not recorded)
+            warnings.showwarning = record
+            try:
+                return launch(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    return run
+
+
+def test_launching_a_step_never_synchronizes(tmp_path: Path) -> None:
+    make_tiny_llama(tmp_path)
+    eng = InProcessEngine(
+        tmp_path,
+        device="cuda",
+        num_blocks=128,
+        block_size=16,
+        max_num_batched_tokens=40,  # chunked prefill: later prompts arrive while others decode
+        dtype=torch.bfloat16,
+    )
+    eng.runner.warmup()  # as the worker starts (services/worker/bootstrap.py): first-call probes
+    eng.runner.capture_cuda_graphs()
+    sites: list[str] = []
+    eng.runner.launch = _guarded(eng.runner.launch, sites)  # type: ignore[method-assign]
+    for i, params in enumerate(PARAMS * 2):
+        prompt = [1, *[(29 * i + 7 * j) % 400 + 12 for j in range(8 + 5 * i)]]
+        eng.submit(f"r{i}", prompt, params)
+    out = eng.run(overlap=True, ahead=3)
+    assert len(out) == 2 * len(PARAMS)
+    assert all(g.finish_reason is not None for g in out.values())
+    assert eng.launched_ahead > 10  # steps really were launched behind unfinished ones
+    # The guard itself sees a synchronizing call (so an empty list means something).
+    probe: list[str] = []
+    _guarded(lambda plan: torch.ones(2, device="cuda").nonzero(), probe)(None)  # type: ignore[arg-type]
+    assert probe, "set_sync_debug_mode reported nothing for nonzero()"
+    assert not sites, f"launch() synchronized with the GPU at: {sorted(set(sites))}"
