@@ -55,6 +55,17 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, k] float32
 
 
+class _Column:
+    """A per-row parameter of `SamplingState` as an attribute: its device column
+    (row_params.py), the host's writes sent first."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: SamplingState, owner: type | None = None) -> torch.Tensor:
+        return state.row_params.column(self.name)
+
+
 class SamplingState:
     # Persistent tensors are created outside inference mode even when the caller is inside it
     # (the model runner is): they are updated in place from both sides, which PyTorch refuses
@@ -113,18 +124,22 @@ class SamplingState:
         self._logprob_rows: dict[int, int] = {}
 
     # Device views of the per-row parameters (each flushes the host writes first).
-    temperature = property(lambda self: self.row_params.column("temperature"))
-    inv_temperature = property(lambda self: self.row_params.column("inv_temperature"))
-    seed = property(lambda self: self.row_params.column("seed"))
-    top_k = property(lambda self: self.row_params.column("top_k"))
-    top_p = property(lambda self: self.row_params.column("top_p"))
-    min_p = property(lambda self: self.row_params.column("min_p"))
-    repetition = property(lambda self: self.row_params.column("repetition"))
-    frequency = property(lambda self: self.row_params.column("frequency"))
-    presence = property(lambda self: self.row_params.column("presence"))
-    min_tokens = property(lambda self: self.row_params.column("min_tokens"))
-    num_output = property(lambda self: self.row_params.column("num_output"))
-    restricted = property(lambda self: self.row_params.column("restricted") != 0)
+    temperature = _Column()
+    inv_temperature = _Column()
+    seed = _Column()
+    top_k = _Column()
+    top_p = _Column()
+    min_p = _Column()
+    repetition = _Column()
+    frequency = _Column()
+    presence = _Column()
+    min_tokens = _Column()
+    num_output = _Column()
+
+    @property
+    def restricted(self) -> torch.Tensor:
+        """bool [rows]: the row has allowed_token_ids."""
+        return self.row_params.column("restricted") != 0
 
     # ---- batch composition -------------------------------------------------------------
 
