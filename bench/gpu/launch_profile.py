@@ -8,12 +8,17 @@ runner as the mesh does (Llama-3-8B shape, random weights, 256 requests of 512 p
 8192-token steps, steps launched one ahead), times each launch() on the host, and profiles the
 run's CUDA runtime calls on the CPU side with their Python call sites.
 
-    python3 -m bench.gpu.launch_profile [--batch 256] [--output 4]
+    python3 -m bench.gpu.launch_profile [--batch 256] [--output 4] [--cprofile]
+
+--cprofile profiles the Python side of every launch() instead (cProfile: where the host time
+of a launch goes, by function).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections.abc import Callable
 
@@ -34,6 +39,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=4)
     parser.add_argument("--kv-gib", type=int, default=24)
+    parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
     model, config = build_random_model(PRESETS["llama-3-8b"], torch.bfloat16, "cuda", 4096)
     num_blocks = args.kv_gib * 2**30 // (2 * BLOCK * config.num_hidden_layers * 8 * 128 * 2)
@@ -51,12 +57,16 @@ def main() -> None:
     eng.runner.capture_cuda_graphs()
     launches: list[tuple[int, int, float]] = []
     launch: Callable[[StepPlan], object] = eng.runner.launch
+    host = cProfile.Profile()
 
     def timed(plan: StepPlan) -> object:
         started = time.perf_counter()
+        if args.cprofile:
+            host.enable()
         try:
             return launch(plan)
         finally:
+            host.disable()
             counts = plan.num_scheduled_tokens.values()
             launches.append(
                 (sum(counts), sum(1 for n in counts if n == 1), time.perf_counter() - started)
@@ -76,6 +86,15 @@ def main() -> None:
 
     print(f"warm run {run(0):.2f} s")
     launches.clear()
+    if args.cprofile:
+        host = cProfile.Profile()
+        print(f"profiled run {run(1):.2f} s, {len(launches)} launches")
+        for tokens, decodes, seconds in launches:
+            print(f"  {tokens:5d} ({decodes:3d}) {1000 * seconds:8.2f}")
+        stats = pstats.Stats(host)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(40)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         wall = run(1)
     print(f"profiled run {wall:.2f} s, {len(launches)} launches")
