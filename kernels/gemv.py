@@ -28,6 +28,7 @@ from kernels.tensor_checks import (
     interpreting,
     next_power_of_2,
     pdl_launch,
+    sm_count,
     supports_pdl,
 )
 
@@ -205,12 +206,6 @@ def heuristic_config(n: int, k: int, num_sms: int) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 @dataclass(frozen=True)
 class _GemvLaunch:
     """A checked product: its operands, K (the weight's width) and the tile config."""
@@ -256,7 +251,7 @@ def _checked(
         raise ValueError(f"gemv takes 1..{MAX_BATCH} rows, got {m}; use a GEMM for more")
     if n == 0 or k == 0:
         raise ValueError(f"empty product: weight shape {tuple(weight.shape)}")
-    cfg = config or H200_CONFIGS.get((n, k)) or heuristic_config(n, k, _num_sms(x.device))
+    cfg = config or H200_CONFIGS.get((n, k)) or heuristic_config(n, k, sm_count(x.device))
     if cfg.split_k < 1 or cfg.block_k < 16 or cfg.block_n < 16:
         raise ValueError(f"invalid gemv config {cfg}")
     if interpreting():

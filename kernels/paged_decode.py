@@ -43,6 +43,7 @@ from kernels.tensor_checks import (
     check_tensor,
     interpreting,
     next_power_of_2,
+    sm_count,
     supports_pdl,
 )
 
@@ -338,7 +339,7 @@ def strided_choice(num_seqs: int, num_kv_heads: int, num_splits: int, device: to
     """Whether split-K without a window runs the strided kernel by default (STRIDED_DEFAULT):
     at STRIDED_MIN_SPLITS pieces or more, or at any split count with few programs."""
     return STRIDED_DEFAULT and (
-        num_splits >= STRIDED_MIN_SPLITS or few_programs(num_seqs, num_kv_heads, _num_sms(device))
+        num_splits >= STRIDED_MIN_SPLITS or few_programs(num_seqs, num_kv_heads, sm_count(device))
     )
 
 
@@ -356,12 +357,6 @@ def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
     3 stages (K and V double-buffered)."""
     keys = STRIDED_TILE_BYTES // (next_power_of_2(head_dim) * cache_element_size)
     return AttentionTiles(block_n=min(128, max(16, next_power_of_2(keys))), num_stages=3)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def paged_decode_attention(
@@ -431,7 +426,7 @@ def paged_decode_attention(
     if num_splits is None:
         assert max_seq_len is not None  # read back above when neither was given
         span = min(max_seq_len, window) if window else max_seq_len
-        num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, _num_sms(device))
+        num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, sm_count(device))
 
     if strided is None:
         strided = strided_choice(num_seqs, geo.num_kv_heads, num_splits, device)

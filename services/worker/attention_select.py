@@ -80,12 +80,9 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
     """Split-K factor of the decode kernel for this batch (any value is correct; see
     kernels.paged_decode), computed on the host so the launch needs no read-back."""
     from kernels.paged_decode import default_num_splits
+    from kernels.tensor_checks import sm_count
 
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
-    return default_num_splits(num_seqs, num_kv_heads, max_seq_len, sms)
+    return default_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
 
 
 @dataclass
