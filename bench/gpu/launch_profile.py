@@ -57,11 +57,12 @@ def main() -> None:
     eng.runner.capture_cuda_graphs()
     launches: list[tuple[int, int, float]] = []
     launch: Callable[[StepPlan], object] = eng.runner.launch
-    host = cProfile.Profile()
+    host = cProfile.Profile()  # enabled around each launch() of the profiled run (--cprofile)
+    profiling = False
 
     def timed(plan: StepPlan) -> object:
         started = time.perf_counter()
-        if args.cprofile:
+        if profiling:
             host.enable()
         try:
             return launch(plan)
@@ -84,23 +85,24 @@ def main() -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
+    def report_launches(wall: float) -> None:
+        print(f"profiled run {wall:.2f} s, {len(launches)} launches")
+        print("launch() host ms per step: tokens (decodes) ms")
+        for tokens, decodes, seconds in launches:
+            print(f"  {tokens:5d} ({decodes:3d}) {1000 * seconds:8.2f}")
+
     print(f"warm run {run(0):.2f} s")
     launches.clear()
     if args.cprofile:
-        host = cProfile.Profile()
-        print(f"profiled run {run(1):.2f} s, {len(launches)} launches")
-        for tokens, decodes, seconds in launches:
-            print(f"  {tokens:5d} ({decodes:3d}) {1000 * seconds:8.2f}")
+        profiling = True
+        report_launches(run(1))
         stats = pstats.Stats(host)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(40)
         return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         wall = run(1)
-    print(f"profiled run {wall:.2f} s, {len(launches)} launches")
-    print("launch() host ms per step: tokens (decodes) ms")
-    for tokens, decodes, seconds in launches:
-        print(f"  {tokens:5d} ({decodes:3d}) {1000 * seconds:8.2f}")
+    report_launches(wall)
     averages = prof.key_averages()
     blocking = sorted(
         (e for e in averages if any(b in e.key for b in BLOCKING)),
