@@ -321,12 +321,14 @@ def gemv_partials(
     weight: torch.Tensor,
     config: GemvConfig | None = None,
     *,
+    gated: bool = False,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """The product's fp32 split-K partials [split, M, N] (split 1: the whole accumulator), for
     a kernel that sums them itself in the reduce kernel's order and rounds as it rounds (the
-    decode attention of kernels/decode_from_qkv.py)."""
-    return _partials(_checked(x, weight, config, False, pdl))
+    decode attention of kernels/decode_from_qkv.py, the norm of kernels/gemv_norm_in.py).
+    gated: as in `gemv`."""
+    return _partials(_checked(x, weight, config, gated, pdl))
 
 
 def gemv_add_rmsnorm(
