@@ -10,7 +10,8 @@ times a step. Here the next GEMV does the norm's work itself, without a stage of
 - every program walks the whole K range (split 1) and, at each K-step, sums the partials of
   its x tile in the reduce kernel's order, rounds them, adds the residual and rounds as
   `kernels.rmsnorm.add_rmsnorm_row` does (so the stream is bit-identical to the norm's), and
-  accumulates the row's sum of squares next to the product;
+  accumulates the squares next to the product (summed over K once, after the loop: a
+  reduction inside the loop stalls the weight pipeline every K-step, 2.5x slower on the H200);
 - the norm's scale is a per-row scalar, so it is applied once to the fp32 accumulator at the
   end: y = (W @ dtype(stream * norm_weight)^T) * rsqrt(mean(stream^2) + eps). The weights
   stream from the first K-step on; nothing waits for the row's norm;
@@ -69,6 +70,7 @@ def _gemv_norm_in_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
     PDL: tl.constexpr,
@@ -85,17 +87,22 @@ def _gemv_norm_in_kernel(
     writer = (offs_m * 0 + pid_n) == 0  # the first program stores the stream
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
+    sum_sq = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)  # reduced over K after the loop
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_valid = offs_k < K
-        if EVEN_N:
+        if EVEN_K and EVEN_N:  # unmasked: 16-byte loads (a mask along K splits them)
+            w = tl.load(w_rows + offs_k[None, :])
+        elif EVEN_N:
             w = tl.load(w_rows + offs_k[None, :], mask=k_valid[None, :], other=0.0)
         else:
             w = tl.load(
                 w_rows + offs_k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0
             )
-        x_mask = m_valid[None, :] & k_valid[:, None]
+        if EVEN_K:
+            x_mask = tl.broadcast_to(m_valid[None, :], (BLOCK_K, BLOCK_M))
+        else:
+            x_mask = m_valid[None, :] & k_valid[:, None]
         cols = offs_m[None, :] * K + offs_k[:, None]
         summed = tl.zeros([BLOCK_K, BLOCK_M], tl.float32)
         for s in tl.static_range(SPLIT_IN):
@@ -110,14 +117,17 @@ def _gemv_norm_in_kernel(
             mask=x_mask & writer[None, :],
         )
         stream = stream.to(tl.float32)
-        sum_sq += tl.sum(stream * stream, 0)
-        nw = tl.load(norm_weight_ptr + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+        sum_sq += stream * stream
+        if EVEN_K:
+            nw = tl.load(norm_weight_ptr + offs_k).to(tl.float32)
+        else:
+            nw = tl.load(norm_weight_ptr + offs_k, mask=k_valid, other=0.0).to(tl.float32)
         x = (stream * nw[:, None]).to(dtype)
         if FP32_DOT:
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w, x)
-    acc = acc * tl.math.rsqrt(sum_sq / K + eps)[None, :]
+    acc = acc * tl.math.rsqrt(tl.sum(sum_sq, 0) / K + eps)[None, :]
     tl.store(
         out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
         acc.to(out_ptr.dtype.element_ty),
@@ -192,7 +202,8 @@ def gemv_rmsnorm_in(
         part, residual, norm_weight, weight, out, stream, m, n, k, float(eps),
         residual.stride(0), weight.stride(0), n, stream.stride(0),
         SPLIT_IN=split_in, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_N=n % cfg.block_n == 0, FP32_DOT=interpreting() or dtype == torch.float32,
+        EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
+        FP32_DOT=interpreting() or dtype == torch.float32,
         PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(use_pdl),
     )  # fmt: skip
     return out, stream

@@ -110,11 +110,10 @@ def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkey
     import dataclasses
 
     from kernels import decode_from_qkv as fused_module
+    from kernels import gemv_norm_in
     from kernels.paged_decode import STRIDED_MIN_SPLITS
     from services.worker import decode_chain
     from services.worker.attention_select import TritonAttentionMetadata
-
-    from kernels import gemv_norm_in
 
     calls, norm_in_calls = [], []
     real = fused_module.decode_from_qkv

@@ -45,6 +45,21 @@ def test_matches_fp32_reference(device, rows, split, dtype) -> None:  # type: ig
     assert _relative_error(bare, ref) > 0.1
 
 
+def test_even_shapes_take_the_unmasked_loads(device) -> None:  # type: ignore[no-untyped-def]
+    """K and N multiples of the tiles (the model's shapes): the loads without K masks."""
+    gen = torch.Generator(device).manual_seed(4)
+    partials = torch.randn(2, 3, 256, device=device, generator=gen)
+    residual = torch.randn(3, 256, device=device, generator=gen).to(torch.bfloat16)
+    norm_weight = (1 + 0.3 * torch.randn(256, device=device, generator=gen)).to(torch.bfloat16)
+    weight = (torch.randn(192, 256, device=device, generator=gen) / 16).to(torch.bfloat16)
+    ref, ref_stream = gemv_rmsnorm_in_reference(partials, residual, norm_weight, 1e-5, weight)
+    out, stream = gemv_rmsnorm_in(
+        partials, residual, norm_weight, 1e-5, weight, GemvConfig(64, 64, 1)
+    )
+    assert _relative_error(out, ref) < 8e-3
+    torch.testing.assert_close(stream.float(), ref_stream.float(), rtol=2**-6, atol=2**-6)
+
+
 def test_stream_and_product_agree_with_the_unfused_chain(device) -> None:  # type: ignore[no-untyped-def]
     """The stream is the norm kernel's bit for bit; the product is the GEMV of that kernel's
     normed output up to the rounding of the normed input (applied before vs after)."""
