@@ -139,16 +139,21 @@ def norm_in_forward(
         else:
             norm = layer.input_layernorm
             qkv, stream = gemv_rmsnorm_in(
-                down, stream, norm.weight, norm.eps, attn.qkv_proj.weight, fp32_out=True
-            )
+                down, stream, norm.weight, norm.eps, attn.qkv_proj.weight, fp32_out=True,
+                pdl=NORM_IN_PDL,
+            )  # fmt: skip
         assert isinstance(meta, TritonAttentionMetadata)
         attn_out = attention_from_partials(attn, qkv, cos, sin, meta, kv_cache, stream.dtype)
-        o = gemv_partials(attn_out, attn.o_proj.weight)
+        o = gemv_partials(attn_out, attn.o_proj.weight, late_trigger=NORM_IN_LATE_TRIGGER)
         post = layer.post_attention_layernorm
         mlp: GemvGatedMLP = layer.mlp  # type: ignore[assignment]
-        gate_up, stream = gemv_rmsnorm_in(o, stream, post.weight, post.eps, mlp.gate_up_proj.weight)
+        gate_up, stream = gemv_rmsnorm_in(
+            o, stream, post.weight, post.eps, mlp.gate_up_proj.weight, pdl=NORM_IN_PDL
+        )
         if i + 1 < len(layers):
-            down = gemv_partials(gate_up, mlp.down_proj.weight, gated=True)
+            down = gemv_partials(
+                gate_up, mlp.down_proj.weight, gated=True, late_trigger=NORM_IN_LATE_TRIGGER
+            )
         else:
             final = model.norm
             normed, stream = gemv_add_rmsnorm(
@@ -262,3 +267,7 @@ FUSED_ATTENTION_DEFAULT = True
 # steps of up to NORM_IN_MAX_ROWS rows; False keeps the norm kernels (A/B runs).
 NORM_IN_DEFAULT = True
 NORM_IN_MAX_ROWS = 2
+# How a norm-in GEMV follows the GEMV before it (A/B on the H200): NORM_IN_PDL None = in the
+# PDL chain; NORM_IN_LATE_TRIGGER: the GEMV before it releases it only once done.
+NORM_IN_PDL: bool | None = None
+NORM_IN_LATE_TRIGGER = True
