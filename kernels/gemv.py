@@ -14,7 +14,6 @@ in arrival order) at the cost of one small extra pass (SPLIT_K*M*N*4 bytes).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -83,12 +82,10 @@ def _gemv_kernel(
     FP32_DOT: tl.constexpr,
     GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    LATE_TRIGGER: tl.constexpr = False,
 ):
     if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
         tl.extra.cuda.gdc_wait()
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,8 +129,6 @@ def _gemv_kernel(
     else:
         part = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(part, acc, mask=mask)
-    if PDL and LATE_TRIGGER:  # the successor's grid is not resident while this one streams
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -221,7 +216,6 @@ class _GemvLaunch:
     config: GemvConfig
     gated: bool
     pdl: bool
-    late_trigger: bool = False
 
     @property
     def k_per_split(self) -> int:
@@ -277,7 +271,6 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
         EVEN_K=k % g.k_per_split == 0 and g.k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
         FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=g.gated, PDL=g.pdl,
-        LATE_TRIGGER=g.late_trigger,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(g.pdl),
     )  # fmt: skip
 
@@ -328,18 +321,12 @@ def gemv_partials(
     weight: torch.Tensor,
     config: GemvConfig | None = None,
     *,
-    gated: bool = False,
     pdl: bool | None = None,
-    late_trigger: bool = False,
 ) -> torch.Tensor:
     """The product's fp32 split-K partials [split, M, N] (split 1: the whole accumulator), for
     a kernel that sums them itself in the reduce kernel's order and rounds as it rounds (the
-    decode attention of kernels/decode_from_qkv.py, the norm of kernels/gemv_norm_in.py).
-    gated: as in `gemv`. late_trigger (PDL chain): let the successor's grid be scheduled only
-    once every program has stored its partials, not when they start: a successor that is a
-    wide GEMV would otherwise park its programs on the SMs this one's later programs need."""
-    g = _checked(x, weight, config, gated, pdl)
-    return _partials(dataclasses.replace(g, late_trigger=late_trigger))
+    decode attention of kernels/decode_from_qkv.py)."""
+    return _partials(_checked(x, weight, config, False, pdl))
 
 
 def gemv_add_rmsnorm(

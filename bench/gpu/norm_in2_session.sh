@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The norm-in GEMV these calls measured was dropped and its code removed after them:
+# bench/gpu/norm_in_h200.log, which names the commits that have it.)
 # Second device call for kernels/gemv_norm_in.py (issue #9): its sum of squares reduced once
 # after the K loop instead of every K-step (the first call, bench/gpu/norm_in_h200.log: the
 # batch-1 step graph 9.56 ms against 3.89 without it). GPU tests, then the batch-1 step graph

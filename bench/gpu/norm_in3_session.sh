@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The norm-in GEMV these calls measured was dropped and its code removed after them:
+# bench/gpu/norm_in_h200.log, which names the commits that have it.)
 # Third device call for kernels/gemv_norm_in.py (issue #9). The first two
 # (bench/gpu/norm_in_h200.log) had the batch-1 step graph at 9.3-9.4 ms with the norm-in
 # GEMVs against 3.9 without, whatever the kernel's loop did: suspected, the PDL chain

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The norm-in GEMV these calls measured was dropped and its code removed after them:
+# bench/gpu/norm_in_h200.log, which names the commits that have it.)
 # One device call (issue #9, batch-1 decode): the qkv and gate_up GEMVs doing their RMSNorm
 # themselves (kernels/gemv_norm_in.py; services/worker/decode_chain.py NORM_IN_DEFAULT), so a
 # batch-1 layer is 5 launches instead of 7. GPU tests of the kernel and the chain, the batch-1

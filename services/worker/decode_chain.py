@@ -84,8 +84,6 @@ def chain_forward(
     normed, _ = rmsnorm(stream, first.weight, first.eps)
     layer_inputs = model.layer_inputs(positions, attn, kv_caches)
     fused = FUSED_ATTENTION_DEFAULT and fused_attention_takes(model, attn, input_ids.shape[0])
-    if fused and norm_in_takes(model, input_ids.shape[0]):
-        return norm_in_forward(model, stream, normed, layer_inputs)
     for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
         if fused:
             attn_out = fused_attention(layer.self_attn, normed, cos, sin, meta, kv_cache)
@@ -101,64 +99,6 @@ def chain_forward(
         normed, stream = gemv_add_rmsnorm(
             gate_up, mlp.down_proj.weight, stream, nxt.weight, nxt.eps, gated=True
         )
-    return normed
-
-
-def norm_in_takes(model: LlamaForCausalLM, rows: int) -> bool:
-    """Whether a step whose attention is fused (`fused_attention_takes`) also runs the qkv
-    and gate_up GEMVs with their norms inside (kernels/gemv_norm_in.py): steps of up to
-    NORM_IN_MAX_ROWS rows (each GEMV program re-reads its input rows from L2), on by
-    NORM_IN_DEFAULT, and no bias on gate_up."""
-    return (
-        NORM_IN_DEFAULT
-        and rows <= NORM_IN_MAX_ROWS
-        and all(layer.mlp.gate_up_proj.bias is None for layer in model.layers)  # type: ignore[union-attr]
-    )
-
-
-def norm_in_forward(
-    model: LlamaForCausalLM,
-    stream: torch.Tensor,
-    normed: torch.Tensor,
-    layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]],
-) -> torch.Tensor:
-    """The chain with each RMSNorm before a GEMV done by that GEMV (kernels/gemv_norm_in.py):
-    per layer the qkv GEMV (from the previous down projection's partials and the stream), the
-    fused attention, the o GEMV's partials, the gate_up GEMV (from o's partials) and the down
-    GEMV's partials: 5 launches a layer instead of 7; the last layer's down projection keeps
-    `gemv_add_rmsnorm` for the final norm. `normed` is the first layer's input norm."""
-    from kernels.gemv import gemv_add_rmsnorm, gemv_partials
-    from kernels.gemv_norm_in import gemv_rmsnorm_in
-
-    layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
-    down: torch.Tensor | None = None
-    for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
-        attn: LlamaAttention = layer.self_attn
-        if down is None:
-            qkv = gemv_partials(normed, attn.qkv_proj.weight)
-        else:
-            norm = layer.input_layernorm
-            qkv, stream = gemv_rmsnorm_in(
-                down, stream, norm.weight, norm.eps, attn.qkv_proj.weight, fp32_out=True,
-                pdl=NORM_IN_PDL,
-            )  # fmt: skip
-        assert isinstance(meta, TritonAttentionMetadata)
-        attn_out = attention_from_partials(attn, qkv, cos, sin, meta, kv_cache, stream.dtype)
-        o = gemv_partials(attn_out, attn.o_proj.weight, late_trigger=NORM_IN_LATE_TRIGGER)
-        post = layer.post_attention_layernorm
-        mlp: GemvGatedMLP = layer.mlp  # type: ignore[assignment]
-        gate_up, stream = gemv_rmsnorm_in(
-            o, stream, post.weight, post.eps, mlp.gate_up_proj.weight, pdl=NORM_IN_PDL
-        )
-        if i + 1 < len(layers):
-            down = gemv_partials(
-                gate_up, mlp.down_proj.weight, gated=True, late_trigger=NORM_IN_LATE_TRIGGER
-            )
-        else:
-            final = model.norm
-            normed, stream = gemv_add_rmsnorm(
-                gate_up, mlp.down_proj.weight, stream, final.weight, final.eps, gated=True
-            )
     return normed
 
 
@@ -203,32 +143,17 @@ def fused_attention(
 ) -> torch.Tensor:
     """`attn.attend` for a step `fused_attention_takes`: the qkv GEMV's partials, then the
     reduce, RoPE + KV insert and decode attention in one launch; bit-identical."""
+    from kernels.decode_from_qkv import decode_from_qkv
     from kernels.gemv import gemv_partials
 
     part = gemv_partials(normed, attn.qkv_proj.weight)
-    return attention_from_partials(attn, part, cos, sin, meta, kv_cache, normed.dtype)
-
-
-def attention_from_partials(
-    attn: LlamaAttention,
-    part: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    meta: TritonAttentionMetadata,
-    kv_cache: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The fused attention (kernels/decode_from_qkv.py) from the qkv product's fp32 split-K
-    partials [split, rows, width]: [rows, heads * head_dim] in `dtype`."""
-    from kernels.decode_from_qkv import decode_from_qkv
-
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     out = decode_from_qkv(
         part, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping,
         meta.token_index, meta.rope_table(cos, sin), num_heads=attn.num_heads,
-        num_splits=meta.decode_num_splits, dtype=dtype, sm_scale=attn.scale,
+        num_splits=meta.decode_num_splits, dtype=normed.dtype, sm_scale=attn.scale,
     )  # fmt: skip
-    return out.view(part.shape[1], -1)
+    return out.view(normed.shape[0], -1)
 
 
 def chain_takes(input_ids: torch.Tensor) -> bool:
@@ -263,11 +188,3 @@ def install_decode_chain(model: torch.nn.Module) -> bool:
 DECODE_CHAIN_DEFAULT = True
 # On by default; False keeps the three launches of the chain's attention (A/B runs).
 FUSED_ATTENTION_DEFAULT = True
-# The qkv and gate_up GEMVs doing their RMSNorm themselves (norm_in_forward) on fused-attention
-# steps of up to NORM_IN_MAX_ROWS rows; False keeps the norm kernels (A/B runs).
-NORM_IN_DEFAULT = True
-NORM_IN_MAX_ROWS = 2
-# How a norm-in GEMV follows the GEMV before it (A/B on the H200): NORM_IN_PDL None = in the
-# PDL chain; NORM_IN_LATE_TRIGGER: the GEMV before it releases it only once done.
-NORM_IN_PDL: bool | None = None
-NORM_IN_LATE_TRIGGER = True
