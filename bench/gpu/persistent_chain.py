@@ -18,7 +18,7 @@ The first is what the decode step does 128 times a step; the gap between it and 
 is the ramp and tail a launch boundary costs (README, issue #9's batch-1 target). Outputs are
 checked against an fp32 chain.
 
-    python3 -m bench.gpu.persistent_chain [--layers 64] [--replays 9] [--block-k 256]
+    python3 -m bench.gpu.persistent_chain [--layers 64] [--replays 9] [--block-k 256] [--stages 4]
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from kernels.gemv import gemv
 from kernels.tensor_checks import sm_count
 
 HIDDEN = 4096
-STAGES = 4
 
 
 @triton.jit
@@ -86,14 +85,19 @@ def _persistent_chain_kernel(
 
 
 def persistent_chain(
-    weights: torch.Tensor, act: torch.Tensor, done: torch.Tensor, early: bool, block_k: int
+    weights: torch.Tensor,
+    act: torch.Tensor,
+    done: torch.Tensor,
+    early: bool,
+    block_k: int,
+    stages: int,
 ) -> torch.Tensor:
     """Run the chain over weights [L, H, H] from act[0]; returns act[L] (bf16)."""
     layers = weights.shape[0]
     done.zero_()
     _persistent_chain_kernel[(sm_count(weights.device),)](
         weights, act, done, LAYERS=layers, HIDDEN=HIDDEN, BLOCK_N=32, BLOCK_K=block_k,
-        EARLY=early, num_warps=4, num_stages=STAGES,
+        EARLY=early, num_warps=4, num_stages=stages,
     )  # fmt: skip
     return act[layers]
 
@@ -109,6 +113,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=64)
     p.add_argument("--replays", type=int, default=9)
     p.add_argument("--block-k", type=int, default=256, help="persistent kernel's K-step")
+    p.add_argument("--stages", type=int, default=4, help="persistent kernel's pipeline depth")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -120,8 +125,12 @@ def main() -> int:
     done = torch.zeros(args.layers, device=dev, dtype=torch.int32)
     modes = {
         "launches": lambda: launches_chain(weights, x),
-        "persistent": lambda: persistent_chain(weights, act, done, False, args.block_k),
-        "persistent+early": lambda: persistent_chain(weights, act, done, True, args.block_k),
+        "persistent": lambda: persistent_chain(
+            weights, act, done, False, args.block_k, args.stages
+        ),
+        "persistent+early": lambda: persistent_chain(
+            weights, act, done, True, args.block_k, args.stages
+        ),
     }
     graphs, outputs = {}, {}
     for name, fn in modes.items():

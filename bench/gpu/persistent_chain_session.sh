@@ -5,5 +5,5 @@
 #   run(command="bash bench/gpu/persistent_chain_session.sh", carry=[".whl", ".redisbin"])
 SESSION_SECONDS=${SESSION_SECONDS:-240}
 source "$(dirname "$0")/session_env.sh"
-step chain-k256 90 python3 -m bench.gpu.persistent_chain --block-k 256
-step chain-k128 90 python3 -m bench.gpu.persistent_chain --block-k 128
+[ -z "${DEEP:-}" ] && step chain-k256 90 python3 -m bench.gpu.persistent_chain --block-k 256
+[ -z "${DEEP:-}" ] && step chain-k128 90 python3 -m bench.gpu.persistent_chain --block-k 128
