@@ -11,10 +11,6 @@ source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 120 python3 -m pytest -q -x tests/kernels/test_gemv_norm_in.py \
     tests/gpu/test_decode_chain_cuda.py tests/kernels/test_decode_chain.py
-graph() {  # graph NAME: the batch-1 step graph of the tree in the current directory
-    step "b1-graph-$1" 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf \
-        --max-model-len 1024 --out "$OUT/b1_graph_$1.json" | grep -o "'step_graph_ms': [0-9.]*"
-}
 plain_copy
 sed -i 's/^NORM_IN_DEFAULT = True/NORM_IN_DEFAULT = False/' \
     /tmp/plain/services/worker/decode_chain.py
@@ -22,9 +18,9 @@ rm -rf /tmp/q64 && cp -r . /tmp/q64
 sed -i 's/(6144, 4096): GemvConfig(block_n=32,/(6144, 4096): GemvConfig(block_n=64,/' \
     /tmp/q64/kernels/gemv_norm_in.py
 for round in 1 2; do
-    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && graph "off-$round")
-    graph "on-$round"
-    (cd /tmp/q64 && export PYTHONPATH=/tmp/site:/tmp/q64 && graph "on-q64-$round")
+    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && b1_graph "off-$round")
+    b1_graph "on-$round"
+    (cd /tmp/q64 && export PYTHONPATH=/tmp/site:/tmp/q64 && b1_graph "on-q64-$round")
 done
 gains=$(python3 - "$OUT" <<'PY'
 import json, sys, glob

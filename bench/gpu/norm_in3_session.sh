@@ -13,10 +13,6 @@
 source "$(dirname "$0")/session_env.sh"
 
 step gpu-tests 60 python3 -m pytest -q -x tests/gpu/test_decode_chain_cuda.py -k norm_in
-graph() {  # graph NAME: the batch-1 step graph of the tree in the current directory
-    step "b1-graph-$1" 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf \
-        --max-model-len 1024 --out "$OUT/b1_graph_$1.json" | grep -o "'step_graph_ms': [0-9.]*"
-}
 plain_copy
 sed -i 's/^NORM_IN_DEFAULT = True/NORM_IN_DEFAULT = False/' \
     /tmp/plain/services/worker/decode_chain.py
@@ -25,9 +21,9 @@ sed -i 's/^NORM_IN_PDL: bool | None = None/NORM_IN_PDL: bool | None = False/; s/
     /tmp/nopdl/services/worker/decode_chain.py
 grep -n "^NORM_IN" /tmp/nopdl/services/worker/decode_chain.py
 for round in 1 2; do
-    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && graph "off-$round")
-    graph "on-$round"
-    (cd /tmp/nopdl && export PYTHONPATH=/tmp/site:/tmp/nopdl && graph "nopdl-$round")
+    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && b1_graph "off-$round")
+    b1_graph "on-$round"
+    (cd /tmp/nopdl && export PYTHONPATH=/tmp/site:/tmp/nopdl && b1_graph "nopdl-$round")
 done
 gains=$(python3 - "$OUT" <<'PY'
 import glob, json, sys

@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from bench.gpu.graph_replays import rotating_replays
 from kernels.gemv import GemvConfig, gemv, gemv_add_rmsnorm
 from kernels.rmsnorm import rmsnorm
 
@@ -116,16 +117,7 @@ def main() -> int:
             with torch.cuda.graph(graph):
                 outputs[name] = fn(x, weights, pdl)
             graphs[name] = graph
-        times: dict[str, list[float]] = {name: [] for name in modes}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        names = list(modes)
-        for r in range(args.replays):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                start.record()
-                graphs[name].replay()
-                end.record()
-                torch.cuda.synchronize()
-                times[name].append(start.elapsed_time(end) * 1e3)
+        times = rotating_replays(graphs, args.replays)
         same = all(torch.equal(outputs["plain"], out) for out in outputs.values())
         base = statistics.median(times["plain"])
         launches = 9 * args.layers + 1

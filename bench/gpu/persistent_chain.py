@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench.gpu.graph_replays import rotating_replays
 from kernels.gemv import gemv
 from kernels.tensor_checks import sm_count
 
@@ -143,16 +144,7 @@ def main() -> int:
     ref = x.float()
     for w in weights:
         ref = (ref @ w.float().t()).to(torch.bfloat16).float()
-    times: dict[str, list[float]] = {name: [] for name in modes}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    names = list(modes)
-    for r in range(args.replays):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start.record()
-            graphs[name].replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3)
+    times = rotating_replays(graphs, args.replays)
     gigabytes = weights.numel() * 2 / 1e9
     base = statistics.median(times["launches"])
     for name in modes:

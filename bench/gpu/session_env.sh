@@ -58,3 +58,8 @@ mesh_ab() {  # mesh_ab ROUNDS NAME_A NAME_B: the mesh at batch 1 and 16, /tmp/pl
             --out "$OUT/mesh_${b}_$round.json"
     done
 }
+
+b1_graph() {  # b1_graph NAME: the batch-1 step graph of the tree in the current directory
+    step "b1-graph-$1" 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf \
+        --max-model-len 1024 --out "$OUT/b1_graph_$1.json" | grep -o "'step_graph_ms': [0-9.]*"
+}

@@ -1,0 +1,24 @@
+"""Timing CUDA graphs against each other: replays in a rotating order, so that no mode always
+runs first (or right after the same other mode) and drifts of the machine spread over all."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotating_replays(
+    graphs: dict[str, torch.cuda.CUDAGraph], replays: int
+) -> dict[str, list[float]]:
+    """Microseconds of each graph's replays (CUDA events), `replays` rounds; round r starts
+    at the r-th graph."""
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    names = list(graphs)
+    for r in range(replays):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start.record()
+            graphs[name].replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    return times
