@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (The BLOCKING_WAIT knob this call measured was removed after it: bench/gpu/blocking_wait_h200.log.)
 # One device call (issue #9, the batch-256 prefill launch that is slower in the mesh than in
 # the worker alone): the worker's wait for a step's sampled tokens, which runs in a thread of
 # its own while the step thread launches the next plan, spinning in the CUDA driver (default

@@ -49,7 +49,7 @@ class InFlightTokens:
         done = None
         if device.type == "cuda":
             host = SamplerOutput(*(_to_pinned(t) for t in _fields(out)))  # type: ignore[arg-type]
-            done = torch.cuda.Event(blocking=BLOCKING_WAIT)
+            done = torch.cuda.Event()
             done.record()
         else:
             host = out
@@ -148,9 +148,3 @@ class PendingFeed:
             step.live[:] = False
         self.steps.clear()
         self.count[:] = 0
-
-
-# How `InFlightTokens.wait` waits for the copies: False spins in the CUDA driver (the default
-# event: the wake-up is immediate), True sleeps until the device signals (cudaEventBlockingSync:
-# no thread polling the driver while the step thread launches the next plan).
-BLOCKING_WAIT = False
