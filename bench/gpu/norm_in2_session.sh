@@ -22,12 +22,7 @@ for round in 1 2; do
     b1_graph "on-$round"
     (cd /tmp/q64 && export PYTHONPATH=/tmp/site:/tmp/q64 && b1_graph "on-q64-$round")
 done
-gains=$(python3 - "$OUT" <<'PY'
-import json, sys, glob
-ms = lambda pat: min(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"] for f in glob.glob(f"{sys.argv[1]}/{pat}"))
-print(int(ms("b1_graph_on-[12].json") < ms("b1_graph_off-*.json")))
-PY
-)
+gains=$(b1_graph_faster on off)
 echo "on faster than off: $gains"
 if [ "$gains" = 1 ]; then mesh_ab "${ROUNDS:-2}" off on; fi
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"

@@ -25,14 +25,7 @@ for round in 1 2; do
     b1_graph "on-$round"
     (cd /tmp/nopdl && export PYTHONPATH=/tmp/site:/tmp/nopdl && b1_graph "nopdl-$round")
 done
-gains=$(python3 - "$OUT" <<'PY'
-import glob, json, sys
-def ms(pat):
-    files = glob.glob(f"{sys.argv[1]}/b1_graph_{pat}-*.json")
-    return min(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"] for f in files)
-print(int(ms("on") < ms("off")))
-PY
-)
+gains=$(b1_graph_faster on off)
 echo "on faster than off: $gains"
 if [ "$gains" = 1 ]; then mesh_ab "${ROUNDS:-2}" off on; fi
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"

@@ -63,3 +63,15 @@ b1_graph() {  # b1_graph NAME: the batch-1 step graph of the tree in the current
     step "b1-graph-$1" 60 python3 -m bench.gpu.decode_e2e --batches 1 --skip-hf \
         --max-model-len 1024 --out "$OUT/b1_graph_$1.json" | grep -o "'step_graph_ms': [0-9.]*"
 }
+
+b1_graph_faster() {  # b1_graph_faster A B: prints 1 if A's best b1_graph (runs "A-<n>") beat B's
+    python3 - "$OUT" "$1" "$2" <<'PY'
+import glob, json, sys
+
+def best_ms(name):
+    files = glob.glob(f"{sys.argv[1]}/b1_graph_{name}-[0-9]*.json")
+    return min(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"] for f in files)
+
+print(int(best_ms(sys.argv[2]) < best_ms(sys.argv[3])))
+PY
+}
