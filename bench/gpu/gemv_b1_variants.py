@@ -217,7 +217,7 @@ def main() -> None:
                 try:
                     err = shape.error(variant, cfg)
                     us = per_launch_us(shape.graph(variant, cfg))
-                except Exception as exc:  # noqa: BLE001 - a config over a resource limit
+                except Exception as exc:  # a config over a resource limit
                     print(f"  {name} {variant} {cfg} failed: {type(exc).__name__} {str(exc)[:80]}")
                     continue
                 if err > 2e-2:
