@@ -30,7 +30,13 @@ import triton.language as tl
 from bench.gpu.graph_replays import rotating_replays
 from kernels.gemv import H200_CONFIGS, GemvConfig, heuristic_config
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
 LAUNCHES = 32
 
 
@@ -114,10 +120,13 @@ def _tma_launch(cfg: GemvConfig, x, w, part, pdl, desc):  # type: ignore[no-unty
     )  # fmt: skip
 
 
-def core_configs(quick: bool) -> list[GemvConfig]:
+def core_configs(quick: bool, fine: bool = False) -> list[GemvConfig]:
     tiles = [(8, 512), (16, 512), (32, 256), (16, 1024)] if not quick else [(16, 512)]
+    warps, stages = (4, 8), (1, 3)
+    if fine:  # around the first sweep's winners: smaller row tiles, fewer warps
+        tiles, warps, stages = [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024)], (2, 4, 8), (1,)
     out = []
-    for (bn, bk), nw, ns in itertools.product(tiles, (4, 8), (1, 3)):
+    for (bn, bk), nw, ns in itertools.product(tiles, warps, stages):
         for split in (1, 2, 4):
             out.append(GemvConfig(bn, bk, split, nw, ns))
     return out
@@ -195,7 +204,9 @@ def per_launch_us(graph: torch.cuda.CUDAGraph, replays: int = 7) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="*", default=["qkv", "o", "gate_up", "down"])
+    ap.add_argument("--variants", nargs="*", default=["dot", "core", "tma"])
+    ap.add_argument("--fine", action="store_true", help="finer CUDA-core tiles")
     args = ap.parse_args()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name in args.shapes:
@@ -205,11 +216,13 @@ def main() -> None:
         own = H200_CONFIGS.get((n, k)) or heuristic_config(n, k, num_sms)
         candidates = {
             "dot": [own],
-            "core": core_configs(args.quick),
+            "core": core_configs(args.quick, args.fine),
             "tma": tma_configs(args.quick),
         }
         best: dict[str, tuple[float, GemvConfig]] = {}
         for variant, cfgs in candidates.items():
+            if variant not in args.variants:
+                continue
             results = []
             for cfg in cfgs:
                 if not _valid(cfg, n, k):
@@ -227,14 +240,14 @@ def main() -> None:
             results.sort(key=lambda r: r[0])
             print(f"{name} {n}x{k} {variant}: top 3 of {len(results)}")
             for us, cfg in results[:3]:
-                print(f"    {cfg}  {us:7.2f} us  {mb / us / 1e3:5.2f} TB/s")
+                print(f"    {cfg}  {us:7.2f} us  {mb / us:5.2f} TB/s")
             if results:
                 best[variant] = results[0]
         graphs = {v: shape.graph(v, cfg) for v, (_, cfg) in best.items()}
         times = rotating_replays(graphs, 21)
         line = "  ".join(
             f"{v} {statistics.median(t) / LAUNCHES:6.2f} us "
-            f"({mb / (statistics.median(t) / LAUNCHES) / 1e3:4.2f} TB/s)"
+            f"({mb / (statistics.median(t) / LAUNCHES):4.2f} TB/s)"
             for v, t in times.items()
         )
         print(f"== {name} rotated, per launch: {line}")
