@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import gemv_row, tensor_checks
+from kernels import tensor_checks
 from kernels.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
 from kernels.tensor_checks import (
     check_tensor,
@@ -43,8 +43,6 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    # One row on CUDA cores (kernels/gemv_row.py) instead of the tensor-core kernel.
-    cores: bool = False
 
 
 # Best of the sweep in bench/gpu/kernels_check.py on the H200 (sum of CUDA-graph times at
@@ -253,46 +251,19 @@ def _checked(
         raise ValueError(f"gemv takes 1..{MAX_BATCH} rows, got {m}; use a GEMM for more")
     if n == 0 or k == 0:
         raise ValueError(f"empty product: weight shape {tuple(weight.shape)}")
-    cfg = (
-        config
-        or _row_config(m, n, k, gated)
-        or H200_CONFIGS.get((n, k))
-        or heuristic_config(n, k, sm_count(x.device))
-    )
-    if cfg.split_k < 1 or cfg.block_k < 16 or cfg.block_n < (1 if cfg.cores else 16):
+    cfg = config or H200_CONFIGS.get((n, k)) or heuristic_config(n, k, sm_count(x.device))
+    if cfg.split_k < 1 or cfg.block_k < 16 or cfg.block_n < 16:
         raise ValueError(f"invalid gemv config {cfg}")
-    if cfg.cores and (m != 1 or gated):
-        raise ValueError(f"the CUDA-core gemv takes one plain row, got {m} (gated={gated})")
     if interpreting():
-        cfg = GemvConfig(
-            cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1, cfg.cores
-        )
+        cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
     use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
     return _GemvLaunch(x, weight, k, cfg, gated, use_pdl)
-
-
-def _row_config(m: int, n: int, k: int, gated: bool) -> GemvConfig | None:
-    """The CUDA-core config of a one-row product at a shape the H200 sweep tuned."""
-    tuned = gemv_row.H200_ROW_CONFIGS.get((n, k))
-    if m != 1 or gated or tuned is None or not gemv_row.ROW_GEMV_DEFAULT:
-        return None
-    block_n, block_k, split_k, num_warps = tuned
-    return GemvConfig(block_n, block_k, split_k, num_warps, num_stages=1, cores=True)
 
 
 def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None) -> None:
     """The GEMV kernel: into `out` directly, or fp32 partials [split, M, N] into `part`."""
     x, weight, cfg, k = g.x, g.weight, g.config, g.k
     m, n = x.shape[0], weight.shape[0]
-    if cfg.cores:
-        gemv_row.gemv_row_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
-            x, weight, part if part is not None else out, n, k, g.k_per_split, weight.stride(0),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=part is not None,
-            EVEN_K=k % g.k_per_split == 0 and g.k_per_split % cfg.block_k == 0,
-            EVEN_N=n % cfg.block_n == 0, PDL=g.pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(g.pdl),
-        )  # fmt: skip
-        return
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
         x, weight, out, part if part is not None else out, m, n, k, g.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),

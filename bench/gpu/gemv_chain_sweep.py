@@ -17,7 +17,6 @@ import statistics
 import torch
 
 from bench.gpu.pdl_chain import HIDDEN, fused_step, layer_weights
-from kernels import gemv_row
 from kernels.gemv import GemvConfig
 
 C = GemvConfig
@@ -64,35 +63,6 @@ CANDIDATES: dict[str, list[GemvConfig]] = {
 }
 
 
-# The one-row CUDA-core GEMV (kernels/gemv_row.py), swept with --cores against the tensor-core
-# kernel at the launcher's configs (its own one-row configs switched off for the baseline).
-R = GemvConfig
-CORE_CANDIDATES: dict[str, list[GemvConfig]] = {
-    "qkv": [
-        R(32, 256, 2, 8, 1, cores=True),
-        R(16, 512, 2, 4, 1, cores=True),
-        R(8, 512, 2, 4, 1, cores=True),
-        R(4, 1024, 2, 4, 1, cores=True),
-        R(4, 1024, 4, 4, 1, cores=True),
-        R(32, 256, 1, 8, 1, cores=True),
-    ],
-    "o": [
-        R(16, 512, 2, 4, 1, cores=True),
-        R(8, 512, 2, 4, 1, cores=True),
-        R(4, 1024, 2, 4, 1, cores=True),
-        R(8, 512, 4, 4, 1, cores=True),
-    ],
-    "gate_up": [
-        R(8, 512, 1, 4, 1, cores=True),
-        R(4, 512, 1, 2, 1, cores=True),
-        R(4, 1024, 1, 4, 1, cores=True),
-        R(8, 1024, 1, 4, 1, cores=True),
-        R(16, 512, 1, 4, 1, cores=True),
-        R(32, 256, 1, 8, 1, cores=True),
-    ],
-}
-
-
 def capture(x: torch.Tensor, weights, configs) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
     fused_step(x, weights, True, configs)  # compile outside the capture
     torch.cuda.synchronize()
@@ -115,17 +85,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--replays", type=int, default=7)
-    p.add_argument("--shapes", nargs="+", default=None)
-    p.add_argument("--cores", action="store_true", help="sweep the one-row CUDA-core GEMV")
+    p.add_argument("--shapes", nargs="+", default=list(CANDIDATES))
     args = p.parse_args()
-    candidates = CORE_CANDIDATES if args.cores else CANDIDATES
-    gemv_row.ROW_GEMV_DEFAULT = False  # the baseline: the tensor-core kernel
     torch.manual_seed(0)
     weights = layer_weights(32)
     x = torch.randn(args.rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     base = capture(x, weights, None)
-    for name in args.shapes or list(candidates):
-        for cfg in candidates[name]:
+    for name in args.shapes:
+        for cfg in CANDIDATES[name]:
             graph = capture(x, weights, {name: cfg})
             ours, theirs = [], []
             for r in range(args.replays):

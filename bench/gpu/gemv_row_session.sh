@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The one-row CUDA-core GEMV this call measured, kernels/gemv_row.py, was dropped and removed
+# after it: bench/gpu/gemv_row_h200.log names the commit that has it.)
 # The one-row CUDA-core GEMV (kernels/gemv_row.py) in the decode step (issue #9, batch 1):
 # its GPU tests, the batch-1 step graph and the mesh at batch 1 and 16 with it off (A: a copy
 # of this tree with ROW_GEMV_DEFAULT = False) and on (B), alternating; then a finer sweep of
