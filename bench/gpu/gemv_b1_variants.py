@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.gpu.graph_replays import rotating_replays
+from bench.gpu.graph_replays import captured, rotating_replays
 from kernels.gemv import H200_CONFIGS, GemvConfig, heuristic_config
 
 SHAPES = {
@@ -184,17 +184,12 @@ class Shape:
 
     def graph(self, variant: str, cfg: GemvConfig) -> torch.cuda.CUDAGraph:
         calls = self.launches(variant, cfg)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+
+        def run() -> None:
             for c in calls:
                 c()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        return graph
+
+        return captured(run)
 
 
 def per_launch_us(graph: torch.cuda.CUDAGraph, replays: int = 7) -> float:

@@ -3,7 +3,23 @@ runs first (or right after the same other mode) and drifts of the machine spread
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+
+def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`run` captured in a CUDA graph, after one warm-up run on a side stream (compiles and
+    allocations outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
 
 
 def rotating_replays(

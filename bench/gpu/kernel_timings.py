@@ -13,6 +13,7 @@ import itertools
 import torch
 from triton.testing import do_bench
 
+from bench.gpu.graph_replays import captured
 from bench.gpu.kernel_checks import (
     GEMV_SHAPES,
     HEAD_DIM,
@@ -67,17 +68,13 @@ def graph_ms(calls: list, replays: int = 7) -> float:  # type: ignore[type-arg]
     end.record()
     torch.cuda.synchronize()
     rounds = max(1, min(200, int(2.0 / max(start.elapsed_time(end), 1e-3))))
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
+
+    def run() -> None:
         for _ in range(rounds):
             for c in calls:
                 c()
+
+    graph = captured(run)
     times = []
     for _ in range(replays):
         start.record()
