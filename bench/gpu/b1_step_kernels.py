@@ -30,12 +30,12 @@ from shared.protocol import SamplingParams, StepPlan
 from tests.support.engine import InProcessEngine
 
 
-def drive(step: int, prompt: int, output: int) -> None:
-    model, config = build_random_model(PRESETS["llama-3-8b"], torch.bfloat16, "cuda", 1024)
+def drive(step: int, prompt: int, output: int, preset: str, device: str) -> None:
+    model, config = build_random_model(PRESETS[preset], torch.bfloat16, device, 4096)
     eng = InProcessEngine(
         "unused",
         model_and_config=(model, config),
-        device="cuda",
+        device=device,
         num_blocks=256,
         block_size=16,
         max_num_batched_tokens=8192,
@@ -43,10 +43,11 @@ def drive(step: int, prompt: int, output: int) -> None:
         dtype=torch.bfloat16,
     )
     eng.runner.warmup()
-    eng.runner.capture_cuda_graphs()
+    cuda = device == "cuda"
+    if cuda:
+        eng.runner.capture_cuda_graphs()
     launch = eng.runner.launch
     decodes = 0
-    cudart = torch.cuda.cudart()
 
     def profiled(plan: StepPlan) -> object:
         nonlocal decodes
@@ -54,11 +55,13 @@ def drive(step: int, prompt: int, output: int) -> None:
         decodes += decode
         if not (decode and decodes == step):
             return launch(plan)
+        if not cuda:  # a dry run of the driver
+            return launch(plan)
         torch.cuda.synchronize()
-        cudart.cudaProfilerStart()
+        torch.cuda.cudart().cudaProfilerStart()
         launched = launch(plan)
         torch.cuda.synchronize()
-        cudart.cudaProfilerStop()
+        torch.cuda.cudart().cudaProfilerStop()
         return launched
 
     eng.runner.launch = profiled  # type: ignore[method-assign]
@@ -100,11 +103,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=12)
     parser.add_argument("--summarize", metavar="CSV")
+    parser.add_argument("--preset", default="llama-3-8b")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the driver")
     args = parser.parse_args()
     if args.summarize:
         summarize(args.summarize)
     else:
-        drive(args.step, args.prompt, args.output)
+        drive(args.step, args.prompt, args.output, args.preset, args.device)
 
 
 if __name__ == "__main__":
