@@ -71,8 +71,8 @@ def drive(step: int, prompt: int, output: int, preset: str, device: str) -> None
     print(f"profiled decode step {step} of {decodes}")
 
 
-UNITS = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
-         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}  # fmt: skip
+UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+         "byte": 1.0, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9}  # fmt: skip
 
 
 def summarize(path: str) -> None:
@@ -82,6 +82,8 @@ def summarize(path: str) -> None:
     rows = list(csv.DictReader(io.StringIO(text[text.find('"ID"') :])))
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for row in rows:
+        if row.get("Metric Value") is None:  # a line after the table (not ncu's)
+            continue
         value = float(row["Metric Value"].replace(",", "")) * UNITS.get(row["Metric Unit"], 1.0)
         totals[row["Kernel Name"][:60]][row["Metric Name"]] += value
         totals[row["Kernel Name"][:60]]["rows"] += 1
@@ -94,7 +96,8 @@ def summarize(path: str) -> None:
         us, mb = t["gpu__time_duration.sum"], t["dram__bytes_read.sum"] / 1e6
         step_us += us
         print(f"{name:60s} {n:8.0f} {us:9.1f} {us / n:8.2f} {mb:9.1f} {mb / us * 1e3:6.0f}")
-    print(f"sum of kernel durations: {step_us:.1f} us over {len(rows) // 2} launches")
+    launches = sum(t["rows"] for t in totals.values()) / 2
+    print(f"sum of kernel durations: {step_us:.1f} us over {launches:.0f} launches")
 
 
 def main() -> None:

@@ -63,6 +63,43 @@ CANDIDATES: dict[str, list[GemvConfig]] = {
 }
 
 
+# Deeper pipelines that keep every program resident at once (one wave): the launcher's configs
+# are limited by the bytes each program has in flight (down at split 2, half the programs, is
+# +672 us a step above), so more stages, where shared memory still fits the same programs
+# per SM (or fewer, larger programs with deeper stages). --deep.
+DEEP_CANDIDATES: dict[str, list[GemvConfig]] = {
+    "qkv": [
+        C(64, 128, 2, num_stages=5),
+        C(64, 256, 1, num_stages=4),
+        C(64, 256, 1, num_stages=5),
+        C(64, 128, 1, num_stages=8),
+        C(128, 128, 2, num_stages=5),
+        C(128, 128, 2, num_warps=8, num_stages=5),
+    ],
+    "o": [
+        C(64, 256, 2, num_stages=4),
+        C(64, 256, 2, num_stages=5),
+        C(64, 128, 2, num_stages=8),
+        C(64, 128, 2, num_stages=10),
+        C(128, 128, 4, num_stages=5),
+        C(128, 128, 4, num_warps=8, num_stages=5),
+    ],
+    "gate_up": [
+        C(256, 64, 1, num_warps=8, num_stages=6),
+        C(256, 128, 1, num_warps=8, num_stages=3),
+        C(128, 64, 1, num_warps=4, num_stages=5),
+    ],
+    "down": [
+        C(64, 128, 4, num_stages=5),
+        C(64, 256, 2, num_stages=4),
+        C(64, 256, 2, num_stages=5),
+        C(64, 128, 2, num_stages=8),
+        C(128, 128, 4, num_stages=5),
+        C(128, 128, 4, num_warps=8, num_stages=5),
+    ],
+}
+
+
 def capture(x: torch.Tensor, weights, configs) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
     fused_step(x, weights, True, configs)  # compile outside the capture
     torch.cuda.synchronize()
@@ -85,15 +122,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--replays", type=int, default=7)
-    p.add_argument("--shapes", nargs="+", default=list(CANDIDATES))
+    p.add_argument("--shapes", nargs="+", default=None)
+    p.add_argument("--deep", action="store_true", help="the deeper one-wave pipelines")
     args = p.parse_args()
+    candidates = DEEP_CANDIDATES if args.deep else CANDIDATES
     torch.manual_seed(0)
     weights = layer_weights(32)
     x = torch.randn(args.rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
     base = capture(x, weights, None)
-    for name in args.shapes:
-        for cfg in CANDIDATES[name]:
-            graph = capture(x, weights, {name: cfg})
+    for name in args.shapes or list(candidates):
+        for cfg in candidates[name]:
+            try:
+                graph = capture(x, weights, {name: cfg})
+            except Exception as exc:  # over the shared-memory limit
+                print(f"rows {args.rows} {name:8s} {cfg}: failed, {type(exc).__name__}")
+                continue
             ours, theirs = [], []
             for r in range(args.replays):
                 pair = [(graph, ours), (base, theirs)]
