@@ -5,5 +5,5 @@
 #   run(command="bash bench/gpu/tunableop_session.sh", carry=[".whl", ".redisbin"])
 SESSION_SECONDS=${SESSION_SECONDS:-300}
 source "$(dirname "$0")/session_env.sh"
-step tunableop 280 python3 -m bench.gpu.tunableop_gemm
+step tunableop 280 python3 -m bench.gpu.tunableop_gemm ${ROWS:+--rows $ROWS}
 echo "=== session done, $((DEADLINE - $(date +%s)))s before the deadline"
