@@ -71,8 +71,10 @@ def drive(step: int, prompt: int, output: int, preset: str, device: str) -> None
     print(f"profiled decode step {step} of {decodes}")
 
 
-UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
-         "byte": 1.0, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9}  # fmt: skip
+UNITS = {
+    "ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+    "byte": 1.0, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9, "GB": 1e9,
+}  # fmt: skip
 
 
 def summarize(path: str) -> None:
