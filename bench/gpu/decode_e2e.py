@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.gpu.graph_replays import captured
 from services.worker.kv_cache import KVCache
 from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import PRESETS, build_random_model
@@ -69,15 +70,7 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """fn captured in a CUDA graph (eager on CPU): launch gaps excluded, as in the worker."""
     if not torch.cuda.is_available():
         return fn
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return captured(fn).replay
 
 
 def run_worker(model: Any, config: Any, args: argparse.Namespace, batch: int) -> dict[str, Any]:

@@ -17,15 +17,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from bench.gpu.gemv_b1_variants import SHAPES
 from bench.gpu.graph_replays import captured, rotating_replays
 
-SHAPES = {
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
 L2_BYTES = 60 << 20
 
 
