@@ -14,6 +14,10 @@ Each config is timed as 32 launches with their own weights in one CUDA graph (so
 streams from HBM, as in a decode step), PDL on as in the decode chain; then the best of each
 variant per shape are replayed in rotation. Outputs are checked against an fp32 product.
 
+These figures are of one kernel repeated, launch after launch: in the decode chain the same
+configs gave nothing (bench/gpu/gemv_b1_h200.log, gemv_row_h200.log). Tune for the chain with
+bench/gpu/gemv_chain_sweep.py.
+
     python3 -m bench.gpu.gemv_b1_variants [--quick]
 """
 

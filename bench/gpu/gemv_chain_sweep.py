@@ -16,6 +16,7 @@ import statistics
 
 import torch
 
+from bench.gpu.graph_replays import captured
 from bench.gpu.pdl_chain import HIDDEN, fused_step, layer_weights
 from kernels.gemv import GemvConfig
 
@@ -63,10 +64,10 @@ CANDIDATES: dict[str, list[GemvConfig]] = {
 }
 
 
-# Deeper pipelines that keep every program resident at once (one wave): the launcher's configs
-# are limited by the bytes each program has in flight (down at split 2, half the programs, is
-# +672 us a step above), so more stages, where shared memory still fits the same programs
-# per SM (or fewer, larger programs with deeper stages). --deep.
+# Deeper pipelines that keep every program resident at once (one wave), --deep: the guess that
+# the bytes each program has in flight limit the launcher's configs (down at split 2, half the
+# programs, is +672 us a step above). Measured on the H200 and refuted: every one of these is
+# slower in the chain, at 1 and 16 rows (bench/gpu/gemv_deep_h200.log).
 DEEP_CANDIDATES: dict[str, list[GemvConfig]] = {
     "qkv": [
         C(64, 128, 2, num_stages=5),
@@ -101,12 +102,7 @@ DEEP_CANDIDATES: dict[str, list[GemvConfig]] = {
 
 
 def capture(x: torch.Tensor, weights, configs) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
-    fused_step(x, weights, True, configs)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_step(x, weights, True, configs)
-    return graph
+    return captured(lambda: fused_step(x, weights, True, configs))
 
 
 def timed(graph: torch.cuda.CUDAGraph) -> float:
