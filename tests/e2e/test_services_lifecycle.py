@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import random
 import signal
 import socket
 import subprocess
@@ -37,7 +36,7 @@ from shared.protocol import Heartbeat
 from shared.streams import Streams
 from tests.conftest import MODEL_CACHE
 from tests.support.mesh import REPO, Mesh
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_port, free_ports
 
 pytestmark = pytest.mark.e2e
 
@@ -155,21 +154,7 @@ def test_without_admin_token_actions_are_disabled() -> None:
 
 def free_port_block(count: int = 5, base: int = 8000) -> int:
     """An offset such that base+offset .. base+offset+count-1 are all free."""
-    for _ in range(200):
-        offset = random.randrange(20000, 40000, 10)
-        try:
-            socks = []
-            for i in range(count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + offset + i))
-            return offset
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free block of ports")
+    return free_ports(count) - base
 
 
 def read_lines(stream: object, into: queue.Queue[str]) -> None:

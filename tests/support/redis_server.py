@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -12,10 +13,50 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+_handed_out: set[int] = set()
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of `count` consecutive loopback ports that are free now, none handed out
+    before by this process, all below the ephemeral range.
+
+    A port from `bind(0)` lies inside the ephemeral range, so between the test picking it and
+    the service binding it any outgoing connection (a Redis client, httpx) may take it as its
+    local port: CI saw a scheduler fail with "Address already in use" that way. Ports below the
+    range are only ever taken by listeners, and the set keeps this process from handing one out
+    twice.
+    """
+    low = min(ephemeral_range()[0], 65536) - count
+    for _ in range(1000):
+        first = random.randrange(10000, max(10001, low))
+        ports = range(first, first + count)
+        if _handed_out.intersection(ports) or not all(map(_bindable, ports)):
+            continue
+        _handed_out.update(ports)
+        return first
+    raise RuntimeError(f"no {count} free consecutive loopback ports below {low + count}")
+
+
 def free_port() -> int:
+    return free_ports(1)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class RedisServer:
