@@ -34,6 +34,9 @@ from kernels.tensor_checks import (
 )
 
 MAX_BATCH = 16
+# gemv_normed: False rounds the norm as kernels/rmsnorm.py does before the product; True
+# multiplies x by the norm's weight only and the fp32 accumulator by 1 / rms (A/B runs).
+NORM_SCALES_ACCUMULATOR = False
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -94,6 +97,7 @@ def _gemv_kernel(
     GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
     NORM_IN: tl.constexpr = False,
+    SCALE_ACC: tl.constexpr = False,
     BLOCK_T: tl.constexpr = 1,
     INTO_STREAM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
@@ -141,7 +145,10 @@ def _gemv_kernel(
             act = gate / (1.0 + tl.exp(-gate))
             act = act.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
             x = (act * up).to(x.dtype, fp_downcast_rounding="rtne")
-        if NORM_IN:  # kernels/rmsnorm.py's rounding: dtype(w * dtype(x / rms))
+        if NORM_IN and SCALE_ACC:  # dtype(w * x) here, 1 / rms on the accumulator after
+            norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < k_end, other=0.0)
+            x = (x.to(tl.float32) * norm_w.to(tl.float32)[:, None]).to(x.dtype)
+        elif NORM_IN:  # kernels/rmsnorm.py's rounding: dtype(w * dtype(x / rms))
             norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < k_end, other=0.0)
             normed = (x.to(tl.float32) * inv_rms[None, :]).to(x.dtype).to(tl.float32)
             x = (normed * norm_w.to(tl.float32)[:, None]).to(x.dtype)
@@ -149,6 +156,8 @@ def _gemv_kernel(
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w, x)
+    if NORM_IN and SCALE_ACC:
+        acc = acc * inv_rms[None, :]
     mask = n_valid[:, None] & m_valid[None, :]
     if INTO_STREAM and SPLIT_K == 1:
         _add_to_stream(
@@ -382,7 +391,7 @@ def _launch_product(
         EVEN_K=k % g.k_per_split == 0 and g.k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
         FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=g.gated, PDL=g.pdl,
-        NORM_IN=norm is not None,
+        NORM_IN=norm is not None, SCALE_ACC=NORM_SCALES_ACCUMULATOR,
         BLOCK_T=next_power_of_2(tile_sq_in.shape[0]) if norm is not None else 1,
         INTO_STREAM=into is not None, SPLIT_K=g.split if into is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(g.pdl),

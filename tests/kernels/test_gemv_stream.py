@@ -83,13 +83,13 @@ def test_normed_product_equals_norm_then_product(device, rows, dtype) -> None:  
     assert not torch.allclose(out.float(), gemv(unweighted, out_weight).float(), atol=0.02)
 
 
-def test_normed_input_errors() -> None:
-    x, weight, residual = _inputs(torch.device("cpu"), 2, torch.bfloat16, False)
+def test_normed_input_errors(device) -> None:  # type: ignore[no-untyped-def]
+    x, weight, residual = _inputs(device, 2, torch.bfloat16, False)
     state = gemv_into_stream(x, weight, residual)
-    norm_weight = torch.ones(HIDDEN, dtype=torch.bfloat16)
-    out_weight = torch.randn(48, HIDDEN, dtype=torch.bfloat16)
+    norm_weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+    out_weight = torch.randn(48, HIDDEN, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=r"tile_sq has shape \(\d+, 3\)"):
-        bad = StreamTiles(state.values, torch.zeros(4, 3))
+        bad = StreamTiles(state.values, torch.zeros(4, 3, device=device))
         gemv_normed(bad, norm_weight, 1e-5, out_weight)
     with pytest.raises(TypeError, match=r"tile_sq has dtype torch\.bfloat16"):
         gemv_normed(
