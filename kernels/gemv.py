@@ -14,17 +14,16 @@ in arrival order) at the cost of one small extra pass (SPLIT_K*M*N*4 bytes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import completion_counters, tensor_checks
+from kernels import tensor_checks
 from kernels.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
 from kernels.tensor_checks import (
-    check_shape,
     check_tensor,
     interpreting,
     next_power_of_2,
@@ -34,9 +33,6 @@ from kernels.tensor_checks import (
 )
 
 MAX_BATCH = 16
-# gemv_normed: False rounds the norm as kernels/rmsnorm.py does before the product; True
-# multiplies x by the norm's weight only and the fp32 accumulator by 1 / rms (A/B runs).
-NORM_SCALES_ACCUMULATOR = False
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -77,16 +73,6 @@ def _gemv_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    tile_sq_in_ptr,
-    norm_w_ptr,
-    in_tiles,
-    eps,
-    residual_ptr,
-    stream_ptr,
-    tile_sq_out_ptr,
-    counter_ptr,
-    stride_r,
-    stride_s,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,15 +82,7 @@ def _gemv_kernel(
     FP32_DOT: tl.constexpr,
     GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
-    NORM_IN: tl.constexpr = False,
-    SCALE_ACC: tl.constexpr = False,
-    BLOCK_T: tl.constexpr = 1,
-    INTO_STREAM: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1,
 ):
-    """NORM_IN: x is the residual stream and the product is of its RMSNorm (see
-    `gemv_normed`); INTO_STREAM: the product is added to the residual stream (see
-    `gemv_into_stream`)."""
     if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -118,14 +96,6 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if NORM_IN:  # each row's 1 / rms from the producer's per-tile sums of squares
-        offs_t = tl.arange(0, BLOCK_T)
-        tile_sq = tl.load(
-            tile_sq_in_ptr + offs_t[:, None] * M + offs_m[None, :],
-            mask=(offs_t < in_tiles)[:, None] & m_valid[None, :],
-            other=0.0,
-        )
-        inv_rms = tl.math.rsqrt(tl.sum(tile_sq, 0) / K + eps)
     for k in range(k_start, k_end, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         if EVEN_K and EVEN_N:
@@ -145,26 +115,12 @@ def _gemv_kernel(
             act = gate / (1.0 + tl.exp(-gate))
             act = act.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
             x = (act * up).to(x.dtype, fp_downcast_rounding="rtne")
-        if NORM_IN and SCALE_ACC:  # dtype(w * x) here, 1 / rms on the accumulator after
-            norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < k_end, other=0.0)
-            x = (x.to(tl.float32) * norm_w.to(tl.float32)[:, None]).to(x.dtype)
-        elif NORM_IN:  # kernels/rmsnorm.py's rounding: dtype(w * dtype(x / rms))
-            norm_w = tl.load(norm_w_ptr + offs_k, mask=offs_k < k_end, other=0.0)
-            normed = (x.to(tl.float32) * inv_rms[None, :]).to(x.dtype).to(tl.float32)
-            x = (normed * norm_w.to(tl.float32)[:, None]).to(x.dtype)
         if FP32_DOT:
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w, x)
-    if NORM_IN and SCALE_ACC:
-        acc = acc * inv_rms[None, :]
     mask = n_valid[:, None] & m_valid[None, :]
-    if INTO_STREAM and SPLIT_K == 1:
-        _add_to_stream(
-            acc, residual_ptr, stream_ptr, tile_sq_out_ptr + pid_n * M, offs_n, offs_m, mask,
-            m_valid, stride_r, stride_s,
-        )  # fmt: skip
-    elif not USE_PARTIALS:
+    if not USE_PARTIALS:
         tl.store(
             out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
             acc.to(out_ptr.dtype.element_ty),
@@ -173,49 +129,6 @@ def _gemv_kernel(
     else:
         part = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
         tl.store(part, acc, mask=mask)
-        if INTO_STREAM:  # the tile's last split to finish sums the partials (in split order)
-            tl.debug_barrier()  # every thread's partial stores before the release of the count
-            counter = counter_ptr + pid_n
-            done = tl.atomic_add(counter, 1, sem="acq_rel")
-            if done == SPLIT_K - 1:
-                total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    total += tl.load(
-                        part_ptr + (s * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None],
-                        mask=mask,
-                        other=0.0,
-                        cache_modifier=".cg",  # written by other programs, on other SMs
-                    )
-                _add_to_stream(
-                    total, residual_ptr, stream_ptr, tile_sq_out_ptr + pid_n * M, offs_n,
-                    offs_m, mask, m_valid, stride_r, stride_s,
-                )  # fmt: skip
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA graph replays)
-
-
-@triton.jit
-def _add_to_stream(
-    product,
-    residual_ptr,
-    stream_ptr,
-    tile_sq_ptr,
-    offs_n,
-    offs_m,
-    mask,
-    m_valid,
-    stride_r,
-    stride_s,
-):
-    """A [BLOCK_N, BLOCK_M] tile of the product (fp32 sum) rounded as `gemv` rounds it, added
-    to the residual and rounded as kernels/rmsnorm.py rounds the sum; stores that stream tile
-    and the tile's sum of squares per row (what the next norm's 1 / rms is made of)."""
-    dtype = stream_ptr.dtype.element_ty
-    y = product.to(dtype).to(tl.float32)
-    r = tl.load(residual_ptr + offs_m[None, :] * stride_r + offs_n[:, None], mask=mask, other=0.0)
-    summed = (y + r.to(tl.float32)).to(dtype)
-    tl.store(stream_ptr + offs_m[None, :] * stride_s + offs_n[:, None], summed, mask=mask)
-    values = summed.to(tl.float32)
-    tl.store(tile_sq_ptr + offs_m, tl.sum(values * values, 0), mask=m_valid)
 
 
 @triton.jit
@@ -347,80 +260,28 @@ def _checked(
     return _GemvLaunch(x, weight, k, cfg, gated, use_pdl)
 
 
-@dataclass(frozen=True)
-class _NormIn:
-    """The RMSNorm the product's kernel applies to x (the residual stream) as it loads it."""
-
-    tile_sq: torch.Tensor  # [tiles, M] fp32: the stream's per-tile sums of squares
-    weight: torch.Tensor
-    eps: float
-
-
-@dataclass(frozen=True)
-class _IntoStream:
-    """Where the product's kernel adds it: residual in, stream and its tile sums out."""
-
-    residual: torch.Tensor
-    stream: torch.Tensor
-    tile_sq: torch.Tensor  # [N tiles, M] fp32
-    counters: torch.Tensor | None  # one per N tile, for the last split to finish; None: 1 split
-
-
-def _launch_product(
-    g: _GemvLaunch,
-    out: torch.Tensor,
-    part: torch.Tensor | None,
-    norm: _NormIn | None = None,
-    into: _IntoStream | None = None,
-) -> None:
-    """The GEMV kernel: into `out` directly, or fp32 partials [split, M, N] into `part`;
-    `norm`: of the RMSNorm of x; `into`: added to the residual stream."""
+def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None) -> None:
+    """The GEMV kernel: into `out` directly, or fp32 partials [split, M, N] into `part`."""
     x, weight, cfg, k = g.x, g.weight, g.config, g.k
     m, n = x.shape[0], weight.shape[0]
-    tile_sq_in, norm_w = (norm.tile_sq, norm.weight) if norm is not None else (out, out)
-    residual, stream, tile_sq_out = (
-        (into.residual, into.stream, into.tile_sq) if into is not None else (out, out, out)
-    )
-    counters = into.counters if into is not None and into.counters is not None else out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
         x, weight, out, part if part is not None else out, m, n, k, g.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        tile_sq_in, norm_w, tile_sq_in.shape[0], norm.eps if norm is not None else 0.0,
-        residual, stream, tile_sq_out, counters, residual.stride(0), stream.stride(0),
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=part is not None,
         EVEN_K=k % g.k_per_split == 0 and g.k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
         FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=g.gated, PDL=g.pdl,
-        NORM_IN=norm is not None, SCALE_ACC=NORM_SCALES_ACCUMULATOR,
-        BLOCK_T=next_power_of_2(tile_sq_in.shape[0]) if norm is not None else 1,
-        INTO_STREAM=into is not None, SPLIT_K=g.split if into is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(g.pdl),
     )  # fmt: skip
 
 
-def _partials(g: _GemvLaunch, norm: _NormIn | None = None) -> torch.Tensor:
+def _partials(g: _GemvLaunch) -> torch.Tensor:
     """The product's fp32 split-K partials [split, M, N], launched."""
     part = torch.empty(
         g.split, g.x.shape[0], g.weight.shape[0], dtype=torch.float32, device=g.x.device
     )
-    _launch_product(g, part, part, norm)
+    _launch_product(g, part, part)
     return part
-
-
-def _product(g: _GemvLaunch, norm: _NormIn | None = None) -> torch.Tensor:
-    """The product [M, N] in x's dtype: one launch, or the partials and their reduce."""
-    m, n = g.x.shape[0], g.weight.shape[0]
-    out = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
-    if g.split == 1:
-        _launch_product(g, out, None, norm)
-        return out
-    part = _partials(g, norm)
-    block = 1024
-    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-        part, out, m, n, out.stride(0),
-        SPLIT_K=g.split, BLOCK=block, PDL=g.pdl, **pdl_launch(g.pdl),
-    )  # fmt: skip
-    return out
 
 
 def gemv(
@@ -440,7 +301,19 @@ def gemv(
 
     pdl: launch as part of the decode step's PDL chain (Hopper+; None =
     tensor_checks.CHAIN_PDL_DEFAULT)."""
-    return _product(_checked(x, weight, config, gated, pdl))
+    g = _checked(x, weight, config, gated, pdl)
+    m, n = g.x.shape[0], g.weight.shape[0]
+    out = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
+    if g.split == 1:
+        _launch_product(g, out, None)
+        return out
+    part = _partials(g)
+    block = 1024
+    _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, out, m, n, out.stride(0),
+        SPLIT_K=g.split, BLOCK=block, PDL=g.pdl, **pdl_launch(g.pdl),
+    )  # fmt: skip
+    return out
 
 
 def gemv_partials(
@@ -492,87 +365,6 @@ def gemv_add_rmsnorm(
         num_warps=norm_warps(block), **pdl_launch(g.pdl),
     )  # fmt: skip
     return normed, stream
-
-
-STREAM_COUNTERS = "gemv-stream"  # completion_counters family of `gemv_into_stream`
-
-
-@dataclass(frozen=True)
-class StreamTiles:
-    """The residual stream [M, hidden] just after a projection was added to it, and the sums
-    of squares of its rows tile by tile ([tiles, M] fp32, one per BLOCK_N-wide tile of the
-    projection that wrote it): what the RMSNorm that comes next needs of the whole row, so
-    the GEMV that takes the stream (`gemv_normed`) can apply the norm itself."""
-
-    values: torch.Tensor
-    tile_sq: torch.Tensor
-
-
-def gemv_into_stream(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    config: GemvConfig | None = None,
-    *,
-    gated: bool = False,
-    pdl: bool | None = None,
-) -> StreamTiles:
-    """The product of `gemv` added to the residual stream, in one launch: the last split of
-    each output tile to finish sums the tile's partials (in split order, counted with an
-    atomic; kernels/completion_counters.py), adds the residual and stores the stream tile and
-    its sums of squares. `values` is bit for bit `gemv_add_rmsnorm`'s stream.
-
-    A split product first needed inside a CUDA graph capture (no counters yet) runs unsplit."""
-    g = _checked(x, weight, config, gated, pdl)
-    m, n = g.x.shape[0], g.weight.shape[0]
-    residual = check_tensor(
-        "residual", residual, dtypes=(g.x.dtype,), ndim=2, device=g.x.device,
-        last_dim_contiguous=True,
-    )  # fmt: skip
-    check_shape("residual", residual, (m, n))
-    tiles = triton.cdiv(n, g.config.block_n)
-    counters = None
-    if g.split > 1:
-        counters = completion_counters.counters(STREAM_COUNTERS, g.x.device, tiles)
-        if counters is None:
-            g = replace(g, config=replace(g.config, split_k=1))
-    stream = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
-    tile_sq = torch.empty(tiles, m, dtype=torch.float32, device=g.x.device)
-    part = None
-    if g.split > 1:
-        part = torch.empty(g.split, m, n, dtype=torch.float32, device=g.x.device)
-    _launch_product(g, stream, part, into=_IntoStream(residual, stream, tile_sq, counters))
-    return StreamTiles(stream, tile_sq)
-
-
-def gemv_normed(
-    stream: StreamTiles,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    config: GemvConfig | None = None,
-    *,
-    partials: bool = False,
-    pdl: bool | None = None,
-) -> torch.Tensor:
-    """rmsnorm(stream.values) * norm_weight times weight^T with the norm done by the GEMV as
-    it loads its input (no normed [M, hidden] tensor, no norm launch): [M, N] in the stream's
-    dtype, or (partials=True) the fp32 split-K partials of `gemv_partials`. Rounded as
-    kernels/rmsnorm.py then `gemv`, except that the mean square is summed tile by tile
-    (`StreamTiles`), so it may differ from the one-pass norm's in the last bit."""
-    g = _checked(stream.values, weight, config, False, pdl)
-    m, hidden = g.x.shape
-    _, norm_weight = check_norm_inputs(g.x, (m, hidden), norm_weight, eps, None)
-    tile_sq = check_tensor(
-        "tile_sq", stream.tile_sq, dtypes=(torch.float32,), ndim=2, device=g.x.device,
-        contiguous=True,
-    )  # fmt: skip
-    if tile_sq.shape[1] != m or not 1 <= tile_sq.shape[0] <= hidden:
-        raise ValueError(
-            f"tile_sq has shape {tuple(tile_sq.shape)}; expected (1..{hidden} tiles, {m})"
-        )
-    norm = _NormIn(tile_sq, norm_weight, float(eps))
-    return _partials(g, norm) if partials else _product(g, norm)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The norms inside the decode GEMVs this call measured were dropped and removed after it:
+# bench/gpu/norms_in_gemvs_h200.log names the commits that have them.)
 # Second call on the norms inside the decode GEMVs (issue #9): the first
 # (norms_in_gemvs_session.sh) found the batch-1 step graph slower with them (4.26 vs 3.89 ms).
 # Its GPU tests again (one test fixed, a longer limit), then each site alone

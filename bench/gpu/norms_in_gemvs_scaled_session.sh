@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The norms inside the decode GEMVs this call measured were dropped and removed after it:
+# bench/gpu/norms_in_gemvs_h200.log names the commits that have them.)
 # Third call on the norms inside the decode GEMVs (issue #9). Alone, the qkv GEMV with the
 # norm loses ~3.9 us a launch and the others about break even; in the chain the step graph
 # lost 0.37 ms. Here: the sites again with the norm's 1 / rms put on the accumulator instead

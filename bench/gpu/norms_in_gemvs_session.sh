@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The norms inside the decode GEMVs this call measured were dropped and removed after it:
+# bench/gpu/norms_in_gemvs_h200.log names the commits that have them.)
 # The decode chain with its norms inside the GEMVs (issue #9, batch 1): the o and down
 # projections add themselves to the residual stream and leave per-tile sums of squares
 # (kernels/gemv.py gemv_into_stream), the qkv and gate_up GEMVs apply the norm as they load

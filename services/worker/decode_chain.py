@@ -84,8 +84,6 @@ def chain_forward(
     normed, _ = rmsnorm(stream, first.weight, first.eps)
     layer_inputs = model.layer_inputs(positions, attn, kv_caches)
     fused = FUSED_ATTENTION_DEFAULT and fused_attention_takes(model, attn, input_ids.shape[0])
-    if fused and NORMS_IN_GEMVS_DEFAULT:
-        return _norms_in_gemvs(model, stream, normed, layer_inputs)
     for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
         if fused:
             attn_out = fused_attention(layer.self_attn, normed, cos, sin, meta, kv_cache)
@@ -102,46 +100,6 @@ def chain_forward(
             gate_up, mlp.down_proj.weight, stream, nxt.weight, nxt.eps, gated=True
         )
     return normed
-
-
-def _norms_in_gemvs(
-    model: LlamaForCausalLM,
-    stream: torch.Tensor,
-    normed: torch.Tensor,
-    layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]],
-) -> torch.Tensor:
-    """The chain with every norm but the first and the last done by the GEMVs around it: the
-    o and down projections add themselves to the residual stream (`gemv_into_stream`: their
-    last split per tile sums the partials and stores the tile's sums of squares) and the qkv
-    and gate_up GEMVs apply the norm as they load the stream (`gemv_normed`). 5 launches a
-    layer instead of 7, and none of them a one-program norm. The stream is bit-identical to
-    the 7-launch chain's; a norm's mean square is summed tile by tile, so a normed value may
-    differ in the last bit (tests/gpu/test_decode_chain_cuda.py)."""
-    from kernels.gemv import StreamTiles, gemv_add_rmsnorm, gemv_into_stream, gemv_normed
-
-    layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
-    state: StreamTiles | None = None
-    for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
-        attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
-        if state is None:
-            part = gemv_partials_of(normed, attn)
-        else:
-            norm = layer.input_layernorm
-            part = gemv_normed(state, norm.weight, norm.eps, attn.qkv_proj.weight, partials=True)
-        attn_out = attention_from_partials(attn, part, cos, sin, meta, kv_cache, stream.dtype)
-        state = gemv_into_stream(attn_out, attn.o_proj.weight, stream)
-        post = layer.post_attention_layernorm
-        mlp: GemvGatedMLP = layer.mlp  # type: ignore[assignment]
-        gate_up = gemv_normed(state, post.weight, post.eps, mlp.gate_up_proj.weight)
-        if i + 1 == len(layers):
-            normed, _ = gemv_add_rmsnorm(
-                gate_up, mlp.down_proj.weight, state.values, model.norm.weight, model.norm.eps,
-                gated=True,
-            )  # fmt: skip
-            return normed
-        state = gemv_into_stream(gate_up, mlp.down_proj.weight, state.values, gated=True)
-        stream = state.values
-    raise ValueError("a model without layers")
 
 
 def fused_attention_takes(
@@ -185,36 +143,17 @@ def fused_attention(
 ) -> torch.Tensor:
     """`attn.attend` for a step `fused_attention_takes`: the qkv GEMV's partials, then the
     reduce, RoPE + KV insert and decode attention in one launch; bit-identical."""
-    part = gemv_partials_of(normed, attn)
-    return attention_from_partials(attn, part, cos, sin, meta, kv_cache, normed.dtype)
-
-
-def gemv_partials_of(normed: torch.Tensor, attn: LlamaAttention) -> torch.Tensor:
+    from kernels.decode_from_qkv import decode_from_qkv
     from kernels.gemv import gemv_partials
 
-    return gemv_partials(normed, attn.qkv_proj.weight)
-
-
-def attention_from_partials(
-    attn: LlamaAttention,
-    part: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    meta: TritonAttentionMetadata,
-    kv_cache: torch.Tensor,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The qkv GEMV's split-K partials [split, rows, qkv] to the attention output [rows,
-    heads * head_dim]: reduce, RoPE + KV insert and decode attention in one launch."""
-    from kernels.decode_from_qkv import decode_from_qkv
-
+    part = gemv_partials(normed, attn.qkv_proj.weight)
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     out = decode_from_qkv(
         part, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping,
         meta.token_index, meta.rope_table(cos, sin), num_heads=attn.num_heads,
-        num_splits=meta.decode_num_splits, dtype=dtype, sm_scale=attn.scale,
+        num_splits=meta.decode_num_splits, dtype=normed.dtype, sm_scale=attn.scale,
     )  # fmt: skip
-    return out.view(part.shape[1], -1)
+    return out.view(normed.shape[0], -1)
 
 
 def chain_takes(input_ids: torch.Tensor) -> bool:
@@ -249,6 +188,3 @@ def install_decode_chain(model: torch.nn.Module) -> bool:
 DECODE_CHAIN_DEFAULT = True
 # On by default; False keeps the three launches of the chain's attention (A/B runs).
 FUSED_ATTENTION_DEFAULT = True
-# With the fused attention: the norms inside the GEMVs (`_norms_in_gemvs`); False: 7 launches
-# a layer (A/B runs).
-NORMS_IN_GEMVS_DEFAULT = True

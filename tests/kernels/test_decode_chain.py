@@ -104,31 +104,21 @@ def test_larger_steps_take_the_layer_by_layer_forward(device) -> None:  # type: 
     assert chain_takes(ids[:16]) == (device.type == "cuda")
 
 
-@pytest.mark.parametrize("norms_in_gemvs", [True, False])
-def test_chain_attention_from_qkv_partials_matches_layer_by_layer(
-    device, monkeypatch, norms_in_gemvs
-) -> None:  # type: ignore[no-untyped-def]
+def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Triton metadata with the strided split-K decode: the chain runs each layer's attention
-    from the qkv partials in one kernel (kernels/decode_from_qkv.py), and (norms_in_gemvs)
-    every norm but the last inside the GEMVs around it."""
+    from the qkv partials in one kernel (kernels/decode_from_qkv.py)."""
     import dataclasses
 
     from kernels import decode_from_qkv as fused_module
-    from kernels import gemv as gemv_module
     from kernels.paged_decode import STRIDED_MIN_SPLITS
     from services.worker import decode_chain
     from services.worker.attention_select import TritonAttentionMetadata
 
-    calls: list[str] = []
-
-    def counted(module: object, name: str) -> None:
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(name) or real(*a, **kw))
-
-    counted(fused_module, "decode_from_qkv")
-    counted(gemv_module, "gemv_add_rmsnorm")
-    counted(gemv_module, "gemv_normed")
-    monkeypatch.setattr(decode_chain, "NORMS_IN_GEMVS_DEFAULT", norms_in_gemvs)
+    calls = []
+    real = fused_module.decode_from_qkv
+    monkeypatch.setattr(
+        fused_module, "decode_from_qkv", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     model = _model(device)
     cache = KVCache.allocate(model.config, 2 * 4, BLOCK, torch.float32, device)
     for layer_cache in cache.layers:
@@ -147,11 +137,7 @@ def test_chain_attention_from_qkv_partials_matches_layer_by_layer(
     assert decode_chain.fused_attention_takes(model, meta, 2)
     with torch.inference_mode():
         fused = chain_forward(model, ids, pos, meta, cache.layers)
-        layers = TINY["num_hidden_layers"]
-        assert calls.count("decode_from_qkv") == layers
-        # Fused: one norm launch at the end, the others in the qkv and gate_up GEMVs.
-        assert calls.count("gemv_add_rmsnorm") == (1 if norms_in_gemvs else 2 * layers)
-        assert calls.count("gemv_normed") == (2 * layers - 1 if norms_in_gemvs else 0)
+        assert len(calls) == TINY["num_hidden_layers"]
         plain = LlamaForCausalLM.forward(model, ids, pos, dataclasses.replace(meta), other.layers)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     for a, b in zip(cache.layers, other.layers, strict=True):
