@@ -19,9 +19,11 @@ the profiler range is one decode step after a few, graph replay + LM head + samp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -30,7 +32,23 @@ from shared.protocol import SamplingParams, StepPlan
 from tests.support.engine import InProcessEngine
 
 
-def drive(step: int, prompt: int, output: int, preset: str, device: str) -> None:
+@contextlib.contextmanager
+def cuda_profiler_range() -> Iterator[None]:
+    """What ncu --profile-from-start off profiles: cudaProfilerStart .. cudaProfilerStop."""
+    torch.cuda.cudart().cudaProfilerStart()
+    yield
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def drive(
+    step: int,
+    prompt: int,
+    output: int,
+    preset: str,
+    device: str,
+    around: Callable[[], contextlib.AbstractContextManager[object]] = cuda_profiler_range,
+) -> None:
+    """Runs one request; decode step `step` (launch to its tokens) inside `around()`."""
     model, config = build_random_model(PRESETS[preset], torch.bfloat16, device, 4096)
     eng = InProcessEngine(
         "unused",
@@ -58,10 +76,9 @@ def drive(step: int, prompt: int, output: int, preset: str, device: str) -> None
         if not cuda:  # a dry run of the driver
             return launch(plan)
         torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        launched = launch(plan)
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+        with around():
+            launched = launch(plan)
+            torch.cuda.synchronize()
         return launched
 
     eng.runner.launch = profiled  # type: ignore[method-assign]
