@@ -36,8 +36,10 @@ from tests.support.engine import InProcessEngine
 def cuda_profiler_range() -> Iterator[None]:
     """What ncu --profile-from-start off profiles: cudaProfilerStart .. cudaProfilerStop."""
     torch.cuda.cudart().cudaProfilerStart()
-    yield
-    torch.cuda.cudart().cudaProfilerStop()
+    try:
+        yield
+    finally:
+        torch.cuda.cudart().cudaProfilerStop()
 
 
 def drive(

@@ -5,7 +5,9 @@
 # it is (twice) and for the dropped norms-inside-the-GEMVs tree (commit 3e57968, carried as
 # norms_tree.tar, an uncommitted archive, with this tree's two bench files copied in).
 #
+#   git archive 3e57968 -o norms_tree.tar   # optional: the dropped tree, untracked, travels along
 #   run(command="bash bench/gpu/chain_trace_session.sh", carry=[".whl", ".redisbin"])
+#   rm norms_tree.tar
 SESSION_SECONDS=${SESSION_SECONDS:-420}
 source "$(dirname "$0")/session_env.sh"
 HERE=$PWD
