@@ -59,6 +59,17 @@ H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (128256, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=4),
 }
 
+# One-row products on Hopper go to kernels/gemv_ws.py (weight loads ahead of the PDL wait)
+# with these tiles: (block_n, block_k, split, stages = num_stages), the work units spread
+# evenly over 132 programs. The LM head stays on the tensor-core kernel.
+GEMV_WS_DEFAULT = True
+WS_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (6144, 4096): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=9),
+    (4096, 4096): GemvConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=9),
+    (28672, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9),
+    (4096, 14336): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=9),
+}
+
 
 @triton.jit
 def _gemv_kernel(
@@ -216,6 +227,7 @@ class _GemvLaunch:
     config: GemvConfig
     gated: bool
     pdl: bool
+    ws: bool = False
 
     @property
     def k_per_split(self) -> int:
@@ -257,6 +269,12 @@ def _checked(
     if interpreting():
         cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
     use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
+    ws_cfg = WS_CONFIGS.get((n, k)) if GEMV_WS_DEFAULT and config is None and x.is_cuda else None
+    if ws_cfg is not None:
+        from kernels import gemv_ws
+
+        if gemv_ws.supported(x, weight, k, ws_cfg.block_n, ws_cfg.block_k, ws_cfg.split_k):
+            return _GemvLaunch(x, weight, k, ws_cfg, gated, use_pdl, ws=True)
     return _GemvLaunch(x, weight, k, cfg, gated, use_pdl)
 
 
@@ -264,6 +282,15 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
     """The GEMV kernel: into `out` directly, or fp32 partials [split, M, N] into `part`."""
     x, weight, cfg, k = g.x, g.weight, g.config, g.k
     m, n = x.shape[0], weight.shape[0]
+    if g.ws:
+        from kernels import gemv_ws
+
+        gemv_ws.launch(
+            x, weight, part if part is not None else out, k=k, block_n=cfg.block_n,
+            block_k=cfg.block_k, split=g.split, stages=cfg.num_stages,
+            use_partials=part is not None, gated=g.gated, pdl=g.pdl,
+        )  # fmt: skip
+        return
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
         x, weight, out, part if part is not None else out, m, n, k, g.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
