@@ -1,93 +1,63 @@
-"""One-row decode GEMV whose weight loads run ahead of the PDL wait (Hopper, Gluon).
+"""One-row decode GEMVs whose weight loads run ahead of the PDL wait (Hopper, Gluon).
 
 The Triton GEMV of kernels/gemv.py starts loading weights only once its predecessor in the
 decode step's PDL chain has finished (`griddepcontrol.wait`), so every launch pays a ramp (the
 first bytes' latency) and a drain (the last tiles) with HBM partly idle. Here a one-warp
 loader partition streams the weight tiles with TMA into a ring of shared-memory stages without
-waiting for anything (weights do not depend on the predecessor): while the kernel before it
-still runs, a resident program has already filled its ring. The compute partition waits for
-the predecessor, then reads x (one row) and reduces each tile on CUDA cores in fp32.
+waiting for anything (weights do not depend on the predecessor): as soon as a program is
+resident its ring fills, while the kernel before it may still be finishing. The compute
+partition (8 warps) waits for the predecessor, stages x (one row; gated: silu(gate) * up) in
+shared memory once per K split, then multiplies each tile on CUDA cores into an fp32
+[block_n, block_k] accumulator that it sums over K once per output tile.
 
 Work units are (output tile, K split) pairs; a program walks units pid, pid + grid, ... with
-one continuous ring, so a grid of at most one program per SM leaves room beside it for the
-next kernel's programs (and their rings). Outputs: fp32 partials [split, 1, N] as
-kernels/gemv.py's `_gemv_kernel` stores them, or the row itself when split == 1 and no
-partials are asked for. Rounding differs from the tensor-core kernel only in the order of the
-fp32 sums within a split.
+one continuous ring (grid: at most one program per SM). Outputs: fp32 partials [split, 1, N] as
+kernels/gemv.py's `_gemv_kernel` stores them, or the row itself in x's dtype when split == 1
+and no partials are asked for. Rounding differs from the tensor-core kernel only in the order
+of the fp32 sums within a split.
+
+`_mlp_ws_kernel` is a decode MLP's two products in one launch: gate_up, then a grid-wide
+barrier (every program resident: one per SM), then down on silu(gate) * up. Its loader never
+waits for the barrier, so down's first tiles stream in while the last gate_up tiles are
+summed and the programs meet: no launch boundary, no ramp between the two.
 """
 
 from __future__ import annotations
 
 import torch
 from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.tensor_checks import next_power_of_2, pdl_launch, sm_count
 
-# The compute partition's warps, and the registers a thread may hold: 12 warps (8 compute +
-# the loader's warpgroup) at 80 keep over half the register file free for the next kernel's
-# programs beside them.
+# The compute partition's warps, and the registers a thread may hold (12 warps: 8 compute and
+# the loader's warpgroup).
 COMPUTE_WARPS = 8
 MAX_REGISTERS = 80
-# Weight tiles the loader asks L2 for beyond the ring (0: none).
-L2_PREFETCH_STEPS = 0
 
 
 @gluon.jit
-def _gdc_wait():
+def _asm(instruction: gl.constexpr):
     gl.inline_asm_elementwise(
-        "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        instruction + " // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
     )
 
 
 @gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _prefetch_tile(w_ptr, stride_wn, n0, k, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Ask L2 for one weight tile (a bulk prefetch per row, one row per lane)."""
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    rows = gl.arange(0, 32, layout=lanes)
-    size = gl.full([32], BLOCK_K * 2, gl.int32, layout=lanes)
-    for r in gl.static_range(BLOCK_N // 32):
-        ptrs = w_ptr + (n0 + r * 32 + rows).to(gl.int64) * stride_wn + k
-        gl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-            [ptrs, size], dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
-@gluon.jit
-def _loader(
-    w_desc, w_ptr, stride_wn, bufs, ready, empty, n_units, split, steps,
-    PREFETCH: gl.constexpr,
-):  # fmt: skip
-    """One warp: every weight tile of this program's units, in order, into the ring; with
-    PREFETCH, the tile PREFETCH steps past each one into L2 as well (more bytes in flight
-    than the ring holds)."""
+def _load_units(w_desc, bufs, ready, empty, i, n_units, split, steps):
+    """The loader's walk over one product: every weight tile of this program's units, in
+    order, into the ring (slot i % stages onwards); returns the next ring position."""
     block_n: gl.constexpr = w_desc.block_type.shape[0]
     block_k: gl.constexpr = w_desc.block_type.shape[1]
     stages: gl.constexpr = bufs.type.shape[0]
-    pid = gl.program_id(0)
-    grid = gl.num_programs(0)
-    i = 0
-    for u in range(pid, n_units, grid):
+    i = gl.to_tensor(i)
+    for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         n0 = (u // split) * block_n
         k0 = (u % split) * steps * block_k
         for j in range(steps):
-            if PREFETCH > 0:
-                t = i + PREFETCH
-                pu = pid + (t // steps) * grid
-                if pu < n_units:
-                    pk = ((pu % split) * steps + t % steps) * block_k
-                    _prefetch_tile(w_ptr, stride_wn, (pu // split) * block_n, pk, block_n, block_k)
             s = i % stages
             mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
@@ -95,10 +65,14 @@ def _loader(
                 w_desc, [n0, k0 + j * block_k], ready.index(s), bufs.index(s)
             )
             i += 1
+    return i
 
 
 @gluon.jit
-def _stage_x(x_ptr, x_smem, k0, steps, K, GATED: gl.constexpr, layout: gl.constexpr):
+def _stage_x(
+    x_ptr, x_smem, k0, steps, K, GATED: gl.constexpr, CACHE: gl.constexpr,
+    layout: gl.constexpr,
+):  # fmt: skip
     """x[k0 : k0 + steps * BLOCK_K] into x_smem [X_STEPS, BLOCK_K] (rows past `steps` are 0);
     gated: silu(gate) * up, rounded as kernels/gemv.py rounds."""
     x_steps: gl.constexpr = x_smem.type.shape[0]
@@ -107,40 +81,40 @@ def _stage_x(x_ptr, x_smem, k0, steps, K, GATED: gl.constexpr, layout: gl.conste
     cols = gl.arange(0, block_k, layout=gl.SliceLayout(0, layout))
     offs = k0 + rows[:, None] * block_k + cols[None, :]
     mask = (rows[:, None] < steps) & (cols[None, :] < block_k)
-    x = gl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = gl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=CACHE)
     if GATED:
-        up = gl.load(x_ptr + K + offs, mask=mask, other=0.0).to(gl.float32)
+        up = gl.load(x_ptr + K + offs, mask=mask, other=0.0, cache_modifier=CACHE)
         gate = x.to(gl.float32)
         act = gate / (1.0 + gl.exp(-gate))
         act = act.to(x.dtype, fp_downcast_rounding="rtne").to(gl.float32)
-        x = (act * up).to(x.dtype, fp_downcast_rounding="rtne")
+        x = (act * up.to(gl.float32)).to(x.dtype, fp_downcast_rounding="rtne")
     x_smem.store(x)
 
 
 @gluon.jit
-def _compute(
-    x_ptr, out_ptr, bufs, x_smem, ready, empty, n_units, split, steps, N, K,
-    USE_PARTIALS: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr,
+def _compute_units(
+    x_ptr, out_ptr, bufs, x_smem, ready, empty, i, n_units, split, steps, N, K,
+    USE_PARTIALS: gl.constexpr, GATED: gl.constexpr, CACHE: gl.constexpr,
     layout: gl.constexpr,
 ):  # fmt: skip
+    """The compute partition's walk over one product (ring position i onwards): x staged
+    once per K split, each unit's tiles multiplied into an fp32 tile, summed over K, stored.
+    Returns the next ring position."""
     block_n: gl.constexpr = bufs.type.shape[1]
     block_k: gl.constexpr = bufs.type.shape[2]
     stages: gl.constexpr = bufs.type.shape[0]
-    if PDL:  # only the compute waits for the predecessor: the loader is already streaming
-        _gdc_wait()
-        _gdc_launch_dependents()
     offs_n = gl.arange(0, block_n, layout=gl.SliceLayout(1, layout))
     # The same bytes (unswizzled, row-major) as a stack of rows, to index one K tile.
     x_rows = x_smem._reinterpret(
         x_smem.dtype, x_smem.type.shape, gl.SwizzledSharedLayout(1, 1, 1, [0])
     )
     staged = -1  # the K split whose x is in x_smem
-    i = 0
+    i = gl.to_tensor(i)
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         ks = u % split
-        if ks != staged:  # x once per split (a program's units share one split when the
-            gl.thread_barrier()  # grid is a multiple of it), from L2 into shared memory
-            _stage_x(x_ptr, x_smem, ks * steps * block_k, steps, K, GATED, layout)
+        if ks != staged:  # once per split: a program's units share one when the grid is a
+            gl.thread_barrier()  # multiple of it
+            _stage_x(x_ptr, x_smem, ks * steps * block_k, steps, K, GATED, CACHE, layout)
             gl.thread_barrier()
             staged = ks
         # Elementwise fp32 products, summed over K once per unit: no shuffles per tile.
@@ -159,34 +133,139 @@ def _compute(
             gl.store(out_ptr + ks * N + rows, y)
         else:
             gl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty))
+    return i
 
 
 @gluon.jit
-def _gemv_ws_kernel(
-    x_ptr, w_desc, w_ptr, stride_wn, out_ptr, n_units, split, steps, N, K,
+def _wait_predecessor(PDL: gl.constexpr):
+    if PDL:  # only the compute waits for the predecessor: the loader is already streaming
+        _asm("griddepcontrol.wait;")
+        _asm("griddepcontrol.launch_dependents;")
+
+
+@gluon.jit
+def _gemv_compute(
+    x_ptr, out_ptr, bufs, x_smem, ready, empty, n_units, split, steps, N, K,
     USE_PARTIALS: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr,
-    STAGES: gl.constexpr, X_STEPS: gl.constexpr, PREFETCH: gl.constexpr,
-    num_warps: gl.constexpr,
+    layout: gl.constexpr,
 ):  # fmt: skip
-    block_n: gl.constexpr = w_desc.block_type.shape[0]
-    block_k: gl.constexpr = w_desc.block_type.shape[1]
-    tpw_k: gl.constexpr = min(32, block_k // 8)
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
-    bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, block_n, block_k], w_desc.layout)
+    _wait_predecessor(PDL)
+    _compute_units(
+        x_ptr, out_ptr, bufs, x_smem, ready, empty, 0, n_units, split, steps, N, K,
+        USE_PARTIALS, GATED, "", layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _gemv_loader(w_desc, bufs, ready, empty, n_units, split, steps):
+    _load_units(w_desc, bufs, ready, empty, 0, n_units, split, steps)
+
+
+@gluon.jit
+def _grid_sync(sync_ptr):
+    """Every program of the grid (all resident) past this point before any goes on; the
+    writes before it visible to the reads after it (sync_ptr: [count, generation], the count
+    back at 0 after each use)."""
+    gl.thread_barrier()
+    _asm("fence.acq_rel.gpu;")
+    generation = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
+    arrived = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == gl.num_programs(0) - 1:
+        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+        gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
+    else:
+        while gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") == generation:
+            pass
+    gl.thread_barrier()
+    _asm("fence.acq_rel.gpu;")
+
+
+@gluon.jit
+def _mlp_compute(
+    x_ptr, h_ptr, out_ptr, sync_ptr, bufs, x_smem, ready, empty,
+    units_up, steps_up, n_up, k_up, units_down, split_down, steps_down, n_down, k_down,
+    PDL: gl.constexpr, layout: gl.constexpr,
+):  # fmt: skip
+    _wait_predecessor(PDL)
+    i = _compute_units(
+        x_ptr, h_ptr, bufs, x_smem, ready, empty, 0, units_up, 1, steps_up, n_up, k_up,
+        False, False, "", layout,
+    )  # fmt: skip
+    _grid_sync(sync_ptr)
+    _compute_units(  # h was written by other SMs in this kernel: read it from L2
+        h_ptr, out_ptr, bufs, x_smem, ready, empty, i, units_down, split_down, steps_down,
+        n_down, k_down, True, True, ".cg", layout,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mlp_loader(
+    up_desc, down_desc, bufs, ready, empty, units_up, steps_up, units_down, split_down,
+    steps_down,
+):  # fmt: skip
+    i = _load_units(up_desc, bufs, ready, empty, 0, units_up, 1, steps_up)
+    _load_units(down_desc, bufs, ready, empty, i, units_down, split_down, steps_down)
+
+
+@constexpr_function
+def _tile_layout(block_k, num_warps):
+    """Each thread 8 contiguous K elements of a row; a warp 32 // (block_k / 8) rows."""
+    tpw_k = min(32, block_k // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _ring(desc, STAGES: gl.constexpr, X_STEPS: gl.constexpr):
+    """The weight ring, x's buffer and the ring's barriers."""
+    block_n: gl.constexpr = desc.block_type.shape[0]
+    block_k: gl.constexpr = desc.block_type.shape[1]
+    bufs = gl.allocate_shared_memory(desc.dtype, [STAGES, block_n, block_k], desc.layout)
     x_smem = gl.allocate_shared_memory(
-        w_desc.dtype, [X_STEPS, block_k], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        desc.dtype, [X_STEPS, block_k], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    return bufs, x_smem, ready, empty
+
+
+@gluon.jit
+def _gemv_ws_kernel(
+    x_ptr, w_desc, out_ptr, n_units, split, steps, N, K,
+    USE_PARTIALS: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr,
+    STAGES: gl.constexpr, X_STEPS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    layout: gl.constexpr = _tile_layout(w_desc.block_type.shape[1], num_warps)
+    bufs, x_smem, ready, empty = _ring(w_desc, STAGES, X_STEPS)
     gl.warp_specialize(
         [
-            (_compute, (x_ptr, out_ptr, bufs, x_smem, ready, empty, n_units, split, steps,
-                        N, K, USE_PARTIALS, GATED, PDL, layout)),
-            (_loader, (w_desc, w_ptr, stride_wn, bufs, ready, empty, n_units, split, steps,
-                       PREFETCH)),
+            (_gemv_compute, (x_ptr, out_ptr, bufs, x_smem, ready, empty, n_units, split,
+                             steps, N, K, USE_PARTIALS, GATED, PDL, layout)),
+            (_gemv_loader, (w_desc, bufs, ready, empty, n_units, split, steps)),
+        ],
+        [1],
+        [40],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _mlp_ws_kernel(
+    x_ptr, up_desc, down_desc, h_ptr, out_ptr, sync_ptr,
+    units_up, steps_up, n_up, k_up, units_down, split_down, steps_down, n_down, k_down,
+    PDL: gl.constexpr, STAGES: gl.constexpr, X_STEPS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    gl.static_assert(up_desc.block_type == down_desc.block_type)  # one ring for both
+    layout: gl.constexpr = _tile_layout(up_desc.block_type.shape[1], num_warps)
+    bufs, x_smem, ready, empty = _ring(up_desc, STAGES, X_STEPS)
+    gl.warp_specialize(
+        [
+            (_mlp_compute, (x_ptr, h_ptr, out_ptr, sync_ptr, bufs, x_smem, ready, empty,
+                            units_up, steps_up, n_up, k_up, units_down, split_down,
+                            steps_down, n_down, k_down, PDL, layout)),
+            (_mlp_loader, (up_desc, down_desc, bufs, ready, empty, units_up, steps_up,
+                           units_down, split_down, steps_down)),
         ],
         [1],
         [40],
@@ -224,6 +303,10 @@ def supported(
     )
 
 
+def _steps(k: int, split: int, block_k: int) -> int:
+    return k // (split * block_k)
+
+
 def launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -243,12 +326,43 @@ def launch(
     (kernels/gemv.py) and `supported`. One program per SM at most."""
     n = weight.shape[0]
     units = (n // block_n) * split
+    steps = _steps(k, split, block_k)
     _gemv_ws_kernel[(min(units, sm_count(x.device)),)](
-        x, weight_descriptor(weight, block_n, block_k), weight, weight.stride(0), out, units,
-        split,
-        k // (split * block_k), n, k,
+        x, weight_descriptor(weight, block_n, block_k), out, units, split, steps, n, k,
         USE_PARTIALS=use_partials, GATED=gated, PDL=pdl, STAGES=stages,
-        X_STEPS=next_power_of_2(k // (split * block_k)), PREFETCH=L2_PREFETCH_STEPS,
-        num_warps=COMPUTE_WARPS,
-        maxnreg=MAX_REGISTERS, **pdl_launch(pdl),
+        X_STEPS=next_power_of_2(steps), num_warps=COMPUTE_WARPS, maxnreg=MAX_REGISTERS,
+        **pdl_launch(pdl),
+    )  # fmt: skip
+
+
+def launch_mlp(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    h: torch.Tensor,
+    out: torch.Tensor,
+    sync: torch.Tensor,
+    *,
+    block_n: int,
+    block_k: int,
+    split: int,
+    stages: int,
+    pdl: bool,
+) -> None:
+    """A decode MLP's products for one row in one launch: h = x @ w_gate_up^T ([1, 2I] in x's
+    dtype), then down's fp32 split-K partials of silu(gate) * up @ w_down^T into `out`
+    ([split, 1, N]), bit for bit what `launch` gives for the two products with the same tiles.
+    sync: two int32 (count 0) for the grid barrier. The caller has checked `supported` for
+    both products (gate_up with split 1)."""
+    n_up, k_up = w_gate_up.shape
+    n_down, k_down = w_down.shape
+    units_up = n_up // block_n
+    units_down = (n_down // block_n) * split
+    steps_up, steps_down = _steps(k_up, 1, block_k), _steps(k_down, split, block_k)
+    _mlp_ws_kernel[(min(units_up, units_down, sm_count(x.device)),)](
+        x, weight_descriptor(w_gate_up, block_n, block_k),
+        weight_descriptor(w_down, block_n, block_k), h, out, sync,
+        units_up, steps_up, n_up, k_up, units_down, split, steps_down, n_down, k_down,
+        PDL=pdl, STAGES=stages, X_STEPS=next_power_of_2(max(steps_up, steps_down)),
+        num_warps=COMPUTE_WARPS, maxnreg=MAX_REGISTERS, **pdl_launch(pdl),
     )  # fmt: skip
