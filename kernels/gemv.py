@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import completion_counters, tensor_checks
+from kernels import tensor_checks
 from kernels.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
 from kernels.tensor_checks import (
     check_tensor,
@@ -69,9 +69,6 @@ WS_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (28672, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9),
     (4096, 14336): GemvConfig(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=9),
 }
-# A decode MLP's gate_up and down in one launch (gemv_ws._mlp_ws_kernel): both products take
-# the tiles above of gate_up (28672 x 4096) and down (4096 x 14336), which match.
-MLP_WS_DEFAULT = True
 
 
 @triton.jit
@@ -384,67 +381,17 @@ def gemv_add_rmsnorm(
     residual = checked
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {n}")
-    return _norm_partials(_partials(g), residual, norm_weight, eps, g.pdl)
-
-
-def _norm_partials(
-    part: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, pdl: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, stream) of the split-K partials [split, M, N] added to the residual stream."""
-    split, m, n = part.shape
-    normed = torch.empty(m, n, dtype=residual.dtype, device=residual.device)
+    part = _partials(g)
+    normed = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
     stream = torch.empty_like(normed)
     block = next_power_of_2(n)
     _split_k_norm_kernel[(m,)](
         part, residual, norm_weight, normed, stream, m, n, float(eps),
         residual.stride(0), normed.stride(0), stream.stride(0),
-        SPLIT_K=split, BLOCK=block, PDL=pdl, num_warps=norm_warps(block), **pdl_launch(pdl),
+        SPLIT_K=g.split, BLOCK=block, PDL=g.pdl,
+        num_warps=norm_warps(block), **pdl_launch(g.pdl),
     )  # fmt: skip
     return normed, stream
-
-
-def gemv_mlp_add_rmsnorm(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    *,
-    pdl: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A SiLU-gated MLP added to the residual stream, then RMSNorm'd: `gemv(x, w_gate_up)`
-    followed by `gemv_add_rmsnorm(..., w_down, ..., gated=True)`, with the same results. One
-    row on Hopper runs both products in one launch (kernels/gemv_ws.py `launch_mlp`)."""
-    up = _checked(x, w_gate_up, None, False, pdl)
-    fused = MLP_WS_DEFAULT and up.ws and up.split == 1
-    h = torch.empty(1, w_gate_up.shape[0], dtype=x.dtype, device=x.device) if fused else None
-    down = _checked(h, w_down, None, True, pdl) if h is not None else None
-    sync = (
-        completion_counters.counters("gemv_mlp_sync", x.device, 2)
-        if down is not None
-        and down.ws
-        and up.config.block_n == down.config.block_n
-        and up.config.block_k == down.config.block_k
-        and up.config.num_stages == down.config.num_stages
-        else None
-    )
-    if sync is None:  # two launches (also on a capture that would have to allocate `sync`)
-        gate_up = gemv(x, w_gate_up, pdl=pdl)
-        return gemv_add_rmsnorm(gate_up, w_down, residual, norm_weight, eps, gated=True, pdl=pdl)
-    from kernels import gemv_ws
-
-    checked, norm_weight = check_norm_inputs(x, (1, w_down.shape[0]), norm_weight, eps, residual)
-    if checked is None or w_down.shape[0] > MAX_HIDDEN:
-        raise ValueError("gemv_mlp_add_rmsnorm needs the residual stream of the hidden size")
-    assert h is not None
-    cfg = down.config
-    part = torch.empty(down.split, 1, w_down.shape[0], dtype=torch.float32, device=x.device)
-    gemv_ws.launch_mlp(
-        up.x, w_gate_up, w_down, h, part, sync, block_n=cfg.block_n, block_k=cfg.block_k,
-        split=down.split, stages=cfg.num_stages, pdl=up.pdl,
-    )  # fmt: skip
-    return _norm_partials(part, checked, norm_weight, eps, up.pdl)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> torch.Tensor:

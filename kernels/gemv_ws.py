@@ -15,11 +15,6 @@ one continuous ring (grid: at most one program per SM). Outputs: fp32 partials [
 kernels/gemv.py's `_gemv_kernel` stores them, or the row itself in x's dtype when split == 1
 and no partials are asked for. Rounding differs from the tensor-core kernel only in the order
 of the fp32 sums within a split.
-
-`_mlp_ws_kernel` is a decode MLP's two products in one launch: gate_up, then a grid-wide
-barrier (every program resident: one per SM), then down on silu(gate) * up. Its loader never
-waits for the barrier, so down's first tiles stream in while the last gate_up tiles are
-summed and the programs meet: no launch boundary, no ramp between the two.
 """
 
 from __future__ import annotations
@@ -161,52 +156,6 @@ def _gemv_loader(w_desc, bufs, ready, empty, n_units, split, steps):
     _load_units(w_desc, bufs, ready, empty, 0, n_units, split, steps)
 
 
-@gluon.jit
-def _grid_sync(sync_ptr):
-    """Every program of the grid (all resident) past this point before any goes on; the
-    writes before it visible to the reads after it (sync_ptr: [count, generation], the count
-    back at 0 after each use)."""
-    gl.thread_barrier()
-    _asm("fence.acq_rel.gpu;")
-    generation = gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu")
-    arrived = gl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == gl.num_programs(0) - 1:
-        gl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
-        gl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
-    else:
-        while gl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") == generation:
-            pass
-    gl.thread_barrier()
-    _asm("fence.acq_rel.gpu;")
-
-
-@gluon.jit
-def _mlp_compute(
-    x_ptr, h_ptr, out_ptr, sync_ptr, bufs, x_smem, ready, empty,
-    units_up, steps_up, n_up, k_up, units_down, split_down, steps_down, n_down, k_down,
-    PDL: gl.constexpr, layout: gl.constexpr,
-):  # fmt: skip
-    _wait_predecessor(PDL)
-    i = _compute_units(
-        x_ptr, h_ptr, bufs, x_smem, ready, empty, 0, units_up, 1, steps_up, n_up, k_up,
-        False, False, "", layout,
-    )  # fmt: skip
-    _grid_sync(sync_ptr)
-    _compute_units(  # h was written by other SMs in this kernel: read it from L2
-        h_ptr, out_ptr, bufs, x_smem, ready, empty, i, units_down, split_down, steps_down,
-        n_down, k_down, True, True, ".cg", layout,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _mlp_loader(
-    up_desc, down_desc, bufs, ready, empty, units_up, steps_up, units_down, split_down,
-    steps_down,
-):  # fmt: skip
-    i = _load_units(up_desc, bufs, ready, empty, 0, units_up, 1, steps_up)
-    _load_units(down_desc, bufs, ready, empty, i, units_down, split_down, steps_down)
-
-
 @constexpr_function
 def _tile_layout(block_k, num_warps):
     """Each thread 8 contiguous K elements of a row; a warp 32 // (block_k / 8) rows."""
@@ -244,28 +193,6 @@ def _gemv_ws_kernel(
             (_gemv_compute, (x_ptr, out_ptr, bufs, x_smem, ready, empty, n_units, split,
                              steps, N, K, USE_PARTIALS, GATED, PDL, layout)),
             (_gemv_loader, (w_desc, bufs, ready, empty, n_units, split, steps)),
-        ],
-        [1],
-        [40],
-    )  # fmt: skip
-
-
-@gluon.jit
-def _mlp_ws_kernel(
-    x_ptr, up_desc, down_desc, h_ptr, out_ptr, sync_ptr,
-    units_up, steps_up, n_up, k_up, units_down, split_down, steps_down, n_down, k_down,
-    PDL: gl.constexpr, STAGES: gl.constexpr, X_STEPS: gl.constexpr, num_warps: gl.constexpr,
-):  # fmt: skip
-    gl.static_assert(up_desc.block_type == down_desc.block_type)  # one ring for both
-    layout: gl.constexpr = _tile_layout(up_desc.block_type.shape[1], num_warps)
-    bufs, x_smem, ready, empty = _ring(up_desc, STAGES, X_STEPS)
-    gl.warp_specialize(
-        [
-            (_mlp_compute, (x_ptr, h_ptr, out_ptr, sync_ptr, bufs, x_smem, ready, empty,
-                            units_up, steps_up, n_up, k_up, units_down, split_down,
-                            steps_down, n_down, k_down, PDL, layout)),
-            (_mlp_loader, (up_desc, down_desc, bufs, ready, empty, units_up, steps_up,
-                           units_down, split_down, steps_down)),
         ],
         [1],
         [40],
@@ -332,37 +259,4 @@ def launch(
         USE_PARTIALS=use_partials, GATED=gated, PDL=pdl, STAGES=stages,
         X_STEPS=next_power_of_2(steps), num_warps=COMPUTE_WARPS, maxnreg=MAX_REGISTERS,
         **pdl_launch(pdl),
-    )  # fmt: skip
-
-
-def launch_mlp(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    h: torch.Tensor,
-    out: torch.Tensor,
-    sync: torch.Tensor,
-    *,
-    block_n: int,
-    block_k: int,
-    split: int,
-    stages: int,
-    pdl: bool,
-) -> None:
-    """A decode MLP's products for one row in one launch: h = x @ w_gate_up^T ([1, 2I] in x's
-    dtype), then down's fp32 split-K partials of silu(gate) * up @ w_down^T into `out`
-    ([split, 1, N]), bit for bit what `launch` gives for the two products with the same tiles.
-    sync: two int32 (count 0) for the grid barrier. The caller has checked `supported` for
-    both products (gate_up with split 1)."""
-    n_up, k_up = w_gate_up.shape
-    n_down, k_down = w_down.shape
-    units_up = n_up // block_n
-    units_down = (n_down // block_n) * split
-    steps_up, steps_down = _steps(k_up, 1, block_k), _steps(k_down, split, block_k)
-    _mlp_ws_kernel[(min(units_up, units_down, sm_count(x.device)),)](
-        x, weight_descriptor(w_gate_up, block_n, block_k),
-        weight_descriptor(w_down, block_n, block_k), h, out, sync,
-        units_up, steps_up, n_up, k_up, units_down, split, steps_down, n_down, k_down,
-        PDL=pdl, STAGES=stages, X_STEPS=next_power_of_2(max(steps_up, steps_down)),
-        num_warps=COMPUTE_WARPS, maxnreg=MAX_REGISTERS, **pdl_launch(pdl),
     )  # fmt: skip

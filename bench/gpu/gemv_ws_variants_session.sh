@@ -6,7 +6,9 @@
 # with MESH=N the mesh at batch 1 and 16, off against this tree, N rounds. (Earlier calls of
 # this script, with other variants: bench/gpu/gemv_ws_h200.log.)
 #
-#   run(command="bash bench/gpu/gemv_ws_variants_session.sh", carry=[".whl", ".redisbin"])
+# Its variants are seds of commit e7f2d24's kernels/gemv.py and gemv_ws.py (the loader's L2
+# prefetch, L2_PREFETCH_STEPS, was removed after it and down's tiles changed to 32 x 256):
+#   git checkout e7f2d24; run(command="bash bench/gpu/gemv_ws_variants_session.sh", carry=[".whl", ".redisbin"])
 SESSION_SECONDS=${SESSION_SECONDS:-570}
 source "$(dirname "$0")/session_env.sh"
 HERE=$PWD

@@ -6,7 +6,8 @@
 # traced step of this tree; the mesh at batch 1 and 16, off against this tree; and the whole
 # GPU suite. If the MLP's tests fail, the rest runs with it off.
 #
-#   run(command="bash bench/gpu/mlp_ws_session.sh", carry=[".whl", ".redisbin"])
+# Ran once, on commit 53f5e9d (the MLP was dropped after it: bench/gpu/mlp_ws_h200.log):
+#   git checkout 53f5e9d; run(command="bash bench/gpu/mlp_ws_session.sh", carry=[".whl", ".redisbin"])
 SESSION_SECONDS=${SESSION_SECONDS:-590}
 source "$(dirname "$0")/session_env.sh"
 copy() {  # copy NAME SED_SCRIPT FILE: this tree at /tmp/v_NAME, changed by sed

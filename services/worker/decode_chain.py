@@ -75,7 +75,7 @@ def chain_forward(
     kv_caches: list[torch.Tensor],
 ) -> torch.Tensor:
     """`model.forward` with the fused reduces: input_ids [T] (1..16) -> final normed hidden."""
-    from kernels.gemv import gemv_add_rmsnorm, gemv_mlp_add_rmsnorm
+    from kernels.gemv import gemv_add_rmsnorm
     from kernels.rmsnorm import rmsnorm
 
     layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
@@ -94,14 +94,8 @@ def chain_forward(
             attn_out, layer.self_attn.o_proj.weight, stream, post.weight, post.eps
         )
         mlp: GemvGatedMLP = layer.mlp  # type: ignore[assignment]
+        gate_up = mlp.gate_up_proj(normed)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
-        gate_up_proj = mlp.gate_up_proj
-        if normed.is_cuda and type(gate_up_proj) is GemvLinear and gate_up_proj.bias is None:
-            normed, stream = gemv_mlp_add_rmsnorm(
-                normed, gate_up_proj.weight, mlp.down_proj.weight, stream, nxt.weight, nxt.eps
-            )
-            continue
-        gate_up = gate_up_proj(normed)
         normed, stream = gemv_add_rmsnorm(
             gate_up, mlp.down_proj.weight, stream, nxt.weight, nxt.eps, gated=True
         )

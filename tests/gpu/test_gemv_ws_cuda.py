@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import completion_counters, tensor_checks
 from kernels import gemv as gemv_mod
-from kernels.gemv import WS_CONFIGS, gemv, gemv_mlp_add_rmsnorm, gemv_partials
+from kernels import tensor_checks
+from kernels.gemv import WS_CONFIGS, gemv, gemv_partials
 
 pytestmark = pytest.mark.skipif(
     not tensor_checks.supports_pdl(torch.device("cuda")), reason="TMA and PDL need sm_90+"
@@ -104,54 +104,3 @@ def test_a_graph_of_chained_products_replays_deterministically() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
-
-
-def mlp_operands(seed: int = 4):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        t = torch.randn(*shape, device="cuda", generator=g) * scale
-        return t.to(torch.bfloat16)
-
-    hidden, inter = 4096, 14336
-    return (
-        randn(2 * inter, hidden, scale=hidden**-0.5),
-        randn(hidden, inter, scale=inter**-0.5),
-        1 + randn(hidden, scale=0.1),
-    )
-
-
-def test_the_mlp_in_one_launch_equals_its_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gate_up, the grid barrier and down in one kernel: bit for bit the two WS launches
-    (same tiles), eagerly and over graph replays (the barrier's count back at 0 each time)."""
-    w_gate_up, w_down, norm = mlp_operands()
-    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
-    residual = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
-
-    def mlp(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        for _ in range(3):  # each reads what the one before wrote
-            x, residual = gemv_mlp_add_rmsnorm(x, w_gate_up, w_down, residual, norm, 1e-5)
-        return x, residual
-
-    def two_launches() -> tuple[torch.Tensor, torch.Tensor]:
-        with monkeypatch.context() as m:
-            m.setattr(gemv_mod, "MLP_WS_DEFAULT", False)
-            return mlp(x, residual)
-
-    sync = completion_counters.counters("gemv_mlp_sync", x.device, 2)
-    assert sync is not None
-    generation = int(sync[1])
-    fused = mlp(x, residual)
-    assert int(sync[0]) == 0 and int(sync[1]) == generation + 3  # three barriers met
-    want = two_launches()
-    assert torch.equal(fused[0], want[0]) and torch.equal(fused[1], want[1])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = mlp(x, residual)
-    for seed in range(3):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = two_launches()
-        assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
-    assert int(sync[0]) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import GemvConfig, gemv, gemv_add_rmsnorm, gemv_mlp_add_rmsnorm
+from kernels.gemv import GemvConfig, gemv, gemv_add_rmsnorm
 from kernels.rmsnorm import rmsnorm, rmsnorm_reference
 
 CONFIGS = (
@@ -73,25 +73,3 @@ def test_residual_dtype_must_match() -> None:
     weight = torch.randn(48, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"residual has dtype torch\.float32"):
         gemv_add_rmsnorm(x, weight, torch.randn(2, 48), torch.ones(48, dtype=x.dtype), 1e-6)
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_mlp_equals_gate_up_then_gated_down(device, rows) -> None:  # type: ignore[no-untyped-def]
-    """gemv_mlp_add_rmsnorm is the decode MLP's two products and the norm after them: bit for
-    bit gemv(x, w_gate_up) then gemv_add_rmsnorm(..., gated=True) (one row on Hopper runs
-    both products in one launch: tests/gpu/test_gemv_ws_cuda.py)."""
-    hidden, inter = 96, 136
-    x = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
-    w_gate_up = (torch.randn(2 * inter, hidden, device=device) * hidden**-0.5).to(x.dtype)
-    w_down = (torch.randn(hidden, inter, device=device) * inter**-0.5).to(x.dtype)
-    residual = torch.randn(rows, hidden, device=device).to(x.dtype)
-    norm_weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(x.dtype)
-    normed, stream = gemv_mlp_add_rmsnorm(x, w_gate_up, w_down, residual, norm_weight, 1e-5)
-    gate_up = gemv(x, w_gate_up)
-    ref_normed, ref_stream = gemv_add_rmsnorm(
-        gate_up, w_down, residual, norm_weight, 1e-5, gated=True
-    )
-    assert torch.equal(stream, ref_stream) and torch.equal(normed, ref_normed)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    mlp = (torch.nn.functional.silu(gate) * up) @ w_down.float().t()
-    torch.testing.assert_close(stream.float(), residual.float() + mlp, rtol=0.02, atol=0.02)
