@@ -41,6 +41,17 @@ def _asm(instruction: gl.constexpr):
     )
 
 
+# Gluon's names moved after Triton 3.6 (the H200's): _reinterpret -> reinterpret,
+# thread_barrier -> barrier, tma.async_copy_global_to_shared -> tma.async_load. These are the
+# ones this Triton has (tests/kernels/test_gemv_ws_compiles.py compiles the kernel with them).
+_reinterpret = (
+    getattr(gl.shared_memory_descriptor, "reinterpret", None)
+    or gl.shared_memory_descriptor._reinterpret
+)
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
 @gluon.jit
 def _load_units(w_desc, bufs, ready, empty, i, n_units, split, steps):
     """The loader's walk over one product: every weight tile of this program's units, in
@@ -56,9 +67,7 @@ def _load_units(w_desc, bufs, ready, empty, i, n_units, split, steps):
             s = i % stages
             mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)
             mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                w_desc, [n0, k0 + j * block_k], ready.index(s), bufs.index(s)
-            )
+            _tma_load(w_desc, [n0, k0 + j * block_k], ready.index(s), bufs.index(s))
             i += 1
     return i
 
@@ -87,6 +96,14 @@ def _stage_x(
 
 
 @gluon.jit
+def _as_rows(x_smem):
+    """x_smem's bytes (unswizzled, row-major) as a stack of rows, to index one K tile."""
+    return _reinterpret(
+        x_smem, x_smem.dtype, x_smem.type.shape, gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
+
+
+@gluon.jit
 def _compute_units(
     x_ptr, out_ptr, bufs, x_smem, ready, empty, i, n_units, split, steps, N, K,
     USE_PARTIALS: gl.constexpr, GATED: gl.constexpr, CACHE: gl.constexpr,
@@ -99,18 +116,15 @@ def _compute_units(
     block_k: gl.constexpr = bufs.type.shape[2]
     stages: gl.constexpr = bufs.type.shape[0]
     offs_n = gl.arange(0, block_n, layout=gl.SliceLayout(1, layout))
-    # The same bytes (unswizzled, row-major) as a stack of rows, to index one K tile.
-    x_rows = x_smem._reinterpret(
-        x_smem.dtype, x_smem.type.shape, gl.SwizzledSharedLayout(1, 1, 1, [0])
-    )
+    x_rows = _as_rows(x_smem)
     staged = -1  # the K split whose x is in x_smem
     i = gl.to_tensor(i)
     for u in range(gl.program_id(0), n_units, gl.num_programs(0)):
         ks = u % split
         if ks != staged:  # once per split: a program's units share one when the grid is a
-            gl.thread_barrier()  # multiple of it
+            _cta_barrier()  # multiple of it
             _stage_x(x_ptr, x_smem, ks * steps * block_k, steps, K, GATED, CACHE, layout)
-            gl.thread_barrier()
+            _cta_barrier()
             staged = ks
         # Elementwise fp32 products, summed over K once per unit: no shuffles per tile.
         acc = gl.zeros([block_n, block_k], gl.float32, layout=layout)
