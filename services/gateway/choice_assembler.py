@@ -37,6 +37,7 @@ class ChoiceUpdate:
     finish_reason: str | None = None
     stopped_on_string: bool = False
     error: str | None = None
+    error_type: str | None = None  # "invalid_request_error": the request's fault (a 400)
 
 
 class ChoiceAssembler:
@@ -73,6 +74,7 @@ class ChoiceAssembler:
             return update
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.error is not None or delta.finish_reason == "error":
+            update.error_type = delta.error_type
             return self._fail(update, delta.error or "the request failed in the engine")
         if self._want_logprobs and delta.token_ids and delta.logprobs is None:
             return self._fail(update, "logprobs were requested but the engine sent none")

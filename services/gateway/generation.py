@@ -106,7 +106,8 @@ class Generation:
         try:
             async for _index, update in self.updates():
                 if update.error is not None:
-                    raise OpenAIError(500, update.error, type_="internal_server_error")
+                    status, type_ = engine_error_status(update)
+                    raise OpenAIError(status, update.error, type_=type_)
         except RequestTimedOut:
             raise OpenAIError(
                 504, "the request timed out", type_="timeout_error", code="timeout"
@@ -136,7 +137,8 @@ class Generation:
         try:
             async for index, update in self.updates():
                 if update.error is not None:
-                    yield error_event(update.error)
+                    status, type_ = engine_error_status(update)
+                    yield error_event(update.error, type_, status)
                     yield DONE
                     return
                 if not (
@@ -154,3 +156,11 @@ class Generation:
         if plan.include_usage:
             yield sse(usage_chunk(plan, self.choices))
         yield DONE
+
+
+def engine_error_status(update: ChoiceUpdate) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of a choice the engine ended with an error: 400
+    when the request itself cannot be served (its grammar allows no token), else 500."""
+    if update.error_type == "invalid_request_error":
+        return 400, "invalid_request_error"
+    return 500, "internal_server_error"

@@ -425,6 +425,8 @@ class Scheduler:
             delta.finish_reason, delta.stop_token_id = decision
             if grammar is not None and decision[0] == "error":
                 delta.error = grammar.error
+                if grammar.invalid_request:
+                    delta.error_type = "invalid_request_error"
             self._finish(request, decision[0])
             out.finished_request_ids.append(request.request_id)
         out.add(request.reply_stream, delta)

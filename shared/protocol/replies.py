@@ -32,6 +32,10 @@ class RequestDelta(Struct):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # "invalid_request_error" when the request itself cannot be served (its structured-output
+    # grammar allows no token of the model's vocabulary): the gateway answers 400, not 500.
+    # Omitted when unset (the codec drops defaults), so older readers still decode the rest.
+    error_type: Literal["invalid_request_error"] | None = None
 
 
 @register

@@ -274,6 +274,33 @@ async def test_specs_that_do_not_compile_are_a_400_naming_the_field(
     assert isinstance(body, dict) and body.get("param") == param, body
 
 
+# A character SmolLM2's vocabulary cannot spell (no token carries its UTF-8 lead byte 0xF1):
+# the grammar compiles, then allows no token after "t". Found by the OpenAPI fuzzer as a 500.
+UNSPELLABLE_REGEX = "t\U0005d9f0"
+
+
+async def test_a_grammar_the_vocabulary_cannot_complete_is_a_400(
+    client: openai.AsyncOpenAI, model: str
+) -> None:
+    extra = {"extra_body": {"structured_outputs": {"regex": UNSPELLABLE_REGEX}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.completions.create(model=model, prompt="Say t", max_tokens=8, **extra)
+    assert "cannot be completed" in str(caught.value)
+    stream = await client.completions.create(
+        model=model, prompt="Say t", max_tokens=8, stream=True, **extra
+    )
+    with pytest.raises(openai.APIError) as streamed:
+        async for _chunk in stream:
+            pass
+    assert "cannot be completed" in str(streamed.value)
+    # The mesh is fine: a satisfiable constraint right after.
+    reply = await client.completions.create(
+        model=model, prompt="Say t", max_tokens=8,
+        extra_body={"structured_outputs": {"regex": "t[a-z]{2}"}},
+    )  # fmt: skip
+    assert re.fullmatch("t[a-z]{2}", reply.choices[0].text)
+
+
 def test_grammar_service_down_is_a_503_for_structured_requests_only(mesh: Mesh, model: str) -> None:
     sync = openai.OpenAI(base_url=mesh.api, api_key="unused", max_retries=0, timeout=600)
     structured = {"extra_body": {"structured_outputs": {"choice": ["up", "down"]}}}

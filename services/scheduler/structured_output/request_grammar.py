@@ -6,8 +6,11 @@ tentatively and roll back before returning; only `accept` moves it for good. So 
 see one consistent state, and a step that is retried or replanned never double-counts tokens.
 
 A grammar that rejects a token never raises: a rejected draft is trimmed (logged), a rejected
-sampled token (the mask was not applied, or conflicted with another mask) ends the request with
-an error, and grammar termination (its stop token accepted) ends it with "stop".
+sampled token ends the request with an error, and grammar termination (its stop token
+accepted) ends it with "stop". A rejection where the grammar allows no token at all is the
+request's fault, not the engine's: its constraint needs a string the model's vocabulary cannot
+spell (a character with no token, for example), so the error is marked an invalid request.
+Any other rejection (the mask was not applied, or conflicted with another mask) is internal.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ class Accepted:
 
     `num_tokens`: how many of them stand (the rest are dropped). `finish_reason`: "stop" when
     the grammar terminated on the last standing token, "error" when the next token was rejected
-    (then `error` says why), else None."""
+    (then `error` says why, and `invalid_request` whether the grammar had no token to allow),
+    else None."""
 
     num_tokens: int
     finish_reason: Literal["stop", "error"] | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    invalid_request: bool = False
 
 
 class RequestGrammar:
@@ -59,6 +64,7 @@ class RequestGrammar:
         self.vocab_size: int = grammar.tokenizer_info.vocab_size
         self.reasoning = reasoning
         self._reasoning_ended: bool | None = None  # the latch; None until first use
+        self._num_accepted = 0  # tokens the matcher accepted for good
 
     @property
     def is_terminated(self) -> bool:
@@ -83,6 +89,16 @@ class RequestGrammar:
             # First use: `history` is the prompt (nothing was generated before).
             self._reasoning_ended = reasoning_ended(history, self.reasoning)
         return not self._reasoning_ended
+
+    def _dead_end(self) -> bool:
+        """The grammar is not finished but allows no token of the vocabulary next."""
+        import numpy as np
+
+        if self.matcher.is_terminated():
+            return False
+        mask = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        self.matcher.fill_next_token_bitmask(mask, 0)
+        return not mask.any()
 
     # --- the three uses ---------------------------------------------------------------------
 
@@ -159,9 +175,18 @@ class RequestGrammar:
         for j in range(start, len(tokens)):
             token = tokens[j]
             if matcher.is_terminated() or not matcher.accept_token(token):
+                if self._dead_end():
+                    message = (
+                        "the structured-output constraint cannot be completed with this "
+                        f"model's vocabulary: after {self._num_accepted} constrained tokens it "
+                        "allows no token at all"
+                    )
+                    log.info(message, extra={"request_id": self.request_id})
+                    return Accepted(j, "error", error=message, invalid_request=True)
                 message = f"the model produced token {token}, which the grammar does not allow"
                 log.warning(message, extra={"request_id": self.request_id})
                 return Accepted(j, "error", error=message)
+            self._num_accepted += 1
             if matcher.is_terminated():
                 return Accepted(j + 1, "stop", stop_token_id=token)
         return Accepted(len(tokens))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.gateway.choice_assembler import ChoiceAssembler
+from services.gateway.generation import engine_error_status
 from services.gateway.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
 
@@ -98,6 +99,22 @@ def test_missing_logprobs_is_an_error_not_a_crash(tokenizer: PromptTokenizer) ->
     choice = assembler(tokenizer, logprobs=True)
     update = choice.consume(RequestDelta(request_id="x", start_index=0, token_ids=[5]))
     assert update.finish_reason == "error" and update.error
+
+
+def test_an_engine_error_keeps_whose_fault_it_is(tokenizer: PromptTokenizer) -> None:
+    """An error the request caused (its grammar allows no token) is a 400; any other, a 500."""
+    for error_type, status in (("invalid_request_error", 400), (None, 500)):
+        delta = RequestDelta(
+            request_id="x", start_index=0, finish_reason="error", error="no", error_type=error_type
+        )
+        update = assembler(tokenizer).consume(delta)
+        assert update.finish_reason == "error" and update.error == "no"
+        assert engine_error_status(update)[0] == status
+    # An engine error without a message still fails the choice, as an internal error.
+    update = assembler(tokenizer).consume(
+        RequestDelta(request_id="x", start_index=0, finish_reason="error")
+    )
+    assert update.error and engine_error_status(update) == (500, "internal_server_error")
 
 
 def test_routed_rows_nested_per_position_and_layer(tokenizer: PromptTokenizer) -> None:

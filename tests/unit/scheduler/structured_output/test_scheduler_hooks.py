@@ -143,8 +143,31 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(compiled: An
     run.run()  # no exception: the engine keeps going
     final = run.finals["g"]
     assert final.finish_reason == "error" and final.error is not None and str(X) in final.error
+    assert final.error_type is None  # the grammar allowed tokens: the engine's fault, a 500
     assert run.outputs["g"] == [LB]  # the rejected token is dropped
     assert run.outputs["free"] == [HMM] * 4
+
+
+def test_a_grammar_no_token_can_continue_is_the_requests_fault() -> None:
+    """After "{" this grammar needs "b", which no token of the vocabulary spells: the mask
+    allows nothing, whatever is sampled is rejected, and the error is an invalid request
+    (the gateway's 400), not an engine failure."""
+    import xgrammar as xgr
+
+    from tests.unit.scheduler.structured_output.conftest import VOCAB
+
+    info = xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, stop_token_ids=[EOS])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    unspellable = compiler.compile_grammar('root ::= "{" "b"')
+    core = scheduler()
+    core.add_request(submit("g", [HMM]), unspellable)
+    run = ScriptedRun(core, {"g": [LB, EOS, X]})
+    run.run()
+    final = run.finals["g"]
+    assert run.rows[1]["g"] == frozenset()  # after "{": nothing allowed
+    assert final.finish_reason == "error" and final.error_type == "invalid_request_error"
+    assert final.error is not None and "cannot be completed" in final.error
+    assert run.outputs["g"] == [LB]
 
 
 def test_no_row_while_a_prompt_is_prefilled_in_chunks(compiled: Any) -> None:
