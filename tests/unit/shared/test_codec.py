@@ -163,6 +163,7 @@ SAMPLES: dict[str, Message] = {
                     num_prompt_tokens=6,
                     num_cached_tokens=4,
                     error="none",
+                    error_type="invalid_request_error",
                 )
             ],
         ),
