@@ -270,7 +270,7 @@ def _checked(
         cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
     use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
     ws_cfg = WS_CONFIGS.get((n, k)) if GEMV_WS_DEFAULT and config is None and x.is_cuda else None
-    if ws_cfg is not None and torch.cuda.get_device_capability(x.device)[0] >= 9:
+    if ws_cfg is not None and supports_pdl(x.device):  # sm_90+ (cached device lookup)
         from kernels import gemv_ws  # Gluon, Hopper+: imported only where it can run
 
         if gemv_ws.supported(x, weight, k, ws_cfg.block_n, ws_cfg.block_k, ws_cfg.split_k):

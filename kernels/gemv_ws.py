@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.tensor_checks import next_power_of_2, pdl_launch, sm_count
+from kernels.tensor_checks import next_power_of_2, pdl_launch, sm_count, supports_pdl
 
 # The compute partition's warps, and the registers a thread may hold (12 warps: 8 compute and
 # the loader's warpgroup).
@@ -235,7 +235,7 @@ def supported(
         x.is_cuda
         and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and supports_pdl(x.device)  # sm_90+, the device's properties looked up once
         and weight.shape[0] % block_n == 0
         and k % (split * block_k) == 0
         and weight.stride(1) == 1

@@ -13,10 +13,7 @@ step gpu-tests 170 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_ge
 plain_copy
 sed -i 's/^GEMV_WS_DEFAULT = True/GEMV_WS_DEFAULT = False/' /tmp/plain/kernels/gemv.py
 grep -n "^GEMV_WS_DEFAULT" /tmp/plain/kernels/gemv.py kernels/gemv.py
-for r in 1 2; do
-    (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && b1_graph "off-$r")
-    b1_graph "on-$r"
-done
+b1_graph_ab 2
 step trace-on 120 python3 -m bench.gpu.chain_trace --trace /tmp/trace_on.json --kernels \
     > "$OUT/chain_trace_ws.txt"
 grep -A 40 "^kind" "$OUT/chain_trace_ws.txt"

@@ -64,6 +64,14 @@ b1_graph() {  # b1_graph NAME: the batch-1 step graph of the tree in the current
         --max-model-len 1024 --out "$OUT/b1_graph_$1.json" | grep -o "'step_graph_ms': [0-9.]*"
 }
 
+b1_graph_ab() {  # b1_graph_ab ROUNDS: the batch-1 step graph of /tmp/plain (off-N) then this
+    local r                    # tree (on-N), alternating, ROUNDS times
+    for r in $(seq 1 "$1"); do
+        (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && b1_graph "off-$r")
+        b1_graph "on-$r"
+    done
+}
+
 b1_graph_faster() {  # b1_graph_faster A B: prints 1 if A's best b1_graph (runs "A-<n>") beat B's
     python3 - "$OUT" "$1" "$2" <<'PY'
 import glob, json, sys
