@@ -42,15 +42,8 @@ def cuda_profiler_range() -> Iterator[None]:
         torch.cuda.cudart().cudaProfilerStop()
 
 
-def drive(
-    step: int,
-    prompt: int,
-    output: int,
-    preset: str,
-    device: str,
-    around: Callable[[], contextlib.AbstractContextManager[object]] = cuda_profiler_range,
-) -> None:
-    """Runs one request; decode step `step` (launch to its tokens) inside `around()`."""
+def engine(preset: str, device: str) -> InProcessEngine:
+    """The worker's runner on a random-weight model of `preset`, warmed up, graphs captured."""
     model, config = build_random_model(PRESETS[preset], torch.bfloat16, device, 4096)
     eng = InProcessEngine(
         "unused",
@@ -63,9 +56,26 @@ def drive(
         dtype=torch.bfloat16,
     )
     eng.runner.warmup()
-    cuda = device == "cuda"
-    if cuda:
+    if device == "cuda":
         eng.runner.capture_cuda_graphs()
+    return eng
+
+
+def greedy(output: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+
+
+def drive(
+    step: int,
+    prompt: int,
+    output: int,
+    preset: str,
+    device: str,
+    around: Callable[[], contextlib.AbstractContextManager[object]] = cuda_profiler_range,
+) -> None:
+    """Runs one request; decode step `step` (launch to its tokens) inside `around()`."""
+    eng = engine(preset, device)
+    cuda = device == "cuda"
     launch = eng.runner.launch
     decodes = 0
 
@@ -84,8 +94,7 @@ def drive(
         return launched
 
     eng.runner.launch = profiled  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
-    eng.submit("r0", [(31 * j) % 128000 + 1 for j in range(prompt)], params)
+    eng.submit("r0", [(31 * j) % 128000 + 1 for j in range(prompt)], greedy(output))
     eng.run()
     print(f"profiled decode step {step} of {decodes}")
 

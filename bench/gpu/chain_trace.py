@@ -9,6 +9,9 @@ add up to the step.
 
     python3 -m bench.gpu.chain_trace --trace T.json [--kernels]   # drive one step, trace it
     python3 -m bench.gpu.chain_trace --read T.json [--kernels]    # a trace written before
+    python3 -m bench.gpu.chain_trace --steady 4 --trace T.json --kernels
+        # 4 consecutive decode steps as the worker runs them (step N+1 launched before N is
+        # finished, fed on the device; no synchronisation before), copies included
 
 The step is bench/gpu/b1_step_kernels.py's (the worker's runner, Llama-3-8B shape, random
 weights, decode step 8 after a 512-token prompt: graph replay, LM head, sampling), traced by
@@ -23,6 +26,10 @@ import argparse
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.protocol import StepPlan
 
 # The decode chain's GEMV grids at the Llama-3-8B shape, one row (kernels/gemv.py configs).
 GEMV_GRIDS = {
@@ -54,7 +61,7 @@ def kernels(path: str) -> list[Kernel]:
         events = json.load(f)["traceEvents"]
     found = []
     for e in events:
-        if e.get("cat") != "kernel" or "dur" not in e:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
             continue
         grid = tuple(e.get("args", {}).get("grid", (0, 0, 0)))
         start = int(float(e["ts"]) * 1e3)
@@ -78,6 +85,37 @@ def trace_step(path: str) -> None:
     drive(8, 512, 12, "llama-3-8b", "cuda", around=around)
     torch.cuda.synchronize()
     profilers[-1].export_chrome_trace(path)
+
+
+def trace_steady(path: str, steps: int) -> None:
+    """Traces `steps` consecutive decode steps from decode step 8, launched as the worker
+    launches them (overlapped: each launched before the previous one is finished), so the
+    glue between two steps' graphs (sampling, copies, the token feed) is as in the mesh."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu.b1_step_kernels import engine, greedy
+
+    eng = engine("llama-3-8b", "cuda")
+    launch = eng.runner.launch
+    decodes = 0
+    prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def traced(plan: StepPlan) -> object:
+        nonlocal decodes
+        decodes += all(n == 1 for n in plan.num_scheduled_tokens.values())
+        if decodes == 8:
+            prof.__enter__()
+        launched = launch(plan)
+        if decodes == 8 + steps:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(path)
+        return launched
+
+    eng.runner.launch = traced  # type: ignore[method-assign]
+    eng.submit("r0", [(31 * j) % 128000 + 1 for j in range(512)], greedy(8 + steps + 4))
+    eng.run(overlap=True)
 
 
 def report(found: list[Kernel], listing: bool) -> None:
@@ -116,8 +154,11 @@ def main() -> None:
     source.add_argument("--trace", metavar="JSON", help="drive and trace one step into JSON")
     source.add_argument("--read", metavar="JSON", help="report a trace written before")
     parser.add_argument("--kernels", action="store_true", help="list every kernel")
+    parser.add_argument("--steady", type=int, metavar="STEPS", help="consecutive steps, overlapped")
     args = parser.parse_args()
-    if args.trace:
+    if args.trace and args.steady:
+        trace_steady(args.trace, args.steady)
+    elif args.trace:
         trace_step(args.trace)
     report(kernels(args.trace or args.read), args.kernels)
 
