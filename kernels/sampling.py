@@ -2,8 +2,13 @@
 
 One Triton program scores one chunk of one row's vocabulary: it hashes (seed, position, token
 id) for each token, turns the hash into Gumbel noise, applies the grammar bitmask, and keeps a
-running per-lane maximum; the launcher then picks the best chunk per row. The logits are read
-once and no [B, V] noise tensor ever exists.
+running per-lane maximum, then stores its chunk's best (score, token id). The last program of a
+row to finish (an acq_rel count in kernels/completion_counters.py) picks the row's best chunk
+and writes the token, so one sampling step is one launch: with `rows` the kernel also reads the
+temperature and seed from per-request state tables and can store the token into a feed table.
+Where no counters can be had (first use inside a CUDA graph capture) the launcher picks the best
+chunk in torch instead, with the same result. The logits are read once and no [B, V] noise
+tensor ever exists.
 
 Reference: `gumbel_argmax_reference` (services/worker/sampling/gumbel.py, built on
 sampling/murmur3.py) is the same computation in PyTorch, and the CPU sampler. The kernel repeats
@@ -20,12 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import completion_counters
 from kernels.tensor_checks import (
     INDEX_DTYPES,
     MODEL_DTYPES,
     check_shape,
     check_tensor,
     interpreting,
+    next_power_of_2,
 )
 from services.worker.sampling.gumbel import (
     LN2_HI,
@@ -46,6 +53,7 @@ __all__ = ["gumbel_argmax_reference", "gumbel_argmax_triton", "gumbel_noise_refe
 BLOCK = 1024
 # Enough programs to fill a large GPU even at batch 1 (an H200 has 132 SMs).
 TARGET_PROGRAMS = 1024
+COUNTERS = "sampler"  # completion_counters family of the fused reduction over chunks
 
 _C1: tl.constexpr = tl.constexpr(C1)
 _C2: tl.constexpr = tl.constexpr(C2)
@@ -147,27 +155,40 @@ def _gumbel_argmax_kernel(
     logits_ptr,
     logits_row_stride,
     inv_temp_ptr,
+    inv_temp_stride,
     seed_ptr,
+    seed_stride,
+    state_row_ptr,
     position_ptr,
     bitmask_ptr,
     bitmask_index_ptr,
     bitmask_words,
     part_val_ptr,
     part_idx_ptr,
+    counter_ptr,
+    out_ptr,
+    feed_ptr,
     u_ptr,
     g_ptr,
     vocab_size,
     chunk,
     num_chunks,
+    HAS_ROWS: tl.constexpr,
+    FEED: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     HAS_BITMASK: tl.constexpr,
     WRITE_NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     part = tl.program_id(1)
     row64 = row.to(tl.int64)
-    inv_t = tl.load(inv_temp_ptr + row)
-    seed = tl.load(seed_ptr + row).to(tl.int64)
+    state = row64
+    if HAS_ROWS:
+        state = tl.load(state_row_ptr + row).to(tl.int64)
+    inv_t = tl.load(inv_temp_ptr + state * inv_temp_stride)
+    seed = tl.load(seed_ptr + state * seed_stride).to(tl.int64)
     position = tl.load(position_ptr + row).to(tl.int64)
     # The three words a row shares: hashed once per program.
     h = tl.full((), _DOMAIN, tl.uint32)
@@ -214,8 +235,38 @@ def _gumbel_argmax_kernel(
         best_idx = tl.where(better, offs, best_idx)
     top = tl.max(best_val, axis=0)
     top_idx = tl.min(tl.where(best_val == top, best_idx, 2147483647), axis=0)
-    tl.store(part_val_ptr + row * num_chunks + part, top)
-    tl.store(part_idx_ptr + row * num_chunks + part, top_idx)
+    tl.store(part_val_ptr + row64 * num_chunks + part, top)
+    tl.store(part_idx_ptr + row64 * num_chunks + part, top_idx)
+    if FUSED_REDUCE:
+        # Every thread's partial stores come before the release of the count; the last
+        # program of the row reads the partials from L2 (".cg": other SMs wrote them).
+        tl.debug_barrier()
+        counter = counter_ptr + row
+        done = tl.atomic_add(counter, 1, sem="acq_rel")
+        if done == num_chunks - 1:
+            offs_c = tl.arange(0, BLOCK_CHUNKS)
+            valid = offs_c < num_chunks
+            vals = tl.load(
+                part_val_ptr + row64 * num_chunks + offs_c,
+                mask=valid,
+                other=float("-inf"),
+                cache_modifier=".cg",
+            )
+            idxs = tl.load(
+                part_idx_ptr + row64 * num_chunks + offs_c,
+                mask=valid,
+                other=0,
+                cache_modifier=".cg",
+            )
+            # The first chunk holding the maximum, as torch.argmax picks it (chunk 0 when
+            # every score is -inf).
+            best = tl.max(vals, axis=0)
+            first = tl.min(tl.where(valid & (vals == best), offs_c, BLOCK_CHUNKS), axis=0)
+            token = tl.sum(tl.where(offs_c == first, idxs, 0), axis=0).to(tl.int64)
+            tl.store(out_ptr + row, token)
+            if FEED:
+                tl.store(feed_ptr + state, token)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA graph replays)
 
 
 def _check_inputs(
@@ -225,6 +276,8 @@ def _check_inputs(
     positions: torch.Tensor,
     bitmask: torch.Tensor | None,
     bitmask_index: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    feed: torch.Tensor | None,
 ) -> None:
     logits = check_tensor("logits", logits, dtypes=MODEL_DTYPES, ndim=2, last_dim_contiguous=True)
     device = logits.device
@@ -233,26 +286,16 @@ def _check_inputs(
             f"logits are on {device}: the Triton sampler runs on CUDA tensors (or on CPU tensors "
             "under TRITON_INTERPRET=1); use gumbel_argmax_reference on CPU"
         )
-    rows, vocab = logits.shape
+    batch, vocab = logits.shape
     if vocab == 0:
         raise ValueError("logits have an empty vocabulary dimension")
     if vocab >= 2**31:
         raise ValueError(f"vocabulary of {vocab} tokens does not fit int32 token ids")
-    check_tensor(
-        "inv_temperature",
-        inv_temperature,
-        dtypes=(torch.float32,),
-        ndim=1,
-        device=device,
-        contiguous=True,
-    )
-    check_shape("inv_temperature", inv_temperature, (rows,))
-    check_tensor("seeds", seeds, dtypes=(torch.int64,), ndim=1, device=device, contiguous=True)
-    check_shape("seeds", seeds, (rows,))
+    _check_state(inv_temperature, seeds, rows, feed, batch, device)
     check_tensor(
         "positions", positions, dtypes=INDEX_DTYPES, ndim=1, device=device, contiguous=True
     )
-    check_shape("positions", positions, (rows,))
+    check_shape("positions", positions, (batch,))
     if bitmask is None:
         if bitmask_index is not None:
             raise ValueError("bitmask_index given without a bitmask")
@@ -261,16 +304,47 @@ def _check_inputs(
     if bitmask.shape[1] == 0:
         raise ValueError("bitmask has no words per row")
     if bitmask_index is None:
-        if bitmask.shape[0] != rows:
+        if bitmask.shape[0] != batch:
             raise ValueError(
-                f"bitmask has {bitmask.shape[0]} rows for {rows} logits rows; pass "
+                f"bitmask has {bitmask.shape[0]} rows for {batch} logits rows; pass "
                 "bitmask_index to map batch rows to bitmask rows"
             )
         return
     check_tensor(
         "bitmask_index", bitmask_index, dtypes=INDEX_DTYPES, ndim=1, device=device, contiguous=True
     )
-    check_shape("bitmask_index", bitmask_index, (rows,))
+    check_shape("bitmask_index", bitmask_index, (batch,))
+
+
+def _check_state(
+    inv_temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    rows: torch.Tensor | None,
+    feed: torch.Tensor | None,
+    batch: int,
+    device: torch.device,
+) -> None:
+    """inv_temperature and seeds: [B] each, or with `rows` [B] state tables [R] (and feed [R]);
+    either may be strided (a column of the sampler's parameter table)."""
+    check_tensor("inv_temperature", inv_temperature, dtypes=(torch.float32,), ndim=1, device=device)
+    check_tensor("seeds", seeds, dtypes=(torch.int64,), ndim=1, device=device)
+    if rows is None:
+        if feed is not None:
+            raise ValueError(
+                "feed given without rows (the token of batch row b goes to feed[rows[b]])"
+            )
+        check_shape("inv_temperature", inv_temperature, (batch,))
+        check_shape("seeds", seeds, (batch,))
+        return
+    check_tensor("rows", rows, dtypes=INDEX_DTYPES, ndim=1, device=device, contiguous=True)
+    check_shape("rows", rows, (batch,))
+    table = inv_temperature.shape[0]
+    if table == 0:
+        raise ValueError("inv_temperature is an empty state table, indexed by rows")
+    check_shape("seeds", seeds, (table,))
+    if feed is not None:
+        check_tensor("feed", feed, dtypes=(torch.int64,), ndim=1, device=device, contiguous=True)
+        check_shape("feed", feed, (table,))
 
 
 def gumbel_argmax_triton(
@@ -282,6 +356,8 @@ def gumbel_argmax_triton(
     bitmask_index: torch.Tensor | None = None,
     *,
     noise_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: torch.Tensor | None = None,
+    feed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sampled token ids, int64 [B]; the same contract as gumbel_argmax_reference.
 
@@ -291,55 +367,77 @@ def gumbel_argmax_triton(
     [-1, G): they are not checked, to keep the launch free of host syncs), or G == B without
     an index. `noise_out` = (u, g), float32 [B, V] each, receives the uniforms and Gumbel noise
     of every non-greedy row (for tests and tools; it costs a full write of both).
+
+    `rows` int32/int64 [B] maps batch rows to request state rows: inv_temperature and seeds are
+    then state tables [R] (R >= 1), read at rows[b] by the kernel (values must lie in [0, R):
+    not checked, as bitmask_index). `feed` int64 [R], only with rows, also receives the token
+    of batch row b at feed[rows[b]] (rows repeated with a feed: one of their tokens is kept).
+    Positions, bitmask_index and the result stay per batch row.
     """
-    _check_inputs(logits, inv_temperature, seeds, positions, bitmask, bitmask_index)
-    rows, vocab = logits.shape
+    _check_inputs(logits, inv_temperature, seeds, positions, bitmask, bitmask_index, rows, feed)
+    batch, vocab = logits.shape
     device = logits.device
     write_noise = noise_out is not None
     if noise_out is not None:
         for name, t in zip(("noise_out[0]", "noise_out[1]"), noise_out, strict=True):
             check_tensor(name, t, dtypes=(torch.float32,), ndim=2, device=device, contiguous=True)
-            check_shape(name, t, (rows, vocab))
+            check_shape(name, t, (batch, vocab))
         u_out, g_out = noise_out
     else:
         u_out = g_out = torch.empty(1, dtype=torch.float32, device=device)
-    if rows == 0:
+    if batch == 0:
         return torch.empty(0, dtype=torch.int64, device=device)
     has_bitmask = bitmask is not None
     if bitmask is None:
         bitmask = torch.empty(1, 1, dtype=torch.int32, device=device)  # never read
     if has_bitmask and bitmask_index is None:
-        bitmask_index = torch.arange(rows, dtype=torch.int32, device=device)
+        bitmask_index = torch.arange(batch, dtype=torch.int32, device=device)
     if bitmask_index is None:
         bitmask_index = torch.empty(1, dtype=torch.int32, device=device)
-    chunks_wanted = max(1, -(-TARGET_PROGRAMS // rows))
+    chunks_wanted = max(1, -(-TARGET_PROGRAMS // batch))
     chunk = max(BLOCK, -(-vocab // chunks_wanted))
     chunk = -(-chunk // BLOCK) * BLOCK
     num_chunks = -(-vocab // chunk)
-    part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
-    part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=device)
-    _gumbel_argmax_kernel[(rows, num_chunks)](
+    part_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=device)
+    part_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=device)
+    out = torch.empty(batch, dtype=torch.int64, device=device)
+    counters = completion_counters.counters(COUNTERS, device, batch)
+    _gumbel_argmax_kernel[(batch, num_chunks)](
         logits,
         logits.stride(0),
         inv_temperature,
+        inv_temperature.stride(0),
         seeds,
+        seeds.stride(0),
+        positions if rows is None else rows,
         positions,
         bitmask,
         bitmask_index,
         bitmask.shape[1],
         part_val,
         part_idx,
+        part_idx if counters is None else counters,
+        out,
+        out if feed is None else feed,
         u_out,
         g_out,
         vocab,
         chunk,
         num_chunks,
+        HAS_ROWS=rows is not None,
+        FEED=feed is not None,
+        FUSED_REDUCE=counters is not None,
         HAS_BITMASK=has_bitmask,
         WRITE_NOISE=write_noise,
         BLOCK=BLOCK,
+        BLOCK_CHUNKS=max(2, next_power_of_2(num_chunks)),
         num_warps=4,
         enable_fp_fusion=False,
     )
-    # torch.argmax returns the first maximum: the lowest chunk, so the lowest token id.
-    best = part_val.argmax(dim=1, keepdim=True)
-    return part_idx.gather(1, best).squeeze(1).to(torch.int64)
+    if counters is None:
+        # torch.argmax returns the first maximum: the lowest chunk, so the lowest token id.
+        best = part_val.argmax(dim=1, keepdim=True)
+        out = part_idx.gather(1, best).squeeze(1).to(torch.int64)
+        if feed is not None:
+            feed[rows] = out
+    return out

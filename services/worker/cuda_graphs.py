@@ -10,7 +10,10 @@ Static inputs: the graph reads its inputs from fixed device tensors (token ids, 
 slots, sequence lengths, block tables), typed views into one device allocation paired with one
 pinned host allocation (kernels.staged_copy.PackedCpuGpuBuffer). A step writes its values into
 the host views and uploads them in one asynchronous copy; the buffer's fence keeps the host
-from overwriting bytes still in flight.
+from overwriting bytes still in flight. On CUDA the copy runs on its own stream (see
+`_stage`), and a token the previous step sampled but the host does not have yet is read on the
+device by the graph's first kernel (kernels/token_feed.py), so nothing sits between two steps'
+graphs in the compute stream but the sampling.
 
 Padding rows are harmless by construction: slot -1 (kv_insert skips the write), sequence length
 1 over block 0 (the scheduler's null block, never handed to a request; reading it is safe),
@@ -26,12 +29,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from kernels.staged_copy import PackedCpuGpuBuffer
+from kernels.token_feed import feed_token_ids_
 from services.worker.attention_select import TritonAttentionMetadata, decode_splits
 from services.worker.models.base import CausalLM
 
@@ -72,8 +75,15 @@ class DecodeGraphs:
         max_model_len: int,
         device: torch.device | str,
         sizes: tuple[int, ...] = GRAPH_SIZES,
+        latest: torch.Tensor | None = None,
+        upload: torch.cuda.Stream | None = None,
     ) -> None:
+        """`latest`: the device's newest sampled token per batch row (in_flight.PendingFeed),
+        which input ids -(row + 1) stand for; `upload`: the stream that copies the inputs."""
         self.model = model
+        self.latest = latest
+        self.upload = upload
+        self.replayed = torch.cuda.Event() if upload is not None else None
         self.kv_layers = kv_layers
         self.device = torch.device(device)
         self.sizes = graph_sizes(max_num_reqs, sizes)
@@ -115,9 +125,11 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
-        hidden: torch.Tensor = self.model(
-            self.static["input_ids"][:size], self.static["positions"][:size], meta, self.kv_layers
-        )
+        ids = self.static["input_ids"][:size]
+        if self.latest is not None:
+            feed_token_ids_(ids, self.latest)
+        positions = self.static["positions"][:size]
+        hidden: torch.Tensor = self.model(ids, positions, meta, self.kv_layers)
         return hidden
 
     @torch.inference_mode()
@@ -161,19 +173,19 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
-        feed: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Replay the graph for len(input_ids) decodes; returns hidden [n, H] (a view of the
-        graph's static output: valid until the next replay). `feed(ids)` may then overwrite
-        device token ids that the host does not have yet (in_flight.py)."""
+        graph's static output: valid until the next replay). An id -(row + 1) stands for
+        latest[row], a token the host does not have yet (in_flight.py): the graph's first
+        kernel reads it there (kernels/token_feed.py)."""
         n = len(input_ids)
         size = padded_size(n, self.sizes)
         if size is None or size not in self.graphs:
             raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
         self._stage(n, size, input_ids, positions, slot_mapping, seq_lens, block_tables)
-        if feed is not None:
-            feed(self.static["input_ids"][:n])
         self.graphs[size].replay()
+        if self.replayed is not None:
+            self.replayed.record()
         return self.outputs[size][:n]
 
     def _stage(
@@ -188,7 +200,11 @@ class DecodeGraphs:
     ) -> None:
         """Write rows [0, n) from the step and pad rows [n, size), then upload in one copy
         every field up to the block tables' first `size` rows (the fields before them are
-        uploaded whole: a few KB; their rows past `size` are never read by this graph)."""
+        uploaded whole: a few KB; their rows past `size` are never read by this graph).
+
+        On CUDA the copy runs on the upload stream once the previous replay has read the
+        buffers (`replayed`), so it overlaps that step's LM head and sampling instead of
+        waiting behind them; the compute stream waits for it before the replay."""
         host = self.inputs.host()
         ids, pos, slots = host["input_ids"], host["positions"], host["slots"]
         lens, tables = host["seq_lens"], host["block_tables"]
@@ -200,4 +216,11 @@ class DecodeGraphs:
             tables[:n, :width] = block_tables[:, :width]
         ids[n:size], pos[n:size], slots[n:size], lens[n:size] = 0, 0, -1, 1
         tables[n:size] = 0
-        self.inputs.copy_to_gpu(self.inputs.end("block_tables", size))
+        upto = self.inputs.end("block_tables", size)
+        if self.upload is None:
+            self.inputs.copy_to_gpu(upto)
+            return
+        self.upload.wait_event(self.replayed)
+        with torch.cuda.stream(self.upload):
+            self.inputs.copy_to_gpu(upto)
+        torch.cuda.current_stream(self.device).wait_stream(self.upload)

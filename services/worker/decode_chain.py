@@ -24,7 +24,8 @@ leaves larger steps to the layer-by-layer forward (cuBLAS GEMMs).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from services.worker.cuda_layers import (
     GemvLinear,
     TritonRMSNorm,
 )
+from services.worker.models.base import per_layer_metadata
 from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -82,13 +84,9 @@ def chain_forward(
     stream = model.embed(input_ids)
     first = layers[0].input_layernorm
     normed, _ = rmsnorm(stream, first.weight, first.eps)
-    layer_inputs = model.layer_inputs(positions, attn, kv_caches)
-    fused = FUSED_ATTENTION_DEFAULT and fused_attention_takes(model, attn, input_ids.shape[0])
-    for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(zip(layers, layer_inputs, strict=True)):
-        if fused:
-            attn_out = fused_attention(layer.self_attn, normed, cos, sin, meta, kv_cache)
-        else:
-            attn_out = layer.self_attn.attend(normed, cos, sin, meta, kv_cache)
+    attends = _attends(model, input_ids.shape[0], positions, attn, kv_caches)
+    for i, (layer, attend) in enumerate(zip(layers, attends, strict=True)):
+        attn_out = attend(normed)
         post = layer.post_attention_layernorm
         normed, stream = gemv_add_rmsnorm(
             attn_out, layer.self_attn.o_proj.weight, stream, post.weight, post.eps
@@ -102,6 +100,45 @@ def chain_forward(
     return normed
 
 
+def _attends(
+    model: LlamaForCausalLM,
+    rows: int,
+    positions: torch.Tensor,
+    attn: AttentionMetadata | Sequence[AttentionMetadata],
+    kv_caches: list[torch.Tensor],
+) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Per layer: normed hidden -> attention output. The fused attention reads each
+    position's RoPE row from the model's cos | sin table itself (no per-step lookup)."""
+    layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
+    if FUSED_ATTENTION_DEFAULT and fused_attention_takes(model, attn, rows):
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
+        metas = per_layer_metadata(attn, len(layers))
+        table = model.rotary.cos_sin
+        return [
+            partial(fused_attention, layer.self_attn, positions, table, meta, kv_cache)  # type: ignore[arg-type]
+            for layer, meta, kv_cache in zip(layers, metas, kv_caches, strict=True)
+        ]
+    return [
+        partial(_attend, layer.self_attn, cos, sin, meta, kv_cache)  # type: ignore[arg-type]
+        for layer, (cos, sin, meta, kv_cache) in zip(
+            layers, model.layer_inputs(positions, attn, kv_caches), strict=True
+        )
+    ]
+
+
+def _attend(
+    attn: LlamaAttention,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_cache: torch.Tensor,
+    normed: torch.Tensor,
+) -> torch.Tensor:
+    out: torch.Tensor = attn.attend(normed, cos, sin, meta, kv_cache)
+    return out
+
+
 def fused_attention_takes(
     model: LlamaForCausalLM, attn: AttentionMetadata | Sequence[AttentionMetadata], rows: int
 ) -> bool:
@@ -110,7 +147,7 @@ def fused_attention_takes(
     window, the strided split-K decode, and every layer's qkv without bias or q/k norm."""
     from kernels.paged_decode import strided_choice
 
-    if not isinstance(attn, TritonAttentionMetadata):
+    if not isinstance(attn, TritonAttentionMetadata) or model.rotary_local is not None:
         return False
     meta = attn
     if not (meta.num_decodes == meta.num_tokens == rows and meta.sliding_window is None):
@@ -135,14 +172,15 @@ def _plain_qkv(attn: torch.nn.Module) -> bool:
 
 def fused_attention(
     attn: LlamaAttention,
-    normed: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
     meta: TritonAttentionMetadata,
     kv_cache: torch.Tensor,
+    normed: torch.Tensor,
 ) -> torch.Tensor:
     """`attn.attend` for a step `fused_attention_takes`: the qkv GEMV's partials, then the
-    reduce, RoPE + KV insert and decode attention in one launch; bit-identical."""
+    reduce, RoPE + KV insert and decode attention in one launch; bit-identical. Row t's
+    rotation is row positions[t] of cos_sin ([max_position, rotary_dim] = cos | sin)."""
     from kernels.decode_from_qkv import decode_from_qkv
     from kernels.gemv import gemv_partials
 
@@ -150,7 +188,7 @@ def fused_attention(
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
     out = decode_from_qkv(
         part, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, meta.slot_mapping,
-        meta.token_index, meta.rope_table(cos, sin), num_heads=attn.num_heads,
+        positions, cos_sin, num_heads=attn.num_heads,
         num_splits=meta.decode_num_splits, dtype=normed.dtype, sm_scale=attn.scale,
     )  # fmt: skip
     return out.view(normed.shape[0], -1)

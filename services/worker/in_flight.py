@@ -43,14 +43,22 @@ class InFlightTokens:
         rows: np.ndarray,
         params: list[SamplingParams | None],
         out: SamplerOutput,
+        stream: torch.cuda.Stream | None = None,
     ) -> InFlightTokens:
-        """Begin copying `out` to the host without waiting for the device."""
+        """Begin copying `out` to the host without waiting for the device. With `stream` (a
+        download stream) the copies run there once the sampling is done, so the compute
+        stream goes on to the next step without them."""
         device = out.token_ids.device
         done = None
         if device.type == "cuda":
-            host = SamplerOutput(*(_to_pinned(t) for t in _fields(out)))  # type: ignore[arg-type]
-            done = torch.cuda.Event()
-            done.record()
+            current = torch.cuda.current_stream(device)
+            copier = stream if stream is not None else current
+            if copier != current:
+                copier.wait_stream(current)
+            with torch.cuda.stream(copier):
+                host = SamplerOutput(*(_to_pinned(t, copier) for t in _fields(out)))  # type: ignore[arg-type]
+                done = torch.cuda.Event()
+                done.record()
         else:
             host = out
         return cls(
@@ -76,19 +84,22 @@ def _fields(out: SamplerOutput) -> tuple[torch.Tensor | None, ...]:
     return (out.token_ids, out.logprobs, out.top_token_ids, out.top_logprobs)
 
 
-def _to_pinned(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def _to_pinned(tensor: torch.Tensor | None, stream: torch.cuda.Stream) -> torch.Tensor | None:
+    """An asynchronous copy of `tensor` into pinned memory on `stream` (the current one); the
+    device tensor is not reused by the allocator before the copy has read it."""
     if tensor is None:
         return None
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
+    tensor.record_stream(stream)
     return host
 
 
 class PendingFeed:
     """Which batch rows have a newest token that is still only on the device, and where it is.
 
-    `latest[row]` (device) holds the row's most recently sampled token: every launch scatters
-    its sampled tokens there, in stream order, so a later step's gather reads the right value
+    `latest[row]` (device) holds the row's most recently sampled token: every launch's sampling
+    writes its tokens there, in stream order, so a later step's gather reads the right value
     without the host ever seeing it. `count[row]` (host) is how many sampled tokens of the row
     have not reached the host batch yet. The scheduler keeps at most one step of a request
     unconfirmed when it plans, so a plan only ever needs a token with count 1; anything else
@@ -104,9 +115,9 @@ class PendingFeed:
         """[R] 1 where the row has a token not yet on the host, else 0."""
         return (self.count[rows] > 0).astype(np.int64)
 
-    def launched(self, step: InFlightTokens, rows_t: torch.Tensor) -> None:
-        """`step` sampled its rows' tokens (device rows `rows_t`)."""
-        self.latest[rows_t] = step.device_tokens
+    def launched(self, step: InFlightTokens) -> None:
+        """`step` sampled its rows' tokens, and the sampler wrote them into `latest`
+        (SamplingState.sample's feed)."""
         self.count[step.rows] += 1
         self.steps.append(step)
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kernels.staged_copy import stage_to_device
+from kernels.token_feed import fed_id
 from services.worker.attention import AttentionMetadata
 from services.worker.attention_select import (
     CpuAttention,
@@ -166,6 +167,12 @@ class ModelRunner:
         self.kv_connector: KVConnector | None = None
         # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
         self.feed = PendingFeed(max_num_reqs, self.device)
+        # CUDA: copies off the compute stream, so that nothing but the sampling sits between
+        # two decode steps' graphs: uploads issued before the step's forward (the graphs'
+        # inputs, the sampler's rows), the sampled tokens' download after it.
+        cuda = self.device.type == "cuda"
+        self.upload_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.download_stream = torch.cuda.Stream(self.device) if cuda else None
         # CUDA: seconds the device spent on the last finished step, from its first queued
         # kernel to its last (a step queued behind another starts when that one ends). Summed
         # over a run against its wall time, it gives the share of time the device had no step
@@ -349,14 +356,21 @@ class ModelRunner:
 
     def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens] | InFlightTokens:
         recording = self.routed_experts.begin(inputs.request_ids)
+        sample_idx = np.flatnonzero(inputs.sample_mask)
+        # The sampler's state rows and positions (= tokens before the new one), uploaded
+        # before the forward so the copy is done by the time the sampling needs it.
+        sampler_rows = (
+            self._upload_ahead(np.stack([inputs.rows[sample_idx], inputs.seq_lens[sample_idx]]))
+            if sample_idx.size and inputs.num_drafts is None
+            else None
+        )
         hidden = self._forward(inputs, eager=bool(recording))
         if recording:
             self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
         if inputs.num_drafts is not None:
             return self._propose(verify_and_sample(self, hidden, inputs, plan), hidden, inputs)
-        sample_idx = np.flatnonzero(inputs.sample_mask)
-        if not sample_idx.size:
+        if sampler_rows is None:
             return self._propose([], hidden, inputs)
         last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
         if len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1:
@@ -365,18 +379,20 @@ class ModelRunner:
             last = hidden[self._to_device(last_rows)]
         logits = self.compute_logits(last)
         rows = inputs.rows[sample_idx]
-        # One upload: the state rows, and the positions (= tokens before the new one).
-        rows_t, positions = self._to_device(np.stack([rows, inputs.seq_lens[sample_idx]]))
+        rows_t, positions = self._uploaded(sampler_rows)
         bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
-        out = self.sampler.sample(logits, rows_t, positions, bitmask, bitmask_index=bitmask_index)
+        out = self.sampler.sample(
+            logits, rows_t, positions, bitmask, bitmask_index=bitmask_index, feed=self.feed.latest
+        )
         self.sampler.record_sampled(rows_t, out.token_ids)
         tokens = InFlightTokens.start(
             [inputs.request_ids[i] for i in sample_idx],
             rows,
             [self.batch.sampling[int(row)] for row in rows],
             out,
+            self.download_stream,
         )
-        self.feed.launched(tokens, rows_t)
+        self.feed.launched(tokens)
         if self.drafter is None:
             return tokens
         return self._propose(self._land(tokens), hidden, inputs)
@@ -410,13 +426,12 @@ class ModelRunner:
             and not needs_group_attention(self.kv_groups)
             and self.graphs.fits(inputs.query_lens)
         ):
+            input_ids = inputs.input_ids
+            if inputs.fed is not None and inputs.flat_rows is not None:
+                input_ids = input_ids.copy()  # the fed tokens are read on the device
+                input_ids[inputs.fed] = fed_id(inputs.flat_rows[inputs.fed])
             return self.graphs.run(
-                inputs.input_ids,
-                inputs.positions,
-                inputs.slot_mapping,
-                inputs.seq_lens,
-                tables,
-                feed=lambda ids: self._feed_ids(ids, inputs),
+                input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
             )
         if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
             attn = group_attention(
@@ -488,6 +503,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             device=self.device,
             sizes=sizes,
+            latest=self.feed.latest,
+            upload=self.upload_stream,
         )
         return self.graphs.capture()
 
@@ -533,6 +550,26 @@ class ModelRunner:
             return None, None
         bitmask = torch.from_numpy(packed.reshape(groups, -1).copy()).to(self.device)
         return bitmask, self._to_device(index)
+
+    def _upload_ahead(self, array: np.ndarray) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start uploading `array` (int64) on the upload stream; `_uploaded` makes the compute
+        stream wait for it. The tensor is allocated on the upload stream and marked used on
+        the compute stream, so the allocator reuses it only once both are done with it."""
+        if self.upload_stream is None:
+            return self._to_device(array), None
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.upload_stream):
+            tensor = self._to_device(array)
+            tensor.record_stream(current)
+            copied = torch.cuda.Event()
+            copied.record()
+        return tensor, copied
+
+    def _uploaded(self, ahead: tuple[torch.Tensor, torch.cuda.Event | None]) -> torch.Tensor:
+        tensor, copied = ahead
+        if copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(copied)
+        return tensor
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         # Through pinned memory on CUDA: a pageable upload would block the host.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import completion_counters, sampling
 from kernels.sampling import (
     gumbel_argmax_reference,
     gumbel_argmax_triton,
@@ -181,4 +182,176 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     args = _args(torch.device("cpu"))
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        gumbel_argmax_triton(**args)  # type: ignore[arg-type]
+
+
+def _tables(device: torch.device, table: int = 7):
+    """Per-state-row tables [R]: greedy and sampled rows, seeds over the full uint64 range."""
+    inv_t = torch.tensor([0.8, 0.0, 1.0, 2.0, 0.0, 1.5, 0.5][:table], device=device)
+    seeds = torch.tensor(
+        [11, -3, 2**63 - 1, 42, 7, 123456789012345, -(2**63)][:table], device=device
+    )
+    return inv_t, seeds
+
+
+@pytest.mark.parametrize("vocab", [1000, 5000])
+@pytest.mark.parametrize("row_dtype", [torch.int64, torch.int32])
+def test_state_rows_equal_the_reference_on_gathered_tables(
+    device: torch.device, vocab: int, row_dtype: torch.dtype
+) -> None:
+    """rows [5, 0, 5]: a repeated row, a vocabulary that is no multiple of a chunk; at 5000
+    tokens each row has several chunks for the fused reduction to merge."""
+    logits, _, _, positions = _batch(device, rows=3, vocab=vocab, seed=6)
+    inv_t, seeds = _tables(device)
+    inv_t[0] = 0.0  # rows 5 (sampled) and 0 (greedy)
+    rows = torch.tensor([5, 0, 5], dtype=row_dtype, device=device)
+    for shift in range(2):
+        got = gumbel_argmax_triton(logits, inv_t, seeds, positions + shift, rows=rows)
+        want = gumbel_argmax_reference(
+            logits.cpu(), inv_t.cpu()[[5, 0, 5]], seeds.cpu()[[5, 0, 5]], positions.cpu() + shift
+        )
+        assert got.dtype == torch.int64
+        assert torch.equal(got.cpu(), want)
+    assert got[1].item() == logits[1].argmax().item()
+
+
+def test_state_tables_may_be_strided_columns(device: torch.device) -> None:
+    """The sampler's tables are columns of its parameter matrix (row_params.py)."""
+    logits, _, _, positions = _batch(device, rows=3, vocab=5000, seed=12)
+    inv_t, seeds = _tables(device)
+    floats = torch.zeros(7, 3, device=device)
+    ints = torch.zeros(7, 4, dtype=torch.int64, device=device)
+    floats[:, 1], ints[:, 2] = inv_t, seeds
+    rows = torch.tensor([6, 2, 3], device=device)
+    got = gumbel_argmax_triton(logits, floats[:, 1], ints[:, 2], positions, rows=rows)
+    assert torch.equal(got, gumbel_argmax_triton(logits, inv_t, seeds, positions, rows=rows))
+    want = gumbel_argmax_reference(
+        logits.cpu(), inv_t.cpu()[[6, 2, 3]], seeds.cpu()[[6, 2, 3]], positions.cpu()
+    )
+    assert torch.equal(got.cpu(), want)
+
+
+def test_state_rows_with_bitmask_and_noise(device: torch.device) -> None:
+    logits, _, _, positions = _batch(device, rows=3, vocab=VOCAB, seed=7)
+    inv_t, seeds = _tables(device)
+    rows = torch.tensor([3, 1, 6], device=device)
+    allowed = torch.rand(2, VOCAB, generator=torch.Generator().manual_seed(8)) < 0.05
+    packed = pack_bitmask(allowed).to(device)
+    index = torch.tensor([1, -1, 0], dtype=torch.int32, device=device)  # per batch row
+    u = torch.zeros(logits.shape, device=device)
+    g = torch.zeros(logits.shape, device=device)
+    got = gumbel_argmax_triton(
+        logits, inv_t, seeds, positions, packed, index, noise_out=(u, g), rows=rows
+    )
+    want = gumbel_argmax_reference(
+        logits.cpu(), inv_t.cpu()[[3, 1, 6]], seeds.cpu()[[3, 1, 6]], positions.cpu(),
+        packed.cpu(), index.cpu(),
+    )  # fmt: skip
+    assert torch.equal(got.cpu(), want)
+    ref_g = gumbel_noise_reference(seeds.cpu()[[3, 6]], positions.cpu()[[0, 2]], VOCAB)
+    assert torch.equal(g.cpu()[[0, 2]].view(torch.int32), ref_g.view(torch.int32))
+
+
+def test_fused_reduction_ties_go_to_the_lowest_id(device: torch.device) -> None:
+    vocab = 5000
+    logits = torch.full((4, vocab), 2.5, device=device)  # constant rows: every chunk ties
+    logits[1] = -1.0
+    logits[1, [4500, 1200, 3900]] = 9.0  # the maximum in three chunks
+    logits[2] = float("-inf")  # every score -inf: chunk 0, token 0 (as the torch path)
+    logits[3, 4999] = 3.0  # the maximum alone, in the last (ragged) chunk
+    inv_t = torch.zeros(4, device=device)
+    seeds = torch.arange(4, device=device)
+    positions = torch.zeros(4, dtype=torch.int64, device=device)
+    rows = torch.tensor([3, 2, 1, 0], device=device)
+    for kwargs in ({}, {"rows": rows}):
+        got = gumbel_argmax_triton(logits, inv_t, seeds, positions, **kwargs)
+        assert got.tolist() == [0, 1200, 0, 4999]
+    inv_t[2] = 1.0  # sampled, nothing allowed
+    got = gumbel_argmax_triton(logits, inv_t, seeds, positions)
+    assert got[2].item() == 0
+
+
+def test_feed_receives_the_tokens_at_their_state_rows(device: torch.device) -> None:
+    logits, _, _, positions = _batch(device, rows=3, vocab=5000, seed=9)
+    inv_t, seeds = _tables(device)
+    rows = torch.tensor([4, 0, 6], device=device)
+    feed = torch.full((7,), -1, dtype=torch.int64, device=device)
+    got = gumbel_argmax_triton(logits, inv_t, seeds, positions, rows=rows, feed=feed)
+    want = torch.full((7,), -1, dtype=torch.int64)
+    want[[4, 0, 6]] = got.cpu()
+    assert torch.equal(feed.cpu(), want)
+    assert torch.equal(
+        got.cpu(),
+        gumbel_argmax_reference(
+            logits.cpu(), inv_t.cpu()[[4, 0, 6]], seeds.cpu()[[4, 0, 6]], positions.cpu()
+        ),
+    )
+
+
+def test_counters_reset_and_repeated_calls_agree(device: torch.device) -> None:
+    logits, _, _, positions = _batch(device, rows=3, vocab=5000, seed=10)
+    inv_t, seeds = _tables(device)
+    rows = torch.tensor([2, 5, 1], device=device)
+    completion_counters.clear()
+    first = gumbel_argmax_triton(logits, inv_t, seeds, positions, rows=rows)
+    assert completion_counters.allocated(sampling.COUNTERS), "the fused reduction never ran"
+    assert completion_counters.all_zero()
+    second = gumbel_argmax_triton(logits, inv_t, seeds, positions, rows=rows)
+    assert torch.equal(first, second)
+    assert completion_counters.all_zero()
+
+
+def test_torch_reduction_without_counters_gives_the_same_tokens_and_feed(
+    device: torch.device, monkeypatch
+) -> None:
+    logits, _, _, positions = _batch(device, rows=3, vocab=5000, seed=11)
+    logits[0] = float("-inf")
+    inv_t, seeds = _tables(device)
+    rows = torch.tensor([1, 3, 5], device=device)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(completion_counters, "counters", lambda *args: None)
+        feed = torch.full((7,), -1, dtype=torch.int64, device=device)
+        tokens = gumbel_argmax_triton(logits, inv_t, seeds, positions, rows=rows, feed=feed)
+        results.append((tokens.cpu(), feed.cpu()))
+    (fused_tokens, fused_feed), (torch_tokens, torch_feed) = results
+    assert torch.equal(fused_tokens, torch_tokens) and torch.equal(fused_feed, torch_feed)
+    assert fused_tokens[0].item() == 0 and fused_feed[1].item() == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"feed": torch.zeros(2, dtype=torch.int64)}, ValueError, "feed given without rows"),
+        ({"rows": torch.zeros(2)}, TypeError, "rows has dtype"),
+        ({"rows": torch.zeros(2, 1, dtype=torch.int64)}, ValueError, "rows must have 1"),
+        ({"rows": torch.zeros(3, dtype=torch.int64)}, ValueError, "rows has shape"),
+        ({"rows": torch.zeros(4, dtype=torch.int64)[::2]}, ValueError, "rows must be contig"),
+        (
+            {"rows": torch.zeros(2, dtype=torch.int64), "seeds": torch.zeros(3, dtype=torch.int64)},
+            ValueError,
+            "seeds has shape",
+        ),
+        (
+            {"rows": torch.zeros(2, dtype=torch.int64), "inv_temperature": torch.zeros(0)},
+            ValueError,
+            "inv_temperature is an empty state table",
+        ),
+        (
+            {"rows": torch.zeros(2, dtype=torch.int64), "feed": torch.zeros(2, dtype=torch.int32)},
+            TypeError,
+            "feed has dtype",
+        ),
+        (
+            {"rows": torch.zeros(2, dtype=torch.int64), "feed": torch.zeros(3, dtype=torch.int64)},
+            ValueError,
+            "feed has shape",
+        ),
+    ],
+)
+def test_rows_and_feed_errors(device: torch.device, change, error, match) -> None:
+    args = _args(device)
+    args.update({key: value.to(device) for key, value in change.items()})
+    with pytest.raises(error, match=match):
         gumbel_argmax_triton(**args)  # type: ignore[arg-type]

@@ -120,6 +120,10 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.register_buffer("cos", torch.empty(max_position, self.rotary_dim, dtype=dtype), False)
         self.register_buffer("sin", torch.empty(max_position, self.rotary_dim, dtype=dtype), False)
+        half = self.rotary_dim // 2
+        # cos | sin of the unique frequencies per position: the row a fused RoPE kernel reads
+        # (kernels/decode_from_qkv.py) by position, without a per-step lookup.
+        self.register_buffer("cos_sin", torch.empty(max_position, 2 * half, dtype=dtype), False)
         if self.cos.device.type != "meta":
             self.materialize(self.cos.device, dtype)
 
@@ -133,6 +137,8 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * attention_factor).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * attention_factor).to(device=device, dtype=dtype)
+        half = self.rotary_dim // 2
+        self.cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1).contiguous()
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, rotary_dim] for broadcasting over heads; computed once per step.

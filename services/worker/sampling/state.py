@@ -258,13 +258,16 @@ class SamplingState:
         *,
         bitmask_index: torch.Tensor | None = None,
         position_salt: int = 0,
+        feed: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """One token per batch row: logits [B, V], rows [B] (state rows), positions [B].
 
         bitmask: packed int32 [G, ceil(V/32)] (bit j of word w allows token 32w + j); batch
         row i uses bitmask row `bitmask_index[i]` (-1: unconstrained), or row i when no index
         is given and G == B. `position_salt` is added to every position (draft sampling uses
-        2^30 so its noise differs from the target's).
+        2^30 so its noise differs from the target's). `feed` int64 [max_num_reqs] (the
+        worker's newest token per row, in_flight.PendingFeed) receives feed[rows[i]] = token i;
+        on CUDA the draw writes it itself when nothing edits its tokens afterwards.
         """
         batch, vocab = self._check_batch(logits, rows, positions)
         rows = rows.to(self.device, torch.int64)
@@ -318,8 +321,8 @@ class SamplingState:
                 self.presence[rows],
             )
 
-        inv_temperature = self.inv_temperature[rows]
         if truncating:
+            inv_temperature = self.inv_temperature[rows]
             # Greedy rows are scaled by 1: no truncation ever removes the argmax.
             scale = torch.where(inv_temperature == 0, 1.0, inv_temperature)
             removed = truncation_mask(
@@ -331,20 +334,36 @@ class SamplingState:
             )
             work.masked_fill_(removed, float("-inf"))
 
-        draw = gumbel_argmax
-        if work.is_cuda:
-            from kernels.sampling import gumbel_argmax_triton as draw
-        token_ids = draw(
-            work,
-            inv_temperature,
-            self.seed[rows],
-            positions,
-            fused_bitmask,
-            bitmask_index if fused_bitmask is not None else None,
-        )
+        draw_index = bitmask_index if fused_bitmask is not None else None
+        fed = False
+        if work.is_cuda:  # one launch: the kernel reads the rows' temperature and seed itself
+            from kernels.sampling import gumbel_argmax_triton
+
+            fed = feed is not None and bitmask is None
+            token_ids = gumbel_argmax_triton(
+                work,
+                self.inv_temperature,
+                self.seed,
+                positions,
+                fused_bitmask,
+                draw_index,
+                rows=rows,
+                feed=feed if fed else None,
+            )
+        else:
+            token_ids = gumbel_argmax(
+                work,
+                self.inv_temperature[rows],
+                self.seed[rows],
+                positions,
+                fused_bitmask,
+                draw_index,
+            )
         if bitmask is not None:
             assert bitmask_index is not None
             token_ids = grammar_first(token_ids, bitmask, bitmask_index, vocab)
+        if feed is not None and not fed:
+            feed[rows] = token_ids
         if logprobs is None:
             return SamplerOutput(token_ids=token_ids)
         k = max(self._logprob_rows.values())
