@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import completion_counters
+from kernels import completion_counters, tensor_checks
 from kernels.tensor_checks import (
     INDEX_DTYPES,
     MODEL_DTYPES,
@@ -33,6 +33,8 @@ from kernels.tensor_checks import (
     check_tensor,
     interpreting,
     next_power_of_2,
+    pdl_launch,
+    supports_pdl,
 )
 from services.worker.sampling.gumbel import (
     LN2_HI,
@@ -180,7 +182,10 @@ def _gumbel_argmax_kernel(
     WRITE_NOISE: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched while the LM head drains: nothing is read before it has finished
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     part = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -402,6 +407,8 @@ def gumbel_argmax_triton(
     part_idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=device)
     out = torch.empty(batch, dtype=torch.int64, device=device)
     counters = completion_counters.counters(COUNTERS, device, batch)
+    # Programmatic dependent launch after the LM head GEMV (which lets its dependents start).
+    use_pdl = supports_pdl(device) and tensor_checks.CHAIN_PDL_DEFAULT
     _gumbel_argmax_kernel[(batch, num_chunks)](
         logits,
         logits.stride(0),
@@ -431,8 +438,10 @@ def gumbel_argmax_triton(
         WRITE_NOISE=write_noise,
         BLOCK=BLOCK,
         BLOCK_CHUNKS=max(2, next_power_of_2(num_chunks)),
+        PDL=use_pdl,
         num_warps=4,
         enable_fp_fusion=False,
+        **pdl_launch(use_pdl),
     )
     if counters is None:
         # torch.argmax returns the first maximum: the lowest chunk, so the lowest token id.

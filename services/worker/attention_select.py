@@ -115,6 +115,9 @@ class TritonAttentionMetadata:
     # kept and compared by identity: an id() could be reused by a later tensor (a graph capture
     # after its warm-up run) and hand out a table of other positions.
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A decode graph's feed table (in_flight.PendingFeed.latest) when the model reads the fed
+    # token ids itself (input id -(row + 1) = fed_tokens[row]; DecodeGraphs sets it).
+    fed_tokens: torch.Tensor | None = None
 
     @classmethod
     def build(

@@ -127,7 +127,11 @@ class DecodeGraphs:
     def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         ids = self.static["input_ids"][:size]
         if self.latest is not None:
-            feed_token_ids_(ids, self.latest)
+            reads_fed_ids = getattr(self.model, "reads_fed_ids", None)
+            if reads_fed_ids is not None and reads_fed_ids(size):
+                meta.fed_tokens = self.latest  # its first kernel reads them (decode_chain.py)
+            else:
+                feed_token_ids_(ids, self.latest)
         positions = self.static["positions"][:size]
         hidden: torch.Tensor = self.model(ids, positions, meta, self.kv_layers)
         return hidden

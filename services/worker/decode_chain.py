@@ -77,13 +77,15 @@ def chain_forward(
     kv_caches: list[torch.Tensor],
 ) -> torch.Tensor:
     """`model.forward` with the fused reduces: input_ids [T] (1..16) -> final normed hidden."""
+    from kernels.embed_rmsnorm import embed_rmsnorm
     from kernels.gemv import gemv_add_rmsnorm
-    from kernels.rmsnorm import rmsnorm
 
     layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
-    stream = model.embed(input_ids)
     first = layers[0].input_layernorm
-    normed, _ = rmsnorm(stream, first.weight, first.eps)
+    fed = attn.fed_tokens if isinstance(attn, TritonAttentionMetadata) else None
+    normed, stream = embed_rmsnorm(
+        input_ids, model.embed_tokens.weight, first.weight, first.eps, latest=fed
+    )
     attends = _attends(model, input_ids.shape[0], positions, attn, kv_caches)
     for i, (layer, attend) in enumerate(zip(layers, attends, strict=True)):
         attn_out = attend(normed)
@@ -201,6 +203,11 @@ def chain_takes(input_ids: torch.Tensor) -> bool:
 
 class DecodeChainLlama(LlamaForCausalLM):
     """LlamaForCausalLM whose decode-sized CUDA steps run `chain_forward`."""
+
+    def reads_fed_ids(self, num_tokens: int) -> bool:
+        """Whether a CUDA decode graph of `num_tokens` rows runs the chain, whose first kernel
+        reads fed token ids itself (TritonAttentionMetadata.fed_tokens; cuda_graphs.py)."""
+        return DECODE_CHAIN_DEFAULT and 1 <= num_tokens <= GEMV_MAX_ROWS
 
     def forward(
         self,

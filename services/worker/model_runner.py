@@ -377,9 +377,11 @@ class ModelRunner:
             last = hidden  # every row is one token, sampled (a decode-only step): no gather
         else:
             last = hidden[self._to_device(last_rows)]
+        # Waited for before the LM head, so the sampling's launch follows the LM head's directly
+        # (programmatic dependent launch, kernels/sampling.py).
+        rows_t, positions = self._uploaded(sampler_rows)
         logits = self.compute_logits(last)
         rows = inputs.rows[sample_idx]
-        rows_t, positions = self._uploaded(sampler_rows)
         bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
         out = self.sampler.sample(
             logits, rows_t, positions, bitmask, bitmask_index=bitmask_index, feed=self.feed.latest

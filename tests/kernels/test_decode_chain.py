@@ -150,3 +150,34 @@ def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkey
     assert not decode_chain.fused_attention_takes(
         model, dataclasses.replace(meta, decode_num_splits=1), 2
     )
+
+
+def test_fed_ids_read_from_the_feed_table_equal_the_tokens_themselves(device) -> None:  # type: ignore[no-untyped-def]
+    """In a decode graph the chain's first kernel reads an id -(row + 1) from the feed table
+    (TritonAttentionMetadata.fed_tokens): the same step, bit for bit, as the tokens given."""
+    import dataclasses
+
+    from kernels.token_feed import fed_id
+    from services.worker.attention_select import TritonAttentionMetadata
+
+    model = _model(device)
+    assert model.reads_fed_ids(2) and not model.reads_fed_ids(17)  # type: ignore[operator]
+    cache = KVCache.allocate(model.config, 2 * 4, BLOCK, torch.float32, device)
+    other = copy.deepcopy(cache)
+    lens, tables = np.array([9, 14]), np.arange(8).reshape(2, 4)
+    positions = lens - 1
+    meta = TritonAttentionMetadata.build(
+        query_lens=np.ones(2, dtype=np.int64), seq_lens=lens, block_tables=tables,
+        block_size=BLOCK, slot_mapping=tables[[0, 1], positions // BLOCK] * BLOCK
+        + positions % BLOCK, num_kv_heads=2, device=device,
+    )  # fmt: skip
+    pos = torch.as_tensor(positions, device=device)
+    latest = torch.tensor([0, 0, 0, 77], device=device)
+    fed = torch.tensor([5, fed_id(3)], device=device)
+    with torch.inference_mode():
+        got = chain_forward(
+            model, fed, pos, dataclasses.replace(meta, fed_tokens=latest), cache.layers
+        )
+        want = chain_forward(model, torch.tensor([5, 77], device=device), pos, meta, other.layers)
+    assert torch.equal(got, want)
+    assert fed.tolist() == [5, fed_id(3)]  # the graph's input is read, not rewritten

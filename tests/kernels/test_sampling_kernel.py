@@ -327,7 +327,11 @@ def test_torch_reduction_without_counters_gives_the_same_tokens_and_feed(
         ({"rows": torch.zeros(2)}, TypeError, "rows has dtype"),
         ({"rows": torch.zeros(2, 1, dtype=torch.int64)}, ValueError, "rows must have 1"),
         ({"rows": torch.zeros(3, dtype=torch.int64)}, ValueError, "rows has shape"),
-        ({"rows": torch.zeros(4, dtype=torch.int64)[::2]}, ValueError, "rows must be contig"),
+        (  # strided where it lives (a copy to the GPU would be contiguous)
+            {"rows": lambda d: torch.zeros(4, dtype=torch.int64, device=d)[::2]},
+            ValueError,
+            "rows must be contig",
+        ),
         (
             {"rows": torch.zeros(2, dtype=torch.int64), "seeds": torch.zeros(3, dtype=torch.int64)},
             ValueError,
@@ -352,6 +356,6 @@ def test_torch_reduction_without_counters_gives_the_same_tokens_and_feed(
 )
 def test_rows_and_feed_errors(device: torch.device, change, error, match) -> None:
     args = _args(device)
-    args.update({key: value.to(device) for key, value in change.items()})
+    args.update({k: v(device) if callable(v) else v.to(device) for k, v in change.items()})
     with pytest.raises(error, match=match):
         gumbel_argmax_triton(**args)  # type: ignore[arg-type]
