@@ -2,7 +2,8 @@
 
 With asynchronous scheduling step N+1 is launched before step N's sampled tokens reach the
 host (services/worker/in_flight.py): where a step's input is a row's newest token, still only
-on the device in `latest[row]`, the host writes the id -(row + 1) instead, and this kernel, the
+on the device in `latest[row]`, the host writes the id -(row + 1) instead
+(services/worker/in_flight.fed_id), and this kernel, the
 first one of the captured decode graph, replaces each such id in place with latest[row]. That
 is one launch inside the graph instead of an eager gather, scatter and index upload between
 two graphs. Non-negative ids are left alone; the host never writes a negative id otherwise
@@ -28,11 +29,6 @@ def _feed_kernel(ids_ptr, latest_ptr, n, BLOCK: tl.constexpr):
     fed = mask & (ids < 0)
     token = tl.load(latest_ptr + tl.where(fed, -ids - 1, 0), mask=fed, other=0)
     tl.store(ids_ptr + offs, token, mask=fed)
-
-
-def fed_id(rows: torch.Tensor | int) -> torch.Tensor | int:
-    """The input id that stands for `latest[row]`."""
-    return -rows - 1
 
 
 def feed_token_ids_(ids: torch.Tensor, latest: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from kernels.staged_copy import PackedCpuGpuBuffer
-from kernels.token_feed import feed_token_ids_
 from services.worker.attention_select import TritonAttentionMetadata, decode_splits
 from services.worker.models.base import CausalLM
 
@@ -125,6 +124,8 @@ class DecodeGraphs:
         )
 
     def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        from kernels.token_feed import feed_token_ids_  # Triton: CUDA builds only
+
         ids = self.static["input_ids"][:size]
         if self.latest is not None:
             reads_fed_ids = getattr(self.model, "reads_fed_ids", None)

@@ -95,6 +95,12 @@ def _to_pinned(tensor: torch.Tensor | None, stream: torch.cuda.Stream) -> torch.
     return host
 
 
+def fed_id(rows: np.ndarray) -> np.ndarray:
+    """The input ids that stand for latest[rows] in a decode graph's inputs: -(row + 1)
+    (kernels/token_feed.py and kernels/embed_rmsnorm.py read them on the device)."""
+    return -np.asarray(rows, dtype=np.int64) - 1
+
+
 class PendingFeed:
     """Which batch rows have a newest token that is still only on the device, and where it is.
 

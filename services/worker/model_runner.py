@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from kernels.staged_copy import stage_to_device
-from kernels.token_feed import fed_id
 from services.worker.attention import AttentionMetadata
 from services.worker.attention_select import (
     CpuAttention,
@@ -44,7 +43,7 @@ from services.worker.cpu_compile import CompiledForward
 from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.cuda_layers import install_cuda_kernels
 from services.worker.group_attention import group_attention, needs_group_attention
-from services.worker.in_flight import InFlightTokens, PendingFeed
+from services.worker.in_flight import InFlightTokens, PendingFeed, fed_id
 from services.worker.input_batch import InputBatch, PlanError
 from services.worker.kv_cache import KVCache
 from services.worker.models.base import CausalLM

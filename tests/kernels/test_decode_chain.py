@@ -157,8 +157,8 @@ def test_fed_ids_read_from_the_feed_table_equal_the_tokens_themselves(device) ->
     (TritonAttentionMetadata.fed_tokens): the same step, bit for bit, as the tokens given."""
     import dataclasses
 
-    from kernels.token_feed import fed_id
     from services.worker.attention_select import TritonAttentionMetadata
+    from services.worker.in_flight import fed_id
 
     model = _model(device)
     assert model.reads_fed_ids(2) and not model.reads_fed_ids(17)  # type: ignore[operator]

@@ -7,7 +7,8 @@ import torch
 
 from kernels.embed_rmsnorm import embed_rmsnorm
 from kernels.rmsnorm import rmsnorm
-from kernels.token_feed import fed_id, feed_token_ids_reference
+from kernels.token_feed import feed_token_ids_reference
+from services.worker.in_flight import fed_id
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

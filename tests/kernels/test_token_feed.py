@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.token_feed import fed_id, feed_token_ids_, feed_token_ids_reference
+from kernels.token_feed import feed_token_ids_, feed_token_ids_reference
+from services.worker.in_flight import fed_id
 
 
 def test_fed_ids_take_the_rows_latest_token_and_others_stay(device: torch.device) -> None:
