@@ -69,10 +69,6 @@ WS_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (28672, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9),
     (4096, 14336): GemvConfig(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=9),
 }
-# Per (N, K): tiles the WS loader issues before it too waits for the predecessor (absent: it
-# never waits). A deep early start queues its bytes ahead of a latency-bound predecessor's
-# loads (the attention before o, the norm before qkv).
-WS_PREWAIT: dict[tuple[int, int], int] = {}
 
 
 @triton.jit
@@ -293,7 +289,6 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
             x, weight, part if part is not None else out, k=k, block_n=cfg.block_n,
             block_k=cfg.block_k, split=g.split, stages=cfg.num_stages,
             use_partials=part is not None, gated=g.gated, pdl=g.pdl,
-            prewait=WS_PREWAIT.get((n, k), 0),
         )  # fmt: skip
         return
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](

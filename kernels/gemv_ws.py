@@ -53,11 +53,9 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _load_units(w_desc, bufs, ready, empty, i, n_units, split, steps, PREWAIT: gl.constexpr):
+def _load_units(w_desc, bufs, ready, empty, i, n_units, split, steps):
     """The loader's walk over one product: every weight tile of this program's units, in
-    order, into the ring (slot i % stages onwards); returns the next ring position.
-    PREWAIT > 0: after that many tiles the loader itself waits for the predecessor, so that
-    fewer bytes queue ahead of a latency-bound predecessor's own loads."""
+    order, into the ring (slot i % stages onwards); returns the next ring position."""
     block_n: gl.constexpr = w_desc.block_type.shape[0]
     block_k: gl.constexpr = w_desc.block_type.shape[1]
     stages: gl.constexpr = bufs.type.shape[0]
@@ -71,9 +69,6 @@ def _load_units(w_desc, bufs, ready, empty, i, n_units, split, steps, PREWAIT: g
             mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
             _tma_load(w_desc, [n0, k0 + j * block_k], ready.index(s), bufs.index(s))
             i += 1
-            if PREWAIT > 0:  # noqa: SIM102 (the first if is resolved at compile time)
-                if i == PREWAIT:
-                    _asm("griddepcontrol.wait;")
     return i
 
 
@@ -171,8 +166,8 @@ def _gemv_compute(
 
 
 @gluon.jit
-def _gemv_loader(w_desc, bufs, ready, empty, n_units, split, steps, PREWAIT: gl.constexpr):
-    _load_units(w_desc, bufs, ready, empty, 0, n_units, split, steps, PREWAIT)
+def _gemv_loader(w_desc, bufs, ready, empty, n_units, split, steps):
+    _load_units(w_desc, bufs, ready, empty, 0, n_units, split, steps)
 
 
 @constexpr_function
@@ -203,8 +198,7 @@ def _ring(desc, STAGES: gl.constexpr, X_STEPS: gl.constexpr):
 def _gemv_ws_kernel(
     x_ptr, w_desc, out_ptr, n_units, split, steps, N, K,
     USE_PARTIALS: gl.constexpr, GATED: gl.constexpr, PDL: gl.constexpr,
-    STAGES: gl.constexpr, X_STEPS: gl.constexpr, PREWAIT: gl.constexpr,
-    num_warps: gl.constexpr,
+    STAGES: gl.constexpr, X_STEPS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     layout: gl.constexpr = _tile_layout(w_desc.block_type.shape[1], num_warps)
     bufs, x_smem, ready, empty = _ring(w_desc, STAGES, X_STEPS)
@@ -212,7 +206,7 @@ def _gemv_ws_kernel(
         [
             (_gemv_compute, (x_ptr, out_ptr, bufs, x_smem, ready, empty, n_units, split,
                              steps, N, K, USE_PARTIALS, GATED, PDL, layout)),
-            (_gemv_loader, (w_desc, bufs, ready, empty, n_units, split, steps, PREWAIT)),
+            (_gemv_loader, (w_desc, bufs, ready, empty, n_units, split, steps)),
         ],
         [1],
         [40],
@@ -267,19 +261,16 @@ def launch(
     use_partials: bool,
     gated: bool,
     pdl: bool,
-    prewait: int = 0,
 ) -> None:
     """y = x @ weight^T for one row into `out` ([1, N] in x's dtype) or, use_partials, its
     fp32 split-K partials into `out` ([split, 1, N]). The caller has checked the operands
-    (kernels/gemv.py) and `supported`. One program per SM at most. `prewait` > 0 (with pdl):
-    the loader issues that many tiles, then waits for the predecessor too."""
+    (kernels/gemv.py) and `supported`. One program per SM at most."""
     n = weight.shape[0]
     units = (n // block_n) * split
     steps = _steps(k, split, block_k)
     _gemv_ws_kernel[(min(units, sm_count(x.device)),)](
         x, weight_descriptor(weight, block_n, block_k), out, units, split, steps, n, k,
         USE_PARTIALS=use_partials, GATED=gated, PDL=pdl, STAGES=stages,
-        X_STEPS=next_power_of_2(steps), PREWAIT=prewait if pdl else 0,
-        num_warps=COMPUTE_WARPS, maxnreg=MAX_REGISTERS,
+        X_STEPS=next_power_of_2(steps), num_warps=COMPUTE_WARPS, maxnreg=MAX_REGISTERS,
         **pdl_launch(pdl),
     )  # fmt: skip

@@ -5,6 +5,7 @@
 # the batch-1 step graph, variants alternating with this tree as committed (off), then the
 # mesh at batch 1 for the best variant if it beat off.
 #
+#   git checkout d2c665a  # the tree with WS_PREWAIT (dropped after: every variant slower)
 #   run(command="bash bench/gpu/prewait_session.sh", carry=[".whl", ".redisbin"])
 SESSION_SECONDS=${SESSION_SECONDS:-330}
 source "$(dirname "$0")/session_env.sh"

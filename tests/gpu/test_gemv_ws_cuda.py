@@ -105,28 +105,3 @@ def test_a_graph_of_chained_products_replays_deterministically() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager)
-
-
-def test_loaders_that_wait_for_the_predecessor_change_no_bit(monkeypatch) -> None:
-    """WS_PREWAIT: the loader issues a few tiles, then waits for the predecessor too; only
-    the loads move, so the chained products (eager and in a graph) keep every bit."""
-    ws = {shape: operands(*shape, seed=4)[1] for shape in SHAPES}
-    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-
-    def chain() -> torch.Tensor:
-        y = x
-        for _ in range(2):
-            qkv = gemv(y, ws[(6144, 4096)])
-            o = gemv(qkv[:, :4096], ws[(4096, 4096)])
-            y = gemv(gemv(o, ws[(28672, 4096)]), ws[(4096, 14336)], gated=True)
-        return y
-
-    plain = chain()
-    monkeypatch.setattr(gemv_mod, "WS_PREWAIT", dict.fromkeys(SHAPES, 2))
-    assert torch.equal(chain(), plain)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, plain)

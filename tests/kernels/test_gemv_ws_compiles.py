@@ -20,18 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SM90_SHARED_BYTES = 227 * 1024  # the most one block may use on Hopper
 
-FORMS = [  # (shape, partials, gated, pdl, prewait): qkv, gate_up and down as the chain runs
-    ((6144, 4096), True, False, True, 0),  # them, o without PDL, and a loader that waits too
-    ((28672, 4096), False, False, True, 0),
-    ((4096, 14336), True, True, True, 0),
-    ((4096, 4096), True, False, False, 0),
-    ((4096, 4096), True, False, True, 2),
+FORMS = [  # (shape, partials, gated, pdl): qkv, gate_up and down as the chain runs them
+    ((6144, 4096), True, False, True),
+    ((28672, 4096), False, False, True),
+    ((4096, 14336), True, True, True),
+    ((4096, 4096), True, False, False),
 ]
 
 
-def compile_form(
-    shape: tuple[int, int], partials: bool, gated: bool, pdl: bool, prewait: int
-) -> dict:
+def compile_form(shape: tuple[int, int], partials: bool, gated: bool, pdl: bool) -> dict:
     """(In the child) the kernel compiled for sm_90: its shared memory, PTX and settings."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -51,8 +48,7 @@ def compile_form(
         "out_ptr": "*fp32" if partials else "*bf16",
         **dict.fromkeys(("n_units", "split", "steps", "N", "K"), "i32"),
         **dict.fromkeys(
-            ("USE_PARTIALS", "GATED", "PDL", "STAGES", "X_STEPS", "PREWAIT", "num_warps"),
-            "constexpr",
+            ("USE_PARTIALS", "GATED", "PDL", "STAGES", "X_STEPS", "num_warps"), "constexpr"
         ),
     }
     constants = {
@@ -61,7 +57,6 @@ def compile_form(
         "PDL": pdl,
         "STAGES": cfg.num_stages,
         "X_STEPS": next_power_of_2(steps),
-        "PREWAIT": prewait,
         "num_warps": gemv_ws.COMPUTE_WARPS,
     }
     aligned = [["tt.divisibility", 16]]
@@ -78,11 +73,11 @@ def compile_form(
     }
 
 
-def compiled(shape: tuple[int, int], partials: bool, gated: bool, pdl: bool, prewait: int) -> dict:
+def compiled(shape: tuple[int, int], partials: bool, gated: bool, pdl: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    form = json.dumps([list(shape), partials, gated, pdl, prewait])
+    form = json.dumps([list(shape), partials, gated, pdl])
     child = subprocess.run(
         [sys.executable, __file__, form], env=env, cwd=ROOT, capture_output=True, text=True,
         timeout=300,
@@ -92,19 +87,18 @@ def compiled(shape: tuple[int, int], partials: bool, gated: bool, pdl: bool, pre
     return result
 
 
-@pytest.mark.parametrize(("shape", "partials", "gated", "pdl", "prewait"), FORMS)
+@pytest.mark.parametrize(("shape", "partials", "gated", "pdl"), FORMS)
 def test_compiles_for_hopper(
-    shape: tuple[int, int], partials: bool, gated: bool, pdl: bool, prewait: int
+    shape: tuple[int, int], partials: bool, gated: bool, pdl: bool
 ) -> None:
-    kernel = compiled(shape, partials, gated, pdl, prewait)
+    kernel = compiled(shape, partials, gated, pdl)
     assert kernel["ring"] <= kernel["shared"] <= SM90_SHARED_BYTES
     ptx = kernel["ptx"]
     assert "cp.async.bulk.tensor" in ptx  # the loader's TMA
-    # The compute partition waits in a chained launch, the loader too with prewait.
-    assert ptx.count("griddepcontrol.wait") == int(pdl) + int(prewait > 0)
+    assert ("griddepcontrol.wait" in ptx) == pdl
     assert f".maxnreg {kernel['maxnreg']}" in ptx
 
 
 if __name__ == "__main__":  # the child: compile one form, print it as JSON
-    shape, partials, gated, pdl, prewait = json.loads(sys.argv[1])
-    print(json.dumps(compile_form(tuple(shape), partials, gated, pdl, prewait)))
+    shape, partials, gated, pdl = json.loads(sys.argv[1])
+    print(json.dumps(compile_form(tuple(shape), partials, gated, pdl)))
