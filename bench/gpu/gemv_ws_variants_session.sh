@@ -27,11 +27,7 @@ for r in 1 2; do
         (cd "/tmp/v_$v" && export PYTHONPATH=/tmp/site:/tmp/v_$v && b1_graph "$v-$r")
     done
 done
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(f"{sys.argv[1]}/b1_graph_*.json")):
-    print(f.rsplit("/", 1)[1], round(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"], 4))
-PY
+b1_graph_report
 rm -f "$OUT"/b1_graph_*.json  # printed above; fewer files to bring back
 step gpu-tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemv_ws_cuda.py \
     tests/gpu/test_decode_chain_cuda.py

@@ -32,11 +32,7 @@ for r in 1 2; do
     done
     b1_graph "tree-$r"
 done
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(f"{sys.argv[1]}/b1_graph_*.json")):
-    print(f.rsplit("/", 1)[1], round(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"], 4))
-PY
+b1_graph_report
 rm -f "$OUT"/b1_graph_*.json  # printed above; fewer files to bring back
 step trace 60 python3 -m bench.gpu.chain_trace --trace /tmp/trace_tree.json --kernels \
     > "$OUT/chain_trace_mlp.txt"

@@ -27,11 +27,7 @@ for r in 1 2; do
         (cd "/tmp/v_$v" && export PYTHONPATH=/tmp/site:/tmp/v_$v && b1_graph "$v-$r")
     done
 done
-python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(f"{sys.argv[1]}/b1_graph_*.json")):
-    print(f.rsplit("/", 1)[1], round(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"], 4))
-PY
+b1_graph_report
 best=$(python3 - "$OUT" <<'PY'
 import glob, json, sys
 ms = {}

@@ -72,6 +72,14 @@ b1_graph_ab() {  # b1_graph_ab ROUNDS: the batch-1 step graph of /tmp/plain (off
     done
 }
 
+b1_graph_report() {  # b1_graph_report: the step graph ms of every b1_graph run in $OUT
+    python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(f"{sys.argv[1]}/b1_graph_*.json")):
+    print(f.rsplit("/", 1)[1], round(json.load(open(f))["worker"][0]["breakdown"]["step_graph_ms"], 4))
+PY
+}
+
 b1_graph_faster() {  # b1_graph_faster A B: prints 1 if A's best b1_graph (runs "A-<n>") beat B's
     python3 - "$OUT" "$1" "$2" <<'PY'
 import glob, json, sys
