@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The kernel and bench/gpu/gemv_mma_bench.py this call ran were removed after it; they are in
+# commit 03c8f0f. Results: bench/gpu/gemv_mma_h200.log.)
 # Issue #9, eleventh session: the warpgroup-MMA skinny product at the sweep's best splits
 # (fewest: their fp32 partials and reduce cost more than the balance they buy), against the
 # tensor-core GEMV in the decode chain (2..16 rows) and cuBLAS (16..64 rows), twice.

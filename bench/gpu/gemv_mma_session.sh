@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The kernel and bench/gpu/gemv_mma_bench.py this call ran were removed after it; they are in
+# commit 03c8f0f. Results: bench/gpu/gemv_mma_h200.log.)
 # Issue #9, eleventh session: the warpgroup-MMA skinny product (kernels/gemv_ws_mma.py) on the
 # H200: its numbers, its GPU tests, then its speed in 32-layer chains against the tensor-core
 # GEMV (2..16 rows) and cuBLAS (16..64 rows), and a sweep of its splits and ring depths.
