@@ -70,22 +70,6 @@ WS_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (4096, 14336): GemvConfig(block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=9),
 }
 
-# Products of 2..MMA_MAX_ROWS rows on Hopper go to kernels/gemv_ws_mma.py (warpgroup MMA, the
-# weight loads ahead of the PDL wait) with these splits, ring stages (block_k: the K one stage
-# holds, in 64-wide TMA boxes) and ring depths (num_stages, fitted to MMA_SHARED_BYTES by
-# `mma_ring`); block_n is a work unit's 256 outputs (four MMAs of 64). Above MAX_BATCH rows only
-# these shapes are taken (callers ask `takes_rows` first); the LM head stays on the
-# tensor-core kernel.
-GEMV_MMA_DEFAULT = True
-MMA_MAX_ROWS = 64
-MMA_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (6144, 4096): GemvConfig(block_n=256, block_k=64, split_k=4, num_warps=4, num_stages=6),
-    (4096, 4096): GemvConfig(block_n=256, block_k=64, split_k=4, num_warps=4, num_stages=6),
-    (28672, 4096): GemvConfig(block_n=256, block_k=64, split_k=1, num_warps=4, num_stages=6),
-    (4096, 14336): GemvConfig(block_n=256, block_k=64, split_k=8, num_warps=4, num_stages=6),
-}
-MMA_SHARED_BYTES = 216 * 1024  # the ring's budget in one SM's 227 KB
-
 
 @triton.jit
 def _gemv_kernel(
@@ -243,8 +227,7 @@ class _GemvLaunch:
     config: GemvConfig
     gated: bool
     pdl: bool
-    ws: bool = False  # kernels/gemv_ws.py (one row)
-    mma: bool = False  # kernels/gemv_ws_mma.py (2..MMA_MAX_ROWS rows)
+    ws: bool = False
 
     @property
     def k_per_split(self) -> int:
@@ -253,8 +236,6 @@ class _GemvLaunch:
 
     @property
     def split(self) -> int:
-        if self.mma:  # uneven K splits of whole ring stages (kernels/gemv_ws_mma.py)
-            return self.config.split_k
         return triton.cdiv(self.k, self.k_per_split)
 
 
@@ -278,19 +259,16 @@ def _checked(
     if weight.shape[1] != k:
         what = "half of x (gate | up) has" if gated else "x has"
         raise ValueError(f"weight is [N, K] = {tuple(weight.shape)} but {what} K = {k}")
-    if n == 0 or k == 0:
-        raise ValueError(f"empty product: weight shape {tuple(weight.shape)}")
-    use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
-    mma_cfg = _mma_config(x, weight, k, config)
-    if mma_cfg is not None:
-        return _GemvLaunch(x, weight, k, mma_cfg, gated, use_pdl, mma=True)
     if not 1 <= m <= MAX_BATCH:
         raise ValueError(f"gemv takes 1..{MAX_BATCH} rows, got {m}; use a GEMM for more")
+    if n == 0 or k == 0:
+        raise ValueError(f"empty product: weight shape {tuple(weight.shape)}")
     cfg = config or H200_CONFIGS.get((n, k)) or heuristic_config(n, k, sm_count(x.device))
     if cfg.split_k < 1 or cfg.block_k < 16 or cfg.block_n < 16:
         raise ValueError(f"invalid gemv config {cfg}")
     if interpreting():
         cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
+    use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
     ws_cfg = WS_CONFIGS.get((n, k)) if GEMV_WS_DEFAULT and config is None and x.is_cuda else None
     if ws_cfg is not None and supports_pdl(x.device):  # sm_90+ (cached device lookup)
         from kernels import gemv_ws  # Gluon, Hopper+: imported only where it can run
@@ -300,61 +278,10 @@ def _checked(
     return _GemvLaunch(x, weight, k, cfg, gated, use_pdl)
 
 
-def _mma_config(
-    x: torch.Tensor, weight: torch.Tensor, k: int, config: GemvConfig | None
-) -> GemvConfig | None:
-    """The warpgroup-MMA kernel's config where it takes the product (2..MMA_MAX_ROWS rows of a
-    shape in MMA_CONFIGS on Hopper, the launcher's choice of tiles), else None."""
-    if not (GEMV_MMA_DEFAULT and config is None and x.is_cuda and x.shape[0] >= 2):
-        return None
-    cfg = MMA_CONFIGS.get((weight.shape[0], k))
-    if cfg is None or x.shape[0] > MMA_MAX_ROWS or not supports_pdl(x.device):
-        return None
-    from kernels import gemv_ws_mma  # Gluon, Hopper+: imported only where it can run
-
-    if not gemv_ws_mma.supported(x, weight, k, cfg.block_k, cfg.split_k):
-        return None
-    return cfg
-
-
-def takes_rows(x: torch.Tensor, weight: torch.Tensor, *, gated: bool = False) -> bool:
-    """Whether `gemv` takes x's rows for this weight: 1..MAX_BATCH always, up to MMA_MAX_ROWS
-    where the warpgroup-MMA kernel takes the product (callers above MAX_BATCH ask first)."""
-    if 1 <= x.shape[0] <= MAX_BATCH:
-        return True
-    k = x.shape[1] // 2 if gated else x.shape[1]
-    return weight.shape[1] == k and _mma_config(x, weight, k, None) is not None
-
-
-def mma_ring(cfg: GemvConfig, rows: int, gated: bool) -> tuple[int, int]:
-    """(stage K, stages) of a warpgroup-MMA launch: the config's, made to fit
-    MMA_SHARED_BYTES by fewer stages (down to 3), then narrower ones (the x tiles grow with
-    the rows, and double when gated)."""
-    from kernels.gemv_ws_mma import BOX_K, shared_bytes
-
-    stage_k, stages = cfg.block_k, cfg.num_stages
-    while shared_bytes(rows, stage_k, stages, gated) > MMA_SHARED_BYTES:
-        if stages > 3 or (stages > 2 and stage_k == BOX_K):
-            stages -= 1
-        elif stage_k > BOX_K:
-            stage_k, stages = stage_k // 2, cfg.num_stages
-        else:
-            break  # two stages of one box: at most ~100 KB at 64 gated rows
-    return stage_k, stages
-
-
 def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None) -> None:
     """The GEMV kernel: into `out` directly, or fp32 partials [split, M, N] into `part`."""
     x, weight, cfg, k = g.x, g.weight, g.config, g.k
     m, n = x.shape[0], weight.shape[0]
-    if g.mma:
-        from kernels import gemv_ws_mma
-
-        gemv_ws_mma.launch(
-            x, weight, part if part is not None else out, k=k, ring=mma_ring(cfg, m, g.gated),
-            split=g.split, use_partials=part is not None, gated=g.gated, pdl=g.pdl,
-        )  # fmt: skip
-        return
     if g.ws:
         from kernels import gemv_ws
 

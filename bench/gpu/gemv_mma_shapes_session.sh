@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (The kernel and bench/gpu/gemv_mma_bench.py this call ran were removed after it; they are in
+# commit 9b3385b. Results: bench/gpu/gemv_mma_h200.log.)
 # Issue #9, eleventh session: the warpgroup-MMA skinny product (kernels/gemv_ws_mma.py) shape by
 # shape, 32 launches with their own weights in a graph: cuBLAS, the tensor-core GEMV and the
 # MMA kernel at splits 1/2/4/8 (with and without its reduce), at 2, 16, 32 and 64 rows.
