@@ -52,6 +52,7 @@ from kernels.paged_decode import (
     piece_buffers,
     strided_tiles,
 )
+from kernels.pdl import chain_handoff
 from kernels.tensor_checks import (
     CHAIN_PDL_DEFAULT,
     MODEL_DTYPES,
@@ -208,9 +209,7 @@ def _decode_from_qkv_kernel(
     cs_row = cos_sin_ptr + tl.load(rope_rows_ptr + seq).to(tl.int64) * stride_cs
     k_scale = tl.load(k_scale_ptr + kv_head * k_scale_stride)
     v_scale = tl.load(v_scale_ptr + kv_head * v_scale_stride)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_handoff(PDL)
     dtype = out_ptr.dtype.element_ty
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)

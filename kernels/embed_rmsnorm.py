@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels import tensor_checks
+from kernels.pdl import chain_handoff
 from kernels.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
 from kernels.tensor_checks import (
     MODEL_DTYPES,
@@ -40,9 +41,7 @@ def _embed_rmsnorm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     token = tl.load(ids_ptr + row)
     # Two ifs: the first is resolved at compile time, the second per row.

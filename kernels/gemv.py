@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import tensor_checks
+from kernels.pdl import chain_handoff
 from kernels.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
 from kernels.tensor_checks import (
     check_tensor,
@@ -94,9 +95,7 @@ def _gemv_kernel(
     GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_handoff(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,9 +152,7 @@ def _split_k_reduce_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_handoff(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < M * N
     acc = tl.zeros([BLOCK], tl.float32)
@@ -185,9 +182,7 @@ def _split_k_norm_kernel(
 ):
     """One row: the partials summed in the reduce kernel's order and rounded as it rounds,
     then the residual add and RMSNorm of kernels/rmsnorm.py."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N

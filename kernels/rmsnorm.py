@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels import tensor_checks
+from kernels.pdl import chain_handoff
 from kernels.tensor_checks import (
     MODEL_DTYPES,
     check_shape,
@@ -47,9 +48,7 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # in a PDL chain (tensor_checks.CHAIN_PDL_DEFAULT): predecessor first, then ours
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    chain_handoff(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
