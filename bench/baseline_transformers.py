@@ -48,7 +48,7 @@ def main() -> None:
     model_dir = args.model_dir
     if not model_dir:
         from shared.config import ModelSettings
-        from shared.model_source import resolve_model
+        from shared.model.source import resolve_model
 
         s = ModelSettings()
         model_dir = str(resolve_model(s.model, s.model_cache_dir).hf_dir)

@@ -1,4 +1,4 @@
-"""One decode layer's paged attention on CPU: the C++ kernel (kernels/cpu_decode_attention.py)
+"""One decode layer's paged attention on CPU: the C++ kernel (kernels/attention/cpu_decode.py)
 against the PyTorch reference path (gather + SDPA), both through `paged_attention` as the
 model calls it, alternating in one process (this VM's speed drifts between runs).
 
@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from kernels.cpu_decode_attention import load
-from services.worker.attention import AttentionMetadata, paged_attention
+from kernels.attention.cpu_decode import load
+from services.worker.attention.reference import AttentionMetadata, paged_attention
 
 CASES = ((1, 64), (1, 2048), (8, 64), (8, 256), (8, 1024), (32, 256))
 

@@ -139,7 +139,7 @@ def main() -> None:
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     from shared.config import ModelSettings
-    from shared.model_source import resolve_model
+    from shared.model.source import resolve_model
 
     settings = ModelSettings()
     model_dir = str(resolve_model(settings.model, settings.model_cache_dir).hf_dir)

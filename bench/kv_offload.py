@@ -30,12 +30,12 @@ from typing import Any
 import redis
 import torch
 
-from services.kvstore.offload_key import KeySpace, OffloadKey
-from services.worker.kv_cache import KVCache
 from services.worker.kv_offload.connector import KVConnector
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import LAYOUT_VERSION
 from services.worker.kv_offload.transfer_engine import TransferEngine
+from services.worker.runner.kv_cache import KVCache
+from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol import KVTransfer, KVTransferDone, StepPlan
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16  # SmolLM2-135M

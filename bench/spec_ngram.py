@@ -24,12 +24,12 @@ import torch
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
-from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
 from services.worker.spec import SpeculativeConfig
 from shared.config import ModelSettings
-from shared.model_source import resolve_model
+from shared.model.source import resolve_model
 from shared.protocol import SamplingParams, SubmitRequest
 
 SNIPPET = '''def moving_average(values, window):

@@ -1,5 +1,5 @@
 """Where the device sat idle between the worker's steps, from a step timeline
-(MESHLLM_STEP_TIMELINE=FILE, services/worker/step_timeline.py).
+(MESHLLM_STEP_TIMELINE=FILE, services/worker/runner/step_timeline.py).
 
     python -m bench.step_timeline FILE [--split-ms 1000]
 

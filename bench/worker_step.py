@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model, prepare_for_device
-from services.worker.model_runner import ModelRunner
-from services.worker.models.config import ModelConfig, RopeScaling
 from services.worker.models.registry import build_model
-from shared.model_source import resolve_model
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
+from shared.model.config import ModelConfig, RopeScaling
+from shared.model.source import resolve_model
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 

@@ -122,14 +122,14 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_cache_memory_fraction: float = 0.3
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     # Launch step N+1 while step N still runs on the device (its sampled tokens fed forward on
-    # the device; services/worker/in_flight.py). "auto": on for CUDA, off on CPU, where a step
-    # is computed while it is launched and holding its result back would only add latency.
+    # the device; services/worker/runner/in_flight.py). "auto": on for CUDA, off on CPU, where a
+    # step is computed while it is launched and holding its result back would only add latency.
     overlap_steps: Literal["auto", "on", "off"] = "auto"
-    # Compile the forward with torch.compile on CPU (services/worker/cpu_compile.py). "auto":
+    # Compile the forward with torch.compile on CPU (services/worker/accel/cpu_compile.py). "auto":
     # on where supported (bf16, dense models, no speculative decoding); start-up then takes
     # tens of seconds longer. "on" is "auto" that also logs why it cannot compile a model.
     cpu_compile: Literal["auto", "on", "off"] = "auto"
-    # Decode attention on CPU (kernels/cpu_decode_attention.py): "auto" = the C++ kernel where
+    # Decode attention on CPU (kernels/attention/cpu_decode.py): "auto" = the C++ kernel where
     # a compiler builds it, else PyTorch; "kernel" = the kernel or fail; "torch" = PyTorch.
     cpu_attention: Literal["auto", "kernel", "torch"] = "auto"
     # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
@@ -137,7 +137,7 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
     kv_staging_bytes: int = Field(64 * 2**20, ge=0)  # store staging slots (pinned on CUDA)
     kv_offload_timeout_s: float = Field(5.0, gt=0)  # Redis socket timeout of the transfer threads
-    # A JSON line per step with its host and device times (services/worker/step_timeline.py;
+    # A JSON line per step with its host and device times (services/worker/runner/step_timeline.py;
     # `python -m bench.step_timeline FILE`); "" = off.
     step_timeline: str = ""
 

@@ -51,6 +51,6 @@ def own_redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a cached HF directory (converted once, ~20 s)."""
-    from shared.model_source import resolve_model
+    from shared.model.source import resolve_model
 
     return resolve_model("", MODEL_CACHE).hf_dir

@@ -22,7 +22,7 @@ step ncu-detail 120 "$NCU" --profile-from-start off --clock-control none \
 step helpers 60 python3 -c "
 import torch
 from bench.gpu.kernel_timings import graph_ms
-from kernels.gemv import gemv
+from kernels.decode_chain.gemv import gemv
 w = torch.randn(4096, 4096, device='cuda', dtype=torch.bfloat16); x = torch.randn(1, 4096, device='cuda', dtype=torch.bfloat16)
 print('graph_ms gemv 4096x4096 one row: %.2f us' % (1e3 * graph_ms([lambda: gemv(x, w)])))
 "

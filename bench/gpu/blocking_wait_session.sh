@@ -3,7 +3,7 @@
 # One device call (issue #9, the batch-256 prefill launch that is slower in the mesh than in
 # the worker alone): the worker's wait for a step's sampled tokens, which runs in a thread of
 # its own while the step thread launches the next plan, spinning in the CUDA driver (default
-# event, "spin") vs sleeping until the device signals (services/worker/in_flight.py
+# event, "spin") vs sleeping until the device signals (services/worker/runner/in_flight.py
 # BLOCKING_WAIT, "block"). The mesh at batch 1 and 256, alternating.
 #
 #   run(command="bash bench/gpu/blocking_wait_session.sh", carry=[".whl", ".redisbin"])

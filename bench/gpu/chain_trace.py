@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shared.protocol import StepPlan
 
-# The decode chain's GEMV grids at the Llama-3-8B shape, one row (kernels/gemv.py configs).
+# The decode chain's GEMV grids at the Llama-3-8B shape, one row (kernels/decode_chain/gemv.py configs).
 GEMV_GRIDS = {
     (96, 2): "gemv qkv",
     (64, 2): "gemv o",

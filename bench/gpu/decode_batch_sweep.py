@@ -11,7 +11,7 @@ s2) reads 3.85 TB/s at 256 x 576 and 3.67 at 64 x 576. Only n32 w2 s2 at batch 2
 second call with 9 repeats (decode_batch_confirm_h200.log: 1.07-1.09x at 128-256 sequences,
 tight spreads) and a third at 1024-4096 keys (decode_tiles_h200.log) confirmed it, and the
 launcher now takes those tiles from 1024 (sequence, kv head) programs on
-(kernels/paged_decode.py single_pass_tiles).
+(kernels/attention/paged_decode.py single_pass_tiles).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from bench.gpu.kernel_checks import HEAD_DIM, KV_HEADS, make_paged  # noqa: E402
 from bench.gpu.kernel_timings import graph_ms  # noqa: E402
-from kernels.attention_step import AttentionTiles  # noqa: E402
-from kernels.paged_decode import paged_decode_attention  # noqa: E402
+from kernels.attention.paged_decode import paged_decode_attention  # noqa: E402
+from kernels.attention.tile_step import AttentionTiles  # noqa: E402
 
 CASES = [(256, 576), (64, 576)]
 CONFIGS: list[tuple[int, AttentionTiles | None]] = (

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (issue #9, batch-1 decode): the decode chain (services/worker/decode_chain.py,
+# One device call (issue #9, batch-1 decode): the decode chain (services/worker/accel/decode_chain.py,
 # the o/down split-K reduces fused into the residual add + RMSNorm). GPU tests of the chain and
 # its kernel, the chain in one graph (bench/gpu/pdl_chain.py, mode "fused"), a kernel trace of
 # the batch-1 step (per-kernel time and the gaps between kernels), then the mesh at batch 1 and

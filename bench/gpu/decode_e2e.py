@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from bench.gpu.graph_replays import captured
-from services.worker.kv_cache import KVCache
-from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import PRESETS, build_random_model
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 
@@ -220,7 +220,7 @@ def trace_overlapped(
 
 def breakdown(runner: ModelRunner, model: Any, config: Any, driver: PlanDriver) -> dict[str, Any]:
     """Where a batch-1 decode step goes, at the context the run ended with."""
-    from services.worker.attention_select import rotary_attention
+    from services.worker.attention.select import rotary_attention
 
     dtype = model.embed_tokens.weight.dtype
     device = model.embed_tokens.weight.device
@@ -362,7 +362,7 @@ def main() -> None:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     import transformers
 
-    from services.worker.dense_prefill import DENSE_PREFILL_CHOICES
+    from services.worker.attention.dense_prefill import DENSE_PREFILL_CHOICES
 
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if not args.dry_run else "cpu",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue #9): the single-pass decode kernel's many-programs tiles
-# (kernels/paged_decode.py single_pass_tiles): its GPU tests, the tile sweep at long contexts
+# (kernels/attention/paged_decode.py single_pass_tiles): its GPU tests, the tile sweep at long contexts
 # too, and the mesh at batch 64 and 256 for a copy with the choice off (MANY_PROGRAMS out of
 # reach) and this tree.
 #

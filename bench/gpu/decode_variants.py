@@ -34,14 +34,14 @@ import triton  # noqa: E402
 
 from bench.gpu.kernel_checks import HEAD_DIM, HEADS, KV_HEADS, make_paged  # noqa: E402
 from bench.gpu.kernel_timings import graph_ms, median_ms  # noqa: E402
-from kernels.attention_step import AttentionTiles  # noqa: E402
-from kernels.paged_decode import (  # noqa: E402
+from kernels.attention.paged_decode import (  # noqa: E402
     _decode_reduce_kernel,
     default_num_splits,
     paged_decode_attention,
     paged_decode_reference,
 )
-from kernels.tensor_checks import FP8_E4M3  # noqa: E402
+from kernels.attention.tile_step import AttentionTiles  # noqa: E402
+from kernels.runtime.tensor_checks import FP8_E4M3  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue #9, batch-1 decode): the chain's attention from the qkv partials in
-# one kernel (kernels/decode_from_qkv.py: split-K reduce + RoPE/KV insert + strided decode).
+# one kernel (kernels/decode_chain/decode_from_qkv.py: split-K reduce + RoPE/KV insert + strided decode).
 # GPU tests of the kernel and the chain, the batch-1 step graph with its kernel trace
 # (bench/gpu/decode_e2e.py), then the mesh at batch 1 and 16 alternating between a copy of
 # this tree with the fused attention off and this tree.

@@ -1,8 +1,8 @@
-"""One-row GEMV variants against the decode GEMV (kernels/gemv.py) at the Llama-3-8B layer
+"""One-row GEMV variants against the decode GEMV (kernels/decode_chain/gemv.py) at the Llama-3-8B layer
 shapes, on the H200 (issue #9: the batch-1 step's weight streams run at 3.3-3.9 TB/s where the
 LM head's long stream gets ~4.5).
 
-- dot:  kernels.gemv's product (tensor cores, the weight tile through shared memory by cp.async),
+- dot:  kernels.decode_chain.gemv's product (tensor cores, the weight tile through shared memory by cp.async),
         its own tuned config, fp32 split-K partials out (as the decode chain launches it);
 - core: no tensor cores: each program multiplies [BLOCK_N, BLOCK_K] weight tiles loaded
         straight into registers (16-byte loads) by x and sums along K at the end (the shape of
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from bench.gpu.graph_replays import captured, rotating_replays
-from kernels.gemv import H200_CONFIGS, GemvConfig, heuristic_config
+from kernels.decode_chain.gemv import H200_CONFIGS, GemvConfig, heuristic_config
 
 SHAPES = {
     "qkv": (6144, 4096),
@@ -94,7 +94,7 @@ def _tma_kernel(
 
 
 def _dot_launch(cfg: GemvConfig, x, w, part, pdl):  # type: ignore[no-untyped-def]
-    from kernels.gemv import _gemv_kernel
+    from kernels.decode_chain.gemv import _gemv_kernel
 
     n, k = w.shape
     kps = k // cfg.split_k

@@ -18,7 +18,7 @@ import torch
 
 from bench.gpu.graph_replays import captured
 from bench.gpu.pdl_chain import HIDDEN, fused_step, layer_weights
-from kernels.gemv import GemvConfig
+from kernels.decode_chain.gemv import GemvConfig
 
 C = GemvConfig
 CANDIDATES: dict[str, list[GemvConfig]] = {

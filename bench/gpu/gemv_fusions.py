@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.gpu.kernel_timings import copies_for, graph_ms
-from kernels.gemv import gemv
+from kernels.decode_chain.gemv import gemv
 
 HIDDEN, INTERMEDIATE = 4096, 14336
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Variants of the one-row warp-specialized GEMV (kernels/gemv_ws.py) in the batch-1 step graph,
+# Variants of the one-row warp-specialized GEMV (kernels/decode_chain/gemv_ws.py) in the batch-1 step graph,
 # each a copy of this tree changed by sed, run in turns with the tensor-core GEMV (off):
 # s9 = this tree (rings of 9 stages of 16 KB); s9lm = the LM head on it too; gu64 = gate_up in
 # 64 x 128 tiles. Then the GPU tests of the tree as it is, one traced step of s9 and s9lm, and
 # with MESH=N the mesh at batch 1 and 16, off against this tree, N rounds. (Earlier calls of
 # this script, with other variants: bench/gpu/gemv_ws_h200.log.)
 #
-# Its variants are seds of commit e7f2d24's kernels/gemv.py and gemv_ws.py (the loader's L2
+# Its variants are seds of commit e7f2d24's kernels/decode_chain/gemv.py and gemv_ws.py (the loader's L2
 # prefetch, L2_PREFETCH_STEPS, was removed after it and down's tiles changed to 32 x 256):
 #   git checkout e7f2d24; run(command="bash bench/gpu/gemv_ws_variants_session.sh", carry=[".whl", ".redisbin"])
 SESSION_SECONDS=${SESSION_SECONDS:-570}
@@ -18,10 +18,10 @@ variant() {  # variant NAME SED_SCRIPT FILE
     grep -n "^GEMV_WS_DEFAULT\|^L2_PREFETCH_STEPS\|num_stages=[0-9]*),$" \
         "/tmp/v_$1/kernels/gemv.py" "/tmp/v_$1/kernels/gemv_ws.py"
 }
-variant off 's/^GEMV_WS_DEFAULT = True/GEMV_WS_DEFAULT = False/' kernels/gemv.py
-variant s9 '' kernels/gemv.py
-variant s9lm '/(4096, 14336): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=9),/a\    (128256, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9),' kernels/gemv.py
-variant gu64 's/(28672, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9)/(28672, 4096): GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=9)/' kernels/gemv.py
+variant off 's/^GEMV_WS_DEFAULT = True/GEMV_WS_DEFAULT = False/' kernels/decode_chain/gemv.py
+variant s9 '' kernels/decode_chain/gemv.py
+variant s9lm '/(4096, 14336): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=9),/a\    (128256, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9),' kernels/decode_chain/gemv.py
+variant gu64 's/(28672, 4096): GemvConfig(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=9)/(28672, 4096): GemvConfig(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=9)/' kernels/decode_chain/gemv.py
 for r in 1 2; do
     for v in ${VARIANTS:-off s9 s9lm gu64}; do
         (cd "/tmp/v_$v" && export PYTHONPATH=/tmp/site:/tmp/v_$v && b1_graph "$v-$r")

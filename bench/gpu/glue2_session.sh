@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #9, tenth session, second glue call: glue_session.sh's changes plus the chain's first
 # kernel doing the token feed, the embedding and the first RMSNorm in one launch
-# (kernels/embed_rmsnorm.py) and the sampling launched PDL after the LM head; against the
+# (kernels/decode_chain/embed_rmsnorm.py) and the sampling launched PDL after the LM head; against the
 # same base tree (base_tree.tar). Then the whole GPU suite with what time is left.
 #
 #   run(command="bash bench/gpu/glue2_session.sh", carry=[".whl", ".redisbin"])

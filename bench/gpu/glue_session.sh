@@ -2,7 +2,7 @@
 # Issue #9, tenth session: the glue between two batch-1 decode steps' graphs. The sampling in
 # one launch (the Gumbel kernel gathers the rows' temperature and seed, merges its chunks and
 # writes the token into the feed table), the fed token read inside the graph
-# (kernels/token_feed.py), the uploads and the token download on their own streams, and the
+# (kernels/decode_chain/token_feed.py), the uploads and the token download on their own streams, and the
 # RoPE rows read by position in the fused attention (no per-step lookup): against the base
 # tree (base_tree.tar, `git archive <base> -o base_tree.tar`, untracked, travels along).
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Eleventh session, review: the decode chain's PDL hand-off moved into one helper
-# (kernels/pdl.py chain_handoff; the same two instructions inlined). The chain's GPU tests, then
+# (kernels/runtime/pdl.py chain_handoff; the same two instructions inlined). The chain's GPU tests, then
 # the batch-1 step graph of the tree before (base_tree.tar, `git archive` of 396f876) and this
 # one, alternating twice.
 #

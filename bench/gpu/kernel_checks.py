@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from bench.gpu.report import Report
-from kernels.gemv import gemv
-from kernels.kv_insert import insert_kv, insert_qkv, kv_insert_reference
-from kernels.paged_attention import paged_prefill_attention, paged_prefill_reference
-from kernels.paged_decode import paged_decode_attention, paged_decode_reference
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.staged_copy import CpuGpuBuffer, stage_to_device
-from kernels.tensor_checks import FP8_E4M3, FP8_E4M3_MAX
+from kernels.attention.kv_insert import insert_kv, insert_qkv, kv_insert_reference
+from kernels.attention.paged_decode import paged_decode_attention, paged_decode_reference
+from kernels.attention.paged_prefill import paged_prefill_attention, paged_prefill_reference
+from kernels.decode_chain.gemv import gemv
+from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.runtime.staged_copy import CpuGpuBuffer, stage_to_device
+from kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 128256
 PAGE = 16

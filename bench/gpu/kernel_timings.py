@@ -24,14 +24,14 @@ from bench.gpu.kernel_checks import (
     make_paged,
 )
 from bench.gpu.report import Report
-from kernels.attention_step import AttentionTiles
-from kernels.gemv import GemvConfig, gemv, heuristic_config
-from kernels.kv_insert import insert_kv, insert_qkv
-from kernels.paged_attention import paged_prefill_attention
-from kernels.paged_decode import paged_decode_attention
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.staged_copy import CpuGpuBuffer
-from kernels.tensor_checks import FP8_E4M3
+from kernels.attention.kv_insert import insert_kv, insert_qkv
+from kernels.attention.paged_decode import paged_decode_attention
+from kernels.attention.paged_prefill import paged_prefill_attention
+from kernels.attention.tile_step import AttentionTiles
+from kernels.decode_chain.gemv import GemvConfig, gemv, heuristic_config
+from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.runtime.staged_copy import CpuGpuBuffer
+from kernels.runtime.tensor_checks import FP8_E4M3
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 

@@ -5,7 +5,7 @@
 Writes a JSON (default $OUT/kernels_check.json, else bench/gpu/kernels_check.json) and prints
 a markdown table last. Every part runs in its own try/except: a failure is reported and the
 remaining parts still run. The GEMV sweep's best configs are printed as a dict literal ready
-for kernels/gemv.py H200_CONFIGS.
+for kernels/decode_chain/gemv.py H200_CONFIGS.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # (The prefetch code this call measured was removed after it: bench/gpu/kv_prefetch_h200.log.)
 # One device call (issue #9, batch-1 decode): the fused decode attention's L2 prefetch of its
-# first K/V tile while the qkv GEMV runs (kernels/decode_from_qkv.py KV_PREFETCH_DEFAULT).
+# first K/V tile while the qkv GEMV runs (kernels/decode_chain/decode_from_qkv.py KV_PREFETCH_DEFAULT).
 # GPU tests, the batch-1 step graph (bench/gpu/decode_e2e.py) off / on twice, then the mesh at
 # batch 1 and 16 alternating off / on.
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The decode MLP's gate_up and down in one warp-specialized launch with a grid barrier
-# (kernels/gemv_ws.py _mlp_ws_kernel, kernels/gemv.py gemv_mlp_add_rmsnorm): its GPU tests,
+# (kernels/decode_chain/gemv_ws.py _mlp_ws_kernel, kernels/decode_chain/gemv.py gemv_mlp_add_rmsnorm): its GPU tests,
 # then the batch-1 step graph of three trees in turns: off (the tensor-core GEMVs), ws2 (the
 # WS GEMVs, gate_up and down as two launches: MLP_WS_DEFAULT = False) and this tree; one
 # traced step of this tree; the mesh at batch 1 and 16, off against this tree; and the whole
@@ -15,15 +15,15 @@ copy() {  # copy NAME SED_SCRIPT FILE: this tree at /tmp/v_NAME, changed by sed
     sed -i "$2" "/tmp/v_$1/$3"
     grep -n "^GEMV_WS_DEFAULT\|^MLP_WS_DEFAULT" "/tmp/v_$1/$3"
 }
-copy off 's/^GEMV_WS_DEFAULT = True/GEMV_WS_DEFAULT = False/' kernels/gemv.py
-copy ws2 's/^MLP_WS_DEFAULT = True/MLP_WS_DEFAULT = False/' kernels/gemv.py
+copy off 's/^GEMV_WS_DEFAULT = True/GEMV_WS_DEFAULT = False/' kernels/decode_chain/gemv.py
+copy ws2 's/^MLP_WS_DEFAULT = True/MLP_WS_DEFAULT = False/' kernels/decode_chain/gemv.py
 step mlp-tests 120 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gemv_ws_cuda.py \
     tests/gpu/test_decode_chain_cuda.py tests/gpu/test_decode_from_qkv_cuda.py \
     tests/gpu/test_pdl_chain_cuda.py
 sleep 1
 if ! grep -q "^=== mlp-tests rc=0 " "$LOG"; then
     echo "=== the MLP's tests failed: MLP_WS_DEFAULT = False from here on"
-    sed -i 's/^MLP_WS_DEFAULT = True/MLP_WS_DEFAULT = False/' kernels/gemv.py
+    sed -i 's/^MLP_WS_DEFAULT = True/MLP_WS_DEFAULT = False/' kernels/decode_chain/gemv.py
     NO_SUITE=1
 fi
 for r in 1 2; do

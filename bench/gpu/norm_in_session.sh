@@ -2,7 +2,7 @@
 # (The norm-in GEMV these calls measured was dropped and its code removed after them:
 # bench/gpu/norm_in_h200.log, which names the commits that have it.)
 # One device call (issue #9, batch-1 decode): the qkv and gate_up GEMVs doing their RMSNorm
-# themselves (kernels/gemv_norm_in.py; services/worker/decode_chain.py NORM_IN_DEFAULT), so a
+# themselves (kernels/gemv_norm_in.py; services/worker/accel/decode_chain.py NORM_IN_DEFAULT), so a
 # batch-1 layer is 5 launches instead of 7. GPU tests of the kernel and the chain, the batch-1
 # step graph alternating with a copy of this tree where it is off (and one round with the qkv
 # GEMV on 64-row tiles, 96 programs, instead of 32-row ones), then the mesh at batch 1 and 16

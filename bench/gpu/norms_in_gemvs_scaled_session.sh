@@ -19,7 +19,7 @@ rm -rf /tmp/scaled && mkdir -p /tmp/scaled && cp -r . /tmp/scaled/ 2>/dev/null
 sed -i 's/^NORM_SCALES_ACCUMULATOR = False/NORM_SCALES_ACCUMULATOR = True/' \
     /tmp/scaled/kernels/gemv.py
 grep -n "^NORMS_IN_GEMVS_DEFAULT\|^NORM_SCALES_ACCUMULATOR" /tmp/plain/services/worker/decode_chain.py \
-    /tmp/scaled/kernels/gemv.py kernels/gemv.py
+    /tmp/scaled/kernels/gemv.py kernels/decode_chain/gemv.py
 for r in 1 2; do
     (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && b1_graph "off-$r")
     b1_graph "exact-$r"

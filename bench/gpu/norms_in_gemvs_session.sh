@@ -3,7 +3,7 @@
 # bench/gpu/norms_in_gemvs_h200.log names the commits that have them.)
 # The decode chain with its norms inside the GEMVs (issue #9, batch 1): the o and down
 # projections add themselves to the residual stream and leave per-tile sums of squares
-# (kernels/gemv.py gemv_into_stream), the qkv and gate_up GEMVs apply the norm as they load
+# (kernels/decode_chain/gemv.py gemv_into_stream), the qkv and gate_up GEMVs apply the norm as they load
 # the stream (gemv_normed): 5 launches a layer instead of 7. Its GPU tests, then the batch-1
 # step graph and the mesh at batch 1 and 16 with it off (A: a copy of this tree with
 # NORMS_IN_GEMVS_DEFAULT = False) and on (B), alternating.
@@ -19,7 +19,7 @@ plain_copy
 sed -i 's/^NORMS_IN_GEMVS_DEFAULT = True/NORMS_IN_GEMVS_DEFAULT = False/' \
     /tmp/plain/services/worker/decode_chain.py
 grep -n "^NORMS_IN_GEMVS_DEFAULT" /tmp/plain/services/worker/decode_chain.py \
-    services/worker/decode_chain.py
+    services/worker/accel/decode_chain.py
 for r in 1 2; do
     (cd /tmp/plain && export PYTHONPATH=/tmp/site:/tmp/plain && b1_graph "off-$r")
     b1_graph "on-$r"

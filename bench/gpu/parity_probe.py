@@ -28,12 +28,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu.hf_rope import effective_theta, hf_llama_config, restore_fp32_inv_freq
-from services.worker.attention import AttentionMetadata
-from services.worker.attention_select import TritonAttentionMetadata
-from services.worker.cuda_layers import install_cuda_kernels
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cuda_layers import install_cuda_kernels
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.loader.checkpoint_names import assemble
 from services.worker.models.random_init import PRESETS, build_random_model
+from services.worker.runner.kv_cache import KVCache
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ qkv GEMV (+reduce), o GEMV (+reduce), RMSNorm(+res), gate_up GEMV, down GEMV wit
 (+reduce): 9 launches. 32 layers with their own weights (15 GB, so every GEMV streams from HBM)
 are captured in one CUDA graph per mode; the replays rotate through the modes, and the outputs of
 all modes are compared (the chain only changes when launches start, not what they compute).
-Mode "fused" is the decode chain of services/worker/decode_chain.py: the o and down reduces
+Mode "fused" is the decode chain of services/worker/accel/decode_chain.py: the o and down reduces
 summed by the residual-add + RMSNorm kernel that follows them (7 launches a layer).
 
     python3 bench/gpu/pdl_chain.py [--rows 1 16] [--layers 32] [--replays 9]
@@ -35,8 +35,8 @@ import sys
 import torch
 
 from bench.gpu.graph_replays import rotating_replays
-from kernels.gemv import GemvConfig, gemv, gemv_add_rmsnorm
-from kernels.rmsnorm import rmsnorm
+from kernels.decode_chain.gemv import GemvConfig, gemv, gemv_add_rmsnorm
+from kernels.layers.rmsnorm import rmsnorm
 
 HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 6144
 
@@ -77,7 +77,7 @@ def fused_step(
     pdl: bool,
     configs: dict[str, GemvConfig] | None = None,
 ) -> torch.Tensor:
-    """`step` as services/worker/decode_chain.py runs it: the o and down reduces fused into the
+    """`step` as services/worker/accel/decode_chain.py runs it: the o and down reduces fused into the
     residual add and the next norm (7 launches a layer instead of 9); the same values.
     `configs`: GEMV tile configs by weight name ("qkv", "o", "gate_up", "down"; default: the
     launcher's choice), for bench/gpu/gemv_chain_sweep.py."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue #9, batch-1 decode): the RMSNorm / GEMV / split-K reduce launches as a
-# programmatic-dependent-launch chain (kernels/tensor_checks.py CHAIN_PDL_DEFAULT, on). GPU tests
+# programmatic-dependent-launch chain (kernels/runtime/tensor_checks.py CHAIN_PDL_DEFAULT, on). GPU tests
 # (the chain equals plain launches, eager and in a graph; GEMV and RMSNorm kernels; the worker
 # path), the chain A/B in one graph (bench/gpu/pdl_chain.py), then the mesh at batch 1 and 16
 # alternating between a copy of this tree with the chain off and this tree.

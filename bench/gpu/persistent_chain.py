@@ -4,7 +4,7 @@ A chain of `--layers` dependent products y_{l+1} = W_l y_l (one row, 4096 x 4096
 each, 33.5 MB, all distinct so every product streams from HBM), three ways, each captured in a
 CUDA graph and timed by its replays:
 
-- "launches": one `kernels.gemv.gemv` launch per product (the decode chain's GEMV, in its PDL
+- "launches": one `kernels.decode_chain.gemv.gemv` launch per product (the decode chain's GEMV, in its PDL
   chain: the split-K product and its reduce);
 - "persistent": one grid of one program per SM for the whole chain. Each program takes its
   tiles of rows of product l, waits (an acquire spin on a per-product counter) until every
@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from bench.gpu.graph_replays import rotating_replays
-from kernels.gemv import gemv
-from kernels.tensor_checks import sm_count
+from kernels.decode_chain.gemv import gemv
+from kernels.runtime.tensor_checks import sm_count
 
 HIDDEN = 4096
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # (The prefetch code this call measured was removed after it: bench/gpu/prefetch_h200.log.)
 # One device call (issue #9, batch-1 decode): L2 prefetch of weights by the GEMVs launched
-# early in the PDL chain (kernels.gemv prefetch_k; services/worker/decode_chain.py
+# early in the PDL chain (kernels.decode_chain.gemv prefetch_k; services/worker/accel/decode_chain.py
 # O_PREFETCH_K, NORM_PREFETCH_K). GPU tests of the chain and GEMV, the batch-1 step graph
 # (bench/gpu/decode_e2e.py) with o-projection prefetch off / on / on plus qkv and gate_up
 # prefetch during the norms, then the mesh at batch 1 and 16 alternating off / on.

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from bench.gpu.decode_e2e import TINY, gpu_ms
-from services.worker.attention_select import TritonAttentionMetadata
-from services.worker.cuda_layers import install_cuda_kernels
-from services.worker.dense_prefill import DENSE_PREFILL_CHOICES
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cuda_layers import install_cuda_kernels
+from services.worker.attention.dense_prefill import DENSE_PREFILL_CHOICES
+from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.models.random_init import PRESETS, build_random_model
+from services.worker.runner.kv_cache import KVCache
 
 
 def prefill_inputs(spans: int, prompt: int, block: int, device: str) -> dict[str, np.ndarray]:

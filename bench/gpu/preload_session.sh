@@ -2,7 +2,7 @@
 # One device call (issue #9, batch-1 decode): where a whole mesh-style decode step goes on the
 # device (bench/gpu/decode_e2e.py --trace-steps: plans launched one ahead, input copies, the
 # step graph, LM head, sampling, token copy), and an A/B of the GEMV's first weight tile loaded
-# before its PDL wait (kernels/gemv.py PRELOAD_FIRST_TILE) on the batch-1 step graph and the
+# before its PDL wait (kernels/decode_chain/gemv.py PRELOAD_FIRST_TILE) on the batch-1 step graph and the
 # 32-layer GEMV chain (bench/gpu/pdl_chain.py), alternating a copy with it off and this tree.
 #
 # Result (bench/gpu/preload_h200.log): the preload made things worse, batch-1 step graph 3.94 /

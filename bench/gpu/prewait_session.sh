@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #9, tenth session: the WS GEMV's loader waiting for the predecessor after a few tiles
-# (kernels/gemv.py WS_PREWAIT) for the products after a latency-bound kernel (o after the
+# (kernels/decode_chain/gemv.py WS_PREWAIT) for the products after a latency-bound kernel (o after the
 # attention, qkv after the norm), so fewer weight bytes queue ahead of that kernel's loads; in
 # the batch-1 step graph, variants alternating with this tree as committed (off), then the
 # mesh at batch 1 for the best variant if it beat off.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short device call (issue #9): the cached device-property lookups (kernels/tensor_checks.py
+# One short device call (issue #9): the cached device-property lookups (kernels/runtime/tensor_checks.py
 # sm_count, supports_pdl) under the GPU tests of their callers, then launch() host time by
 # function at batch 256 (bench/gpu/launch_profile.py --cprofile).
 #

@@ -33,14 +33,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from kernels.sampling import (  # noqa: E402
+from kernels.sampling.bitmask import pack_bitmask  # noqa: E402
+from kernels.sampling.gumbel_kernel import (  # noqa: E402
     gumbel_argmax_reference,
     gumbel_argmax_triton,
     gumbel_noise_reference,
 )
+from kernels.sampling.murmur3 import uniform32  # noqa: E402
 from services.worker.sampling import SamplingState  # noqa: E402
-from services.worker.sampling.bitmask import pack_bitmask  # noqa: E402
-from services.worker.sampling.murmur3 import uniform32  # noqa: E402
 from shared.protocol import SamplingParams  # noqa: E402
 
 BATCHES = (1, 8, 32, 64, 128, 256)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue #9, batch-1 decode): the split policy for few programs at short
-# contexts (kernels/paged_decode.py `few_programs`: batch 1-2 run the strided kernel with the
+# contexts (kernels/attention/paged_decode.py `few_programs`: batch 1-2 run the strided kernel with the
 # fused merge and a piece per 64-key tile) on the GPU tests, then through the mesh at batch 1
 # and 16, alternating with the previous policy (the same tree with `few_programs` patched to
 # False in a copy made for the baseline runs), twice each.

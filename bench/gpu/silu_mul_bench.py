@@ -1,5 +1,5 @@
 """The gated MLP's SiLU-and-multiply: eager `F.silu(gate) * up` (two launches over strided
-halves) against kernels/silu_mul.py (one), Llama-3-8B width (intermediate 14336), bf16, at the
+halves) against kernels/layers/silu_mul.py (one), Llama-3-8B width (intermediate 14336), bf16, at the
 decode batches and the prefill step size of bench/gpu/decode_e2e.py. Each op is timed inside
 a CUDA graph (20 launches, as back to back as in the worker's decode graphs), CUDA events,
 median.
@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from bench.gpu.decode_e2e import gpu_ms, graphed
-from kernels.silu_mul import silu_mul, silu_mul_reference
+from kernels.layers.silu_mul import silu_mul, silu_mul_reference
 
 REPEATS = 20  # launches of the op per graph, the time divided by them
 

@@ -1,5 +1,5 @@
 """(The 17..64-row GEMV this measured was removed after it: bench/gpu/skinny_gemm_h200.log;
-kernels/gemv.py takes 1..16 rows again, so this runs only against a tree that has it back.)
+kernels/decode_chain/gemv.py takes 1..16 rows again, so this runs only against a tree that has it back.)
 
 The Triton GEMV at 17..64 rows against cuBLAS, at the Llama-3-8B decode shapes (H200).
 
@@ -9,12 +9,12 @@ the weights at ~3.5 TB/s at batch 64 (bench/gpu/step_trace_h200.log) where the G
 the config with the least summed time, then times it against cuBLAS at 17, 24, 32, 48 and 64
 rows. Times are CUDA-graph replays over rotated weight copies (HBM, not L2), as
 kernel_timings.graph_ms does. The down projection is timed gated, as the worker runs it:
-the GEMV with SiLU-and-multiply in its loads against kernels.silu_mul then cuBLAS.
+the GEMV with SiLU-and-multiply in its loads against kernels.layers.silu_mul then cuBLAS.
 
     python3 -m bench.gpu.skinny_gemm_sweep [--table FILE]
 
---table writes the winning configs as the body of kernels/gemv.py's H200_WIDE_CONFIGS;
---apply also writes them into this tree's kernels/gemv.py (for an A/B later in the same call).
+--table writes the winning configs as the body of kernels/decode_chain/gemv.py's H200_WIDE_CONFIGS;
+--apply also writes them into this tree's kernels/decode_chain/gemv.py (for an A/B later in the same call).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from bench.gpu.kernel_timings import copies_for, graph_ms
-from kernels.gemv import GemvConfig, gemv
-from kernels.silu_mul import silu_mul
+from kernels.decode_chain.gemv import GemvConfig, gemv
+from kernels.layers.silu_mul import silu_mul
 
 # (N, K), gated, per layer: fused qkv, o, fused gate_up, down (gated); the LM head once.
 SHAPES: list[tuple[str, int, int, bool, int]] = [
@@ -131,7 +131,7 @@ def main() -> None:
         apply_table(body)
 
 
-def apply_table(body: str, path: str = "kernels/gemv.py") -> None:
+def apply_table(body: str, path: str = "kernels/decode_chain/gemv.py") -> None:
     """Replace the entries of H200_WIDE_CONFIGS in `path` with `body`."""
     with open(path) as f:
         source = f.read()

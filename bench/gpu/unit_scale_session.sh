@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue #9, batch-1 decode): kernels over a bf16 cache take one shared 1.0 scale
-# tensor (kernels/paged_cache.py unit_scale) instead of a fresh torch.ones per call (two fills a
+# tensor (kernels/attention/paged_cache.py unit_scale) instead of a fresh torch.ones per call (two fills a
 # layer inside the decode graph). GPU tests, then the mesh at batch 1 and 16 alternating between
 # a copy of this tree that allocates per call again and this tree, three times.
 #

@@ -1,10 +1,14 @@
-"""The gateway: meshllm's OpenAI-compatible REST API.
+"""The gateway: meshllm's OpenAI-compatible REST API, in front of the mesh.
 
-Reads top-down:
-- `protocol_openai` (request bodies) -> `request_plan` (with `validation`, `tokenization`,
-  `sampling_params`, `structured_outputs`): a validated, tokenized plan;
-- `bus_client` (submit, replies de-duplicated by `reply_dedup`, aborts, backpressure);
-- `generation` drives one request: `choice_assembler` (with `detokenizer`, `stop_strings`)
-  per choice, `responses` for JSON bodies and SSE chunks, `metrics`;
-- the edge: `frontend` (the parts held together), `routes` (HTTP, `auth`), `service`.
+Reading order, one request top-down:
+- `api/`: the HTTP edge. `protocol_openai` (request bodies), `routes` (the endpoints, with
+  `auth`), `errors` (OpenAI's error body), `responses` (JSON bodies and SSE chunks),
+  `openapi_bodies` (what /openapi.json documents);
+- `plan/`: a raw body becomes a validated, tokenized `RequestPlan`: `request_plan` (with
+  `validation`, `tokenization`, `model_info`, `sampling_params`, `structured_outputs`) and
+  `grammar_client` (the grammar service, asked over the bus before anything is queued);
+- `stream/`: the plan on the bus and its answer: `bus_client` (submit, replies, aborts,
+  backpressure, with `reply_dedup`), `generation` (one request in flight) and per choice
+  `choice_assembler` (with `detokenizer`, `stop_strings`);
+- `frontend` holds the parts together for the routes; `metrics`; `service` (wiring).
 """

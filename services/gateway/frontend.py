@@ -9,25 +9,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.auth import ApiKeyAuth
-from services.gateway.bus_client import GatewayBusClient
-from services.gateway.errors import OpenAIError, invalid_request
-from services.gateway.grammar_client import GrammarClient
-from services.gateway.model_info import ModelInfo
-from services.gateway.protocol_openai import (
+from services.gateway.api.auth import ApiKeyAuth
+from services.gateway.api.errors import OpenAIError, invalid_request
+from services.gateway.api.protocol_openai import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     parse_request,
 )
-from services.gateway.request_plan import (
+from services.gateway.plan.grammar_client import GrammarClient
+from services.gateway.plan.model_info import ModelInfo
+from services.gateway.plan.request_plan import (
     RequestPlan,
     check_model_name,
     plan_chat,
     plan_completion,
 )
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
 
 

@@ -13,13 +13,13 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from services.gateway.bus_client import GatewayBusClient
+from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
-from services.gateway.model_info import ModelInfo
-from services.gateway.routes import openai_router
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.model_info import ModelInfo
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
-from shared.model_source import resolve_model
+from shared.model.source import resolve_model
 from shared.service import Service
 
 

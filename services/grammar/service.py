@@ -21,7 +21,7 @@ from services.grammar.routes import grammar_router
 from services.grammar.tokenizer_identity import load_tokenizer_identity
 from shared.config import GrammarSettings
 from shared.grammar_store import GrammarKeys
-from shared.model_source import resolve_model
+from shared.model.source import resolve_model
 from shared.service import Service
 
 

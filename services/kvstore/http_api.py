@@ -14,8 +14,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.kvstore.offload_key import KeySpace, OffloadKey
-from services.scheduler.block_hash import HASH_BYTES
+from shared.kv.block_hash import HASH_BYTES
+from shared.kv.offload_key import KeySpace, OffloadKey
 
 if TYPE_CHECKING:
     from services.kvstore.service import KVStoreService

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from services.kvstore.offload_key import meta_key_of_payload, meta_prefix, payload_key_of_meta
+from shared.kv.offload_key import meta_key_of_payload, meta_prefix, payload_key_of_meta
 
 SCAN_COUNT = 1000
 

@@ -1,7 +1,14 @@
-"""The scheduler: engine core (queues, KV block manager, prefix cache, admission, chunked
-prefill, preemption, stop checks) and, in `service.py`, its bus edge.
+"""The scheduler: the engine core of one worker group, and its bus edge.
 
-Core modules read bottom-up: `block_hash` -> `kv_cache_spec` -> `block_pool` ->
-`single_type_manager` -> `kv_cache_coordinator` -> `kv_cache_manager` -> `request`, `stop` ->
-`scheduler`. None of them imports redis or fastapi.
+Reading order:
+- `kv/` bottom-up: `kv_cache_spec` -> `block_pool` -> `single_type_manager` ->
+  `kv_cache_coordinator` -> `kv_cache_manager` (prefix lookup, admission estimates that equal
+  allocations); block hashes are shared with the kvstore and worker (shared/kv);
+- `request`, `stop`, `routed_experts` -> `scheduler` (queues, admission, chunked prefill,
+  preemption; StepPlans out, StepResults in) -> `scheduler_output`; `config`;
+- `spec/` (lookahead slots, draft bookkeeping), `structured_output/` (grammar matchers run
+  in-process), `offload/` (the KV offload tier: pure `connector` and its I/O `edge`, with the
+  kvstore client), `pd/` (prefill/decode disaggregation, pure core and `edge`);
+- `service`: the bus edge around all of it. Only `service`, `offload/edge`, `pd/edge`,
+  `offload/kvstore_client` and `structured_output/grammar_loader` do I/O.
 """

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from services.scheduler.structured_output.reasoning import ReasoningConfig
 from shared.config import SchedulerSettings
-from shared.kv_groups import KVGroupSpec
+from shared.kv.groups import KVGroupSpec
 from shared.protocol import WorkerReady
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 
-from services.scheduler.block_hash import BlockHash, extend_block_hashes
 from services.scheduler.routed_experts import RoutedExpertsRecord
+from shared.kv.block_hash import BlockHash, extend_block_hashes
 from shared.protocol import FinishReason, SamplingParams, SubmitRequest
 
 

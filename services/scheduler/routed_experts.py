@@ -1,6 +1,6 @@
 """Routed experts of one request, turned from the worker's per-step rows into reply rows.
 
-Reply layout (fixed by the gateway, services/gateway/reply_dedup.py): the delta with
+Reply layout (fixed by the gateway, services/gateway/stream/reply_dedup.py): the delta with
 `start_index == 0` carries first the prompt rows, positions `routed_experts_prompt_start ..
 prompt_len - 1`, then one row per token; every later delta carries one row per token. A row is
 [moe_layers][top_k] expert ids, flattened row-major.

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from services.scheduler.block_pool import KVCacheBlock
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.block_pool import KVCacheBlock
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.connector import LoadOutcome, OffloadConnector
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.routed_experts import planned_end, prompt_start_error

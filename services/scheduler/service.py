@@ -18,7 +18,7 @@ Tasks, all in one event loop:
   step, not two), or alone when no plan follows.
 
 Prefill/decode disaggregation (services/scheduler/pd, SchedulerSettings.role): a "prefill"
-scheduler runs prefill jobs (services/scheduler/pd_edge.py) and acks a request once it handed it
+scheduler runs prefill jobs (services/scheduler/pd/edge.py) and acks a request once it handed it
 to the `handoff` stream; a "decode" scheduler reads that stream (consumer group `decoders`)
 instead of `requests`, and is otherwise a normal scheduler whose offload connector only loads.
 """
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.offload_edge import OffloadEdge
-from services.scheduler.pd_edge import PrefillEdge
+from services.scheduler.offload.edge import OffloadEdge
+from services.scheduler.pd.edge import PrefillEdge
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_output import SchedulerOutput
 from services.scheduler.spec.metrics import SPEC_METRICS
@@ -118,7 +118,7 @@ class SchedulerService(Service):
         self.finished: list[Delivery] = []  # acked after the outbox is out
         self.metrics_at = 0.0
         self.steps_run = 0
-        # KV offload tier: the kvstore edge (services/scheduler/offload_edge.py), if configured.
+        # KV offload tier: the kvstore edge (services/scheduler/offload/edge.py), if configured.
         self.offload: OffloadEdge | None = (
             OffloadEdge(settings, self.wakeup.set) if settings.kv_offload_enabled else None
         )

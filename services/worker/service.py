@@ -29,14 +29,14 @@ from typing import Any, TypeVar
 import torch
 from prometheus_client import Counter, Histogram
 
-from services.worker.bootstrap import build_runner
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
-from services.worker.model_runner import LaunchedStep, ModelRunner
 from services.worker.models.random_init import is_random_spec, random_source
-from services.worker.step_thread import StepThread
+from services.worker.runner.bootstrap import build_runner
+from services.worker.runner.model_runner import LaunchedStep, ModelRunner
+from services.worker.runner.step_thread import StepThread
 from shared.config import WorkerSettings
 from shared.metrics import metric_name
-from shared.model_source import resolve_model
+from shared.model.source import resolve_model
 from shared.protocol import StepPlan, StepResult, WorkerReady
 from shared.service import Service
 

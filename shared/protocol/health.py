@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from shared.kv_groups import KVGroupSpec
+from shared.kv.groups import KVGroupSpec
 from shared.protocol.base import Message, register
 
 ServiceName = Literal["gateway", "scheduler", "worker", "grammar", "kvstore"]
@@ -45,7 +45,7 @@ class WorkerReady(Message):
     max_model_len: int = Field(ge=1)
     eos_token_ids: list[int] = Field(default_factory=list)
     num_moe_layers: int = 0
-    # One entry per KV cache group in shared.kv_groups order; empty = one full-attention group.
+    # One entry per KV cache group in shared.kv.groups order; empty = one full-attention group.
     kv_groups: list[KVGroupSpec] = Field(default_factory=list)
     # Bytes of one KV offload chunk payload (one block of one group; 0 = offload off): the
     # scheduler offers stores to the kvstore with it from the first one on.

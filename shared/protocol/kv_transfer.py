@@ -2,7 +2,7 @@
 
 The scheduler decides every transfer; the worker carries it out; the kvstore keeps the policy
 state (which chunks exist, recency, pins). One offload CHUNK is one KV cache block of one group:
-its Redis payload key (`services.kvstore.offload_key`, model and layout version in the name)
+its Redis payload key (`shared.kv.offload_key`, model and layout version in the name)
 holds every layer's K and V for that block, with a header (see the worker's payload layout).
 
 - `StepPlan.kv_stores`: after this step's forward, the worker copies the listed blocks (their KV

@@ -22,7 +22,7 @@ import redis
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from services.scheduler.block_hash import extend_block_hashes
+from shared.kv.block_hash import extend_block_hashes
 from tests.e2e.conftest import E2E_ENV
 from tests.support.mesh import Mesh
 from tests.support.redis_server import free_port

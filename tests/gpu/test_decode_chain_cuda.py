@@ -1,4 +1,4 @@
-"""The decode chain (services/worker/decode_chain.py) on the GPU: bit-identical to the
+"""The decode chain (services/worker/accel/decode_chain.py) on the GPU: bit-identical to the
 layer-by-layer Triton forward in bf16 (hidden states and the KV cache it writes), eagerly and
 inside a CUDA graph, and what the model's forward runs for steps of 1..16 rows."""
 
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.attention_select import build_attention_metadata
-from services.worker.cuda_layers import install_cuda_kernels
-from services.worker.decode_chain import DecodeChainLlama, fused_attention_takes
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cuda_layers import install_cuda_kernels
+from services.worker.accel.decode_chain import DecodeChainLlama, fused_attention_takes
+from services.worker.attention.select import build_attention_metadata
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.random_init import build_random_model
+from services.worker.runner.kv_cache import KVCache
 
 SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -52,8 +52,9 @@ def test_chain_is_bit_identical_to_the_layer_by_layer_forward(
     rows: int, splits: int | None
 ) -> None:
     """splits: the decode split count forced (the graphs' choice from max_model_len), so the
-    chain's attention runs from the qkv partials in one kernel (kernels/decode_from_qkv.py);
-    rows=5 gets there by itself (3 strided pieces at 2 kv heads)."""
+    chain's attention runs from the qkv partials in one kernel
+    (kernels/decode_chain/decode_from_qkv.py); rows=5 gets there by itself (3 strided pieces at 2 kv
+    heads)."""
     model, config = build_random_model(SHAPE, torch.bfloat16, "cuda", std=0.05, seed=1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -1,4 +1,4 @@
-"""Dense flash prefill on CUDA (services/worker/dense_prefill.py) against the paged Triton
+"""Dense flash prefill on CUDA (services/worker/attention/dense_prefill.py) against the paged Triton
 kernel on the same bf16 inputs: fresh spans, an extend onto a cached prefix and decodes in one
 step, Llama-3-8B head geometry (32/8 heads, head_dim 128)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.attention_select import TritonAttentionMetadata, rotary_attention
-from services.worker.dense_prefill import DENSE_PREFILL_CHOICES, dense_prefill_impl
+from services.worker.attention.dense_prefill import DENSE_PREFILL_CHOICES, dense_prefill_impl
+from services.worker.attention.select import TritonAttentionMetadata, rotary_attention
 
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
 

@@ -95,7 +95,8 @@ def test_launching_a_step_never_synchronizes(tmp_path: Path) -> None:
         max_num_batched_tokens=40,  # chunked prefill: later prompts arrive while others decode
         dtype=torch.bfloat16,
     )
-    eng.runner.warmup()  # as the worker starts (services/worker/bootstrap.py): first-call probes
+    # As the worker starts (services/worker/runner/bootstrap.py): first-call probes.
+    eng.runner.warmup()
     eng.runner.capture_cuda_graphs()
     sites: list[str] = []
     eng.runner.launch = _guarded(eng.runner.launch, sites)  # type: ignore[method-assign]

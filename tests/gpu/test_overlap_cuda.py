@@ -1,4 +1,4 @@
-"""Overlapped steps on the GPU (services/worker/in_flight.py): step N+1 launched while step N
+"""Overlapped steps on the GPU (services/worker/runner/in_flight.py): step N+1 launched while step N
 still runs, its input ids for N's tokens gathered on the device from N's samples, N's tokens
 copied to the host asynchronously. The tokens must equal a step-by-step run's, with CUDA
 graphs (decode-only steps) and eager steps (chunked prefill mixed in) both overlapped."""

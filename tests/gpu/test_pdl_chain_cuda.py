@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import tensor_checks
-from kernels.gemv import GemvConfig, gemv
-from kernels.rmsnorm import rmsnorm
+from kernels.decode_chain.gemv import GemvConfig, gemv
+from kernels.layers.rmsnorm import rmsnorm
+from kernels.runtime import tensor_checks
 
 pytestmark = pytest.mark.skipif(
     not tensor_checks.supports_pdl(torch.device("cuda")), reason="PDL needs sm_90+"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.silu_mul import silu_mul, silu_mul_reference
-from services.worker.cuda_layers import install_cuda_kernels
+from kernels.layers.silu_mul import silu_mul, silu_mul_reference
+from services.worker.accel.cuda_layers import install_cuda_kernels
 from services.worker.models.layers import GatedMLP
 
 INTERMEDIATE = 14336

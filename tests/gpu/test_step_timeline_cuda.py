@@ -1,5 +1,5 @@
 """The step timeline on CUDA: device marks in order within and across steps, on the clock of
-the host marks (services/worker/step_timeline.py)."""
+the host marks (services/worker/runner/step_timeline.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import json
 from pathlib import Path
 
-from services.worker.step_timeline import StepTimeline
+from services.worker.runner.step_timeline import StepTimeline
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import make_tiny_llama, tiny_runner

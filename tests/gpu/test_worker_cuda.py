@@ -11,12 +11,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu.hf_rope import restore_fp32_inv_freq
-from services.worker.attention_select import build_attention_metadata
-from services.worker.cuda_layers import install_cuda_kernels
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cuda_layers import install_cuda_kernels
+from services.worker.attention.select import build_attention_metadata
 from services.worker.loader.checkpoint_names import assemble
-from services.worker.model_runner import ModelRunner
 from services.worker.models.random_init import PRESETS, build_random_model
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import LogitsCapture, make_tiny_llama, reference_greedy, tiny_runner
@@ -63,12 +63,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.timeout(600)
 def test_8b_bf16_cuda_path_matches_pytorch_reference_forward() -> None:
     """The worker's CUDA path (Triton kernels, CUDA graphs) against the same bf16 weights run
-    through the PyTorch reference path (services/worker/attention.py, torch layers) on the
+    through the PyTorch reference path (services/worker/attention/reference.py, torch layers) on the
     GPU: every sampled position's logits within bf16 tolerance, greedy choices equal unless
     near-tied. The error against transformers' bf16 forward of the same weights (RoPE
     frequencies restored to fp32) is printed too: 0.058-0.075 on the H200, as against our
     reference path (bench/gpu/decode_h200.md)."""
-    from services.worker.attention import AttentionMetadata
+    from services.worker.attention.reference import AttentionMetadata
 
     hf, cfg = _hf_8b(layers=32)
     cfg = dict(cfg, architectures=["LlamaForCausalLM"])

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.tensor_checks import FP8_E4M3, FP8_E4M3_MAX, interpreting
+from kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX, interpreting
 
 
 @dataclass

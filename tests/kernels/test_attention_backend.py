@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_backend import (
+from kernels.attention.backends import (
     AttentionBackend,
     AttentionRequirements,
     BackendCapabilityError,

@@ -1,4 +1,4 @@
-"""The decode chain (services/worker/decode_chain.py) against the layer-by-layer forward.
+"""The decode chain (services/worker/accel/decode_chain.py) against the layer-by-layer forward.
 
 On CPU the Triton kernels run in the interpreter and the layer-by-layer forward in PyTorch, so
 the two agree to fp32 rounding; tests/gpu/test_decode_chain_cuda.py checks bit-identity against
@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.attention_select import build_attention_metadata
-from services.worker.cuda_layers import install_cuda_kernels
-from services.worker.decode_chain import DecodeChainLlama, chain_fits, chain_forward
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cuda_layers import install_cuda_kernels
+from services.worker.accel.decode_chain import DecodeChainLlama, chain_fits, chain_forward
+from services.worker.attention.select import build_attention_metadata
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.random_init import build_random_model
+from services.worker.runner.kv_cache import KVCache
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -97,7 +97,7 @@ def test_fits_only_the_structure_it_runs(device) -> None:  # type: ignore[no-unt
 
 
 def test_larger_steps_take_the_layer_by_layer_forward(device) -> None:  # type: ignore[no-untyped-def]
-    from services.worker.decode_chain import chain_takes
+    from services.worker.accel.decode_chain import chain_takes
 
     ids = torch.zeros(17, dtype=torch.long, device=device)
     assert not chain_takes(ids)
@@ -106,13 +106,13 @@ def test_larger_steps_take_the_layer_by_layer_forward(device) -> None:  # type: 
 
 def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Triton metadata with the strided split-K decode: the chain runs each layer's attention
-    from the qkv partials in one kernel (kernels/decode_from_qkv.py)."""
+    from the qkv partials in one kernel (kernels/decode_chain/decode_from_qkv.py)."""
     import dataclasses
 
-    from kernels import decode_from_qkv as fused_module
-    from kernels.paged_decode import STRIDED_MIN_SPLITS
-    from services.worker import decode_chain
-    from services.worker.attention_select import TritonAttentionMetadata
+    from kernels.attention.paged_decode import STRIDED_MIN_SPLITS
+    from kernels.decode_chain import decode_from_qkv as fused_module
+    from services.worker.accel import decode_chain
+    from services.worker.attention.select import TritonAttentionMetadata
 
     calls = []
     real = fused_module.decode_from_qkv
@@ -157,8 +157,8 @@ def test_fed_ids_read_from_the_feed_table_equal_the_tokens_themselves(device) ->
     (TritonAttentionMetadata.fed_tokens): the same step, bit for bit, as the tokens given."""
     import dataclasses
 
-    from services.worker.attention_select import TritonAttentionMetadata
-    from services.worker.in_flight import fed_id
+    from services.worker.attention.select import TritonAttentionMetadata
+    from services.worker.runner.in_flight import fed_id
 
     model = _model(device)
     assert model.reads_fed_ids(2) and not model.reads_fed_ids(17)  # type: ignore[operator]

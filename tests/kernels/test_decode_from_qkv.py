@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.decode_from_qkv import decode_from_qkv, decode_from_qkv_reference
-from kernels.gemv import GemvConfig, gemv, gemv_partials
-from kernels.kv_insert import insert_qkv
-from kernels.paged_decode import paged_decode_attention
-from kernels.tensor_checks import FP8_E4M3
+from kernels.attention.kv_insert import insert_qkv
+from kernels.attention.paged_decode import paged_decode_attention
+from kernels.decode_chain.decode_from_qkv import decode_from_qkv, decode_from_qkv_reference
+from kernels.decode_chain.gemv import GemvConfig, gemv, gemv_partials
+from kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import make_paged_batch, tolerance
 from tests.kernels.rope_cache import cos_sin_cache
 

@@ -1,14 +1,15 @@
-"""The decode chain's first kernel (kernels/embed_rmsnorm.py): fed ids, embedding, RMSNorm."""
+"""The decode chain's first kernel (kernels/decode_chain/embed_rmsnorm.py): fed ids, embedding,
+RMSNorm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.embed_rmsnorm import embed_rmsnorm
-from kernels.rmsnorm import rmsnorm
-from kernels.token_feed import feed_token_ids_reference
-from services.worker.in_flight import fed_id
+from kernels.decode_chain.embed_rmsnorm import embed_rmsnorm
+from kernels.decode_chain.token_feed import feed_token_ids_reference
+from kernels.layers.rmsnorm import rmsnorm
+from services.worker.runner.in_flight import fed_id
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""kernels/fused_moe.py: the Triton grouped-GEMM MoE equals its reference and the worker's
+"""kernels/layers/fused_moe.py: the Triton grouped-GEMM MoE equals its reference and the worker's
 grouped PyTorch path; every launcher check refuses bad input with a message."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference
+from kernels.layers.fused_moe import align_pairs, fused_moe, fused_moe_reference
 from services.worker.models.moe import experts_grouped, route
 
 

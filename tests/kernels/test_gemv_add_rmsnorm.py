@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gemv import GemvConfig, gemv, gemv_add_rmsnorm
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.decode_chain.gemv import GemvConfig, gemv, gemv_add_rmsnorm
+from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
 
 CONFIGS = (
     None,

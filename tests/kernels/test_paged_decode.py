@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import completion_counters
-from kernels.paged_decode import (
+from kernels.attention.paged_decode import (
     DECODE_TILES_MANY_PROGRAMS,
     DECODE_TILES_SINGLE_PASS,
     MANY_PROGRAMS,
@@ -16,7 +15,8 @@ from kernels.paged_decode import (
     paged_decode_reference,
     single_pass_tiles,
 )
-from kernels.tensor_checks import FP8_E4M3
+from kernels.runtime import completion_counters
+from kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import make_paged_batch, tolerance
 
 SEQ_LENS = [1, 37, 150, 64]  # one key only, ragged, long enough for many tiles, page-aligned
@@ -86,7 +86,7 @@ def test_fp8_cache(device, per_head_scale) -> None:  # type: ignore[no-untyped-d
 
 
 def test_decode_equals_prefill_of_one_token(device) -> None:  # type: ignore[no-untyped-def]
-    from kernels.paged_attention import paged_prefill_attention
+    from kernels.attention.paged_prefill import paged_prefill_attention
 
     batch = _batch(device)
     cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=device)
@@ -188,7 +188,7 @@ def test_strided_request_with_a_window_runs_the_windowed_kernel(device) -> None:
 
 def test_launcher_picks_the_strided_kernel_for_many_splits(device) -> None:  # type: ignore[no-untyped-def]
     """16+ pieces without a window: the strided kernel with the fused merge by default."""
-    from kernels import paged_decode
+    from kernels.attention import paged_decode
 
     batch = _batch(device, torch.bfloat16)
     ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
@@ -206,7 +206,7 @@ def test_fused_merge_kept_inside_a_cuda_graph(device) -> None:  # type: ignore[n
     """Counters allocated by an eager call are found inside a capture on another stream (a
     capture that fell back to the second kernel would lose the fused merge's time), and
     every replay leaves them at zero for the next."""
-    from kernels import paged_decode
+    from kernels.attention import paged_decode
 
     batch = _batch(device, torch.bfloat16)
     ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)

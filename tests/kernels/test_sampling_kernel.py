@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import completion_counters, sampling
-from kernels.sampling import (
+from kernels.runtime import completion_counters
+from kernels.sampling import gumbel_kernel as sampling
+from kernels.sampling.bitmask import pack_bitmask
+from kernels.sampling.gumbel_kernel import (
     gumbel_argmax_reference,
     gumbel_argmax_triton,
     gumbel_noise_reference,
 )
-from services.worker.sampling.bitmask import pack_bitmask
-from services.worker.sampling.murmur3 import uniform32
+from kernels.sampling.murmur3 import uniform32
 
 VOCAB = 3000  # three kernel chunks per row at small batches, a ragged last block
 

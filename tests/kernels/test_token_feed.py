@@ -1,12 +1,13 @@
-"""The decode graph's token feed (kernels/token_feed.py): ids -(row + 1) become latest[row]."""
+"""The decode graph's token feed (kernels/decode_chain/token_feed.py): ids -(row + 1) become
+latest[row]."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.token_feed import feed_token_ids_, feed_token_ids_reference
-from services.worker.in_flight import fed_id
+from kernels.decode_chain.token_feed import feed_token_ids_, feed_token_ids_reference
+from services.worker.runner.in_flight import fed_id
 
 
 def test_fed_ids_take_the_rows_latest_token_and_others_stay(device: torch.device) -> None:

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.attention import AttentionMetadata
-from services.worker.attention_select import TritonAttentionMetadata, build_attention_metadata
-from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cuda_graphs import DecodeGraphs
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
 from services.worker.models.random_init import build_random_model
+from services.worker.runner.kv_cache import KVCache
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -133,8 +133,8 @@ def test_padded_graph_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.M
 
 
 def test_gemv_limits_restated_in_cuda_layers_match_the_kernel() -> None:
-    from kernels import gemv
-    from services.worker import cuda_layers
+    from kernels.decode_chain import gemv
+    from services.worker.accel import cuda_layers
 
     assert cuda_layers.GEMV_MAX_ROWS == gemv.MAX_BATCH
     assert cuda_layers.GEMV_DTYPES == gemv.WEIGHT_DTYPES

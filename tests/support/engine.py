@@ -15,9 +15,9 @@ import torch
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
-from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import LaunchedStep, ModelRunner
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import LaunchedStep, ModelRunner
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, SubmitRequest
 

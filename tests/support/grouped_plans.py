@@ -1,6 +1,6 @@
 """PlanDriver for models with several KV cache groups (sliding windows) and routed experts.
 
-Per request and group it keeps the scheduler-side block list the way shared/kv_groups.py fixes
+Per request and group it keeps the scheduler-side block list the way shared/kv/groups.py fixes
 it: one entry per block of the request's tokens; in a sliding-window group, blocks wholly out of
 the window of every future query are given back to the pool at once (at the FRONT of the free
 list, so another request reuses them next) and their entries become the null block 0, which is
@@ -10,8 +10,8 @@ outside the window would read another request's K/V and the outputs would differ
 
 from __future__ import annotations
 
-from services.worker.model_runner import ModelRunner
-from shared.kv_groups import KVGroupSpec
+from services.worker.runner.model_runner import ModelRunner
+from shared.kv.groups import KVGroupSpec
 from shared.protocol import SamplingParams, StepPlan
 from tests.support.plans import DriverRequest, PlanDriver
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.worker.model_runner import ModelRunner
+from services.worker.runner.model_runner import ModelRunner
 from shared.protocol import (
     CachedRequestData,
     NewRequestData,

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
 
 #: the tiny shape every test checkpoint shares: GQA 4 heads / 2 KV heads, hidden 64, 3 layers,
 #: vocab 512, untied. The larger than usual init spread makes logits peaked, so greedy choices

@@ -10,5 +10,5 @@ Reads top-down:
   freed, keys forced misses, recompute), blocks kept under an in-flight load after an abort.
 
 The I/O edge (kvstore HTTP calls, probe tasks, KVTransferDone dispatch, metrics) is
-`services.scheduler.offload_edge`; this package never does I/O.
+`services.scheduler.offload.edge`; this package never does I/O.
 """

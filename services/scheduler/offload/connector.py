@@ -22,7 +22,7 @@ speculative draft here), each block once per request, keyed by block hash per pr
 group. The edge asks the kvstore which to write and trims `kv_stores` before publishing. A
 sliding-window group offers only the chunks a hit at the end of the offer would need (its window
 coverage, widened by the tokens retained for speculation: the store mask of
-services.kvstore.sliding_window); null blocks (dropped out of the window) are never offered.
+services.scheduler.offload.window_scan); null blocks (dropped out of the window) are never offered.
 
 Blocks under a load the worker has not answered are never freed: a request finishing (abort)
 meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
@@ -36,17 +36,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.kvstore.async_lookup import AsyncLookup
-from services.kvstore.offload_key import KeySpace, OffloadKey
-from services.kvstore.sliding_window import Verdict
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_coordinator import KVCacheBlocks
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.load_allocation import allocate_for_load
 from services.scheduler.offload.request_state import LoadJob, OffloadRequestState
 from services.scheduler.offload.window_hit import GroupWindow, window_hit
+from services.scheduler.offload.window_scan import Verdict
 from services.scheduler.request import Request
+from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol.kv_transfer import KVTransfer
 
 Chunk = tuple[OffloadKey, int]  # (key, end position)

@@ -14,8 +14,8 @@ the same arguments, and `allocate_for_load` takes exactly that many blocks from 
 
 from __future__ import annotations
 
-from services.scheduler.kv_cache_coordinator import KVCacheBlocks
-from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 
 

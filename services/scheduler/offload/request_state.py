@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.kvstore.offload_key import OffloadKey
+from shared.kv.offload_key import OffloadKey
 from shared.protocol.kv_transfer import KVTransfer
 
 

@@ -2,7 +2,7 @@
 
 A full-attention group serves a hit of L chunks only if it has every chunk below L; a
 sliding-window group needs only the chunks of its window coverage ending at L
-(services.kvstore.sliding_window: `coverage_chunks`, widened by the tokens retained for
+(services.scheduler.offload.window_scan: `coverage_chunks`, widened by the tokens retained for
 speculation). So the hit is the largest L such that:
 - every full group has every chunk in [first, L) in the tier (below `first`, the local prefix
   hit holds them);
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.kvstore.sliding_window import (
+from services.scheduler.offload.window_scan import (
     DEFER,
     Verdict,
     coverage_chunks,

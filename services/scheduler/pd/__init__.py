@@ -12,7 +12,7 @@ Reads top-down:
   nothing), and which step finished it;
 - `handoff_book`: prefilled requests waiting for their stores to be answered.
 
-The I/O edge (handoff publishing, acks) is `services.scheduler.pd_edge`.
+The I/O edge (handoff publishing, acks) is `services.scheduler.pd.edge`.
 """
 
 from services.scheduler.pd.handoff_book import HandoffBook

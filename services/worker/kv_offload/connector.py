@@ -25,8 +25,6 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
-from services.kvstore.offload_key import KeySpace
-from services.worker.kv_cache import KVCache
 from services.worker.kv_offload.payload import LAYOUT_VERSION, PayloadHeader
 from services.worker.kv_offload.staging import StagingPool, gather_blocks, scatter_blocks
 from services.worker.kv_offload.store_job import StoreJob, StorePiece
@@ -36,6 +34,8 @@ from services.worker.kv_offload.transfer_engine import (
     TransferEngine,
     TransferOutcome,
 )
+from services.worker.runner.kv_cache import KVCache
+from shared.kv.offload_key import KeySpace
 from shared.protocol import KVTransfer, KVTransferDone, StepPlan
 
 Chunk = tuple[str, int, int]  # (payload key, group, block id)

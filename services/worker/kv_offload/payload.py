@@ -9,7 +9,7 @@ one read per chunk and a store one SET (a payload exists completely or not at al
 all little-endian; the body is the raw tensor bytes in that shape (index 1 of the second axis:
 0 = K, 1 = V), `prod(shape) * itemsize` bytes exactly.
 
-The key names carry the model and `LAYOUT_VERSION` too (`services.kvstore.offload_key.KeySpace`),
+The key names carry the model and `LAYOUT_VERSION` too (`shared.kv.offload_key.KeySpace`),
 so different models or layouts never even address each other's values; the header is the second
 line of defence (a key written by a misconfigured worker, a truncated value) and it is checked
 on every load: any mismatch fails that chunk, never a silently wrong KV cache.
@@ -25,7 +25,7 @@ import torch
 # One constant for the key names and the header: it lives with the key space (which the
 # scheduler and kvstore import without torch). Bump it whenever the body layout or this header
 # changes: old payloads then become unreachable by name and refused by header.
-from services.kvstore.offload_key import LAYOUT_VERSION
+from shared.kv.offload_key import LAYOUT_VERSION
 
 __all__ = [
     "LAYOUT_VERSION",

@@ -16,10 +16,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services.worker.kv_cache import KVCache
 from services.worker.kv_offload.connector import KVConnector
 from services.worker.kv_offload.wiring import build_connector
-from services.worker.step_thread import StepThread
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.step_thread import StepThread
 from shared.bus import Bus
 from shared.config import WorkerSettings
 from shared.metrics import metric_name

@@ -11,7 +11,7 @@ which the store side frees as soon as it has copied a piece's bytes out (memcpy,
 a slow Redis never stalls a step; only a wait past a deadline refuses the rest of a store.
 
 Loads (host -> device) go through the one staged-pinned copy helper
-(`kernels.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then copies
+(`kernels.runtime.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then copies
 the uploaded chunks into their blocks on the step thread, ordered on the same stream. (With
 the cache on the CPU there is no device: the assembled host tensor is scattered directly.)
 """
@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from kernels.staged_copy import CopyFence
+from kernels.runtime.staged_copy import CopyFence
 
 ChunkShape = tuple[int, int, int, int, int]  # [layers, 2, block_size, kv_heads, head_dim]
 

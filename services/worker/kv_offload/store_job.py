@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.staged_copy import CopyFence
+from kernels.runtime.staged_copy import CopyFence
 from services.worker.kv_offload.payload import PayloadHeader
 from shared.protocol import KVTransfer
 

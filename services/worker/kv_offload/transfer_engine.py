@@ -32,7 +32,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kernels.staged_copy import stage_to_device
+from kernels.runtime.staged_copy import stage_to_device
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import (
     PayloadError,

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.kvstore.offload_key import KeySpace
-from services.worker.kv_cache import KVCache
 from services.worker.kv_offload.connector import KVConnector
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import LAYOUT_VERSION
 from services.worker.kv_offload.transfer_engine import TransferEngine
+from services.worker.runner.kv_cache import KVCache
 from shared.config import WorkerSettings
+from shared.kv.offload_key import KeySpace
 
 
 def key_space(settings: WorkerSettings, model_name: str) -> KeySpace:
@@ -21,7 +21,7 @@ def key_space(settings: WorkerSettings, model_name: str) -> KeySpace:
 
 
 def layer_groups(config: Any) -> list[list[int]] | None:
-    """The layers of each KV cache group in shared.kv_groups order (`ModelConfig.kv_groups`),
+    """The layers of each KV cache group in shared.kv.groups order (`ModelConfig.kv_groups`),
     so a chunk's group index means the same thing to the scheduler and to this worker. None
     (one group of every layer) for a config that declares no groups."""
     groups = getattr(config, "kv_groups", None)

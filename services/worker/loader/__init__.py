@@ -15,10 +15,10 @@ from torch import nn
 from services.worker.loader.checkpoint_names import CheckpointError, assemble
 from services.worker.loader.safetensors_loader import iter_safetensors
 from services.worker.models.base import CausalLM
-from services.worker.models.config import ModelConfig
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
 from services.worker.models.registry import build_model
-from shared.model_source import ModelSource
+from shared.model.config import ModelConfig
+from shared.model.source import ModelSource
 
 __all__ = ["CheckpointError", "load_model", "prepare_for_device", "resolve_dtype"]
 
@@ -56,7 +56,7 @@ def load_model(
     device = torch.device(device)
     if path.suffix == ".gguf":
         # Imported here: the gguf package is only needed when a GGUF file is served.
-        from services.worker.loader.gguf_loader import iter_gguf, open_gguf
+        from shared.model.gguf_reader import iter_gguf, open_gguf
 
         reader, config = open_gguf(path)
         tensors = iter_gguf(reader, config)

@@ -1,8 +1,8 @@
 """Our model implementations (transformers is only a reference in tests, never the runtime)."""
 
 from services.worker.models.base import CausalLM
-from services.worker.models.config import ModelConfig, RopeScaling, UnsupportedModelError
 from services.worker.models.registry import build_model, model_class, supported_architectures
+from shared.model.config import ModelConfig, RopeScaling, UnsupportedModelError
 
 __all__ = [
     "CausalLM",

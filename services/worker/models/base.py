@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from services.worker.attention import AttentionMetadata
-from services.worker.models.config import ModelConfig
+from services.worker.attention.reference import AttentionMetadata
 from services.worker.models.rope import RotaryEmbedding
+from shared.model.config import ModelConfig
 
 
 class CausalLM(nn.Module):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.models.config import ModelConfig
 from services.worker.models.layers import GemmaRMSNorm, RMSNorm
 from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from shared.model.config import ModelConfig
 
 
 class GemmaAttention(LlamaAttention):

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from services.worker.attention import AttentionMetadata
-from services.worker.attention_select import TritonAttentionMetadata, rotary_attention
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import TritonAttentionMetadata, rotary_attention
 from services.worker.models.base import CausalLM, per_layer_metadata
-from services.worker.models.config import ModelConfig
 from services.worker.models.layers import GatedMLP, RMSNorm
 from services.worker.models.rope import RotaryEmbedding
+from shared.model.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):

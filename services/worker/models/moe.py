@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.models.config import ModelConfig
 from services.worker.models.layers import ACTIVATIONS, GatedMLP
 from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from services.worker.routed_experts import RoutedExpertsRecorder
+from services.worker.runner.routed_experts import RoutedExpertsRecorder
+from shared.model.config import ModelConfig
 
 
 def route(
@@ -107,7 +107,7 @@ class SparseMoeBlock(nn.Module):
         if self.recorder is not None:
             self.recorder.record(self.moe_index, ids)
         if x.is_cuda:
-            from kernels.fused_moe import fused_moe
+            from kernels.layers.fused_moe import fused_moe
 
             out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         else:
@@ -128,7 +128,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """Mixtral / Qwen2-MoE / Qwen3-MoE. `routed_experts` records each MoE layer's top-k ids
-    during a forward when the runner starts it (see services/worker/routed_experts.py)."""
+    during a forward when the runner starts it (see services/worker/runner/routed_experts.py)."""
 
     decoder_layer_cls = MoeDecoderLayer
 

@@ -21,9 +21,9 @@ from torch import nn
 
 from services.worker.loader import prepare_for_device, resolve_dtype
 from services.worker.models.base import CausalLM
-from services.worker.models.config import ModelConfig
 from services.worker.models.registry import build_model
-from shared.model_source import ModelSource
+from shared.model.config import ModelConfig
+from shared.model.source import ModelSource
 
 RANDOM_SCHEME = "random:"
 

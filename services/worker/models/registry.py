@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from services.worker.models.base import CausalLM
-    from services.worker.models.config import ModelConfig
+    from shared.model.config import ModelConfig
 
 # The dense Llama-shaped families differ only by ModelConfig switches (q/k/v biases, q/k norms,
 # sliding windows), so they share the Llama class; the MoE families share MoeForCausalLM.
@@ -33,7 +33,7 @@ def supported_architectures() -> frozenset[str]:
 
 
 def model_class(architecture: str) -> type[CausalLM]:
-    from services.worker.models.config import UnsupportedModelError
+    from shared.model.config import UnsupportedModelError
 
     target = _ARCHITECTURES.get(architecture)
     if target is None:

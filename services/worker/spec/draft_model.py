@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.input_batch import InputBatch
 from services.worker.models.base import CausalLM
+from services.worker.runner.input_batch import InputBatch
 from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map, to_target_ids
 

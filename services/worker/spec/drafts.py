@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.worker.input_batch import InputBatch, PlanError
+from services.worker.runner.input_batch import InputBatch, PlanError
 from services.worker.spec.config import SpeculativeConfig
 from services.worker.spec.draft_model import DraftModelDrafter, load_d2t
 from services.worker.spec.eagle_drafter import EagleDrafter

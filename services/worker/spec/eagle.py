@@ -26,14 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.attention import AttentionMetadata
+from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader.checkpoint_names import FUSED, CheckpointError, assemble
 from services.worker.loader.safetensors_loader import iter_safetensors
-from services.worker.models.config import ModelConfig
 from services.worker.models.layers import RMSNorm
 from services.worker.models.llama import LlamaDecoderLayer
 from services.worker.models.random_init import init_random_
 from services.worker.models.rope import RotaryEmbedding
+from shared.model.config import ModelConfig
 
 #: checkpoint tensors the head does not own (the embedding is the target's; d2t/t2d are maps)
 _NOT_WEIGHTS = ("embed_tokens.weight", "model.embed_tokens.weight", "d2t", "t2d")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.attention import AttentionMetadata
-from services.worker.kv_cache import KVCache
-from services.worker.models.config import ModelConfig
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.runner.kv_cache import KVCache
+from shared.model.config import ModelConfig
 
 
 class RowKV:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from services.worker.input_batch import PlanError
+from services.worker.runner.input_batch import PlanError
 from services.worker.spec.verify import num_accepted
 from shared.protocol import SampledTokens, StepPlan
 
 if TYPE_CHECKING:
-    from services.worker.model_runner import ModelRunner, StepInputs
+    from services.worker.runner.model_runner import ModelRunner, StepInputs
 
 
 def bitmask_rows(

@@ -21,10 +21,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from services.worker.attention import AttentionMetadata
-from services.worker.input_batch import InputBatch
-from services.worker.kv_cache import KVCache
+from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader import load_model
+from services.worker.runner.input_batch import InputBatch
+from services.worker.runner.kv_cache import KVCache
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.eagle import EagleHead, random_eagle_head, save_eagle_head
 from services.worker.spec.eagle_drafter import EagleDrafter

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client import REGISTRY
 
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.gateway.protocol_openai import ChatMessage
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.api.protocol_openai import ChatMessage
+from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta, SubmitRequest
 from tests.support.grammar_server import grammar_service
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness

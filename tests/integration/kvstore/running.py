@@ -8,9 +8,9 @@ from contextlib import asynccontextmanager
 
 import httpx
 
-from services.kvstore.offload_key import KeySpace
 from services.kvstore.service import KVStoreService
 from shared.config import KVStoreSettings
+from shared.kv.offload_key import KeySpace
 from shared.service import bind_socket, serve
 
 CLUSTER = "kvt"

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from services.kvstore.async_lookup import AsyncLookup
-from services.kvstore.client import KVStoreClient, KVStoreError, verdict_of_status
-from services.kvstore.sliding_window import Verdict
+from services.scheduler.offload.async_lookup import AsyncLookup
+from services.scheduler.offload.kvstore_client import KVStoreClient, KVStoreError, verdict_of_status
+from services.scheduler.offload.window_scan import Verdict
 from tests.integration.kvstore.running import MODEL, NBYTES, SPACE, kvstore
 from tests.support.redis_server import free_port
 from tests.unit.kvstore.prefix import prefix_chunks

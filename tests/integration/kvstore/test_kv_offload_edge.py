@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from services.kvstore.client import KVStoreClient
-from services.scheduler.offload_edge import OffloadEdge
+from services.scheduler.offload.edge import OffloadEdge
+from services.scheduler.offload.kvstore_client import KVStoreClient
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerSettings
 from shared.protocol import StepPlan, WorkerReady

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from services.kvstore.client import KVStoreClient
-from services.kvstore.offload_key import OffloadKey
+from services.scheduler.offload.kvstore_client import KVStoreClient
+from shared.kv.offload_key import OffloadKey
 from tests.integration.kvstore.running import MODEL, NBYTES, SPACE, kvstore
 from tests.unit.kvstore.prefix import prefix_chunks
 

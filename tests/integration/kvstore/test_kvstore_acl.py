@@ -10,8 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from infra.redis.render_acl import redis_url, render_acl
-from services.kvstore.offload_key import KeySpace
 from services.kvstore.redis_index import RedisOffloadIndex, StoredChunk
+from shared.kv.offload_key import KeySpace
 from tests.support.redis_server import RedisServer
 from tests.unit.kvstore.prefix import prefix_keys
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from services.kvstore.offload_key import OffloadKey
+from shared.kv.offload_key import OffloadKey
 from tests.integration.kvstore.running import MODEL, NBYTES, SPACE, kvstore
 from tests.unit.kvstore.prefix import prefix_chunks
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from services.kvstore.offload_key import OffloadKey
 from services.worker.kv_offload.payload import LAYOUT_VERSION
 from services.worker.kv_offload.wiring import key_space
 from services.worker.service import WorkerService
 from shared.bus import Bus
+from shared.kv.offload_key import OffloadKey
 from shared.protocol import (
     KVTransfer,
     KVTransferDone,

@@ -20,11 +20,11 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from services.gateway.bus_client import GatewayBusClient
+from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
-from services.gateway.model_info import ModelInfo
-from services.gateway.routes import openai_router
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.model_info import ModelInfo
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.bus_client import GatewayBusClient
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta

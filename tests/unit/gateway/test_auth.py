@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
 from tests.unit.gateway.harness import MODEL_NAME, gateway_harness
 
 ROUTES = [

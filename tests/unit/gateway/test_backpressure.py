@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
 from tests.unit.gateway.harness import MODEL_NAME, gateway_harness
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.gateway.choice_assembler import ChoiceAssembler
-from services.gateway.generation import engine_error_status
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.choice_assembler import ChoiceAssembler
+from services.gateway.stream.generation import engine_error_status
 from shared.protocol import RequestDelta
 
 EOS = 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Plain ASCII text, with punctuation!",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.reply_dedup import MalformedDelta, ReplyCursor
+from services.gateway.stream.reply_dedup import MalformedDelta, ReplyCursor
 from shared.protocol import RequestDelta
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from services.gateway.protocol_openai import ChatMessage
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.api.protocol_openai import ChatMessage
+from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.stream.stop_strings import StopStringMatcher
 
 
 def run(stops: list[str], chunks: list[str]) -> tuple[str, bool]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.errors import OpenAIError
-from services.gateway.protocol_openai import ChatMessage
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.api.errors import OpenAIError
+from services.gateway.api.protocol_openai import ChatMessage
+from services.gateway.plan.tokenization import PromptTokenizer
 
 
 def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.protocol_openai import ChatMessage
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.api.protocol_openai import ChatMessage
+from services.gateway.plan.tokenization import PromptTokenizer
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 
 

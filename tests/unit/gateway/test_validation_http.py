@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 

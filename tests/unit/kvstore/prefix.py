@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.kvstore.offload_key import OffloadKey
-from services.scheduler.block_hash import extend_block_hashes
+from shared.kv.block_hash import extend_block_hashes
+from shared.kv.offload_key import OffloadKey
 
 CHUNK = 16
 

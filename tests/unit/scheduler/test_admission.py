@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_coordinator import KVCacheBlocks
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup
+from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.protocol import SamplingParams

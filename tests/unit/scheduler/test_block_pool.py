@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.block_hash import extend_block_hashes
-from services.scheduler.block_pool import BlockPool
+from services.scheduler.kv.block_pool import BlockPool
+from shared.kv.block_hash import extend_block_hashes
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:

@@ -9,16 +9,16 @@ from contextlib import contextmanager
 
 import pytest
 
-from services.scheduler.block_hash import extend_block_hashes
-from services.scheduler.block_pool import BlockPool, KVCacheBlock
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from services.scheduler.kv.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerSettings
-from shared.kv_groups import kv_groups_for
+from shared.kv.block_hash import extend_block_hashes
+from shared.kv.groups import kv_groups_for
 from shared.protocol import SamplingParams, WorkerReady
 from tests.unit.scheduler.driver import ClientView, submit
 from tests.unit.scheduler.group_worker import GroupWorker

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.reply_dedup import ReplyCursor
+from services.gateway.stream.reply_dedup import ReplyCursor
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from shared.protocol import RequestDelta, SamplingParams, SubmitRequest

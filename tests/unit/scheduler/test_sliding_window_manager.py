@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.block_hash import extend_block_hashes
-from services.scheduler.block_pool import BlockPool, KVCacheBlock
-from services.scheduler.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from services.scheduler.single_type_manager import (
+from services.scheduler.kv.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from services.scheduler.kv.single_type_manager import (
     FullAttentionManager,
     SlidingWindowManager,
     make_manager,
 )
+from shared.kv.block_hash import extend_block_hashes
 
 BS = 4
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from shared.codec import CodecError, decode, encode
-from shared.kv_groups import kv_groups_for
+from shared.kv.groups import kv_groups_for
 from shared.protocol import (
     MESSAGE_TYPES,
     AbortRequest,

@@ -1,4 +1,4 @@
-"""shared/kv_groups.py: the one grouping rule scheduler and worker share."""
+"""shared/kv/groups.py: the one grouping rule scheduler and worker share."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from shared.codec import decode, encode
-from shared.kv_groups import KVGroupSpec, kv_groups_for, layer_group_index
+from shared.kv.groups import KVGroupSpec, kv_groups_for, layer_group_index
 from shared.protocol import WorkerReady
 
 

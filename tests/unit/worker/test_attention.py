@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.attention import AttentionMetadata, paged_attention, write_kv
+from services.worker.attention.reference import AttentionMetadata, paged_attention, write_kv
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 6, 2, 8

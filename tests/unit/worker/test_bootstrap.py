@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.bootstrap import build_runner
-from services.worker.kv_cache import KVCacheSizeError
-from services.worker.model_runner import ModelRunner
 from services.worker.models.packed_linear import PackedLinear
 from services.worker.models.random_init import random_source
+from services.worker.runner.bootstrap import build_runner
+from services.worker.runner.kv_cache import KVCacheSizeError
+from services.worker.runner.model_runner import ModelRunner
 from shared.config import WorkerSettings
-from shared.model_source import ModelSource
+from shared.model.source import ModelSource
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
 

@@ -1,5 +1,5 @@
-"""The compiled CPU forward (services/worker/cpu_compile.py, bound_attention.py): bf16 logits as
-close to transformers' fp32 as the eager bf16 path's, through batching, chunked prefill,
+"""The compiled CPU forward (services/worker/accel/cpu_compile.py, bound_attention.py): bf16 logits
+as close to transformers' fp32 as the eager bf16 path's, through batching, chunked prefill,
 prefix hits and 1-token steps, all from the one graph compiled at warm-up."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from services.worker.attention import AttentionMetadata, paged_attention
-from services.worker.bound_attention import LayerAttention, bind
-from services.worker.cpu_compile import compile_supported
-from services.worker.kv_cache import KVCache
+from services.worker.accel.cpu_compile import compile_supported
+from services.worker.attention.bound import LayerAttention, bind
+from services.worker.attention.reference import AttentionMetadata, paged_attention
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
-from services.worker.models.config import ModelConfig
 from services.worker.models.packed_linear import PackedLinear
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
+from shared.model.config import ModelConfig
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import TINY_PROMPTS, make_tiny_llama, reference_logits

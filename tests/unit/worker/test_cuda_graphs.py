@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
-from services.worker.cuda_layers import (
+from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
+from services.worker.accel.cuda_layers import (
     GemvGatedMLP,
     GemvLinear,
     TritonRMSNorm,
     install_cuda_kernels,
 )
-from services.worker.kv_cache import KVCache
 from services.worker.models.random_init import build_random_model
+from services.worker.runner.kv_cache import KVCache
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
 
@@ -95,7 +95,7 @@ def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
 
 
 def test_rope_table_is_rebuilt_for_another_cos_tensor() -> None:
-    from services.worker.attention_select import TritonAttentionMetadata
+    from services.worker.attention.select import TritonAttentionMetadata
 
     meta = TritonAttentionMetadata(
         num_tokens=2, slot_mapping=torch.zeros(2), token_index=torch.arange(2), num_kv_heads=1

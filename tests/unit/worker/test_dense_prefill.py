@@ -1,19 +1,19 @@
-"""The split of prefill spans for dense attention (services/worker/dense_prefill.py): which
-spans qualify, their rows/cache slots, the paged rest, and the CPU staying on its own path."""
+"""The split of prefill spans for dense attention (services/worker/attention/dense_prefill.py):
+which spans qualify, their rows/cache slots, the paged rest, and the CPU staying on its own path."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from services.worker.attention_select import TritonAttentionMetadata
-from services.worker.dense_prefill import (
+from services.worker.attention.dense_prefill import (
     DensePrefill,
     dense_attention,
     dense_prefill_impl,
     reference_attention,
     split_prefill_spans,
 )
+from services.worker.attention.select import TritonAttentionMetadata
 
 BLOCK = 4
 

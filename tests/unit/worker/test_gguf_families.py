@@ -14,9 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.worker.loader import load_model
-from services.worker.loader.gguf_loader import hf_name
-from services.worker.models.config import UnsupportedModelError
-from shared.model_source import resolve_model
+from shared.model.config import UnsupportedModelError
+from shared.model.gguf_reader import hf_name
+from shared.model.source import resolve_model
 from shared.protocol import SamplingParams
 from tests.support.grouped_plans import GroupedPlanDriver
 from tests.support.tiny_gguf import GGUF_FAMILIES, make_tiny_gguf

@@ -19,8 +19,9 @@ class NoTriton(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NoTriton())
-import services.worker.service, services.worker.bootstrap, services.worker.model_runner
-import services.worker.cuda_graphs, services.worker.decode_chain, services.worker.in_flight
+import services.worker.service, services.worker.runner.bootstrap
+import services.worker.runner.model_runner, services.worker.runner.in_flight
+import services.worker.accel.cuda_graphs, services.worker.accel.decode_chain
 assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules)
 print("ok")
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.worker.input_batch import InputBatch, PlanError
+from services.worker.runner.input_batch import InputBatch, PlanError
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from tests.support.plans import new_request
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kv_cache import (
+from services.worker.runner.kv_cache import (
     KVCache,
     KVCacheSizeError,
     available_memory_bytes,
     bytes_per_block,
 )
-from services.worker.models.config import ModelConfig
+from shared.model.config import ModelConfig
 
 CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from services.worker.loader import CheckpointError, load_model, resolve_dtype
-from services.worker.loader.gguf_loader import hf_name, unpermute_rope_rows
-from services.worker.models.config import ModelConfig, UnsupportedModelError
-from shared.model_source import ModelSource, embedded_gguf_path
+from shared.model.config import ModelConfig, UnsupportedModelError
+from shared.model.gguf_reader import hf_name, unpermute_rope_rows
+from shared.model.source import ModelSource, embedded_gguf_path
 from tests.support.tiny_llama import make_tiny_llama
 
 

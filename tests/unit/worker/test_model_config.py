@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.worker.models.config import ModelConfig, UnsupportedModelError
+from shared.model.config import ModelConfig, UnsupportedModelError
 
 
 def llama_dict(**overrides: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.models.config import ModelConfig
+from shared.model.config import ModelConfig
 from shared.protocol import SamplingParams
 from tests.support.grouped_plans import GroupedPlanDriver
 from tests.support.tiny_llama import LogitsCapture, reference_greedy, reference_logits, tiny_runner

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.bootstrap import build_runner
-from services.worker.models.config import ModelConfig
 from services.worker.models.random_init import (
     PRESETS,
     build_random_model,
@@ -19,7 +17,9 @@ from services.worker.models.random_init import (
     random_source,
 )
 from services.worker.models.registry import build_model
+from services.worker.runner.bootstrap import build_runner
 from shared.config import WorkerSettings
+from shared.model.config import ModelConfig
 from shared.protocol import NewRequestData, SamplingParams, StepPlan
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 

@@ -14,8 +14,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from services.worker.models.config import ModelConfig
 from services.worker.models.rope import RotaryEmbedding, apply_rotary, compute_inv_freq
+from shared.model.config import ModelConfig
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "linear": {"rope_type": "linear", "factor": 4.0},

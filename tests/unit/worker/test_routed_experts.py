@@ -1,7 +1,7 @@
 """Routed experts from the runner: per computed position, each MoE layer's top-k expert ids
 equal the router top-k of a transformers forward over the same tokens (output_router_logits).
 
-Contract (services/worker/routed_experts.py): each SampledTokens carries the rows of the
+Contract (services/worker/runner/routed_experts.py): each SampledTokens carries the rows of the
 positions computed for its request since the previous one, so rows of prompt chunks that
 sampled nothing arrive with the first token, and concatenated they cover positions
 0 .. len(tokens) - 2 (the last sampled token has not been computed).

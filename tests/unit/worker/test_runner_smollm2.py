@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from services.worker.kv_cache import KVCache
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import LogitsCapture, reference_greedy

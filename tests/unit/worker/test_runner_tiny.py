@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.input_batch import PlanError
+from services.worker.runner.input_batch import PlanError
 from services.worker.sampling import SamplingState
 from shared.codec import decode, encode
 from shared.protocol import (

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from services.worker.step_thread import StepThread
+from services.worker.runner.step_thread import StepThread
 
 
 def test_calls_share_one_thread_and_keep_their_order() -> None:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from bench.step_timeline import Step, load, runs, summarize
-from services.worker.step_timeline import StepTimeline
+from services.worker.runner.step_timeline import StepTimeline
 from shared.config import WorkerSettings
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver

@@ -13,11 +13,11 @@ import asyncio
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from services.kvstore.async_lookup import AsyncLookup
-from services.kvstore.offload_key import KeySpace, OffloadKey
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.connector import OffloadConnector
 from services.scheduler.scheduler import Scheduler
+from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol import KVTransferDone, StepPlan
 from tests.unit.scheduler.driver import ClientView
 from tests.unit.scheduler.worker_double import WorkerDouble

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.kvstore.offload_key import OffloadKey
 from services.kvstore.request_record import RequestRecord
 from services.scheduler.request import RequestStatus
+from shared.kv.offload_key import OffloadKey
 from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import BLOCK, SPACE, OffloadRig, Tier
 from tests.unit.scheduler.worker_double import WorkerDouble, token_at

@@ -7,9 +7,9 @@ KVCacheManager are the real ones; the tier is the harness's dict, probed by a re
 
 from __future__ import annotations
 
-from services.kvstore.offload_key import OffloadKey
-from services.scheduler.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from services.scheduler.offload.load_allocation import blocks_for_load
+from shared.kv.offload_key import OffloadKey
 from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import BLOCK, SPACE, OffloadRig, Tier
 

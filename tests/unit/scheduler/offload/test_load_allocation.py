@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.load_allocation import allocate_for_load, blocks_for_load
 from services.scheduler.request import Request
 from shared.protocol import SamplingParams

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.kvstore.sliding_window import DEFER, Verdict
 from services.scheduler.offload.window_hit import GroupWindow, window_hit
+from services.scheduler.offload.window_scan import DEFER, Verdict
 
 H, P, M, R = Verdict.HIT, Verdict.HIT_PENDING, Verdict.MISS, Verdict.RETRY
 FULL = GroupWindow(0)

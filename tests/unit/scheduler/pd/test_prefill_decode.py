@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvstore.offload_key import OffloadKey
-from services.scheduler.block_hash import extend_block_hashes
 from services.scheduler.offload.connector import OffloadConnector
 from services.scheduler.pd import HandoffBook, PrefillPolicy, prefilled_in_step
-from services.scheduler.pd_edge import lookahead_of
+from services.scheduler.pd.edge import lookahead_of
 from services.scheduler.request import RequestStatus
 from shared.config import SchedulerSettings
+from shared.kv.block_hash import extend_block_hashes
+from shared.kv.offload_key import OffloadKey
 from shared.protocol import SubmitRequest
 from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import BLOCK, SPACE, OffloadRig, Tier, config

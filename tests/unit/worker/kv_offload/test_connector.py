@@ -18,12 +18,12 @@ import pytest
 import redis
 import torch
 
-from services.kvstore.offload_key import KeySpace, OffloadKey
 from services.worker.kv_offload.connector import KVConnector
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import LAYOUT_VERSION, PayloadHeader, pack_payload
 from services.worker.kv_offload.transfer_engine import TransferEngine
-from services.worker.model_runner import ModelRunner
+from services.worker.runner.model_runner import ModelRunner
+from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol import (
     CachedRequestData,
     KVTransfer,

@@ -78,11 +78,11 @@ def test_pack_checks_the_body_against_the_header() -> None:
 def test_one_layout_version_for_key_names_and_headers() -> None:
     """The worker's headers, the worker's key space and the scheduler's/kvstore's key space all
     use the key space's constant: bumping it moves names and headers together."""
-    from services.kvstore import offload_key
-    from services.kvstore.offload_key import KeySpace, OffloadKey
-    from services.scheduler import offload_edge
+    from services.scheduler.offload import edge as offload_edge
     from services.worker.kv_offload import payload, wiring
     from shared.config import WorkerSettings
+    from shared.kv import offload_key
+    from shared.kv.offload_key import KeySpace, OffloadKey
 
     assert payload.LAYOUT_VERSION is offload_key.LAYOUT_VERSION
     assert offload_edge.LAYOUT_VERSION is offload_key.LAYOUT_VERSION

@@ -9,7 +9,7 @@ import mmh3
 import pytest
 import torch
 
-from services.worker.sampling.murmur3 import (
+from kernels.sampling.murmur3 import (
     DOMAIN,
     DOMAIN_64,
     murmur3_finish,

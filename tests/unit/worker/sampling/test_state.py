@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.sampling.bitmask import pack_bitmask
 from services.worker.sampling import SamplingState
-from services.worker.sampling.bitmask import pack_bitmask
 from shared.protocol import SamplingParams
 from tests.unit.worker.sampling.stats import chi_square_pvalue
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.worker.attention import AttentionMetadata
-from services.worker.input_batch import InputBatch
-from services.worker.kv_cache import KVCache
+from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader import load_model
 from services.worker.loader.checkpoint_names import CheckpointError
+from services.worker.runner.input_batch import InputBatch
+from services.worker.runner.kv_cache import KVCache
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.drafts import Drafter
 from services.worker.spec.eagle import load_eagle_head, random_eagle_head, save_eagle_head

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.worker.input_batch import PlanError
-from services.worker.model_runner import ModelRunner
+from services.worker.runner.input_batch import PlanError
+from services.worker.runner.model_runner import ModelRunner
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from tests.support.tiny_llama import make_tiny_llama, reference_greedy, tiny_runner
 

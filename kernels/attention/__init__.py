@@ -1,0 +1,1 @@
+"""Attention kernels: paged prefill/decode, KV insert, cache layout, backends, CPU decode."""

@@ -1,0 +1,1 @@
+"""Layer kernels: RMSNorm with the residual add, SiLU-and-multiply, fused MoE."""

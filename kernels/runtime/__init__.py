@@ -1,0 +1,1 @@
+"""What kernel launchers share: entry checks, the PDL hand-off, counters, staged copies."""

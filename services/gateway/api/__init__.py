@@ -1,0 +1,1 @@
+"""The OpenAI HTTP edge: request bodies, routes, auth, errors, response bodies."""

@@ -1,0 +1,203 @@
+"""OpenAI response bodies and SSE chunks, built from a plan and its choices.
+
+Shapes follow OpenAI exactly (the `openai` client parses them): `text_completion` /
+`chat.completion` bodies, `text_completion` / `chat.completion.chunk` stream chunks, usage
+`{prompt_tokens, completion_tokens, total_tokens}`. meshllm adds `routed_experts` to a choice
+when it was asked for: one entry per returned position (prompt positions from the requested
+start, then one per generated token), each a list over MoE layers of the top-k expert ids.
+
+Logprobs are finite in JSON: -inf (a token the sampler could never pick) becomes -9999.0, as
+vLLM renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from services.gateway.plan.request_plan import RequestPlan
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate, TokenLogprob
+
+MIN_LOGPROB = -9999.0
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def plan_usage(plan: RequestPlan, choices: list[ChoiceAssembler]) -> dict[str, int]:
+    return usage(plan.num_prompt_tokens, sum(c.num_tokens for c in choices))
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+# --- logprobs --------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    tok: PromptTokenizer, entries: list[TokenLogprob], text_offset: int
+) -> tuple[dict[str, Any], int]:
+    """Legacy completions logprobs; `text_offset` is where the first token's text starts in the
+    choice's text. Returns the object and the offset after the last token."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for entry in entries:
+        text = tok.token_text(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(_finite(entry.logprob))
+        tops.append({tok.token_text(t): _finite(lp) for t, lp in entry.top})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    body = {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+    return body, text_offset
+
+
+def chat_logprobs(tok: PromptTokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = tok.token_bytes(token_id)
+        return {"token": tok.token_text(token_id), "logprob": _finite(logprob), "bytes": list(raw)}
+
+    content = [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+# --- full bodies -----------------------------------------------------------------------------
+
+
+def completion_body(
+    plan: RequestPlan, choices: list[ChoiceAssembler], tok: PromptTokenizer
+) -> dict[str, Any]:
+    out = []
+    for choice in choices:
+        prefix = plan.prompt_of(choice.index).text if plan.echo else ""
+        item: dict[str, Any] = {
+            "index": choice.index,
+            "text": prefix + choice.text,
+            "logprobs": None,
+            "finish_reason": choice.finish_reason,
+        }
+        if plan.logprobs is not None:
+            item["logprobs"] = completion_logprobs(tok, choice.logprobs, len(prefix))[0]
+        if plan.return_routed_experts:
+            item["routed_experts"] = choice.routed_rows
+        out.append(item)
+    return {
+        "id": plan.request_id,
+        "object": "text_completion",
+        "created": plan.created,
+        "model": plan.model,
+        "choices": out,
+        "usage": plan_usage(plan, choices),
+    }
+
+
+def chat_body(
+    plan: RequestPlan, choices: list[ChoiceAssembler], tok: PromptTokenizer
+) -> dict[str, Any]:
+    out = []
+    for choice in choices:
+        item: dict[str, Any] = {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": chat_logprobs(tok, choice.logprobs) if plan.logprobs is not None else None,
+            "finish_reason": choice.finish_reason,
+        }
+        if plan.return_routed_experts:
+            item["routed_experts"] = choice.routed_rows
+        out.append(item)
+    return {
+        "id": plan.request_id,
+        "object": "chat.completion",
+        "created": plan.created,
+        "model": plan.model,
+        "choices": out,
+        "usage": plan_usage(plan, choices),
+    }
+
+
+# --- stream chunks ---------------------------------------------------------------------------
+
+
+def _chunk(plan: RequestPlan, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": plan.request_id,
+        "object": "text_completion" if plan.kind == "completion" else "chat.completion.chunk",
+        "created": plan.created,
+        "model": plan.model,
+        "choices": choices,
+    }
+    if plan.include_usage:
+        body["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
+    return body
+
+
+def chat_role_chunk(plan: RequestPlan, index: int) -> dict[str, Any]:
+    delta = {"role": "assistant", "content": ""}
+    return _chunk(plan, [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+
+def update_chunk(
+    plan: RequestPlan,
+    index: int,
+    update: ChoiceUpdate,
+    tok: PromptTokenizer,
+    *,
+    prefix: str = "",
+    text_offset: int = 0,
+) -> tuple[dict[str, Any], int]:
+    """One choice's update as a chunk; `prefix` is echoed prompt text (completions, first
+    chunk). Returns the chunk and the text offset after it (completions logprobs)."""
+    text = prefix + update.text
+    item: dict[str, Any]
+    if plan.kind == "completion":
+        item = {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": update.finish_reason,
+        }
+        if plan.logprobs is not None:
+            item["logprobs"], _ = completion_logprobs(
+                tok, update.logprobs, text_offset + len(prefix)
+            )
+    else:
+        item = {
+            "index": index,
+            "delta": {"content": text} if text or update.finish_reason is None else {},
+            "logprobs": chat_logprobs(tok, update.logprobs) if plan.logprobs is not None else None,
+            "finish_reason": update.finish_reason,
+        }
+    if plan.return_routed_experts:
+        item["routed_experts"] = update.routed_rows
+    return _chunk(plan, [item]), text_offset + len(text)
+
+
+def usage_chunk(plan: RequestPlan, choices: list[ChoiceAssembler]) -> dict[str, Any]:
+    body = _chunk(plan, [])
+    body["usage"] = plan_usage(plan, choices)
+    return body
+
+
+def error_event(message: str, type_: str = "internal_server_error", code: int = 500) -> str:
+    """A mid-stream failure: OpenAI-style error object as an SSE event (then [DONE])."""
+    return sse({"error": {"message": message, "type": type_, "param": None, "code": code}})

@@ -1,0 +1,164 @@
+"""The OpenAI API routes (HTTP edge). The service adds this router to its admin app.
+
+Every route here is behind the API keys (when set) and answers errors in OpenAI's body shape,
+both handled by `OpenAIRoute`, so the router needs no app-level exception handlers. Bodies are
+parsed by the gateway's own models (not FastAPI's), so a malformed body is a 400 naming the
+field, never a 422.
+
+Disconnects: a streaming client that goes away cancels the stream (Starlette), whose `finally`
+aborts the running choices; a non-streaming request watches the connection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.responses import Response
+
+from services.gateway.api.errors import OpenAIError, error_body
+from services.gateway.api.openapi_bodies import request_body
+from services.gateway.api.protocol_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from services.gateway.frontend import Frontend
+from services.gateway.plan.request_plan import RequestPlan
+from services.gateway.stream.generation import Generation
+from shared.logs import bind_request_id
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: nginx's "client closed request": logged, never seen by the (gone) client.
+CLIENT_CLOSED = 499
+
+FrontendGetter = Callable[[], Frontend | None]
+
+
+def openai_router(get_frontend: FrontendGetter) -> APIRouter:
+    """`get_frontend` returns None until the service has loaded the tokenizer (503 until then)."""
+
+    class OpenAIRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def guarded(request: Request) -> Response:
+                try:
+                    frontend = _frontend(get_frontend)
+                    frontend.auth.check(request.headers.get("authorization"))
+                    return await handler(request)
+                except OpenAIError as exc:
+                    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+                except Exception:
+                    log.exception("unhandled error on %s", request.url.path)
+                    body = error_body("internal error", "internal_server_error")
+                    return JSONResponse(body, status_code=500)
+
+            return guarded
+
+    router = APIRouter(route_class=OpenAIRoute)
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return _frontend(get_frontend).models()
+
+    @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return _frontend(get_frontend).tokenize(await request.body())
+
+    @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        return _frontend(get_frontend).detokenize(await request.body())
+
+    @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        frontend = _frontend(get_frontend)
+        frontend.check_accepting()
+        plan = frontend.plan_completion(await request.body())
+        plan = await frontend.compile_grammar(plan)
+        return await _generate(frontend, request, plan, arrival)
+
+    @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        frontend = _frontend(get_frontend)
+        frontend.check_accepting()
+        plan = frontend.plan_chat(await request.body())
+        plan = await frontend.compile_grammar(plan)
+        return await _generate(frontend, request, plan, arrival)
+
+    return router
+
+
+def _frontend(get_frontend: FrontendGetter) -> Frontend:
+    frontend = get_frontend()
+    if frontend is None:
+        raise OpenAIError(
+            503, "the gateway is starting; retry shortly", type_="service_unavailable"
+        )
+    return frontend
+
+
+async def _generate(
+    frontend: Frontend, request: Request, plan: RequestPlan, arrival: float
+) -> Response:
+    bind_request_id(plan.request_id)
+    handle = await frontend.client.submit(plan)
+    timeout_s = frontend.settings.request_timeout_s
+    generation = Generation(handle, frontend.tokenizer, timeout_s, arrival)
+    if plan.stream:
+        return StreamingResponse(
+            _closing(generation), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    try:
+        body = await _unless_disconnected(request, generation.collect())
+    finally:
+        generation.close()
+    if body is None:
+        log.info("client went away; aborted %s", plan.request_id)
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(body)
+
+
+async def _closing(generation: Generation) -> AsyncIterator[str]:
+    try:
+        async for event in generation.stream():
+            yield event
+    finally:
+        generation.close()  # never awaits: safe inside a cancelled stream
+
+
+async def _unless_disconnected(
+    request: Request, work: Awaitable[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """`work`'s result, or None when the client disconnects first (work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read; what the server sends next on `receive` is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

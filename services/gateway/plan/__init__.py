@@ -1,0 +1,1 @@
+"""A request body -> a validated, tokenized RequestPlan (grammar compiled over the bus)."""

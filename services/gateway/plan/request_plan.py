@@ -1,0 +1,194 @@
+"""An API request, validated and tokenized: what will be submitted and how to answer it.
+
+`plan_completion` / `plan_chat` run every check (pydantic already ran the per-field ones),
+tokenize the prompt(s) and settle the per-prompt sampling parameters. The plan is pure data; the
+bus client turns it into SubmitRequests, the choice assemblers and response builders read it.
+
+Choices: a completions request with P prompts and n choices has P*n choices, indexed
+`prompt * n + i` (vLLM's order). Choice k is one scheduler request `<request_id>-<k>` sampled
+with seed `seed + i`: the same prompt and seed give the same choice i whatever else is batched
+with it, and the n choices of one prompt differ.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from services.gateway.api.errors import OpenAIError
+from services.gateway.api.protocol_openai import ChatCompletionRequest, CompletionRequest
+from services.gateway.plan.model_info import ModelInfo
+from services.gateway.plan.sampling_params import sampling_params
+from services.gateway.plan.structured_outputs import grammar_param, grammar_ref
+from services.gateway.plan.tokenization import PromptTokenizer, TokenizedPrompt
+from services.gateway.plan.validation import check_prompt, check_request, check_routed_experts_start
+from shared.config import GatewaySettings
+from shared.protocol import GrammarRef, SamplingParams, SubmitRequest
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    kind: Literal["completion", "chat"]
+    request_id: str  # cmpl-... / chatcmpl-...; choice k runs as `<request_id>-<k>`
+    created: int
+    model: str
+    prompts: list[TokenizedPrompt]
+    samplings: list[SamplingParams]  # one per prompt (max_tokens may differ); seed not set
+    n: int
+    seed: int | None  # the client's; None = the bus client draws one
+    stop: list[str]
+    grammar: GrammarRef | None
+    return_routed_experts: bool
+    routed_experts_prompt_start: int
+    echo: bool
+    logprobs: int | None  # top alternatives per token; None = no logprobs
+    stream: bool
+    include_usage: bool
+    user: str | None
+    grammar_param: str | None = None  # the request field `grammar` came from (for a 400)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> TokenizedPrompt:
+        return self.prompts[choice // self.n]
+
+    def choice_request_id(self, choice: int) -> str:
+        return f"{self.request_id}-{choice}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Usage counts each prompt once, however many choices it has (as OpenAI does)."""
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def submit_requests(
+        self, seed: int, reply_stream: str, arrival_time: float
+    ) -> list[SubmitRequest]:
+        out = []
+        for choice in range(self.num_choices):
+            prompt_index, i = divmod(choice, self.n)
+            sampling = self.samplings[prompt_index].model_copy(update={"seed": seed + i})
+            out.append(
+                SubmitRequest(
+                    request_id=self.choice_request_id(choice),
+                    prompt_token_ids=self.prompts[prompt_index].token_ids,
+                    sampling=sampling,
+                    reply_stream=reply_stream,
+                    arrival_time=arrival_time,
+                    grammar=self.grammar,
+                    return_routed_experts=self.return_routed_experts,
+                    routed_experts_prompt_start=self.routed_experts_prompt_start,
+                )
+            )
+        return out
+
+
+def check_model_name(requested: str | None, model: ModelInfo) -> None:
+    if requested is not None and requested != model.name:
+        raise OpenAIError(
+            404,
+            f"The model `{requested}` does not exist. This server serves `{model.name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def plan_completion(
+    req: CompletionRequest, tok: PromptTokenizer, model: ModelInfo, settings: GatewaySettings
+) -> RequestPlan:
+    check_model_name(req.model, model)
+    check_request(req, settings, model)
+    prompts = [tok.completion_prompt(p) for p in req.prompt]
+    samplings = []
+    for prompt in prompts:
+        max_tokens = check_prompt(
+            prompt.token_ids,
+            req.max_tokens,
+            model,
+            prompt_param="prompt",
+            max_tokens_param="max_tokens",
+            min_tokens=req.min_tokens,
+        )
+        samplings.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs))
+    return _plan(
+        "completion",
+        f"cmpl-{uuid.uuid4().hex}",
+        req,
+        prompts,
+        samplings,
+        model,
+        echo=req.echo,
+        logprobs=req.logprobs,
+    )
+
+
+def plan_chat(
+    req: ChatCompletionRequest, tok: PromptTokenizer, model: ModelInfo, settings: GatewaySettings
+) -> RequestPlan:
+    check_model_name(req.model, model)
+    check_request(req, settings, model)
+    prompt = tok.chat_prompt(
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+    )
+    max_tokens = check_prompt(
+        prompt.token_ids,
+        req.max_new_tokens,
+        model,
+        prompt_param="messages",
+        max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        min_tokens=req.min_tokens,
+    )
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    sampling = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    return _plan(
+        "chat",
+        f"chatcmpl-{uuid.uuid4().hex}",
+        req,
+        [prompt],
+        [sampling],
+        model,
+        echo=False,
+        logprobs=logprobs,
+    )
+
+
+def _plan(
+    kind: Literal["completion", "chat"],
+    request_id: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[TokenizedPrompt],
+    samplings: list[SamplingParams],
+    model: ModelInfo,
+    *,
+    echo: bool,
+    logprobs: int | None,
+) -> RequestPlan:
+    start = req.routed_experts_prompt_start or 0
+    if req.return_routed_experts:
+        for prompt in prompts:
+            check_routed_experts_start(start, len(prompt.token_ids))
+    return RequestPlan(
+        kind=kind,
+        request_id=request_id,
+        created=int(time.time()),
+        model=model.name,
+        prompts=prompts,
+        samplings=samplings,
+        n=req.n,
+        seed=req.seed,
+        stop=list(req.stop or []),
+        grammar=grammar_ref(req.response_format, req.structured_outputs),
+        return_routed_experts=req.return_routed_experts,
+        routed_experts_prompt_start=start,
+        echo=echo,
+        logprobs=logprobs,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        user=req.user,
+        grammar_param=grammar_param(req.response_format, req.structured_outputs),
+    )

@@ -1,0 +1,153 @@
+"""The model's tokenizer and chat template, and the prompt forms the API accepts.
+
+The gateway owns tokenization (as vLLM's input processor does): schedulers and workers only ever
+see token ids. A chat is rendered to text with the model's own template and then tokenized
+without adding special tokens again, because the template already wrote them (a second BOS
+would change the model's output).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from services.gateway.api.errors import invalid_request
+from services.gateway.api.protocol_openai import ChatMessage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    token_ids: list[int]
+    text: str  # the prompt as text: what the client sent, or the decoded ids (for echo)
+
+
+class PromptTokenizer:
+    """Wraps a transformers tokenizer: encode, chat template, decode, per-token bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.hf = tokenizer
+        self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self._byte_decoder = _gpt2_byte_decoder() if _is_byte_level(tokenizer) else None
+        self._added = {int(i): t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
+        # The Rust tokenizer decodes the same text at a third of the cost of the transformers
+        # wrapper (it runs twice per streamed token), unless the wrapper post-processes spaces.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        cleans = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._fast_decode = None if backend is None or cleans else backend.decode
+
+    @classmethod
+    def from_dir(cls, hf_dir: Path) -> PromptTokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(hf_dir)))
+
+    # --- prompts ----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def completion_prompt(self, prompt: str | list[int]) -> TokenizedPrompt:
+        """A completions prompt: text is tokenized with the tokenizer's special tokens (its BOS,
+        if it has one); token ids are taken as they are."""
+        if isinstance(prompt, str):
+            return TokenizedPrompt(self.encode(prompt), prompt)
+        return TokenizedPrompt(list(prompt), self.decode(prompt, skip_special_tokens=False))
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        if not getattr(self.hf, "chat_template", None):
+            raise invalid_request("this model has no chat template", "messages")
+        conversation = [_template_message(m) for m in messages]
+        try:
+            return str(
+                self.hf.apply_chat_template(
+                    conversation,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+            )
+        except Exception as exc:  # jinja TemplateError, the template's raise_exception()
+            message = f"the chat template refused the messages: {exc}"
+            raise invalid_request(message, "messages") from None
+
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> TokenizedPrompt:
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        return TokenizedPrompt(self.encode(text, add_special_tokens=False), text)
+
+    # --- output -----------------------------------------------------------------------------
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._fast_decode is not None:
+            return str(self._fast_decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(self.hf.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The tokenizer's own token strings (`Ġthe`), as vLLM's /tokenize returns them."""
+        return [str(t) for t in self.hf.convert_ids_to_tokens(ids)]
+
+    def token_text(self, token_id: int) -> str:
+        """A token as text for logprobs: its bytes as UTF-8, with U+FFFD for a token that holds
+        only part of a character (its `bytes` then carry the exact value)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        if self._byte_decoder is not None:
+            piece = self.hf.convert_ids_to_tokens(token_id)
+            if piece is not None and all(ch in self._byte_decoder for ch in piece):
+                return bytes(self._byte_decoder[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def _template_message(message: ChatMessage) -> dict[str, str]:
+    role = "system" if message.role == "developer" else message.role
+    out = {"role": role, "content": message.content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and "ByteLevel" in repr(decoder)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte-to-printable-character map used by byte-level BPE vocabularies."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}

@@ -1,0 +1,215 @@
+"""The gateway's side of the bus: submit requests, route replies to them, abort them.
+
+- Submitting a plan publishes one SubmitRequest per choice on the requests stream. When the
+  client gave no seed, one is drawn here (`secrets.randbits(63)`) and logged, so every sample
+  can be reproduced; choice i of a prompt is sampled with `seed + i`.
+- Each gateway instance has one reply stream, read by one background task (plain XREAD); each
+  RequestDelta goes to its request's queue after de-duplication by output index (a restarted
+  scheduler regenerates from the start). Replies for unknown ids (finished, aborted) are dropped.
+- Backpressure: at most `max_pending` scheduler requests in flight; past that, 429 with
+  Retry-After. A sub-request stops counting when its final delta arrives or it is aborted.
+- Aborts (client gone, stop string, timeout) are published from tasks the client owns, so a
+  cancelled HTTP handler still gets its abort out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from services.gateway.api.errors import OpenAIError, invalid_request
+from services.gateway.plan.request_plan import RequestPlan
+from services.gateway.stream.reply_dedup import MalformedDelta, ReplyCursor
+from shared.bus import Bus, BusUnavailable
+from shared.protocol import AbortRequest, RequestDelta, TokenDelta
+from shared.streams import Streams
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+READ_BLOCK_MS = 1000
+
+
+@dataclass
+class _SubRequest:
+    handle: RequestHandle
+    choice: int
+    cursor: ReplyCursor
+
+
+class RequestHandle:
+    """The in-flight choices of one API request. `close()` must be called (routes do it in a
+    `finally`): it aborts what is still running and frees the slots."""
+
+    def __init__(self, client: GatewayBusClient, plan: RequestPlan, seed: int) -> None:
+        self.client = client
+        self.plan = plan
+        self.seed = seed
+        self.request_ids = [plan.choice_request_id(c) for c in range(plan.num_choices)]
+        self.queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
+        self.open = set(range(plan.num_choices))  # choices the engine may still be running
+
+    async def next_delta(self, timeout_s: float | None) -> tuple[int, RequestDelta]:
+        """(choice index, fresh delta); TimeoutError past `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            return await self.queue.get()
+
+    def abort(self, choice: int, reason: str) -> None:
+        """Stop one choice on the scheduler (e.g. a stop string matched)."""
+        if choice in self.open:
+            self.open.discard(choice)
+            self.client._release(self.request_ids[choice])
+            self.client.abort_soon([self.request_ids[choice]], reason)
+
+    def close(self, reason: str = "client") -> None:
+        """Abort every choice still running and release its slot. Idempotent, never awaits."""
+        running = sorted(self.open)
+        self.open.clear()
+        for choice in running:
+            self.client._release(self.request_ids[choice])
+        if running:
+            self.client.abort_soon([self.request_ids[c] for c in running], reason)
+
+
+class GatewayBusClient:
+    def __init__(self, bus: Bus, streams: Streams, instance_id: str, *, max_pending: int) -> None:
+        self.bus = bus
+        self.streams = streams
+        self.reply_stream = streams.replies(instance_id)
+        self.max_pending = max_pending
+        self._subs: dict[str, _SubRequest] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._subs)
+
+    async def start(self) -> None:
+        # Pin the read position now, not when the reader task first runs: a reply published
+        # between start() and that first read would otherwise be skipped.
+        last_ids = {self.reply_stream: "$"}
+        await self.bus.read(last_ids, block_ms=None)
+        self._reader = asyncio.create_task(self._read_replies(last_ids), name="gateway-replies")
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        if self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    # --- submitting --------------------------------------------------------------------------
+
+    async def submit(self, plan: RequestPlan) -> RequestHandle:
+        if plan.num_choices > self.max_pending:
+            raise invalid_request(
+                f"this request needs {plan.num_choices} concurrent generations, more than the "
+                f"gateway's limit of {self.max_pending}",
+                "n",
+            )
+        if self.in_flight + plan.num_choices > self.max_pending:
+            raise OpenAIError(
+                429,
+                f"too many requests in flight ({self.in_flight}/{self.max_pending}); retry later",
+                type_="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        seed = plan.seed if plan.seed is not None else secrets.randbits(63)
+        handle = RequestHandle(self, plan, seed)
+        requests = plan.submit_requests(seed, self.reply_stream, time.time())
+        # Register before publishing: a reply may be read before publish_many returns.
+        for choice, req in enumerate(requests):
+            self._subs[req.request_id] = _SubRequest(handle, choice, ReplyCursor(req.request_id))
+        self._idle.clear()
+        try:
+            await self.bus.publish_many([(self.streams.requests, r) for r in requests])
+        except (BusUnavailable, ConnectionError) as exc:
+            handle.open.clear()
+            for req in requests:
+                self._release(req.request_id)
+            raise OpenAIError(
+                503, f"the request queue is unreachable: {exc}", type_="service_unavailable"
+            ) from None
+        log.info(
+            "submitted %s: %d choice(s), seed %d%s",
+            plan.request_id,
+            plan.num_choices,
+            seed,
+            "" if plan.seed is None else " (client's)",
+            extra={"request_id": plan.request_id, "seed": seed, "user": plan.user},
+        )
+        return handle
+
+    def abort_soon(self, request_ids: list[str], reason: str) -> None:
+        task = asyncio.create_task(self._publish_aborts(request_ids, reason))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _publish_aborts(self, request_ids: list[str], reason: str) -> None:
+        items = [
+            (self.streams.aborts, AbortRequest(request_id=r, reason=reason)) for r in request_ids
+        ]
+        try:
+            await self.bus.publish_many(items)  # type: ignore[arg-type]
+            log.info("aborted %s (%s)", ", ".join(request_ids), reason)
+        except Exception:
+            log.exception("could not publish the abort of %s", ", ".join(request_ids))
+
+    def _release(self, request_id: str) -> None:
+        self._subs.pop(request_id, None)
+        if not self._subs:
+            self._idle.set()
+
+    # --- replies -----------------------------------------------------------------------------
+
+    async def _read_replies(self, last_ids: dict[str, str]) -> None:
+        """Runs for the client's life. The bus retries through Redis outages itself; anything
+        else is logged and reading goes on, so one bad reply never stops all the others."""
+        while True:
+            try:
+                deliveries = await self.bus.read(last_ids, count=256, block_ms=READ_BLOCK_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reading the reply stream failed; retrying")
+                await asyncio.sleep(0.5)
+                continue
+            for delivery in deliveries:
+                if isinstance(delivery.message, TokenDelta):
+                    for delta in delivery.message.deltas:
+                        self._dispatch(delta)
+                else:
+                    log.warning("unexpected %s on the reply stream", delivery.message.TYPE)
+
+    def _dispatch(self, delta: RequestDelta) -> None:
+        sub = self._subs.get(delta.request_id)
+        if sub is None:
+            return
+        try:
+            fresh = sub.cursor.fresh(delta)
+        except MalformedDelta as exc:
+            log.error("malformed reply for %s: %s", delta.request_id, exc)
+            sub.cursor.finished = True
+            fresh = RequestDelta(
+                request_id=delta.request_id,
+                start_index=sub.cursor.next_index,
+                finish_reason="error",
+                error=f"malformed reply from the engine: {exc}",
+            )
+        if fresh is not None:
+            sub.handle.queue.put_nowait((sub.choice, fresh))
+        if sub.cursor.finished:
+            sub.handle.open.discard(sub.choice)
+            self._release(delta.request_id)

@@ -1,0 +1,142 @@
+"""One choice's output, assembled from its (de-duplicated) deltas: text, logprobs, experts.
+
+Per token, in order: count it, record its logprobs, render it (incremental detokenizer), run the
+text through the stop-string matcher. Rules:
+- The stop/eos token that finished the output counts as a completion token (as vLLM counts
+  it) and keeps its logprob entry, but is never rendered as text.
+- A stop string ends the choice at the token that completed it: later tokens of that delta are
+  neither counted nor returned, and the text ends right before the stop string. The caller
+  must then abort the scheduler request (the scheduler does not see stop strings).
+- When the output ends, the detokenizer's and the matcher's held-back text is released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.detokenizer import IncrementalDetokenizer
+from services.gateway.stream.stop_strings import StopStringMatcher
+from shared.protocol import RequestDelta
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top alternatives, best first
+
+
+@dataclass
+class ChoiceUpdate:
+    """What one delta added to a choice (for a stream chunk)."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    routed_rows: list[list[list[int]]] = field(default_factory=list)  # [pos][layer][top_k]
+    finish_reason: str | None = None
+    stopped_on_string: bool = False
+    error: str | None = None
+    error_type: str | None = None  # "invalid_request_error": the request's fault (a 400)
+
+
+class ChoiceAssembler:
+    def __init__(
+        self,
+        index: int,
+        tokenizer: PromptTokenizer,
+        prompt_ids: list[int],
+        *,
+        stop: list[str],
+        logprobs: bool,
+        routed_experts: bool,
+    ) -> None:
+        self.index = index
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = StopStringMatcher(stop)
+        self._want_logprobs = logprobs
+        self._want_routed = routed_experts
+        self.text = ""
+        self.num_tokens = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.routed_rows: list[list[list[int]]] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def consume(self, delta: RequestDelta) -> ChoiceUpdate:
+        update = ChoiceUpdate()
+        if self.finished:
+            return update
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.error is not None or delta.finish_reason == "error":
+            update.error_type = delta.error_type
+            return self._fail(update, delta.error or "the request failed in the engine")
+        if self._want_logprobs and delta.token_ids and delta.logprobs is None:
+            return self._fail(update, "logprobs were requested but the engine sent none")
+        rows = _routed_rows(delta) if self._want_routed else []
+        prompt_rows = len(rows) - len(delta.token_ids)
+        update.routed_rows.extend(rows[: max(prompt_rows, 0)])
+        hidden_last = delta.finish_reason == "stop" and delta.stop_token_id is not None
+        k = len(delta.top_token_ids or []) // max(len(delta.token_ids), 1)
+        for i, token in enumerate(delta.token_ids):
+            self.num_tokens += 1
+            if self._want_logprobs:
+                update.logprobs.append(_logprob_entry(delta, i, k))
+            if rows:
+                update.routed_rows.append(rows[prompt_rows + i])
+            is_last = i == len(delta.token_ids) - 1
+            if hidden_last and is_last and token == delta.stop_token_id:
+                break
+            check = self._stops.feed(self._detok.push(token))
+            update.text += check.text
+            if check.stopped:
+                update.finish_reason = "stop"
+                update.stopped_on_string = True
+                break
+        if update.finish_reason is None and delta.finish_reason is not None:
+            check = self._stops.feed(self._detok.flush())
+            update.text += check.text + self._stops.flush()
+            update.finish_reason = "stop" if check.stopped else delta.finish_reason
+            update.stopped_on_string = check.stopped
+        self._absorb(update)
+        return update
+
+    def _fail(self, update: ChoiceUpdate, message: str) -> ChoiceUpdate:
+        update.error = message
+        update.finish_reason = "error"
+        self._absorb(update)
+        return update
+
+    def _absorb(self, update: ChoiceUpdate) -> None:
+        self.text += update.text
+        self.logprobs.extend(update.logprobs)
+        self.routed_rows.extend(update.routed_rows)
+        self.finish_reason = update.finish_reason
+        self.error = update.error
+
+
+def _logprob_entry(delta: RequestDelta, i: int, k: int) -> TokenLogprob:
+    assert delta.logprobs is not None
+    top: list[tuple[int, float]] = []
+    if k and delta.top_token_ids is not None and delta.top_logprobs is not None:
+        ids = delta.top_token_ids[i * k : (i + 1) * k]
+        lps = delta.top_logprobs[i * k : (i + 1) * k]
+        top = list(zip(ids, lps, strict=True))
+    return TokenLogprob(delta.token_ids[i], delta.logprobs[i], top)
+
+
+def _routed_rows(delta: RequestDelta) -> list[list[list[int]]]:
+    """The delta's flat [positions, layers, top_k] array as nested lists."""
+    if delta.routed_experts is None or not delta.routed_experts_shape:
+        return []
+    positions, layers, top_k = delta.routed_experts_shape
+    flat = delta.routed_experts
+    return [
+        [flat[(p * layers + m) * top_k : (p * layers + m + 1) * top_k] for m in range(layers)]
+        for p in range(positions)
+    ]

@@ -1,0 +1,166 @@
+"""One API request in flight: replies in, choice updates out, as one body or as SSE events.
+
+Owns the per-choice assemblers and timers, the request deadline, and the abort of a choice
+that a stop string ended (the scheduler knows only stop tokens). It does not own the handle's
+lifetime: the HTTP edge calls `close()` in a `finally`, which aborts whatever still runs (a
+client that went away, a timeout) and frees the request's slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.gateway.api.errors import OpenAIError
+from services.gateway.api.responses import (
+    DONE,
+    chat_body,
+    chat_role_chunk,
+    completion_body,
+    error_event,
+    sse,
+    update_chunk,
+    usage_chunk,
+)
+from services.gateway.metrics import ChoiceTimer
+from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.stream.bus_client import RequestHandle
+from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate
+
+log = logging.getLogger(__name__)
+
+#: Reasons counted by request_success_total (vLLM's finished reasons); errors are not success.
+SUCCESS_REASONS = frozenset({"stop", "length", "abort"})
+
+
+class RequestTimedOut(Exception):
+    pass
+
+
+class Generation:
+    def __init__(
+        self,
+        handle: RequestHandle,
+        tok: PromptTokenizer,
+        timeout_s: float,
+        arrival: float | None = None,
+    ) -> None:
+        """`arrival` is the request's `time.monotonic()` at the HTTP edge (for TTFT)."""
+        self.handle = handle
+        self.plan = handle.plan
+        self.tok = tok
+        plan = self.plan
+        self.choices = [
+            ChoiceAssembler(
+                i,
+                tok,
+                plan.prompt_of(i).token_ids,
+                stop=plan.stop,
+                logprobs=plan.logprobs is not None,
+                routed_experts=plan.return_routed_experts,
+            )
+            for i in range(plan.num_choices)
+        ]
+        self.timers = [
+            ChoiceTimer(plan.model, len(plan.prompt_of(i).token_ids), arrival)
+            for i in range(plan.num_choices)
+        ]
+        self.deadline = time.monotonic() + timeout_s
+        self.timed_out = False
+
+    def close(self) -> None:
+        """Abort what still runs (the client left, or the deadline passed) and count it."""
+        for choice in self.choices:
+            if not choice.finished:
+                self.timers[choice.index].finished("abort", choice.num_tokens)
+        self.handle.close("timeout" if self.timed_out else "client")
+
+    async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+        """Choice updates in arrival order until every choice finished; RequestTimedOut past
+        the deadline."""
+        running = {c.index for c in self.choices}
+        while running:
+            try:
+                index, delta = await self.handle.next_delta(self.deadline - time.monotonic())
+            except TimeoutError:
+                self.timed_out = True
+                raise RequestTimedOut from None
+            choice = self.choices[index]
+            if choice.finished:
+                continue
+            before = choice.num_tokens
+            update = choice.consume(delta)
+            self.timers[index].tokens(choice.num_tokens - before)
+            if update.stopped_on_string:
+                self.handle.abort(index, "stop")  # a no-op when the engine already finished it
+            if update.finish_reason is not None:
+                running.discard(index)
+                if update.finish_reason in SUCCESS_REASONS:
+                    self.timers[index].finished(update.finish_reason, choice.num_tokens)
+            yield index, update
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole response body (non-streaming)."""
+        try:
+            async for _index, update in self.updates():
+                if update.error is not None:
+                    status, type_ = engine_error_status(update)
+                    raise OpenAIError(status, update.error, type_=type_)
+        except RequestTimedOut:
+            raise OpenAIError(
+                504, "the request timed out", type_="timeout_error", code="timeout"
+            ) from None
+        if self.plan.kind == "completion":
+            return completion_body(self.plan, self.choices, self.tok)
+        return chat_body(self.plan, self.choices, self.tok)
+
+    async def stream(self) -> AsyncIterator[str]:
+        """SSE events: per choice a first chunk (chat: the role; completions with echo: the
+        prompt), content chunks, a chunk with the finish reason; the usage chunk when asked
+        for; then `data: [DONE]`. A failure mid-stream is an error event, then [DONE]."""
+        plan = self.plan
+        offsets = [0] * plan.num_choices
+        for choice in self.choices:
+            if plan.kind == "chat":
+                yield sse(chat_role_chunk(plan, choice.index))
+            elif plan.echo:
+                chunk, offsets[choice.index] = update_chunk(
+                    plan,
+                    choice.index,
+                    ChoiceUpdate(),
+                    self.tok,
+                    prefix=plan.prompt_of(choice.index).text,
+                )
+                yield sse(chunk)
+        try:
+            async for index, update in self.updates():
+                if update.error is not None:
+                    status, type_ = engine_error_status(update)
+                    yield error_event(update.error, type_, status)
+                    yield DONE
+                    return
+                if not (
+                    update.text or update.logprobs or update.routed_rows or update.finish_reason
+                ):
+                    continue  # text held back (partial character, possible stop string)
+                chunk, offsets[index] = update_chunk(
+                    plan, index, update, self.tok, text_offset=offsets[index]
+                )
+                yield sse(chunk)
+        except RequestTimedOut:
+            yield error_event("the request timed out", "timeout_error", 504)
+            yield DONE
+            return
+        if plan.include_usage:
+            yield sse(usage_chunk(plan, self.choices))
+        yield DONE
+
+
+def engine_error_status(update: ChoiceUpdate) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type of a choice the engine ended with an error: 400
+    when the request itself cannot be served (its grammar allows no token), else 500."""
+    if update.error_type == "invalid_request_error":
+        return 400, "invalid_request_error"
+    return 500, "internal_server_error"

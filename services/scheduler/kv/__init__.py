@@ -1,0 +1,1 @@
+"""The scheduler's KV cache manager: spec -> pool -> per-group managers -> coordinator."""

@@ -1,0 +1,187 @@
+"""Request-level KV cache management: prefix lookup, admission estimates, allocation.
+
+The one invariant admission rests on: `estimate_blocks_to_allocate(...)` is exactly the number
+of blocks `allocate_slots(...)` with the same arguments takes out of the pool's free queue
+(new blocks plus prefix-hit blocks revived from the free queue). An over-estimate would starve
+a long request at the head of the queue forever; an under-estimate would over-commit the pool.
+Both calls go through the same per-group `get_num_blocks_to_allocate`, so they cannot drift.
+
+Prefix-cache registration happens at allocation (as in vLLM v1): `allocate_slots` registers
+every block that the planned step makes full, before the worker has written it. That is what
+lets n sibling requests admitted in one step share their prompt: the 2nd..nth find the 1st's
+blocks. It is sound because the worker writes the K/V of the whole flat batch into the cache,
+layer by layer, before any attention of that layer reads it (services/worker/attention/reference.py:
+`paged_attention` calls `write_kv` first), so a request reading a block that another request
+of the same step fills sees it written. Until the step succeeds, the blocks it registered are
+"unwritten": `take_newly_cached` hands them to the scheduler, which keeps them per step and
+calls `uncache` if the step fails, so a failed step never leaves a findable hash on a block
+without its KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks, KVCacheCoordinator
+from services.scheduler.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per admission (not per lookup: a request blocked at the head of the queue
+    is looked up every step and would inflate the queries)."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.max_step_tokens = config.max_num_batched_tokens
+        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self.coordinator = KVCacheCoordinator(
+            config.kv_cache_groups, self.pool, config.enable_prefix_caching
+        )
+        self.stats = PrefixCacheStats()
+        self._no_blocks = self.coordinator.empty_blocks()  # read-only "no prefix hit"
+        # Blocks registered by allocations since the last `take_newly_cached` (not yet written).
+        self._newly_cached: list[KVCacheBlock] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return self.coordinator.empty_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of the request: blocks per group, and its token count.
+
+        Capped at `num_tokens - 1`: the last known token must be computed to get the logits
+        for the next one, so a fully cached prompt still recomputes its last block.
+        A request asking for routed experts gets no hit (see below).
+        """
+        if not self.enable_caching or request.return_routed_experts:
+            # Routed experts are recorded during the forward: every prompt position must be
+            # computed, so such a request never starts from a cached prefix.
+            return self.coordinator.empty_blocks(), 0
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+
+    def estimate_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int | None = None,
+    ) -> int:
+        """Blocks `allocate_slots` with these arguments would take from the pool."""
+        blocks = new_computed_blocks or self._no_blocks
+        num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
+        return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens, blocks)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int | None = None,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for `num_new_tokens` more tokens after its computed ones
+        (including the prefix hit `new_computed_blocks`, for a request being admitted).
+
+        Returns the newly allocated blocks per group (not the hit blocks; read-only lists), or
+        None, changing nothing, if the pool cannot supply them. On success, the blocks these
+        tokens make full are registered in the prefix cache (see the module docstring), so a
+        request allocated after this one in the same step can hit them.
+        """
+        coordinator = self.coordinator
+        blocks = new_computed_blocks or self._no_blocks
+        request_id = request.request_id
+        if coordinator.drops_blocks:
+            # Skipped blocks go back before counting, so they can serve this very allocation.
+            coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
+        needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        if needed == 0 and new_computed_blocks is None:
+            new_blocks = self._no_blocks  # the common decode step: its last block has room
+        elif needed > self.pool.num_free_blocks:
+            return None
+        else:
+            if new_computed_blocks:
+                coordinator.save_new_computed_blocks(request_id, blocks)
+            new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens)
+        # Only blocks with known tokens can be full: slots reserved past them (lookahead)
+        # hold nothing hashable yet.
+        # With async scheduling the known tokens trail the slots by the in-flight placeholders,
+        # so a block is registered at the first allocation after its last token is known (the
+        # managers skip blocks registered before: most decode steps register nothing).
+        num_cached = min(num_tokens, request.num_tokens)
+        if self.enable_caching and num_cached >= self.block_size:
+            self._newly_cached += coordinator.cache_blocks(
+                request_id, request.block_hashes, num_cached
+            )
+        return new_blocks
+
+    def take_newly_cached(self) -> list[KVCacheBlock]:
+        """The blocks registered by allocations since the last call, whose KV the planned step
+        is yet to write; the caller owns the list (and `uncache`s it if the step fails)."""
+        blocks, self._newly_cached = self._newly_cached, []
+        return blocks
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Forget the prefix hashes of blocks whose KV was never written (a failed step)."""
+        self.pool.uncache_blocks(blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks made full by its first `num_computed_tokens` tokens,
+        whose KV is already written. (`allocate_slots` registers what each planned step fills;
+        this is for callers that manage slots themselves.)"""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(
+                request.request_id, request.block_hashes, num_computed_tokens
+            )
+
+    def free(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return [[b.block_id for b in g] for g in self.coordinator.get_blocks(request_id)]
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        """Peak blocks of a request of `num_tokens` slots over all groups (admission bound)."""
+        return self.coordinator.num_blocks_for_tokens(num_tokens, self.max_step_tokens)
+
+    def record_admission(self, request: Request, num_hit_tokens: int) -> None:
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def _num_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks,
+        num_new_computed_tokens: int | None,
+    ) -> int:
+        if num_new_computed_tokens is None:
+            num_new_computed_tokens = len(new_computed_blocks[0]) * self.block_size
+        return request.num_computed_tokens + num_new_computed_tokens + num_new_tokens

@@ -1,0 +1,128 @@
+"""The worker's layers on CUDA: Triton RMSNorm(+residual), the decode GEMV, the gated MLP's
+down projection with its SiLU fused into the GEMV, and one SiLU-and-multiply kernel for the
+gated MLP's larger steps.
+
+`install_cuda_kernels(model)` re-classes the model's plain `nn.Linear`, `RMSNorm` and
+`GatedMLP` modules in place (same parameters, same state_dict names), so every model family
+gets the kernels without its files naming a device. Each forward still falls back to PyTorch
+for what the kernel does not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job:
+cuBLAS), a dtype mismatch, a norm over a non-contiguous tensor, an activation other than SiLU.
+
+Numerics: the RMSNorm kernel rounds exactly as transformers' Llama does (see
+kernels/layers/rmsnorm.py), the GEMV accumulates in fp32 and rounds once, so greedy tokens of an
+fp32 model equal the CPU reference, and bf16 logits stay within bf16 rounding of it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.models.layers import GatedMLP, RMSNorm
+
+# kernels.decode_chain.gemv's limits, restated so importing this module does not import Triton (the
+# kernel modules bind to the compiler or the interpreter at import; see attention_select.py).
+GEMV_MAX_ROWS = 16
+GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear whose skinny products (decode batches of <= 16 rows) run the Triton GEMV."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _gemv_rows(x, self.weight):
+            from kernels.decode_chain.gemv import gemv
+
+            out = gemv(x.contiguous(), self.weight)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The GEMV takes x: on CUDA, [rows, K] with 1..GEMV_MAX_ROWS rows, weight's dtype."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.dtype in GEMV_DTYPES
+    )
+
+
+class GemvGatedMLP(GatedMLP):
+    """GatedMLP whose decode-sized steps run silu(gate) * up inside the down projection's
+    GEMV (kernels.decode_chain.gemv `gated=True`): two elementwise launches and an [rows,
+    intermediate] round trip fewer per layer. Larger steps run it as one kernel
+    (kernels.layers.silu_mul) instead of eager's two. SiLU models only; other activations take the
+    plain path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if self.act is F.silu and gate_up.is_contiguous() and _gemv_rows(gate_up, down.weight):
+            from kernels.decode_chain.gemv import gemv
+
+            out = gemv(gate_up, down.weight, gated=True)
+            return out if down.bias is None else out + down.bias
+        if self.act is F.silu and _silu_mul_takes(gate_up):
+            from kernels.layers.silu_mul import silu_mul
+
+            return down(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        out_: torch.Tensor = down(self.act(gate) * up)
+        return out_
+
+
+def _silu_mul_takes(gate_up: torch.Tensor) -> bool:
+    """The SiLU-and-multiply kernel takes [T, 2D] on CUDA with a contiguous last dimension."""
+    return (
+        gate_up.is_cuda
+        and gate_up.dim() == 2
+        and gate_up.stride(-1) == 1
+        and gate_up.dtype in GEMV_DTYPES
+    )
+
+
+class TritonRMSNorm(RMSNorm):
+    """RMSNorm with the fused residual add in one Triton launch per call on CUDA."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not x.is_cuda or not x.is_contiguous() or x.dtype != self.weight.dtype:
+            return super().forward(x, residual)
+        if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
+            return super().forward(x, residual)
+        from kernels.layers.rmsnorm import rmsnorm
+
+        rows = x.view(-1, x.shape[-1])
+        res = residual.view(-1, x.shape[-1]) if residual is not None else None
+        normed, summed = rmsnorm(rows, self.weight, self.eps, res)
+        new_residual = summed.view(x.shape) if summed is not None else x
+        return normed.view(x.shape), new_residual
+
+
+def install_cuda_kernels(model: nn.Module) -> dict[str, int]:
+    """Re-class plain nn.Linear / RMSNorm modules under `model`, and a plain Llama model to the
+    decode chain (decode_chain.py); returns how many of each.
+
+    Only exact types are touched: a subclass (a packed CPU linear, a family's own norm) keeps
+    its behaviour."""
+    counts = {"linear": 0, "rmsnorm": 0, "gated_mlp": 0}
+    for module in model.modules():
+        if type(module) is GatedMLP:
+            module.__class__ = GemvGatedMLP
+            counts["gated_mlp"] += 1
+        elif type(module) is nn.Linear:
+            module.__class__ = GemvLinear
+            counts["linear"] += 1
+        elif type(module) is RMSNorm:
+            module.__class__ = TritonRMSNorm
+            counts["rmsnorm"] += 1
+    from services.worker.accel.decode_chain import (
+        install_decode_chain,  # it builds on these classes
+    )
+
+    counts["decode_chain"] = int(install_decode_chain(model))
+    return counts

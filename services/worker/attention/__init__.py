@@ -1,0 +1,1 @@
+"""Which attention runs: `select` (the entry point), `reference`, `dense_prefill`, metadata."""

@@ -1,0 +1,236 @@
+"""Prefill spans with no cached prefix, on CUDA: dense causal attention over the span itself.
+
+A span whose context starts empty (seq_len == query_len: a fresh prompt, or its first chunk)
+attends only to its own tokens, so it needs no paged reads: the step's K/V rows of those spans
+are gathered from the cache once (after the fused RoPE insert wrote them, so attention sees the
+exact cached bytes) and one variable-length flash-attention call covers every such span. Spans
+that continue a cached prefix keep the paged Triton kernel (attention_select).
+
+Implementations, probed once per (device, dtype, heads, kv heads, head dim) on a small input
+against a float32 reference and chosen in this order:
+- `flash-varlen`: `torch.ops.aten._flash_attention_forward` with cumulative lengths (the
+  flash-attention 2 kernel behind SDPA; grouped KV heads natively). Its positional signature
+  is stable across torch 2.4-2.13, unlike the Python wrappers (torch.nn.attention.varlen has
+  changed its keyword arguments in every release since 2.9).
+- `sdpa`: one `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` per span (flash
+  or memory-efficient backend as torch chooses; also what the CPU interpreter tests run).
+- none: the Triton kernel keeps every span (`dense_prefill_impl` returns None).
+`DENSE_PREFILL_CHOICES` records each probe's outcome, so a benchmark can report what ran.
+
+Invariant: the host computes every length and index here from the plan's numpy arrays, so
+launching the dense path needs no read-back from the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels.runtime.staged_copy import stage_to_device
+
+__all__ = [
+    "DENSE_PREFILL_CHOICES",
+    "DENSE_PREFILL_DTYPES",
+    "DensePrefill",
+    "dense_attention",
+    "dense_prefill_impl",
+    "split_prefill_spans",
+]
+
+IMPLS = ("flash-varlen", "sdpa")
+DENSE_PREFILL_DTYPES = (torch.bfloat16, torch.float16)  # flash-attention's dtypes
+DENSE_PREFILL_CHOICES: dict[tuple[str, str, int, int, int], str | None] = {}
+
+
+def split_prefill_spans(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Boolean mask over the prefill spans: True where the span has no cached prefix."""
+    return np.asarray(seq_lens) == np.asarray(query_lens)
+
+
+def _span_rows(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+
+
+def _device_rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """Rows as a slice when contiguous (q and out then need no gather), else an index."""
+    if np.array_equal(rows, np.arange(rows[0], rows[0] + rows.size)):
+        return slice(int(rows[0]), int(rows[0] + rows.size))
+    return _upload(rows, device, np.int64)
+
+
+def _upload(array: np.ndarray, device: torch.device, dtype: type) -> torch.Tensor:
+    return stage_to_device(np.ascontiguousarray(array, dtype=dtype), device)
+
+
+@dataclass
+class PagedSpans:
+    """The prefill spans left to the paged Triton kernel (they continue a cached prefix)."""
+
+    rows: slice | torch.Tensor  # token rows of the step
+    block_tables: torch.Tensor  # [P, width] int32
+    cu_seqlens_q: torch.Tensor  # [P + 1] int32
+    seq_lens: torch.Tensor  # [P] int32
+    max_seqlen_q: int
+
+
+@dataclass
+class DensePrefill:
+    """The split of one step's prefill spans: the fresh ones (dense attention) and the paged
+    rest (None when every span is fresh).
+
+    `impl` None: chosen at the first call by `dense_prefill_impl` for the call's dtype and
+    heads (the metadata does not know them); a name forces that implementation (tests)."""
+
+    rows: slice | torch.Tensor  # token rows of the fresh spans
+    kv_blocks: torch.Tensor  # [N] int64: cache block of each fresh token
+    kv_offsets: torch.Tensor  # [N] int64: its offset in the block
+    cu_seqlens: torch.Tensor  # [F + 1] int32 from 0
+    span_lens: list[int]
+    max_len: int
+    paged: PagedSpans | None
+    impl: str | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        first_row: int,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        block_size: int,
+        slot_mapping: np.ndarray,
+        device: torch.device,
+        impl: str | None = None,
+    ) -> DensePrefill | None:
+        """Split the prefill spans (arrays over them alone; their rows start at `first_row`
+        of the step); None when no span is fresh."""
+        fresh = split_prefill_spans(query_lens, seq_lens)
+        if not fresh.any():
+            return None
+        starts = first_row + np.concatenate(([0], np.cumsum(query_lens)[:-1]))
+        f_lens = query_lens[fresh]
+        f_rows = _span_rows(starts[fresh], f_lens)
+        f_slots = np.asarray(slot_mapping, dtype=np.int64)[f_rows]
+        paged = None
+        if not fresh.all():
+            rest = ~fresh
+            q_lens, lens = query_lens[rest], seq_lens[rest]
+            width = int(-(-lens.max() // block_size))
+            paged = PagedSpans(
+                rows=_device_rows(_span_rows(starts[rest], q_lens), device),
+                block_tables=_upload(block_tables[rest, :width], device, np.int32),
+                cu_seqlens_q=_upload(np.concatenate(([0], np.cumsum(q_lens))), device, np.int32),
+                seq_lens=_upload(lens, device, np.int32),
+                max_seqlen_q=int(q_lens.max()),
+            )
+        return cls(
+            rows=_device_rows(f_rows, device),
+            kv_blocks=_upload(f_slots // block_size, device, np.int64),
+            kv_offsets=_upload(f_slots % block_size, device, np.int64),
+            cu_seqlens=_upload(np.concatenate(([0], np.cumsum(f_lens))), device, np.int32),
+            span_lens=[int(n) for n in f_lens],
+            max_len=int(f_lens.max()),
+            paged=paged,
+            impl=impl,
+        )
+
+    def attend(
+        self, impl: str, q: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Rotated q [N, heads, d] of the fresh rows -> their attention output [N, heads, d].
+
+        K/V are the cache rows this step's insert just wrote (one gather for both)."""
+        kv = kv_cache[:, self.kv_blocks, self.kv_offsets]  # [2, N, kv_heads, d]
+        return dense_attention(
+            impl, q, kv[0], kv[1], self.cu_seqlens, self.span_lens, self.max_len, scale
+        )
+
+
+def dense_attention(
+    impl: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    span_lens: list[int],
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed spans: q [N, Hq, D], k/v [N, Hkv, D] -> [N, Hq, D]."""
+    if impl == "flash-varlen":
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale
+        )[0]
+        return out
+    if impl == "sdpa":
+        out = torch.empty_like(q)
+        start = 0
+        for n in span_lens:
+            span = slice(start, start + n)
+            out[span] = F.scaled_dot_product_attention(
+                q[span].transpose(0, 1).unsqueeze(0),
+                k[span].transpose(0, 1).unsqueeze(0),
+                v[span].transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+            start += n
+        return out
+    raise ValueError(f"unknown dense prefill implementation {impl!r}; known: {IMPLS}")
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span_lens: list[int], scale: float
+) -> torch.Tensor:
+    """float32 causal attention per span, grouped heads expanded (the probe's reference)."""
+    group = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for n in span_lens:
+        qs = q[start : start + n].float().transpose(0, 1)
+        ks = k[start : start + n].float().repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[start : start + n].float().repeat_interleave(group, 1).transpose(0, 1)
+        scores = (qs @ ks.transpose(1, 2)) * scale
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out.append((scores.softmax(-1) @ vs).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+def _probe(
+    impl: str, device: torch.device, dtype: torch.dtype, heads: int, kv: int, d: int
+) -> bool:
+    """Does `impl` run here and agree with the float32 reference on two short spans?"""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    lens = [5, 19]
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(device, dtype) for h in (heads, kv, kv))
+    cu = torch.tensor([0, lens[0], n], dtype=torch.int32, device=device)
+    scale = d**-0.5
+    try:
+        out = dense_attention(impl, q, k, v, cu, lens, max(lens), scale)
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+        return False
+    ref = reference_attention(q, k, v, lens, scale)
+    err = float((out.float() - ref).norm() / ref.norm())
+    return out.shape == q.shape and err < (2e-2 if dtype != torch.float32 else 1e-4)
+
+
+def dense_prefill_impl(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> str | None:
+    """The first implementation that runs and agrees with the reference here (None: none do,
+    or the device is not CUDA / the dtype not flash-attention's). Probed once per shape."""
+    if device.type != "cuda" or dtype not in DENSE_PREFILL_DTYPES:
+        return None
+    key = (str(device), str(dtype), heads, kv_heads, head_dim)
+    if key not in DENSE_PREFILL_CHOICES:
+        DENSE_PREFILL_CHOICES[key] = next(
+            (i for i in IMPLS if _probe(i, device, dtype, heads, kv_heads, head_dim)), None
+        )
+    return DENSE_PREFILL_CHOICES[key]

@@ -1,0 +1,53 @@
+"""Attention metadata per KV cache group, handed to each layer (shared/kv/groups.py).
+
+Layers of one group share a block table per request, so they share one `AttentionMetadata`:
+its slot mapping (where this step's K/V go) is computed from that group's table, and a
+sliding-window group's metadata reads only the blocks inside the window. A model with one
+full-attention group never comes here (the runner builds its single metadata as before).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.attention.cpu_decode import CpuDecodeAttention
+from services.worker.attention.reference import AttentionMetadata
+from shared.kv.groups import KVGroupSpec, layer_group_index
+
+
+def needs_group_attention(groups: list[KVGroupSpec]) -> bool:
+    return len(groups) > 1 or groups[0].kind != "full"
+
+
+def group_attention(
+    groups: list[KVGroupSpec],
+    block_tables: np.ndarray,
+    rows: np.ndarray,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    device: torch.device,
+    decode_kernel: CpuDecodeAttention | None = None,
+) -> list[AttentionMetadata]:
+    """One metadata per LAYER (layers of a group share the object), for the requests at batch
+    `rows` in flat-batch order; block_tables is the batch's [groups, max_reqs, max_blocks]."""
+    flat_rows = np.repeat(rows, query_lens)
+    per_group = []
+    for g, group in enumerate(groups):
+        blocks = block_tables[g, flat_rows, positions // block_size]
+        per_group.append(
+            AttentionMetadata.build(
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_tables=block_tables[g, rows],
+                block_size=block_size,
+                slot_mapping=blocks * block_size + positions % block_size,
+                device=device,
+                sliding_window=group.sliding_window,
+                decode_kernel=decode_kernel,
+            )
+        )
+    num_layers = sum(len(g.layer_indices) for g in groups)
+    return [per_group[g] for g in layer_group_index(groups, num_layers)]

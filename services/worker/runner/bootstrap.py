@@ -1,0 +1,130 @@
+"""Building a ready-to-serve ModelRunner from the worker's settings (no I/O beyond files)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.worker.accel.cpu_compile import compile_supported
+from services.worker.loader import load_model, prepare_for_device
+from services.worker.models.random_init import is_random_spec, load_random_model
+from services.worker.runner.kv_cache import KVCache, KVCacheSizeError
+from services.worker.runner.model_runner import ModelRunner
+from services.worker.runner.step_timeline import StepTimeline
+from services.worker.spec import SpeculativeConfig
+from shared.config import WorkerSettings
+from shared.model.source import ModelSource
+from shared.protocol import WorkerReady
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def build_runner(
+    source: ModelSource, settings: WorkerSettings, incarnation: str
+) -> tuple[ModelRunner, WorkerReady]:
+    """Load weights, size the KV cache from the budget, run one real forward (readiness means
+    the model has computed something), and describe the result for the scheduler."""
+    t0 = time.monotonic()
+    device = pick_device(settings.device)
+    spec = SpeculativeConfig(
+        method=settings.spec_method, num_spec_tokens=settings.spec_tokens, model=settings.spec_model
+    )
+    # Drafters call the target's own modules eagerly, so speculative runs stay eager.
+    compiled = settings.cpu_compile != "off" and device.type == "cpu" and not spec.enabled
+    if is_random_spec(source.path):  # benchmarks: real shapes, random weights, no checkpoint
+        model, config = load_random_model(
+            str(source.path), settings.dtype, device, settings.max_model_len, compiled
+        )
+    else:
+        model, config = load_model(source, settings.dtype, device, settings.max_model_len, compiled)
+    dtype = next(model.parameters()).dtype
+    if compiled and (why_not := compile_supported(config, dtype, device)):
+        compiled = False
+        prepare_for_device(model, dtype, device)  # the eager layout load_model skipped
+        level = logging.WARNING if settings.cpu_compile == "on" else logging.INFO
+        log.log(level, "forward not compiled: %s", why_not)
+    max_model_len = settings.max_model_len or config.max_position_embeddings
+    kv_cache = KVCache.from_budget(
+        config,
+        settings.block_size,
+        dtype,
+        device,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        memory_fraction=settings.kv_cache_memory_fraction,
+    )
+    # Block 0 is the scheduler's null block: the rest must hold one whole sequence, or the
+    # context length the gateway advertises could never be served (vLLM refuses to start too).
+    capacity = (kv_cache.num_blocks - 1) * kv_cache.block_size
+    if capacity < max_model_len:
+        raise KVCacheSizeError(
+            f"the KV cache holds {capacity} tokens, fewer than one sequence of max_model_len="
+            f"{max_model_len}: raise MESHLLM_KV_CACHE_BYTES (or "
+            f"MESHLLM_KV_CACHE_MEMORY_FRACTION) or lower MESHLLM_MAX_MODEL_LEN"
+        )
+    runner = ModelRunner(
+        model,
+        config,
+        kv_cache,
+        device,
+        max_model_len=max_model_len,
+        worker_id=settings.instance_id,
+        worker_incarnation=incarnation,
+        speculative=spec,
+        compiled=compiled,
+        cpu_attention=settings.cpu_attention,
+    )
+    if settings.step_timeline:
+        runner.timeline = StepTimeline(settings.step_timeline, device)
+    if compiled:
+        log.info("compiling the forward (torch.compile, CPU): this takes a while at start-up")
+        try:
+            warmup_s = runner.warmup()
+        except Exception:  # a compiler failure must not stop the worker: serve eagerly
+            log.exception("compiling the forward failed: the worker runs it eagerly")
+            compiled, runner.compiled = False, None
+            prepare_for_device(model, dtype, device)
+            warmup_s = runner.warmup()
+    else:
+        warmup_s = runner.warmup()
+    if device.type == "cuda":  # decode steps replay graphs; eager warm-up compiled the kernels
+        try:
+            warmup_s += runner.capture_cuda_graphs()
+        except RuntimeError:  # a model whose forward cannot be captured still serves, eagerly
+            log.exception("CUDA graph capture failed: decode steps run eagerly")
+            runner.graphs = None
+    log.info(
+        "model %s loaded on %s as %s%s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
+        "tokens (%.0f MiB)",
+        source.name,
+        device,
+        dtype,
+        ", compiled" if compiled else "",
+        time.monotonic() - t0,
+        warmup_s,
+        kv_cache.num_blocks,
+        kv_cache.block_size,
+        kv_cache.nbytes / 2**20,
+    )
+    ready = WorkerReady(
+        worker_id=settings.instance_id,
+        incarnation=incarnation,
+        group=settings.group,
+        model=source.name,
+        num_kv_blocks=kv_cache.num_blocks,
+        block_size=kv_cache.block_size,
+        vocab_size=config.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=list(config.eos_token_ids),
+        num_moe_layers=config.num_moe_layers,
+        # Several groups only for sliding-window models; one full group is announced as [].
+        kv_groups=config.kv_groups if len(config.kv_groups) > 1 or config.sliding_window else [],
+    )
+    return runner, ready

@@ -1,0 +1,102 @@
+"""The worker's paged KV cache tensors, sized from a byte budget.
+
+Layout of one layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 = K, 1 = V.
+A block holds `block_size` consecutive positions of one request; token position p of a request
+with block table `bt` lives in slot `bt[p // block_size] * block_size + p % block_size`, i.e.
+row `slot` of the `[2, num_blocks * block_size, num_kv_heads, head_dim]` view. Block ids are
+chosen by the scheduler's block pool; the worker never allocates blocks, it only sizes the pool
+(`num_blocks`, announced in WorkerReady) and stores into what the plans name.
+
+The tensors start zeroed (lazily, on CPU: untouched pages cost nothing), so the padding that the
+batched decode path gathers past a sequence's end is finite and masked out, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.model.config import ModelConfig
+
+
+class KVCacheSizeError(ValueError):
+    """The budget does not hold even one block per layer."""
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory the KV cache may come from: MemAvailable on CPU, free device memory on CUDA
+    (call after the weights are loaded, so they are already subtracted)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block across every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * itemsize
+    return per_layer * config.num_hidden_layers
+
+
+@dataclass
+class KVCache:
+    layers: list[torch.Tensor]  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        if num_blocks < 1 or block_size < 1:
+            raise KVCacheSizeError(f"num_blocks={num_blocks}, block_size={block_size}")
+        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        layers = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        return cls(layers, num_blocks, block_size)
+
+    @classmethod
+    def from_budget(
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_cache_bytes: int = 0,
+        memory_fraction: float = 0.3,
+        max_blocks: int = 0,
+    ) -> KVCache:
+        """`kv_cache_bytes` if > 0, else `memory_fraction` of available memory; `max_blocks`
+        (> 0) caps the count (no use holding more blocks than the scheduler can ever fill)."""
+        device = torch.device(device)
+        budget = kv_cache_bytes or int(available_memory_bytes(device) * memory_fraction)
+        per_block = bytes_per_block(config, block_size, dtype)
+        num_blocks = budget // per_block
+        if max_blocks > 0:
+            num_blocks = min(num_blocks, max_blocks)
+        if num_blocks < 1:
+            raise KVCacheSizeError(
+                f"KV cache budget of {budget} bytes holds no block "
+                f"(one block of {block_size} tokens needs {per_block} bytes)"
+            )
+        return cls.allocate(config, num_blocks, block_size, dtype, device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)

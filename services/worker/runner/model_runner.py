@@ -1,0 +1,620 @@
+"""One worker step: StepPlan in, StepResult out (no I/O here; the service owns the bus).
+
+`execute(plan)`:
+1. applies the plan's diff to the persistent batch (and the sampler's per-row state);
+2. builds the flat token batch with vectorized numpy gathers: for every scheduled request the
+   tokens [num_computed, num_computed + num_scheduled) of its known tokens, their positions and
+   KV slots. Decodes (one token) go first so attention handles them in one batched call;
+3. runs the model, computes logits only for requests whose computed tokens reach the end of
+   their known tokens (prefill finished, or decoding), and samples them;
+4. appends each sampled token to its request (the next plan schedules it without resending),
+   advances num_computed_tokens, and returns the sampled tokens.
+
+`execute` is `finish(launch(plan))`. Split, they let a GPU worker overlap steps (asynchronous
+scheduling, in_flight.py): `launch` queues step N's work on the device and starts copying its
+sampled tokens to the host without waiting; step N+1 can be launched before `finish(N)`, its
+inputs for N's tokens gathered on the device. `can_overlap(plan)` says when that is allowed:
+drafts, grammars, routed experts and KV transfers need their step's tokens on the host first.
+
+A plan that does not fit the batch raises `PlanError` before the model runs; part of its diff
+may already be applied, so the caller `reset()`s the runner and the scheduler recomputes the
+requests (as after any failed step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kernels.runtime.staged_copy import stage_to_device
+from services.worker.accel.cpu_compile import CompiledForward
+from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
+from services.worker.accel.cuda_layers import install_cuda_kernels
+from services.worker.attention.groups import group_attention, needs_group_attention
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import (
+    CpuAttention,
+    TritonAttentionMetadata,
+    build_attention_metadata,
+    cpu_decode_kernel,
+)
+from services.worker.models.base import CausalLM
+from services.worker.runner.in_flight import InFlightTokens, PendingFeed, fed_id
+from services.worker.runner.input_batch import InputBatch, PlanError
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.routed_experts import RoutedExpertsTracker
+from services.worker.runner.step_timeline import StepMarks, StepTimeline
+from services.worker.sampling import SamplerOutput, SamplingState
+from services.worker.spec import SpeculativeConfig
+from services.worker.spec.drafts import Drafter, stage_drafts
+from services.worker.spec.verify_step import verify_and_sample
+from shared.model.config import ModelConfig
+from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
+
+if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
+    from services.worker.kv_offload.connector import KVConnector
+
+__all__ = ["LaunchedStep", "ModelRunner", "PlanError", "StepInputs"]
+
+
+@dataclass
+class StepInputs:
+    """The host-side description of one forward, in flat-batch order (decodes first)."""
+
+    request_ids: list[str]
+    rows: np.ndarray  # [R] batch rows
+    query_lens: np.ndarray  # [R]
+    seq_lens: np.ndarray  # [R] computed tokens after this step
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    sample_mask: np.ndarray  # [R] bool: this request gets a token this step
+    num_drafts: np.ndarray | None = None  # [R] drafts verified this step (None: no drafts)
+    flat_rows: np.ndarray | None = None  # [T] batch row of every flat token
+    fed: np.ndarray | None = None  # flat indices whose token is still only on the device
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued: `finish` turns it into the StepResult."""
+
+    step_id: int
+    started: float
+    tokens: InFlightTokens | None = None  # sampled tokens on their way to the host
+    sampled: list[SampledTokens] | None = None  # or: the results already assembled
+    # CUDA: timing events around the step's device work (device_seconds)
+    device_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    marks: StepMarks | None = None  # the step timeline's record (step_timeline.py), if on
+
+    def landed(self) -> bool:
+        """Its sampled tokens are on the host (its device work is done): finish() won't wait."""
+        return self.tokens is None or self.tokens.is_ready()
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        kv_cache: KVCache,
+        device: torch.device | str = "cpu",
+        max_num_reqs: int = 256,
+        max_model_len: int = 0,
+        worker_id: str = "worker",
+        worker_incarnation: str = "",
+        speculative: SpeculativeConfig | None = None,
+        compiled: bool = False,
+        cpu_attention: CpuAttention = "auto",
+    ) -> None:
+        """`compiled`: run the forward and logits compiled (cpu_compile.py; the model's
+        linears must be plain nn.Linear, see load_model(compiled=True)). `cpu_attention`: the
+        C++ decode attention on CPU ("auto": where it builds; see
+        attention_select.cpu_decode_kernel)."""
+        self.model = model
+        self.config = config
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+        self.max_model_len = max_model_len or model.max_model_len
+        rope_positions = model.rotary.max_position
+        if self.max_model_len > rope_positions:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's RoPE table of "
+                f"{rope_positions} positions (load_model(..., max_model_len=...))"
+            )
+        self.block_size = kv_cache.block_size
+        self.decode_kernel = cpu_decode_kernel(cpu_attention, self.device)
+        self.worker_id = worker_id
+        self.worker_incarnation = worker_incarnation
+        # KV cache groups (shared/kv/groups.py): one block table per group and request.
+        self.kv_groups = config.kv_groups
+        self.batch = InputBatch(
+            max_num_reqs,
+            self.max_model_len,
+            self.block_size,
+            num_kv_groups=len(self.kv_groups),
+            num_cache_blocks=kv_cache.num_blocks,
+        )
+        # Routed experts of MoE models (services/worker/runner/routed_experts.py).
+        self.routed_experts = RoutedExpertsTracker(getattr(model, "routed_experts", None))
+        self.sampler = SamplingState(
+            max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
+        )
+        # Speculative decoding (services/worker/spec): drafts proposed after each sampling.
+        self.drafter = (
+            Drafter(
+                speculative,
+                vocab_size=config.vocab_size,
+                max_num_reqs=max_num_reqs,
+                max_model_len=self.max_model_len,
+                device=self.device,
+                target=model,
+            )
+            if speculative and speculative.enabled
+            else None
+        )
+        self.compiled = CompiledForward(model) if compiled else None
+        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            install_cuda_kernels(model)
+        # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
+        self.kv_connector: KVConnector | None = None
+        # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
+        self.feed = PendingFeed(max_num_reqs, self.device)
+        # CUDA: copies off the compute stream, so that nothing but the sampling sits between
+        # two decode steps' graphs: uploads issued before the step's forward (the graphs'
+        # inputs, the sampler's rows), the sampled tokens' download after it.
+        cuda = self.device.type == "cuda"
+        self.upload_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.download_stream = torch.cuda.Stream(self.device) if cuda else None
+        # CUDA: seconds the device spent on the last finished step, from its first queued
+        # kernel to its last (a step queued behind another starts when that one ends). Summed
+        # over a run against its wall time, it gives the share of time the device had no step
+        # to run: the mesh's cost once steps overlap.
+        self.last_device_seconds = 0.0
+        # MESHLLM_STEP_TIMELINE: a line per step with its host and device marks.
+        self.timeline: StepTimeline | None = None
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    def can_overlap(self, plan: StepPlan) -> bool:
+        """May the next plan be launched before this one's `finish`? Not when a step's tokens
+        must be on the host before the next step is planned or run: drafts (proposed from
+        them), grammars (the scheduler advances the matcher), routed experts (recorded on the
+        host) and KV transfers (copies the connector runs between steps)."""
+        return not (
+            self.drafter is not None
+            or plan.spec_token_ids
+            or plan.grammar_request_ids
+            or plan.kv_stores
+            or plan.kv_loads
+            or self.routed_experts.wanted
+        )
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Apply the plan and queue its work; the sampled tokens may still be on the device."""
+        step = LaunchedStep(plan.step_id, time.perf_counter())
+        if self.timeline is not None:
+            counts = plan.num_scheduled_tokens.values()
+            step.marks = self.timeline.marks(sum(counts), sum(1 for n in counts if n == 1))
+        if self.device.type == "cuda":
+            step.device_span = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            step.device_span[0].record()
+        if self.kv_connector is not None:  # finished loads into their blocks; queue new ones
+            self.kv_connector.before_forward(plan)
+        self._apply(plan)
+        if plan.num_scheduled_tokens:
+            inputs = self.prepare_inputs(plan)
+            if step.marks is not None and self.timeline is not None:
+                self.timeline.inputs_staged(step.marks)
+            out = self._run(inputs, plan)
+            if isinstance(out, InFlightTokens):
+                step.tokens = out
+            else:
+                step.sampled = out
+        if self.kv_connector is not None:  # stores leave the blocks before the next plan
+            self.kv_connector.after_forward(plan)
+        if step.device_span is not None:
+            step.device_span[1].record()
+        if step.marks is not None:
+            step.marks.queued = time.perf_counter()
+        return step
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Wait for the step's tokens, append them to their requests, and build the result."""
+        sampled = step.sampled or []
+        if step.tokens is not None:
+            sampled = self._land(step.tokens)
+        if step.device_span is not None:
+            start, end = step.device_span
+            end.synchronize()  # recorded right after the token copies: no extra wait
+            self.last_device_seconds = start.elapsed_time(end) / 1000.0
+        if self.timeline is not None and step.marks is not None:
+            self.timeline.write(step.step_id, step.marks, step.device_span)
+        return StepResult(
+            step_id=step.step_id,
+            worker_id=self.worker_id,
+            worker_incarnation=self.worker_incarnation,
+            sampled=sampled,
+            execute_ms=(time.perf_counter() - step.started) * 1000.0,
+        )
+
+    def _land(self, tokens: InFlightTokens) -> list[SampledTokens]:
+        tokens.wait()
+        live = self.feed.landed(tokens)
+        host_ids = tokens.host.token_ids.numpy()
+        self.batch.append_sampled(tokens.rows[live], host_ids[live])
+        return self._sampled_tokens(tokens, host_ids)
+
+    def _apply(self, plan: StepPlan) -> None:
+        changes = self.batch.apply(plan)
+        self.routed_experts.apply(plan)
+        for row in changes.removed_rows:
+            self.sampler.remove_request(row)
+            self.feed.drop(row)
+        for row, new in changes.added:
+            try:
+                self.sampler.add_request(
+                    row,
+                    new.sampling,
+                    list(new.token_ids[: new.num_prompt_tokens]),
+                    list(new.token_ids[new.num_prompt_tokens :]),
+                )
+            except ValueError as exc:  # e.g. token ids outside the vocabulary
+                self.batch.remove(new.request_id)
+                raise PlanError(f"{new.request_id}: {exc}") from exc
+
+    def reset(self) -> None:
+        """Forget every request (after a failed step: the scheduler recomputes them). The KV
+        cache tensors stay; their contents are simply no longer referenced."""
+        self.routed_experts.clear()
+        self.feed.clear()
+        for request_id in list(self.batch.req_rows):
+            row = self.batch.remove(request_id)
+            if row is not None:
+                self.sampler.remove_request(row)
+        if self.kv_connector is not None:  # pending loads/stores are reported failed
+            self.kv_connector.reset()
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        """Flat token batch for the plan's scheduled requests (the diff already applied)."""
+        batch = self.batch
+        ids = list(plan.num_scheduled_tokens)
+        try:
+            rows = np.fromiter((batch.req_rows[r] for r in ids), dtype=np.int64, count=len(ids))
+        except KeyError as exc:
+            raise PlanError(f"{exc.args[0]}: scheduled but not in the worker's batch") from None
+        counts = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        order = np.argsort(counts != 1, kind="stable")  # decodes first, otherwise plan order
+        rows, counts = rows[order], counts[order]
+        ids = [ids[i] for i in order]
+        starts = batch.num_computed_tokens[rows]
+        ends = starts + counts
+        known = batch.num_tokens[rows] + self.feed.pending(rows)  # + a token still on the device
+        num_drafts = stage_drafts(batch, plan, ids, rows) if plan.spec_token_ids else None
+        if num_drafts is not None:
+            known = known + num_drafts  # drafts are this step's inputs after the known tokens
+        self._check(ids, counts, ends, known, rows)
+        cu = np.cumsum(counts)
+        flat_rows = np.repeat(rows, counts)
+        positions = np.arange(int(cu[-1])) + np.repeat(starts - (cu - counts), counts)
+        blocks = batch.block_tables[0, flat_rows, positions // self.block_size]
+        try:
+            fed = self.feed.gather(flat_rows, positions, batch.num_tokens)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        return StepInputs(
+            request_ids=ids,
+            rows=rows,
+            query_lens=counts,
+            seq_lens=ends,
+            input_ids=batch.token_ids[flat_rows, positions],
+            positions=positions,
+            slot_mapping=blocks * self.block_size + positions % self.block_size,
+            sample_mask=ends == known,
+            num_drafts=num_drafts,
+            flat_rows=flat_rows,
+            fed=fed,
+        )
+
+    def _check(
+        self,
+        ids: list[str],
+        counts: np.ndarray,
+        ends: np.ndarray,
+        known: np.ndarray,
+        rows: np.ndarray,
+    ) -> None:
+        bad = np.flatnonzero((counts < 1) | (ends > known))
+        if bad.size:
+            i = int(bad[0])
+            raise PlanError(
+                f"{ids[i]}: {int(counts[i])} tokens scheduled up to {int(ends[i])}, "
+                f"but {int(known[i])} tokens known"
+            )
+        needed = -(-ends // self.block_size)
+        short = np.flatnonzero(needed > self.batch.num_blocks[0, rows])
+        if short.size:
+            i = int(short[0])
+            raise PlanError(
+                f"{ids[i]}: {int(ends[i])} tokens need {int(needed[i])} blocks, "
+                f"it holds {int(self.batch.num_blocks[0, rows[i]])}"
+            )
+
+    def _run(self, inputs: StepInputs, plan: StepPlan) -> list[SampledTokens] | InFlightTokens:
+        recording = self.routed_experts.begin(inputs.request_ids)
+        sample_idx = np.flatnonzero(inputs.sample_mask)
+        # The sampler's state rows and positions (= tokens before the new one), uploaded
+        # before the forward so the copy is done by the time the sampling needs it.
+        sampler_rows = (
+            self._upload_ahead(np.stack([inputs.rows[sample_idx], inputs.seq_lens[sample_idx]]))
+            if sample_idx.size and inputs.num_drafts is None
+            else None
+        )
+        hidden = self._forward(inputs, eager=bool(recording))
+        if recording:
+            self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
+        self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        if inputs.num_drafts is not None:
+            return self._propose(verify_and_sample(self, hidden, inputs, plan), hidden, inputs)
+        if sampler_rows is None:
+            return self._propose([], hidden, inputs)
+        last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
+        if len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1:
+            last = hidden  # every row is one token, sampled (a decode-only step): no gather
+        else:
+            last = hidden[self._to_device(last_rows)]
+        # Waited for before the LM head, so the sampling's launch follows the LM head's directly
+        # (programmatic dependent launch, kernels/sampling/gumbel_kernel.py).
+        rows_t, positions = self._uploaded(sampler_rows)
+        logits = self.compute_logits(last)
+        rows = inputs.rows[sample_idx]
+        bitmask, bitmask_index = self._bitmask(plan, [inputs.request_ids[i] for i in sample_idx])
+        out = self.sampler.sample(
+            logits, rows_t, positions, bitmask, bitmask_index=bitmask_index, feed=self.feed.latest
+        )
+        self.sampler.record_sampled(rows_t, out.token_ids)
+        tokens = InFlightTokens.start(
+            [inputs.request_ids[i] for i in sample_idx],
+            rows,
+            [self.batch.sampling[int(row)] for row in rows],
+            out,
+            self.download_stream,
+        )
+        self.feed.launched(tokens)
+        if self.drafter is None:
+            return tokens
+        return self._propose(self._land(tokens), hidden, inputs)
+
+    def _propose(
+        self, sampled: list[SampledTokens], hidden: torch.Tensor, inputs: StepInputs
+    ) -> list[SampledTokens]:
+        """Attach each sampled request's drafts for its next step (speculative decoding). An
+        EAGLE drafter first takes the step's hidden states (every row, sampled or not)."""
+        if self.drafter is None:
+            return sampled
+        self.drafter.observe(self.batch, hidden, inputs.rows, inputs.query_lens, inputs.seq_lens)
+        if not sampled:
+            return sampled
+        rows = np.array([self.batch.req_rows[s.request_id] for s in sampled], dtype=np.int64)
+        for s, drafts in zip(sampled, self.drafter.propose(self.batch, rows), strict=True):
+            if drafts:
+                s.draft_token_ids = drafts
+        return sampled
+
+    def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:
+        """hidden [T, H] of the step: a CUDA graph replay for decode-only steps of a captured
+        size, otherwise an eager forward. Eager too when the step records routed experts (the
+        hooks run in Python) or the model has sliding-window groups (the graphs hold one
+        full-attention metadata)."""
+        tables = self.batch.block_tables[0, inputs.rows]
+        if (
+            self.graphs is not None
+            and not eager
+            and inputs.num_drafts is None
+            and not needs_group_attention(self.kv_groups)
+            and self.graphs.fits(inputs.query_lens)
+        ):
+            input_ids = inputs.input_ids
+            if inputs.fed is not None and inputs.flat_rows is not None:
+                input_ids = input_ids.copy()  # the fed tokens are read on the device
+                input_ids[inputs.fed] = fed_id(inputs.flat_rows[inputs.fed])
+            return self.graphs.run(
+                input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
+            )
+        if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
+            attn = group_attention(
+                self.kv_groups,
+                self.batch.block_tables,
+                inputs.rows,
+                inputs.query_lens,
+                inputs.seq_lens,
+                inputs.positions,
+                self.block_size,
+                self.device,
+                self.decode_kernel,
+            )
+        else:
+            attn = self._metadata(
+                query_lens=inputs.query_lens,
+                seq_lens=inputs.seq_lens,
+                block_tables=tables,
+                slot_mapping=inputs.slot_mapping,
+            )
+        input_ids = self._to_device(inputs.input_ids)
+        self._feed_ids(input_ids, inputs)
+        return self.model_forward(input_ids, self._to_device(inputs.positions), attn)
+
+    def model_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata | TritonAttentionMetadata | Sequence[AttentionMetadata],
+    ) -> torch.Tensor:
+        """hidden [T, H]: the compiled forward where there is one (cpu_compile.py)."""
+        if self.compiled is not None:
+            return self.compiled.forward(input_ids, positions, attn, self.kv_cache.layers)
+        hidden: torch.Tensor = self.model(input_ids, positions, attn, self.kv_cache.layers)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def _feed_ids(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Write the tokens still on the device (sampled by a step not finished yet) into the
+        step's device input ids, in stream order after that step's sampling."""
+        if inputs.fed is None or inputs.flat_rows is None:
+            return
+        at, rows = self._to_device(np.stack([inputs.fed, inputs.flat_rows[inputs.fed]]))
+        input_ids[at] = self.feed.latest[rows]
+
+    def _metadata(self, **arrays: np.ndarray) -> AttentionMetadata | TritonAttentionMetadata:
+        """Attention metadata for this runner's device (Triton kernels on CUDA)."""
+        return build_attention_metadata(
+            block_size=self.block_size,
+            num_kv_heads=self.config.num_key_value_heads,
+            device=self.device,
+            decode_kernel=self.decode_kernel,
+            **arrays,  # type: ignore[arg-type]
+        )
+
+    def capture_cuda_graphs(self, sizes: tuple[int, ...] = GRAPH_SIZES) -> float:
+        """Capture decode graphs (CUDA only; after warmup). Returns seconds taken."""
+        if self.device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache.layers,
+            max_num_reqs=self.batch.max_num_reqs,
+            max_blocks_per_req=self.batch.max_blocks_per_req,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            sizes=sizes,
+            latest=self.feed.latest,
+            upload=self.upload_stream,
+        )
+        return self.graphs.capture()
+
+    def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:
+        out: SamplerOutput = step.host
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result = []
+        # model_construct: the values are ints and floats this process just made, so pydantic's
+        # per-item validation (~5 us per message) is skipped on this per-step path.
+        pairs = zip(step.request_ids, tokens.tolist(), strict=True)
+        for i, (request_id, token) in enumerate(pairs):
+            fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}
+            self.routed_experts.attach(fields, request_id)
+            params: SamplingParams | None = step.params[i]
+            if params is not None and params.logprobs is not None and logprobs is not None:
+                fields["logprobs"] = [logprobs[i]]
+                if params.logprobs and top_ids is not None and top_lp is not None:
+                    fields["top_token_ids"] = top_ids[i][: params.logprobs]
+                    fields["top_logprobs"] = top_lp[i][: params.logprobs]
+            result.append(SampledTokens.model_construct(**fields))  # type: ignore[arg-type]
+        return result
+
+    def _bitmask(
+        self, plan: StepPlan, sampled_ids: list[str]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(bitmask [G, W] int32, index [sampled]: bitmask row of each sampled row or -1).
+        (None, None) when no sampled request has a grammar this step."""
+        if not plan.grammar_request_ids:
+            return None, None
+        groups = len(plan.grammar_request_ids)
+        raw = plan.grammar_bitmask
+        packed = np.frombuffer(raw[: len(raw) - len(raw) % 4], dtype="<i4")
+        if len(raw) % 4 or packed.size == 0 or packed.size % groups:
+            raise PlanError(
+                f"grammar_bitmask has {len(raw)} bytes, not a positive multiple of 4 bytes x "
+                f"{groups} grammar requests"
+            )
+        position = {rid: i for i, rid in enumerate(plan.grammar_request_ids)}
+        index = np.array([position.get(rid, -1) for rid in sampled_ids], dtype=np.int64)
+        if not (index >= 0).any():
+            return None, None
+        bitmask = torch.from_numpy(packed.reshape(groups, -1).copy()).to(self.device)
+        return bitmask, self._to_device(index)
+
+    def _upload_ahead(self, array: np.ndarray) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start uploading `array` (int64) on the upload stream; `_uploaded` makes the compute
+        stream wait for it. The tensor is allocated on the upload stream and marked used on
+        the compute stream, so the allocator reuses it only once both are done with it."""
+        if self.upload_stream is None:
+            return self._to_device(array), None
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.upload_stream):
+            tensor = self._to_device(array)
+            tensor.record_stream(current)
+            copied = torch.cuda.Event()
+            copied.record()
+        return tensor, copied
+
+    def _uploaded(self, ahead: tuple[torch.Tensor, torch.cuda.Event | None]) -> torch.Tensor:
+        tensor, copied = ahead
+        if copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(copied)
+        return tensor
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        # Through pinned memory on CUDA: a pageable upload would block the host.
+        return stage_to_device(np.ascontiguousarray(array, dtype=np.int64), self.device)
+
+    # -- startup ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int = 256, num_decodes: int = 8) -> float:
+        """Run real forwards (one prefill of `num_tokens`, one batch of `num_decodes` decodes)
+        on scratch slots, so the worker reports ready only after the model has really run.
+        Writes into the KV cache: call before serving requests. Returns seconds taken."""
+        started = time.perf_counter()
+        num_tokens = max(1, min(num_tokens, self.max_model_len, self.kv_cache.num_slots))
+        n_blocks = -(-num_tokens // self.block_size)
+        table = np.arange(n_blocks, dtype=np.int64)[None, :]
+        attn = self._metadata(
+            query_lens=np.array([num_tokens]),
+            seq_lens=np.array([num_tokens]),
+            block_tables=table,
+            slot_mapping=np.arange(num_tokens),
+        )
+        positions = np.arange(num_tokens)
+        ids = positions % self.config.vocab_size
+        hidden = self.model_forward(self._to_device(ids), self._to_device(positions), attn)
+        self.compute_logits(hidden[self._to_device(positions[-1:])])  # gathered, as _run does
+        num_decodes = max(1, min(num_decodes, self.batch.max_num_reqs))
+        decode_lens = np.full(num_decodes, num_tokens)
+        attn = self._metadata(
+            query_lens=np.ones(num_decodes, dtype=np.int64),
+            seq_lens=decode_lens,
+            block_tables=np.repeat(table, num_decodes, axis=0),
+            slot_mapping=np.full(num_decodes, num_tokens - 1),
+        )
+        hidden = self.model_forward(
+            self._to_device(ids[-1:].repeat(num_decodes)), self._to_device(decode_lens - 1), attn
+        )
+        logits = self.compute_logits(hidden)
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("profile run produced non-finite logits")
+        return time.perf_counter() - started
+
+    def warmup(self) -> float:
+        """A small profile run (first-call allocations, kernel selection). A compiled forward
+        is compiled here: its one graph (unbacked token count) then serves every step size,
+        1-token decodes included, so no request waits for a compile."""
+        return self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)

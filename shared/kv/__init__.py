@@ -1,0 +1,1 @@
+"""KV cache names shared by scheduler, worker and kvstore: block hashes, groups, offload keys."""

@@ -1,0 +1,1 @@
+"""The served model: where its files are, its config, and GGUF reading and conversion."""
