@@ -1,8 +1,10 @@
 """`make up`: the mesh of docker-compose.yml as local processes.
 
 Reads the compose file (infra/compose_plan.py), starts a private redis-server with the rendered
-ACL, starts every mesh service with this interpreter, waits until each answers 200 on /ready,
-prints where the API is, and on Ctrl-C / SIGTERM stops everything: SIGTERM to each service
+ACL, starts every mesh service with this interpreter, waits until each answers 200 on /ready
+(all at once, under one deadline: the gateway is ready only after a scheduler with a ready
+worker is, so its wait spans theirs), prints where the API is only then, and on Ctrl-C /
+SIGTERM stops everything: SIGTERM to each service
 (gateway first, so no new request enters while the rest drain), wait, SIGKILL what is left,
 then Redis. Children run in their own sessions so a terminal's Ctrl-C reaches only the
 launcher, which then stops them in that order.
@@ -16,6 +18,7 @@ Exit status: 0 after a requested stop, 1 when a service failed to start or died.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -73,12 +76,24 @@ def wait_redis(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 15.0
     raise LaunchError(f"redis-server did not answer on port {port} within {timeout_s:.0f} s")
 
 
-def is_ready(port: int) -> bool:
+def ready_status(port: int) -> tuple[bool, str]:
+    """(answered 200 on /ready, why not): the checks that are not "ok", from the 503 body."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+            return bool(response.status == 200), ""
+    except urllib.error.HTTPError as exc:
+        return False, failing_checks(exc.read(4096))
+    except (urllib.error.URLError, OSError) as exc:
+        return False, f"not answering ({exc})"
+
+
+def failing_checks(body: bytes) -> str:
+    """`name: state` of each check of a /ready body that is not "ok"."""
+    try:
+        checks = json.loads(body).get("checks", {})
+        return "; ".join(f"{k}: {v}" for k, v in checks.items() if v != "ok")
+    except (ValueError, AttributeError):
+        return body[:200].decode(errors="replace")
 
 
 class Launcher:
@@ -135,7 +150,10 @@ class Launcher:
             self.children.append(child)
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until every service answers 200 on /ready; a LaunchError naming each one that does
+        not (with its failing checks) past `timeout_s`, or when one exits."""
         pending = {c.name: c for c in self.children}
+        why: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
         while pending:
             if self.stop_requested:
@@ -143,11 +161,15 @@ class Launcher:
             for name, child in list(pending.items()):
                 if child.proc.poll() is not None:
                     raise LaunchError(f"{name} exited with status {child.proc.returncode}")
-                if child.port is not None and is_ready(child.port):
+                if child.port is None:
+                    raise LaunchError(f"{name} has no HTTP port to ask /ready")
+                ready, why[name] = ready_status(child.port)
+                if ready:
                     print(f"{name} ready on http://127.0.0.1:{child.port}", flush=True)
                     del pending[name]
             if time.monotonic() > deadline:
-                raise LaunchError(f"not ready after {timeout_s:.0f} s: {', '.join(pending)}")
+                waiting = ", ".join(f"{name} ({why[name]})" for name in pending)
+                raise LaunchError(f"not ready after {timeout_s:.0f} s: {waiting}")
             time.sleep(0.2)
 
     def watch(self) -> None:

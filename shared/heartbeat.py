@@ -2,7 +2,9 @@
 
 A beat carries the process incarnation (a uuid made once per process start), so a consumer can
 tell a restarted service from a live one: a worker with a new incarnation lost its KV cache and
-persistent batch. The beat also says whether the service is ready, as its own `/ready` would.
+persistent batch. The beat also says whether the service is ready, as its own `/ready` would,
+which model it serves and, for a scheduler, its role: the gateway learns from these beats which
+worker groups can serve (services/gateway/mesh).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from prometheus_client import Counter
 
 from shared.metrics import metric_name
 from shared.protocol import Heartbeat, Message
-from shared.protocol.health import ServiceName
+from shared.protocol.health import GroupRole, ServiceName
 
 INCARNATION = uuid.uuid4().hex
 """This process's incarnation: fixed at import, so every beat of one process carries it."""
@@ -55,6 +57,8 @@ class Heartbeater:
         group: str,
         interval_s: float,
         is_ready: Callable[[], Awaitable[bool]],
+        model: str = "",
+        role: GroupRole = "",
     ) -> None:
         self.publisher = publisher
         self.stream = stream
@@ -63,6 +67,8 @@ class Heartbeater:
         self.group = group
         self.interval_s = interval_s
         self.is_ready = is_ready
+        self.model = model
+        self.role = role
         self.sent = 0
 
     def beat_message(self, ready: bool) -> Heartbeat:
@@ -73,6 +79,9 @@ class Heartbeater:
             group=self.group,
             ready=ready,
             time=time.time(),
+            model=self.model,
+            role=self.role,
+            interval_s=self.interval_s,
         )
 
     async def beat(self) -> None:

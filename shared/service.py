@@ -30,14 +30,15 @@ from prometheus_client import Gauge
 
 from shared.admin import build_admin_app, describe_settings, package_version
 from shared.bus import Bus
-from shared.config import CommonSettings
+from shared.config import CommonSettings, ModelSettings, SchedulerSettings
 from shared.heartbeat import INCARNATION, Heartbeater
 from shared.logs import configure_logging
 from shared.metrics import metric_name
+from shared.model.source import served_model_name
 from shared.streams import Streams
 
 if TYPE_CHECKING:
-    from shared.protocol.health import ServiceName
+    from shared.protocol.health import GroupRole, ServiceName
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class Service(abc.ABC):
             group=self.settings.group,
             interval_s=self.settings.heartbeat_interval_s,
             is_ready=self._ready_flag,
+            model=self.served_model(),
+            role=self.group_role(),
         )
         self._heartbeat_task = asyncio.create_task(
             self.heartbeater.run(self._closed), name=f"{self.name}-heartbeat"
@@ -165,6 +168,19 @@ class Service(abc.ABC):
 
     async def _ready_flag(self) -> bool:
         return (await self.check_ready())[0]
+
+    def served_model(self) -> str:
+        """The model name this service's heartbeats announce: from its settings, so a beat
+        names the model before it is loaded (and from services that never load it, like the
+        scheduler); "" for services without a model."""
+        s = self.settings
+        return (
+            served_model_name(s.model, s.served_model_name) if isinstance(s, ModelSettings) else ""
+        )
+
+    def group_role(self) -> GroupRole:
+        """A scheduler's role (both / prefill / decode) for its heartbeats; "" otherwise."""
+        return self.settings.role if isinstance(self.settings, SchedulerSettings) else ""
 
     def state(self) -> dict[str, Any]:
         """For GET /admin/state. Subclasses add their queues under their own keys."""

@@ -68,6 +68,7 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         "%W~meshllm:*:aborts",  # AbortRequest
         "~meshllm:*:replies:*",  # its own reply stream: read, group ops, trim on exit
         "%R~meshllm:*:grammar:*",  # compiled-grammar cache
+        "%R~meshllm:*:heartbeats",  # which worker groups are ready (the mesh view)
     ),
     _service(
         "scheduler",

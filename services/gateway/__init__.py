@@ -10,5 +10,7 @@ Reading order, one request top-down:
 - `stream/`: the plan on the bus and its answer: `bus_client` (submit, replies, aborts,
   backpressure, with `reply_dedup`), `generation` (one request in flight) and per choice
   `choice_assembler` (with `detokenizer`, `stop_strings`);
+- `mesh/`: which worker groups can serve, learned from the heartbeat stream: `groups` (the
+  view: /ready and the 503 while none is ready) fed by `heartbeat_reader`;
 - `frontend` holds the parts together for the routes; `metrics`; `service` (wiring).
 """

@@ -1,10 +1,11 @@
 """The gateway's working parts, held together for the HTTP routes: settings, tokenizer, model
-facts, auth and the bus client. Everything here answers from a raw body to a plan or a JSON
-body; the routes only add HTTP (status codes, streaming, disconnects)."""
+facts, auth, the bus client and the mesh view. Everything here answers from a raw body to a plan
+or a JSON body; the routes only add HTTP (status codes, streaming, disconnects)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from services.gateway.api.protocol_openai import (
     TokenizeRequest,
     parse_request,
 )
+from services.gateway.mesh.groups import MeshView
 from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.request_plan import (
@@ -37,6 +39,7 @@ class Frontend:
     tokenizer: PromptTokenizer
     model: ModelInfo
     client: GatewayBusClient
+    mesh: MeshView
     auth: ApiKeyAuth = field(init=False)
     accepting: bool = True  # False while draining: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
@@ -55,6 +58,21 @@ class Frontend:
                 503,
                 "the gateway is shutting down; retry on another replica",
                 type_="service_unavailable",
+            )
+
+    def check_serving(self) -> None:
+        """503 + Retry-After while no ready worker group serves this model: a request accepted
+        now would wait in the queue for a scheduler that may never come. Called after the body
+        is validated, so a client's own mistake is reported first (its 400 precedes this)."""
+        serving = self.mesh.serving(self.model.name, time.time())
+        if not serving.ok:
+            # About one beat interval: a group that becomes ready is known after its next beat.
+            retry_after = max(1, math.ceil(self.settings.heartbeat_interval_s))
+            raise OpenAIError(
+                503,
+                f"{serving.reason}; retry in {retry_after} s",
+                type_="service_unavailable",
+                headers={"Retry-After": str(retry_after)},
             )
 
     def plan_completion(self, raw: bytes) -> RequestPlan:

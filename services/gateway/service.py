@@ -1,20 +1,29 @@
 """The gateway service: the OpenAI API on the admin app's port, in front of the mesh.
 
 Start-up order: the HTTP app is served first (so /health answers), then `start()` connects the
-bus, loads the tokenizer and model facts (off the event loop: the first start may convert the
-embedded model, ~20 s) and starts the reply reader. Until then the API answers 503 and /ready
-says not ready. Draining stops new requests (503) and waits for those in flight.
+bus, starts reading heartbeats into the mesh view, loads the tokenizer and model facts (off the
+event loop: the first start may convert the embedded model, ~20 s) and starts the reply reader.
+Until then the API answers 503 and /ready says not ready.
+
+Ready means able to serve: besides its own checks, /ready needs at least one alive scheduler with
+a ready worker group for the served model (check `workers`, from the mesh view); while there is
+none, generation requests get 503 + Retry-After. Draining stops new requests (503) and waits for
+those in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter
 
 from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
+from services.gateway.mesh.groups import MeshView
+from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import GatewayBusClient
@@ -30,9 +39,17 @@ class GatewayService(Service):
         super().__init__(settings)
         self.settings: GatewaySettings = settings
         self.frontend: Frontend | None = None
+        self.mesh = MeshView(settings.heartbeat_interval_s)
+        self.mesh_reader: HeartbeatReader | None = None
 
     async def start(self) -> None:
         await super().start()
+        # Recent beats are replayed: a restarted gateway is ready as soon as it has loaded.
+        history_s = history_for(self.settings.heartbeat_interval_s)
+        self.mesh_reader = HeartbeatReader(
+            self.bus, self.streams.heartbeats, self.mesh, history_s=history_s
+        )
+        self.mesh_reader.start()
         tokenizer, model = await asyncio.to_thread(self._load_model)
         client = GatewayBusClient(
             self.bus,
@@ -41,7 +58,7 @@ class GatewayService(Service):
             max_pending=self.settings.max_pending_requests,
         )
         await client.start()
-        self.frontend = Frontend(self.settings, tokenizer, model, client)
+        self.frontend = Frontend(self.settings, tokenizer, model, client, self.mesh)
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings
@@ -61,13 +78,17 @@ class GatewayService(Service):
         if self.frontend is not None:
             await self.frontend.client.stop()
             await self.frontend.close()
+        if self.mesh_reader is not None:
+            await self.mesh_reader.stop()
         await super().close()
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:
         ready, details = await super().check_ready()
         loaded = self.frontend is not None
         details["checks"]["model"] = "ok" if loaded else "loading"
-        return ready and loaded, details
+        serving = self.mesh.serving(self.served_model(), time.time())
+        details["checks"]["workers"] = serving.reason
+        return ready and loaded and serving.ok, details
 
     def routes(self) -> list[APIRouter]:
         return [openai_router(lambda: self.frontend)]
@@ -86,4 +107,8 @@ class GatewayService(Service):
                 "accepting": self.frontend.accepting,
                 "api_keys": self.frontend.auth.enabled,
             }
+        out["mesh"] = {
+            "schedulers": [asdict(r) for r in self.mesh.schedulers(time.time())],
+            "beats_read": self.mesh_reader.beats_read if self.mesh_reader else 0,
+        }
         return out

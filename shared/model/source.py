@@ -47,22 +47,35 @@ def embedded_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
 
 
+def served_model_name(model: str, served_name: str = "") -> str:
+    """The name MESHLLM_MODEL is served under (MESHLLM_SERVED_MODEL_NAME, else derived from the
+    path), without reading or converting anything: services that never load the model (the
+    scheduler) announce it in their heartbeats, under the name `resolve_model` gives it."""
+    if served_name:
+        return served_name
+    if not model:
+        return EMBEDDED_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" and not path.is_dir() else path.name
+
+
 def resolve_model(model: str, cache_dir: str | Path, served_name: str = "") -> ModelSource:
     """Resolve MESHLLM_MODEL. Empty means the embedded SmolLM2, converted and cached."""
     cache = Path(cache_dir).expanduser()
+    name = served_model_name(model, served_name)
     if not model:
         hf_dir = ensure_embedded_converted(cache)
-        return ModelSource(served_name or EMBEDDED_NAME, hf_dir, hf_dir)
+        return ModelSource(name, hf_dir, hf_dir)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"MESHLLM_MODEL={model!r} does not exist")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json")
-        return ModelSource(served_name or path.name, path, path)
+        return ModelSource(name, path, path)
     if path.suffix == ".gguf":
         hf_dir = ensure_gguf_converted(path, cache)
-        return ModelSource(served_name or path.stem, hf_dir, hf_dir)
+        return ModelSource(name, hf_dir, hf_dir)
     raise ValueError(f"MESHLLM_MODEL={model!r}: expected an HF directory or a .gguf file")
 
 

@@ -10,12 +10,19 @@ from shared.kv.groups import KVGroupSpec
 from shared.protocol.base import Message, register
 
 ServiceName = Literal["gateway", "scheduler", "worker", "grammar", "kvstore"]
+# What a scheduler does with requests (SchedulerSettings.role); "" = not a scheduler, or a beat
+# from before the field existed (such a scheduler serves requests whole).
+GroupRole = Literal["", "both", "prefill", "decode"]
 
 
 @register
 class Heartbeat(Message):
     """Sent periodically by every service. `incarnation` changes on every process start, so a
-    restarted worker is recognised as empty (its KV and persistent batch are gone)."""
+    restarted worker is recognised as empty (its KV and persistent batch are gone).
+
+    `model`, `role` and `interval_s` were added later with defaults, so beats of older
+    processes still decode (the version stays 1): the gateway's mesh view reads them to know
+    which worker groups can serve its model, and when a beat is overdue."""
 
     TYPE = "heartbeat"
     VERSION = 1
@@ -26,6 +33,9 @@ class Heartbeat(Message):
     group: str = "0"
     ready: bool = False
     time: float = 0.0
+    model: str = ""  # the served model name; "" for services without a model
+    role: GroupRole = ""
+    interval_s: float = Field(0.0, ge=0)  # the sender's beat interval; 0 = not said
 
 
 @register

@@ -162,6 +162,7 @@ def kill_worker_mid_store(mesh: Mesh, prompt: str) -> tuple[int, str]:
         mesh.wait_ready("worker")
         incarnation = mesh.admin_state("worker")["incarnation"]
         wait_until(lambda: worker_adopted(mesh, incarnation), what="scheduler adopts the worker")
+        mesh.wait_serving()
     finally:
         runner.join(300)
     assert done and done[0], "the request did not complete after the worker restart"

@@ -95,6 +95,7 @@ def restart_worker(mesh: Mesh) -> None:
         return bool(state["worker_alive"]) and state["worker"]["incarnation"] == incarnation
 
     wait_until(adopted, what="the scheduler adopts the restarted worker")
+    mesh.wait_serving()
 
 
 def test_a_restarted_worker_loads_the_window_and_generates_the_same_text(

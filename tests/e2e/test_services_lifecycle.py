@@ -198,6 +198,9 @@ def test_launcher_brings_the_mesh_up_and_down(
             assert time.monotonic() < deadline, "".join(seen)
             with contextlib.suppress(queue.Empty):
                 seen.append(lines.get(timeout=1))
+        # "up" only after every service, the gateway included, answered 200 on /ready
+        announced = [line.split()[0] for line in seen if " ready on http://" in line]
+        assert sorted(announced) == sorted(present), "".join(seen)
         for name in present:
             port = DEFAULT_PORTS[name] + offset
             assert httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, name
@@ -218,3 +221,23 @@ def test_launcher_brings_the_mesh_up_and_down(
     assert not port_open(redis_port)
     for name in present:
         assert not port_open(DEFAULT_PORTS[name] + offset), name
+
+
+def test_launcher_never_says_up_while_the_gateway_has_no_worker_group(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """Only the gateway: it loads and answers, but no scheduler beats, so it never becomes
+    ready; the launcher gives up at its deadline naming the gateway's failing check."""
+    offset, redis_port = free_port_block(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHLLM_")}
+    env.update({"MESHLLM_CLUSTER": "alone", "MESHLLM_MODEL_CACHE_DIR": str(MODEL_CACHE)})
+    argv = [sys.executable, "-m", "infra.launcher", "--services", "gateway",
+            "--redis-port", str(redis_port), "--port-offset", str(offset),
+            "--log-dir", str(tmp_path), "--ready-timeout", "20"]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "meshllm is up" not in done.stdout
+    assert "gateway ready" not in done.stdout
+    assert "not ready after 20 s: gateway (" in done.stderr
+    assert "workers: no ready worker group for model 'SmolLM2-135M-Instruct'" in done.stderr
+    assert not port_open(8000 + offset) and not port_open(redis_port)

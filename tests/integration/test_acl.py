@@ -194,9 +194,10 @@ async def test_each_service_runs_its_own_bus_operations(bus_as: dict[str, Bus]) 
     await sched.publish(reply_stream, delta)
     assert [d.message for d in await gw.read(replies_seen, block_ms=100)] == [delta]
 
-    # the scheduler watches heartbeats (worker restarts)
-    beats = await sched.read({S.heartbeats: "0"}, block_ms=100)
-    assert {d.message.service for d in beats} == {u.name for u in SERVICE_USERS}
+    # the scheduler watches heartbeats (worker restarts), the gateway too (ready worker groups)
+    for bus in (sched, gw):
+        beats = await bus.read({S.heartbeats: "0"}, block_ms=100)
+        assert {d.message.service for d in beats} == {u.name for u in SERVICE_USERS}
 
 
 async def test_key_operations_of_each_service(bus_as: dict[str, Bus]) -> None:

@@ -76,7 +76,9 @@ class Mesh:
             self.redis.start()
         for name in self.services:
             self.start_service(name)
-        for name in self.services:
+        # The gateway is ready only once a scheduler with a ready worker serves its model:
+        # waited for last, so each wait covers one service's own start.
+        for name in sorted(self.services, key=lambda n: n == "gateway"):
             self.wait_ready(name)
         return self
 
@@ -120,6 +122,14 @@ class Mesh:
     def restart(self, name: str, overrides: dict[str, str] | None = None) -> None:
         self.start_service(name, overrides)
         self.wait_ready(name)
+        self.wait_serving()
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Until the gateway (when this mesh runs one) is ready again: after a scheduler or
+        worker restart it refuses new requests (503) until the group's ready beat reaches it."""
+        gateway = self.procs.get("gateway")
+        if gateway is not None and gateway.poll() is None:
+            self.wait_ready("gateway", timeout)
 
     def stop(self) -> None:
         for proc in self.procs.values():

@@ -5,6 +5,11 @@ both handled by `OpenAIRoute`, so the router needs no app-level exception handle
 parsed by the gateway's own models (not FastAPI's), so a malformed body is a 400 naming the
 field, never a 422.
 
+Generation routes answer in this order: 503 while draining, 400 for a body (or a
+structured-output spec) at fault, 503 + Retry-After while no worker group can serve (the client's
+own mistake is reported first, and a valid request is refused rather than left waiting), then
+the request is queued. /v1/models, /tokenize and /detokenize need no worker group.
+
 Disconnects: a streaming client that goes away cancels the stream (Starlette), whose `finally`
 aborts the running choices; a non-streaming request watches the connection while it waits.
 """
@@ -87,6 +92,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend.check_accepting()
         plan = frontend.plan_completion(await request.body())
         plan = await frontend.compile_grammar(plan)
+        frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
 
     @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
@@ -96,6 +102,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend.check_accepting()
         plan = frontend.plan_chat(await request.body())
         plan = await frontend.compile_grammar(plan)
+        frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
 
     return router

@@ -1,11 +1,13 @@
 """The whole GatewayService under `serve()`: admin routes open, API behind keys, metrics after a
-request, and a drain that refuses new work but finishes what is in flight."""
+request, a drain that refuses new work but finishes what is in flight, and readiness learned
+from the heartbeat stream: not ready, and generation refused with 503 + Retry-After, while no
+scheduler with a ready worker group beats for the served model."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ import pytest
 from services.gateway.service import GatewayService
 from shared.bus import Bus
 from shared.config import GatewaySettings
+from shared.heartbeat import Heartbeater
 from shared.protocol import RequestDelta, SubmitRequest, TokenDelta
 from shared.service import bind_socket, serve
 from shared.streams import Streams
@@ -26,11 +29,27 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 
 
 class SchedulerSide:
-    """The scheduler's end of the bus, driven by the test."""
+    """The scheduler's end of the bus, driven by the test. Its heartbeats go out through the
+    real Heartbeater and say what `ready` says (a scheduler whose worker group is up, or not)."""
 
-    def __init__(self, bus: Bus, streams: Streams) -> None:
+    def __init__(self, bus: Bus, streams: Streams, *, ready: bool, interval_s: float) -> None:
         self.bus = bus
         self.ids = {streams.requests: "0-0"}
+        self.ready = ready
+        self.beats = Heartbeater(
+            bus,
+            streams.heartbeats,
+            service="scheduler",
+            instance_id="sched-0",
+            group="0",
+            interval_s=interval_s,
+            is_ready=self.is_ready,
+            model="smol",
+            role="both",
+        )
+
+    async def is_ready(self) -> bool:
+        return self.ready
 
     async def next_submit(self) -> SubmitRequest:
         async with asyncio.timeout(10):
@@ -52,8 +71,11 @@ class SchedulerSide:
 
 @asynccontextmanager
 async def running_gateway(
-    redis_url: str, smollm2_dir: Path
+    redis_url: str, smollm2_dir: Path, *, scheduler_ready: bool = True
 ) -> AsyncIterator[tuple[httpx.AsyncClient, SchedulerSide, asyncio.Task[int], asyncio.Event]]:
+    """The gateway under serve(), and the scheduler's side beating (ready or not) from before
+    the gateway starts; yields once the gateway's model is loaded (ready, when the scheduler
+    side says so)."""
     settings = GatewaySettings(
         redis_url=redis_url,
         model=str(smollm2_dir),
@@ -64,28 +86,48 @@ async def running_gateway(
         heartbeat_interval_s=0.2,
         log_json=False,
     )
+    bus = Bus(redis_url, consumer="scheduler-side")
+    await bus.connect()
+    scheduler = SchedulerSide(bus, Streams(settings.cluster), ready=scheduler_ready, interval_s=0.2)
+    stop_beats = asyncio.Event()
+    beats = asyncio.create_task(scheduler.beats.run(stop_beats))
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     shutdown = asyncio.Event()
     task = asyncio.create_task(serve(GatewayService(settings), sock=sock, shutdown=shutdown))
-    bus = Bus(redis_url, consumer="scheduler-side")
-    await bus.connect()
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         try:
-            await wait_ready(client)
-            yield client, SchedulerSide(bus, Streams(settings.cluster)), task, shutdown
+            if scheduler_ready:
+                await wait_ready(client)
+            else:
+                await wait_ready(client, loaded_and_sees_the_scheduler)
+            yield client, scheduler, task, shutdown
         finally:
             shutdown.set()
             await asyncio.wait_for(task, 30)
+            stop_beats.set()
+            await beats
             await bus.close()
 
 
-async def wait_ready(client: httpx.AsyncClient) -> dict[str, Any]:
+def _is_200(resp: httpx.Response) -> bool:
+    return resp.status_code == 200
+
+
+def loaded_and_sees_the_scheduler(resp: httpx.Response) -> bool:
+    checks = resp.json()["checks"]
+    return checks.get("model") == "ok" and "1 scheduler alive" in checks.get("workers", "")
+
+
+async def wait_ready(
+    client: httpx.AsyncClient, until: Callable[[httpx.Response], bool] = _is_200
+) -> dict[str, Any]:
+    """The /ready body once `until` holds for its response."""
     async with asyncio.timeout(60):
         while True:  # polls a condition; no timing is asserted
             try:
                 resp = await client.get("/ready")
-                if resp.status_code == 200:
+                if until(resp):
                     return dict(resp.json())
             except httpx.TransportError:
                 pass
@@ -104,7 +146,7 @@ async def test_service_routes_auth_and_metrics(redis_url: str, smollm2_dir: Path
     async with running_gateway(redis_url, smollm2_dir) as (client, scheduler, _task, _stop):
         assert (await client.get("/health")).status_code == 200  # open despite API keys
         ready = (await client.get("/ready")).json()
-        assert ready["checks"]["model"] == "ok"
+        assert ready["checks"]["model"] == "ok" and ready["checks"]["workers"] == "ok"
         assert (await client.get("/v1/models")).status_code == 401
         models = await client.get("/v1/models", headers=AUTH)
         assert models.json()["data"][0]["id"] == "smol"
@@ -179,3 +221,95 @@ async def test_served_connections_have_tcp_nodelay() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.timeout(120)
+async def test_not_ready_and_refusing_generation_until_a_worker_group_is_ready(
+    redis_url: str, smollm2_dir: Path
+) -> None:
+    async with running_gateway(redis_url, smollm2_dir, scheduler_ready=False) as (
+        client,
+        scheduler,
+        _task,
+        _stop,
+    ):
+        # A scheduler beats, but its worker group is not ready: the gateway cannot serve.
+        resp = await client.get("/ready")
+        assert resp.status_code == 503
+        checks = resp.json()["checks"]
+        assert checks["model"] == "ok" and checks["redis"] == "ok"
+        assert checks["workers"] == (
+            "no ready worker group for model 'smol' (1 scheduler alive, none ready)"
+        )
+
+        refused = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        assert refused.status_code == 503
+        assert refused.headers["Retry-After"] == "1"
+        error = refused.json()["error"]
+        assert error["type"] == "service_unavailable"
+        assert "no ready worker group for model 'smol'" in error["message"]
+        completion = {"prompt": "Hi", "max_tokens": 3}
+        refused = await client.post("/v1/completions", json=completion, headers=AUTH)
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        # A client's own mistake is reported first, mesh or no mesh.
+        bad = await client.post("/v1/chat/completions", json={"messages": []}, headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        # What needs no worker group keeps working.
+        assert (await client.get("/v1/models", headers=AUTH)).status_code == 200
+        tokens = await client.post("/tokenize", json={"prompt": "hello"}, headers=AUTH)
+        assert tokens.status_code == 200 and tokens.json()["count"] >= 1
+        ids = tokens.json()["tokens"]
+        text = await client.post("/detokenize", json={"tokens": ids}, headers=AUTH)
+        assert text.status_code == 200 and "hello" in text.json()["prompt"]
+        assert await scheduler.bus.redis.xlen(Streams().requests) == 0  # nothing was queued
+
+        # The worker group comes up: ready, and a request is served.
+        scheduler.ready = True
+        body = await wait_ready(client)
+        assert body["checks"]["workers"] == "ok"
+        state = await client.get("/admin/state", headers={"Authorization": "Bearer admin"})
+        (record,) = state.json()["mesh"]["schedulers"]
+        assert record["instance_id"] == "sched-0" and record["ready"] is True
+        req = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, headers=AUTH))
+        await scheduler.finish(await scheduler.next_submit(), [28120, 2])
+        assert (await req).status_code == 200
+
+        # It goes away (its scheduler says not ready): refused again.
+        scheduler.ready = False
+        await wait_ready(client, lambda r: r.status_code == 503)
+        again = await client.post("/v1/chat/completions", json=CHAT, headers=AUTH)
+        assert again.status_code == 503
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_gateway_learns_the_mesh_from_the_stream_history(
+    redis_url: str, smollm2_dir: Path
+) -> None:
+    """One ready beat, published before the gateway starts, from a scheduler that beats every
+    30 s: the gateway is ready without waiting for the next beat, because it reads the recent
+    history of the heartbeat stream instead of starting at its end."""
+    bus = Bus(redis_url, consumer="scheduler-side")
+    await bus.connect()
+    scheduler = SchedulerSide(bus, Streams(), ready=True, interval_s=30.0)
+    await scheduler.beats.beat()
+    settings = GatewaySettings(
+        redis_url=redis_url,
+        model=str(smollm2_dir),
+        served_model_name="smol",
+        instance_id="gw-restarted",
+        heartbeat_interval_s=0.2,
+        log_json=False,
+    )
+    sock = bind_socket("127.0.0.1", 0)
+    shutdown = asyncio.Event()
+    task = asyncio.create_task(serve(GatewayService(settings), sock=sock, shutdown=shutdown))
+    base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            body = await wait_ready(client)
+        assert body["checks"]["workers"] == "ok"
+        assert scheduler.beats.sent == 1  # no beat since the gateway started
+    finally:
+        shutdown.set()
+        await asyncio.wait_for(task, 30)
+        await bus.close()

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.codec import decode
-from shared.config import KVStoreSettings
+from shared.config import KVStoreSettings, SchedulerSettings
 from shared.protocol import Heartbeat
 from shared.service import Service, bind_socket, serve
 from shared.streams import Streams
@@ -109,6 +109,38 @@ async def test_ready_heartbeats_and_orderly_shutdown(redis_url: str) -> None:
     # only after both the drain and the loop finished.
     assert sorted(service.events) == sorted(["run", "drain", "run-returned", "drained", "close"])
     assert service.events[-1] == "close"
+
+
+class SchedulerShell(Service):
+    """A service with a scheduler's settings and nothing else: what its beats announce."""
+
+    name = "scheduler"
+
+    async def run(self) -> None:
+        await self.stopping.wait()
+
+
+async def test_beats_announce_the_model_role_and_interval(redis_url: str) -> None:
+    scheduler_settings = SchedulerSettings(
+        redis_url=redis_url,
+        cluster="svc",
+        instance_id="sched-1",
+        heartbeat_interval_s=0.05,
+        model="/models/tiny-llama",
+        role="prefill",
+    )
+    want = {("scheduler", "tiny-llama", "prefill", 0.05), ("kvstore", "", "", 0.05)}
+    kvstore = Recorder(settings(redis_url))
+    async with running(SchedulerShell(scheduler_settings)), running(kvstore):
+        r = aioredis.Redis.from_url(redis_url)
+        for _ in range(500):  # polls a condition; no timing is asserted
+            entries = await r.xrange(Streams("svc").heartbeats)
+            beats = [decode(fields[b"m"], Heartbeat) for _, fields in entries]
+            if want <= {(b.service, b.model, b.role, b.interval_s) for b in beats}:
+                break
+            await asyncio.sleep(0.01)
+        await r.aclose()
+    assert want <= {(b.service, b.model, b.role, b.interval_s) for b in beats}
 
 
 async def test_run_failure_exits_1_and_still_drains(redis_url: str) -> None:

@@ -1,8 +1,10 @@
 """A gateway wired to a real Redis, and a scheduler's side of the bus driven by the test.
 
-The gateway part is the real thing (Frontend, GatewayBusClient, the OpenAI router); only the
-scheduler is absent: tests read the SubmitRequests it would read and publish the TokenDeltas it
-would publish, built from real tokenizer ids. `serve=True` also runs the app in a real uvicorn
+The gateway part is the real thing (Frontend, GatewayBusClient, the mesh view fed by its
+heartbeat reader, the OpenAI router); only the scheduler is absent: tests read the
+SubmitRequests it would read and publish the TokenDeltas it would publish, built from real
+tokenizer ids, and its heartbeats go out through the real Heartbeater, saying ready (a group that
+can serve) unless `scheduler_ready=False`. `serve=True` also runs the app in a real uvicorn
 server (for the `openai` client, streaming and disconnects).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,16 +25,29 @@ from fastapi import FastAPI
 
 from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
+from services.gateway.mesh.groups import MeshView
+from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.bus import Bus
 from shared.config import GatewaySettings
+from shared.heartbeat import Heartbeater
 from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
 from shared.streams import Streams
 
 MODEL_NAME = "smollm2"
 WAIT_S = 10.0
+
+
+class SchedulerReadiness:
+    """What the test scheduler's heartbeats say; a test flips `ready` to take its group away."""
+
+    def __init__(self, ready: bool) -> None:
+        self.ready = ready
+
+    async def is_ready(self) -> bool:
+        return self.ready
 
 
 @dataclass
@@ -44,6 +60,8 @@ class GatewayHarness:
     http: httpx.AsyncClient
     scheduler_bus: Bus
     streams: Streams
+    mesh_reader: HeartbeatReader
+    scheduler: SchedulerReadiness
     base_url: str = ""  # set when served by uvicorn
     _read_ids: dict[str, str] = field(default_factory=dict)
 
@@ -71,6 +89,12 @@ class GatewayHarness:
                     self._read_ids[stream] = ids[stream]
                     return got[0].message
 
+    async def wait_serving(self, ok: bool = True) -> None:
+        """Until the gateway's mesh view says its model can (or cannot) be served."""
+        model = self.model.name
+        async with asyncio.timeout(WAIT_S):
+            await self.mesh_reader.wait_for(lambda v: v.serving(model, time.time()).ok == ok)
+
     async def stream_len(self, stream: str) -> int:
         return int(await self.scheduler_bus.redis.xlen(stream))
 
@@ -91,6 +115,7 @@ async def gateway_harness(
     hf_dir: Path,
     *,
     serve: bool = False,
+    scheduler_ready: bool = True,
     **overrides: Any,
 ) -> AsyncIterator[GatewayHarness]:
     options: dict[str, Any] = {"instance_id": "gw-test", "served_model_name": MODEL_NAME}
@@ -106,7 +131,27 @@ async def gateway_harness(
         gateway_bus, streams, settings.instance_id, max_pending=settings.max_pending_requests
     )
     await client.start()
-    frontend = Frontend(settings, tokenizer, model, client)
+    interval_s = settings.heartbeat_interval_s
+    mesh = MeshView(interval_s)
+    reader = HeartbeatReader(
+        gateway_bus, streams.heartbeats, mesh, history_s=history_for(interval_s)
+    )
+    reader.start()
+    readiness = SchedulerReadiness(scheduler_ready)
+    beats = Heartbeater(
+        scheduler_bus,
+        streams.heartbeats,
+        service="scheduler",
+        instance_id="test-scheduler",
+        group="0",
+        interval_s=interval_s,
+        is_ready=readiness.is_ready,
+        model=MODEL_NAME,
+        role="both",
+    )
+    stop_beats = asyncio.Event()
+    beat_task = asyncio.create_task(beats.run(stop_beats), name="test-scheduler-beats")
+    frontend = Frontend(settings, tokenizer, model, client, mesh)
     app = FastAPI()
     app.include_router(openai_router(lambda: frontend))
     server: uvicorn.Server | None = None
@@ -129,11 +174,17 @@ async def gateway_harness(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=WAIT_S
         )
     harness = GatewayHarness(
-        settings, tokenizer, model, frontend, app, http, scheduler_bus, streams, base_url
-    )
+        settings, tokenizer, model, frontend, app, http, scheduler_bus, streams, reader,
+        readiness, base_url,
+    )  # fmt: skip
     try:
+        if scheduler_ready:
+            await harness.wait_serving()
         yield harness
     finally:
+        stop_beats.set()
+        await beat_task
+        await reader.stop()
         await http.aclose()
         if server is not None and server_task is not None:
             server.should_exit = True

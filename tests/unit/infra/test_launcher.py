@@ -4,6 +4,7 @@ binary) is the reference for interpolation."""
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -17,7 +18,7 @@ from infra.compose_plan import (
     plan,
     rewrite_url,
 )
-from infra.launcher import module_exists
+from infra.launcher import failing_checks, module_exists
 from tests.unit.infra.compose_cli import COMPOSE_FILE, resolved_config, run_compose
 
 INFRA_SERVICES = {"redis", "redis-acl"}  # the launcher provides these itself
@@ -152,3 +153,11 @@ def test_rewrite_url_leaves_other_values_alone() -> None:
     assert rewrite_url("redis://redis:6380/0", hosts) == "redis://redis:6380/0"
     assert rewrite_url("redis", hosts) == "redis"
     assert rewrite_url("services.kvstore.lru.LRUPolicy", hosts) == "services.kvstore.lru.LRUPolicy"
+
+
+def test_failing_checks_of_a_ready_body() -> None:
+    workers = "no ready worker group for model 'm' (0 schedulers alive)"
+    checks = {"service": "ok", "redis": "ok", "model": "loading", "workers": workers}
+    body = json.dumps({"ready": False, "service": "gateway", "checks": checks}).encode()
+    assert failing_checks(body) == f"model: loading; workers: {workers}"
+    assert failing_checks(b"<html>proxy error</html>") == "<html>proxy error</html>"

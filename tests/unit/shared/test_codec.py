@@ -174,6 +174,9 @@ SAMPLES: dict[str, Message] = {
             group="1",
             ready=True,
             time=12.5,
+            model="SmolLM2-135M-Instruct",
+            role="prefill",
+            interval_s=0.5,
         ),
         WorkerReady(
             worker_id="worker-0",
@@ -251,6 +254,12 @@ def test_defaults_are_left_out_and_restored() -> None:
     body = msgpack.unpackb(encode(minimal), raw=False)["b"]
     assert body == {"request_id": "r"}
     assert decode(encode(minimal)) == minimal
+
+
+def test_a_heartbeat_from_before_model_role_and_interval_still_decodes() -> None:
+    old = {"service": "scheduler", "instance_id": "s", "incarnation": "i", "ready": True}
+    beat = decode(envelope("heartbeat", 1, old), expected=Heartbeat)
+    assert (beat.model, beat.role, beat.interval_s, beat.ready) == ("", "", 0.0, True)
 
 
 def test_rejects_bytes_that_are_not_msgpack() -> None:
