@@ -22,6 +22,23 @@ LayerType = Literal["full_attention", "sliding_attention"]
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
+ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
+"""The HF architectures whose config this module normalises. The worker's model registry
+(services/worker/models/registry.py) maps each to the class that runs it; a unit test keeps
+the two sets equal."""
+
+
 class UnsupportedModelError(ValueError):
     """The checkpoint names an architecture or feature this worker cannot run."""
 
@@ -173,14 +190,12 @@ class ModelConfig(BaseModel):
         cls, hf: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         """Normalise an HF config dict. Raises UnsupportedModelError for unknown architectures."""
-        from services.worker.models.registry import supported_architectures
-
         archs = hf.get("architectures") or []
-        known = [a for a in archs if a in supported_architectures()]
+        known = [a for a in archs if a in ARCHITECTURES]
         if not known:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {sorted(supported_architectures())}"
+                f"supported: {sorted(ARCHITECTURES)}"
             )
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])

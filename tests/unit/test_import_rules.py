@@ -16,14 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CHECKED = ("services", "kernels", "shared")
 
-KNOWN_VIOLATIONS = {
-    # ModelConfig.from_hf_dict asks the worker's model registry which architectures exist
-    # (imported inside the function). The list of supported architectures belongs in
-    # shared/model, with the worker's registry mapping each to its class: left to the owners
-    # of shared/model and the worker. Listed here so that the test fails on any other
-    # violation, and on this one's entry once it is fixed.
-    "shared.model.config -> services.worker.models.registry.supported_architectures",
-}
+KNOWN_VIOLATIONS: set[str] = set()  # none: keep it that way
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

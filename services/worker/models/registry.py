@@ -1,8 +1,8 @@
 """Architecture name (HF `architectures[0]`) -> the model class that runs it.
 
-Entries are import paths, not classes, so `ModelConfig` can ask which names are supported
-without importing every model module (and without an import cycle). A new family (Qwen2, Qwen3,
-Mistral with sliding windows, MoE) is one new module plus one line here.
+Entries are import paths, not classes, so building one family never imports the others. The
+names are exactly `shared.model.config.ARCHITECTURES` (the configs ModelConfig normalises): a
+new family is one new module, one line here and its name there.
 """
 
 from __future__ import annotations
