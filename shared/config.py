@@ -137,8 +137,9 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
     kv_staging_bytes: int = Field(64 * 2**20, ge=0)  # store staging slots (pinned on CUDA)
     kv_offload_timeout_s: float = Field(5.0, gt=0)  # Redis socket timeout of the transfer threads
-    # A JSON line per step with its host and device times (services/worker/runner/step_timeline.py;
-    # `python -m bench.step_timeline FILE`); "" = off.
+    # A JSON line per step with its host and device times (services/worker/runner/
+    # step_timeline.py; read by `python -m services.worker.runner.step_timeline_report`);
+    # "" = off.
     step_timeline: str = ""
 
 

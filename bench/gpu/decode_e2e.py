@@ -156,10 +156,11 @@ def warm_pass(runner: ModelRunner, prompts: list[list[int]], args: argparse.Name
 
 def trace_replays(replay: Callable[[], Any], path: str, replays: int = 10) -> str:
     """Kernel by kernel, the device time of `replays` graph replays and the gaps between their
-    kernels (bench/kernel_trace.py): where a graph step's time goes, launch gaps included."""
+    kernels (services/worker/runner/kernel_trace.py): where a graph step's time goes, launch
+    gaps included."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.kernel_trace import summarize_trace
+    from services.worker.runner.kernel_trace import summarize_trace
 
     replay()
     torch.cuda.synchronize()
@@ -180,7 +181,7 @@ def trace_overlapped(
     trace: input copies, the graph's kernels, the LM head, sampling and the token copy."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.kernel_trace import summarize_trace
+    from services.worker.runner.kernel_trace import summarize_trace
 
     driver = PlanDriver(runner, token_budget=8192)
     params = SamplingParams(temperature=0.0, max_tokens=warm + steps + 8, ignore_eos=True)

@@ -1,7 +1,8 @@
-"""Where the device sat idle between the worker's steps, from a step timeline
-(MESHLLM_STEP_TIMELINE=FILE, services/worker/runner/step_timeline.py).
+"""Where the device sat idle between the worker's steps: the reader of the step timeline that
+step_timeline.py writes (MESHLLM_STEP_TIMELINE=FILE). Kept beside the writer so the line format
+has one home; it runs offline, never in the serving path.
 
-    python -m bench.step_timeline FILE [--split-ms 1000]
+    python -m services.worker.runner.step_timeline_report FILE [--split-ms 1000]
 
 The file is cut into runs wherever the device was idle longer than --split-ms (between the
 runs of a benchmark). Per run: its wall span on the device, the time the device was busy with

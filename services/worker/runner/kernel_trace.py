@@ -1,4 +1,5 @@
-"""Where a profiled run's device time goes, kernel by kernel, and how much of it is gaps.
+"""Where a profiled run of the worker's steps spends its device time, kernel by kernel, and how
+much of it is gaps. Read offline (bench/worker_step.py --profile --trace), never while serving.
 
 Reads a torch.profiler chrome trace (`prof.export_chrome_trace`) and sorts its device events
 (kernels inside CUDA graph replays included, and the copies and fills between them) by start
@@ -6,7 +7,7 @@ time. A gap is the idle time between one event's end and the next one's start; g
 than `step_gap_us` are taken as the time between steps (host work, the sync) and reported
 apart from the gaps inside a step.
 
-    python -m bench.kernel_trace TRACE.json [--steps N]
+    python -m services.worker.runner.kernel_trace TRACE.json [--steps N]
 """
 
 from __future__ import annotations
