@@ -2,7 +2,8 @@
 
 CI has no GPU: on a machine without CUDA these modules are not collected at all (collect_ignore
 below), so nothing is reported as skipped. They are run on the lent H200 with the device tool
-(`python3 -m pytest tests/gpu`, see bench/gpu/decode_h200.md for the command and the result).
+(`bash bench/gpu/run.sh tests` runs them with tests/kernels, from the offline bundle that
+`make gpu-bundle` builds).
 """
 
 from __future__ import annotations
