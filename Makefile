@@ -11,14 +11,15 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
-.PHONY: help venv redis cxx up test docker-test lint format bench clean
+.PHONY: help venv redis cxx up test docker-test lint format bench gpu-bundle clean
 
 help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1; PROFILE=pd)"
 	@echo "make test   the whole test suite (what CI runs), docker-test included when it can run"
 	@echo "make docker-test  build the images, test \`docker compose up\` for real (root: installs docker.io)"
 	@echo "make lint   ruff check + ruff format --check"
-	@echo "make bench  the CPU benchmark scripts in BENCH_MODULES (bench.serve needs a running mesh)"
+	@echo "make bench  the CPU component benchmarks in BENCH_MODULES (bench/README.md lists the rest)"
+	@echo "make gpu-bundle  .whl/ + .redisbin/ for a GPU machine without network (bench/gpu/run.sh)"
 	@echo "make venv   create/refresh $(VENV) (re-runs only when pyproject.toml changes)"
 	@echo "make redis  install redis-server with apt when it is missing"
 
@@ -85,6 +86,12 @@ bench: venv redis
 		echo "== $$module"; \
 		$(VENV_PY) -m $$module || exit 1; \
 	done
+
+# What a GPU machine without network lacks, built here into git-ignored folders: .whl/ (cp312
+# wheels of the service stack) and .redisbin/ (redis-server and its libraries), each checked.
+# bench/gpu/run.sh installs them there and runs the GPU tests and benchmarks.
+gpu-bundle: venv redis
+	VENV_PY=$(VENV_PY) bench/gpu/bundle.sh
 
 clean:
 	rm -f $(STAMP)

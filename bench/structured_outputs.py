@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.cpu_compare import stop, wait_http
+from bench.processes import stop, wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {

@@ -169,7 +169,7 @@ def bench(
         order = "self_cuda_time_total" if sync else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=order, row_limit=18))
         if trace:
-            from bench.kernel_trace import summarize_trace
+            from services.worker.runner.kernel_trace import summarize_trace
 
             prof.export_chrome_trace(trace)
             print(summarize_trace(trace, steps=10))
@@ -205,7 +205,7 @@ def main() -> None:
         "--trace",
         default="",
         help="with --profile: write the chrome trace here and print each kernel's time and the "
-        "gaps between kernels (bench/kernel_trace.py)",
+        "gaps between kernels (services/worker/runner/kernel_trace.py)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="compile the forward (CPU bf16; cpu_compile.py)"

@@ -86,9 +86,9 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # With async scheduling, plans out at once: 2 = the step running and the next one (vLLM's
     # and SGLang's depth); 3 also plans the one after, so the result -> plan round trip
     # (scheduler, both bus hops, the worker's finish and launch) has two steps to hide in
-    # instead of one: at batch 256 on the H200 it is longer than a step (timeline_h200.log);
-    # 3 ahead gave 6362 vs 6167 tok/s there and the same speed at batch 1-64 (final_h200.log,
-    # ahead_h200.log). A request that stops on eos computes up to two discarded positions.
+    # instead of one: at large batches that round trip can outlast a step, and the device then
+    # waits for each plan; small batches run at the same speed with 2 or 3 (docs/
+    # decode-on-h200.md). A request that stops on eos computes up to two discarded positions.
     schedule_ahead: int = Field(3, ge=2, le=3)
     worker_ready_timeout_s: float = 600.0
     # Structured outputs with a reasoning model: token ids of the markers that end / start its
@@ -137,8 +137,9 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
     kv_staging_bytes: int = Field(64 * 2**20, ge=0)  # store staging slots (pinned on CUDA)
     kv_offload_timeout_s: float = Field(5.0, gt=0)  # Redis socket timeout of the transfer threads
-    # A JSON line per step with its host and device times (services/worker/runner/step_timeline.py;
-    # `python -m bench.step_timeline FILE`); "" = off.
+    # A JSON line per step with its host and device times (services/worker/runner/
+    # step_timeline.py; read by `python -m services.worker.runner.step_timeline_report`);
+    # "" = off.
     step_timeline: str = ""
 
 

@@ -321,11 +321,11 @@ async def serve(
 def freeze_startup_heap() -> int:
     """Collect once, then move every object alive after start-up (imported modules, a loaded
     model, caches) into the permanent generation (`gc.freeze`), so the cyclic collector stops
-    walking them; returns how many objects are frozen. A full collection of a worker's start-up
-    heap takes 160-320 ms on the dev VM, and a 256-row decode loop triggers one every ~40
-    steps: on the H200 the worker's step timeline showed the GPU idle 60-260 ms at such points
-    (bench/gpu/timeline_h200.log). Objects made later (requests, steps) are collected as
-    before. vLLM's engine core does the same after start-up."""
+    walking them; returns how many objects are frozen. A full collection walks the whole
+    start-up heap (a loaded model's modules and tensors included) and stops the event loop and
+    the step thread while it runs; a long decode loop allocates enough to trigger one every few
+    dozen steps, and each left the GPU idle for many step times. Objects made later (requests,
+    steps) are collected as before. vLLM's engine core does the same after start-up."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -1,29 +1,39 @@
-"""Timings at Llama-3-8B sizes: median of triton.testing.do_bench, bytes and FLOPs counted.
+"""Kernel micro-benchmarks at Llama-3-8B sizes on a CUDA GPU, each beside its bytes moved
+(GB/s, % of the measured 4.2 TB/s HBM read rate of the H200), FLOPs and a baseline (cuBLAS,
+torch SDPA, torch ops, one split):
 
-do_bench zeroes a 256 MB buffer before every call, which flushes L2 (so weights that would fit
-in the H200's 60 MB L2 are still read from HBM) and keeps the GPU busy while the next launch is
-queued (so Python launch overhead is not counted). Bytes are the fewest a kernel must move:
-each input read once, each output written once.
+- HBM ceilings (device copy, read-only sum) of this run;
+- GEMV (kernels/decode_chain/gemv.py): a tile sweep per layer shape (graph time at 1 + 16 rows;
+  the winners print as the body of gemv.py's H200_CONFIGS), then 1/4/8/16 rows vs cuBLAS and
+  the sum over one batch-1 decode step's weight products;
+- paged decode attention: a tile/split sweep at batch 1, 32k keys, then bf16 batch 1/8 at 32k,
+  batch 64 at 4k, fp8 batch 1 at 32k;
+- paged prefill attention (causal; vs SDPA on contiguous K/V), KV insert with fused RoPE,
+  RMSNorm+residual, the pinned staged host->device copy.
+
+Times are per call inside a CUDA graph (the worker runs decode in graphs, so launch overhead is
+not counted), median of replays, inputs rotated across copies that together exceed L2 so each
+call reads HBM. Correctness is the tests' job (tests/kernels, tests/gpu), not this program's.
+
+    python3 -m bench.gpu.kernel_timings --out $OUT/kernel_timings.json [--only gemv,decode]
+
+Each part runs on its own: a failing part is reported and the others still run.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from triton.testing import do_bench
 
-from bench.gpu.graph_replays import captured
-from bench.gpu.kernel_checks import (
-    GEMV_SHAPES,
-    HEAD_DIM,
-    HEADS,
-    HIDDEN,
-    KV_HEADS,
-    _cos_sin,
-    make_paged,
-)
-from bench.gpu.report import Report
+from bench.gpu.graph_timing import Report, copies_for, graph_ms, median_ms
 from kernels.attention.kv_insert import insert_kv, insert_qkv
 from kernels.attention.paged_decode import paged_decode_attention
 from kernels.attention.paged_prefill import paged_prefill_attention
@@ -31,59 +41,62 @@ from kernels.attention.tile_step import AttentionTiles
 from kernels.decode_chain.gemv import GemvConfig, gemv, heuristic_config
 from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
 from kernels.runtime.staged_copy import CpuGpuBuffer
-from kernels.runtime.tensor_checks import FP8_E4M3
+from kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
+PAGE = 16
+# (N, K) of every weight of a Llama-3-8B decode step: q and o, k and v, gate and up, down,
+# and the LM head.
+GEMV_SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 
 
-def median_ms(fn, fast: bool = False) -> float:  # type: ignore[no-untyped-def]
-    """Eager time (do_bench median, L2 flushed): includes launch gaps the flush cannot hide."""
-    warmup, rep = (5, 20) if fast else (25, 100)
-    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+@dataclass
+class Paged:
+    q: torch.Tensor
+    cache: torch.Tensor
+    tables: torch.Tensor
+    cu: torch.Tensor
+    lens: torch.Tensor
+    scales: dict[str, torch.Tensor]
+    max_len: int = 0
 
 
-def l2_bytes() -> int:
-    props = torch.cuda.get_device_properties(0)
-    return int(getattr(props, "L2_cache_size", 60 << 20))
+def make_paged(
+    seq_lens: list[int], q_lens: list[int], cache_dtype: torch.dtype = torch.bfloat16
+) -> Paged:
+    """Sequences on scattered physical blocks of a real-layout cache (fp8: per-tensor scales)."""
+    dev = torch.device("cuda")
+    blocks = [(s + PAGE - 1) // PAGE for s in seq_lens]
+    num_blocks = sum(blocks) + 8
+    perm = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=dev)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    raw = torch.randn(2, num_blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev)
+    scales: dict[str, torch.Tensor] = {}
+    if cache_dtype == FP8_E4M3:
+        ks, vs = (torch.rand(1, device=dev) * 0.01 + 0.005 for _ in range(2))
+        cache = torch.stack(
+            [(raw[0] / ks).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX),
+             (raw[1] / vs).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)]
+        ).to(FP8_E4M3)  # fmt: skip
+        scales = {"k_scale": ks, "v_scale": vs}
+    else:
+        cache = raw.to(cache_dtype)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(cu[-1]), HEADS, HEAD_DIM, device=dev).to(torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    return Paged(q, cache, tables, cu.to(dev), lens, scales, max(seq_lens))
 
 
-def copies_for(nbytes: int) -> int:
-    """Input copies to rotate through so each call reads HBM, not L2 (4x the L2 in total)."""
-    return max(1, min(32, -(-4 * l2_bytes() // max(1, nbytes))))
-
-
-def graph_ms(calls: list, replays: int = 7) -> float:  # type: ignore[type-arg]
-    """GPU time per call: `calls` captured round-robin in one CUDA graph, median of replays.
-
-    This is how the worker runs decode (CUDA graphs), so Python launch overhead is excluded;
-    rotating through input copies keeps L2 from serving repeated reads.
-    """
-    for c in calls:  # compile and warm up outside the capture
-        c()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for c in calls:
-        c()
-    end.record()
-    torch.cuda.synchronize()
-    rounds = max(1, min(200, int(2.0 / max(start.elapsed_time(end), 1e-3))))
-
-    def run() -> None:
-        for _ in range(rounds):
-            for c in calls:
-                c()
-
-    graph = captured(run)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2] / (rounds * len(calls))
+def cos_sin(max_pos: int, rot: int) -> torch.Tensor:
+    inv = 1.0 / (500000 ** (torch.arange(0, rot, 2, device="cuda").float() / rot))
+    f = torch.outer(torch.arange(max_pos, device="cuda").float(), inv)
+    return torch.cat([f.cos(), f.sin()], -1)
 
 
 def time_hbm_ceiling(report: Report) -> None:
@@ -170,12 +183,11 @@ def _decode_calls(
     batches: list,  # type: ignore[type-arg]
     tiles: AttentionTiles | None,
     splits: int | None,
-    pdl: bool | None = None,
 ) -> list:  # type: ignore[type-arg]
     return [
         lambda b=b: paged_decode_attention(
             b.q, b.cache, b.tables, b.lens, max_seq_len=b.max_len, num_splits=splits,
-            tiles=tiles, pdl=pdl, **b.scales,
+            tiles=tiles, **b.scales,
         )
         for b in batches
     ]  # fmt: skip
@@ -197,24 +209,6 @@ def time_decode(report: Report) -> None:
         "decode B=1 32k sweep top5: "
         + "; ".join(f"{t} splits={sp} {ms * 1e3:.1f}us" for ms, t, sp in sweep[:5])
     )
-    # Programmatic dependent launch of the split-K merge, off vs on, alternating, for the
-    # launcher's own choice and the sweep's top 3.
-    for _, tiles, splits in [(0.0, None, None), *sweep[:3]]:
-        try:
-            pair = {
-                pdl: [graph_ms(_decode_calls(batches, tiles, splits, pdl)) for _ in range(3)]
-                for pdl in (False, True)
-            }
-        except Exception as exc:
-            report.notes.append(f"decode pdl {tiles} splits {splits} failed: {exc!r}"[:300])
-            continue
-        report.notes.append(
-            f"decode B=1 32k {tiles or 'auto'} splits={splits}: pdl off "
-            + "/".join(f"{ms * 1e3:.1f}" for ms in pair[False])
-            + " us, pdl on "
-            + "/".join(f"{ms * 1e3:.1f}" for ms in pair[True])
-            + " us"
-        )
     cases = [
         ("bf16", [32768], {}), ("bf16", [32768] * 8, {}), ("bf16", [4096] * 64, {}),
         ("fp8", [32768], {"cache_dtype": FP8_E4M3}),
@@ -295,7 +289,7 @@ def time_kv_insert(report: Report) -> None:
     v = torch.randn_like(k)
     slots = torch.randperm(blocks * 16, device="cuda")[:tokens]
     pos = torch.randint(0, 32768, (tokens,), device="cuda")
-    cs = _cos_sin(32768, HEAD_DIM)
+    cs = cos_sin(32768, HEAD_DIM)
     for label, dtype, scales in (
         ("bf16", torch.bfloat16, {}),
         ("fp8", FP8_E4M3, {"k_scale": torch.tensor(0.02, device="cuda"),
@@ -344,12 +338,60 @@ def time_staged_copy(report: Report) -> None:
     )  # fmt: skip
 
 
-ALL_TIMINGS = [
-    ("time hbm ceiling", time_hbm_ceiling),
-    ("time gemv", time_gemv),
-    ("time decode", time_decode),
-    ("time prefill", time_prefill),
-    ("time kv_insert", time_kv_insert),
-    ("time rmsnorm", time_rmsnorm),
-    ("time staged copy", time_staged_copy),
+PARTS: list[tuple[str, Callable[[Report], Any]]] = [
+    ("hbm", time_hbm_ceiling),
+    ("gemv", time_gemv),
+    ("decode", time_decode),
+    ("prefill", time_prefill),
+    ("kv_insert", time_kv_insert),
+    ("rmsnorm", time_rmsnorm),
+    ("staged_copy", time_staged_copy),
 ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=None, help="JSON of every row and note")
+    parser.add_argument(
+        "--only", default="", help="comma-separated part names: " + ",".join(n for n, _ in PARTS)
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_timings needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    report = Report(
+        env={"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+             "triton": triton.__version__, "cuda": torch.version.cuda}
+    )  # fmt: skip
+    wanted = {w.strip() for w in args.only.split(",") if w.strip()}
+    torch.manual_seed(0)
+    best_gemv: dict[tuple[int, int], Any] = {}
+    for name, fn in PARTS:
+        if wanted and name not in wanted:
+            continue
+        with report.part(name):
+            result = fn(report)
+            if name == "gemv":
+                best_gemv = result
+            torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    if best_gemv:
+        print("\nH200_CONFIGS = {")
+        for (n, k), cfg in best_gemv.items():
+            print(f"    ({n}, {k}): {cfg!r},")
+        print("}")
+    if args.out:
+        payload = {"env": report.env, "timings": report.timings, "notes": report.notes,
+                   "failures": report.failures}  # fmt: skip
+        args.out.write_text(json.dumps(payload, indent=1, default=str))
+    print(report.markdown())
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,8 @@ Reading order:
 - `service` (the bus edge: steps in, results out) around `runner/`: `model_runner` (one step,
   no I/O), `input_batch` (the persistent batch), `in_flight` (tokens fed forward between
   overlapped steps), `kv_cache` (the paged KV tensors), `routed_experts`, `bootstrap`
-  (settings -> a ready runner), `step_thread`, `step_timeline`;
+  (settings -> a ready runner), `step_thread`, `step_timeline` (and its offline reader
+  `step_timeline_report`; `kernel_trace` reads a profiled run's kernels);
 - `models/`: the model families, each layer's implementation chosen at load time; `loader/`
   (safetensors and GGUF -> our parameters);
 - `attention/`: `select` is the one entry point that says which attention runs on each device

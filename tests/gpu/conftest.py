@@ -5,7 +5,8 @@ them out). On a machine without CUDA they are still collected, and reported as s
 reason below, so a CPU run shows how many GPU tests it did not run instead of hiding them. The
 modules therefore import on a CPU machine (TRITON_INTERPRET=1 is set by tests/conftest.py);
 CUDA work happens only inside tests and fixtures. They are run on the lent H200 with the device
-tool (`python3 -m pytest tests/gpu`, see bench/gpu/decode_h200.md for the command and result).
+tool: `bash bench/gpu/run.sh tests` runs them with tests/kernels, from the offline bundle that
+`make gpu-bundle` builds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 HERE = Path(__file__).parent
 NO_CUDA_REASON = (
-    "needs a CUDA GPU; run on the H200: python3 -m pytest tests/gpu (bench/gpu/decode_h200.md)"
+    "needs a CUDA GPU; run on the H200: bash bench/gpu/run.sh tests (make gpu-bundle first)"
 )
 
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.gpu.hf_rope import restore_fp32_inv_freq
 from services.worker.accel.cuda_layers import install_cuda_kernels
 from services.worker.attention.select import build_attention_metadata
 from services.worker.loader.checkpoint_names import assemble
@@ -18,6 +17,7 @@ from services.worker.models.random_init import PRESETS, build_random_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
 from shared.protocol import SamplingParams
+from tests.support.hf_rope import restore_fp32_inv_freq
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import LogitsCapture, make_tiny_llama, reference_greedy, tiny_runner
 
@@ -67,7 +67,7 @@ def test_8b_bf16_cuda_path_matches_pytorch_reference_forward() -> None:
     GPU: every sampled position's logits within bf16 tolerance, greedy choices equal unless
     near-tied. The error against transformers' bf16 forward of the same weights (RoPE
     frequencies restored to fp32) is printed too: 0.058-0.075 on the H200, as against our
-    reference path (bench/gpu/decode_h200.md)."""
+    reference path (docs/decode-on-h200.md)."""
     from services.worker.attention.reference import AttentionMetadata
 
     hf, cfg = _hf_8b(layers=32)
@@ -119,7 +119,7 @@ def test_8b_bf16_cuda_path_matches_pytorch_reference_forward() -> None:
     print("8B bf16 rel. logits error, CUDA path vs transformers:", [round(e, 4) for e in hf_errors])
     assert not flips, f"greedy choice differs at (request, step) {flips}"
     # bf16 tolerance at this depth: transformers' own bf16 forward of such a model departs from
-    # its fp32 forward by 5-8% (bench/gpu/parity_probe.py on the H200), random weights
+    # its fp32 forward by 5-8% on the H200 (docs/decode-on-h200.md), random weights
     # amplifying rounding through 32 layers.
     assert max(errors) < 0.1, errors
 
@@ -127,7 +127,7 @@ def test_8b_bf16_cuda_path_matches_pytorch_reference_forward() -> None:
 def test_8b_shape_fp32_cuda_path_matches_transformers() -> None:
     """2 layers of the Llama-3-8B shape (theta 5e5, head_dim 128) in fp32, 300-token prompt:
     the worker's CUDA path equals transformers' forward on the same weights (the 0.115 gap
-    once seen here came from transformers' bf16-rounded RoPE frequencies, bench/gpu/hf_rope)."""
+    once seen here came from transformers' bf16-rounded RoPE frequencies, tests/support/hf_rope)."""
     hf, cfg = _hf_8b(layers=2)
     hf = hf.float()
     restore_fp32_inv_freq(hf)

@@ -1,7 +1,7 @@
 """The fused Gumbel-max kernel equals its PyTorch reference bit for bit: uniforms, noise, tokens.
 
 On CPU this runs in Triton's interpreter (tests/kernels/conftest.py), so sizes stay small;
-bench/gpu/sampler_check.py repeats the comparison compiled, at real sizes.
+tests/gpu/test_sampling_cuda.py repeats the comparison compiled, at real sizes.
 """
 
 from __future__ import annotations

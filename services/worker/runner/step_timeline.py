@@ -1,5 +1,5 @@
 """The worker's step timeline (MESHLLM_STEP_TIMELINE=path): one JSON line per finished step,
-for finding where the device sits idle between steps (`python -m bench.step_timeline FILE`).
+for finding where the device sits idle between steps (read by step_timeline_report.py).
 
 Each line holds the step's shape (scheduled tokens, decode rows) and, in ms since the timeline
 opened, its host marks: `launch` (launch() called: the plan is in hand), `queued` (launch()

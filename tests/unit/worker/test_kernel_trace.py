@@ -1,12 +1,12 @@
-"""bench/kernel_trace.py: per-kernel device time and the gaps between kernels of a profiled
-run (chrome trace), within steps and by kernel pair."""
+"""services/worker/runner/kernel_trace.py: per-kernel device time and the gaps between kernels
+of a profiled run (chrome trace), within steps and by kernel pair."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench.kernel_trace import load_kernels, summarize_trace
+from services.worker.runner.kernel_trace import load_kernels, summarize_trace
 
 
 def _trace(path: Path, kernels: list[tuple[str, float, float]]) -> str:

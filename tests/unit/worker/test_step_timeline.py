@@ -1,6 +1,6 @@
 """The worker's step timeline (MESHLLM_STEP_TIMELINE): a line per step with its shape and host
 marks (device marks on CUDA: tests/gpu/test_step_timeline_cuda.py), and the summary of
-bench/step_timeline.py over device marks."""
+step_timeline_report.py over device marks."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import itertools
 import json
 from pathlib import Path
 
-from bench.step_timeline import Step, load, runs, summarize
 from services.worker.runner.step_timeline import StepTimeline
+from services.worker.runner.step_timeline_report import Step, load, runs, summarize
 from shared.config import WorkerSettings
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The GPU test suite and the GPU benchmarks on a CUDA machine without network, from the tree
+# root, results under $OUT.
+#
+#   make gpu-bundle                  # here, once: .whl/ and .redisbin/ (bench/gpu/bundle.sh)
+#   bash bench/gpu/run.sh [all|tests|bench]      # there, with .whl/ and .redisbin/ copied along
+#
+# The machine needs Python 3.12 with torch (CUDA), triton and transformers installed (the
+# bundle brings the rest) and glibc >= 2.34. Steps:
+#   1. install the wheels into /tmp/site (pip --no-index --no-deps --target; PYTHONPATH), put
+#      the bundled redis-server first on PATH, print the versions and the GPU's clocks;
+#   2. tests: tests/gpu, tests/kernels (compiled Triton at real sizes, not the interpreter)
+#      and tests/unit/worker/test_cuda_graphs.py;
+#   3. bench: bench.gpu.kernel_timings; bench.gpu.mesh_decode at batch 1/16/64/256 (redis-server
+#      + scheduler + worker processes, Llama-3-8B shape, random bf16 weights, prompt 512,
+#      output 128); bench.baseline_transformers on the same shape at 1/64/256 (warmed,
+#      best-of-2); then the mesh / transformers ratio per batch.
+# Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
+# kernel_timings.json, mesh_decode.json, transformers.json. Each step runs under what is left
+# of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot starve the rest:
+# `tests` alone takes ~4-5 min on an H200, `bench` ~5 min.
+set -uo pipefail
+MODE=${1:-all}
+case $MODE in all | tests | bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-/tmp/meshllm-gpu}
+mkdir -p "$OUT"
+DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+
+for need in .whl .redisbin/redis-server; do
+    [ -e "$need" ] || { echo "$need missing: run \`make gpu-bundle\` and copy it along" >&2; exit 2; }
+done
+SITE=${SITE:-/tmp/site}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$ROOT
+export PATH=$ROOT/.redisbin:$PATH
+redis-server --version || exit 1
+python3 -c "import sys, torch, triton, transformers as t
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__,
+      'transformers', t.__version__, 'cuda', torch.cuda.is_available())"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv
+
+FAILED=0
+step() {  # step NAME CAP_SECONDS COMMAND...: COMMAND under min(CAP, what is left)
+    local name=$1 cap=$2
+    shift 2
+    local left=$((DEADLINE - $(date +%s)))
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 10)); then
+        echo "=== $name: not run, ${left}s left"
+        FAILED=1
+        return
+    fi
+    echo "=== $name (limit ${limit}s)"
+    local started
+    started=$(date +%s)
+    timeout -k 5 "$limit" "$@"
+    local rc=$?
+    echo "=== $name rc=$rc $(($(date +%s) - started))s"
+    ((rc == 0)) || FAILED=1
+}
+
+if [ "$MODE" != bench ]; then
+    step gpu-tests 360 bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py 2>&1 | tee '$OUT/gpu_tests.log'"
+fi
+if [ "$MODE" != tests ]; then
+    step kernel-timings 150 python3 -m bench.gpu.kernel_timings --out "$OUT/kernel_timings.json"
+    step mesh-decode 180 python3 -m bench.gpu.mesh_decode --batches 1 16 64 256 --repeats 2 \
+        --out "$OUT/mesh_decode.json"
+    step transformers 200 python3 -m bench.baseline_transformers --model random:llama-3-8b \
+        --device cuda --dtype bfloat16 --batch 1 64 256 --input-len 512 --output-len 128 \
+        --repeats 2 --out "$OUT/transformers.json"
+    python3 - "$OUT" <<'PY'
+"""Best output tok/s per batch: the mesh and transformers, and their ratio."""
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+try:
+    mesh = json.loads((out / "mesh_decode.json").read_text())["best_tok_s"]
+    hf = {str(r["batch"]): r["best_tok_s"]
+          for r in json.loads((out / "transformers.json").read_text())["runs"]}
+except (OSError, KeyError, ValueError) as exc:
+    sys.exit(f"no summary: {exc!r}")
+print("| batch | mesh tok/s (best) | transformers tok/s (best, warmed) | mesh / transformers |")
+print("|---|---|---|---|")
+for batch, tok_s in mesh.items():
+    ratio = f"{tok_s / hf[batch]:.2f}x" if batch in hf else ""
+    print(f"| {batch} | {tok_s} | {hf.get(batch, '')} | {ratio} |")
+PY
+fi
+echo "=== done ($MODE), $((DEADLINE - $(date +%s)))s of the budget left; results in $OUT"
+exit $FAILED
