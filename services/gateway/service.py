@@ -2,8 +2,9 @@
 
 Start-up order: the HTTP app is served first (so /health answers), then `start()` connects the
 bus, loads the tokenizer and model facts (off the event loop: the first start may convert the
-embedded model, ~20 s) and starts the reply reader. Until then the API answers 503 and /ready
-says not ready. Draining stops new requests (503) and waits for those in flight.
+embedded model, ~20 s) and starts the reply readers (token deltas; the answers to its calls of
+the grammar service, shared.rpc). Until then the API answers 503 and /ready says not ready.
+Draining stops new requests (503) and waits for those in flight.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from fastapi import APIRouter
 
 from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
+from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
 from shared.model.source import resolve_model
+from shared.rpc import RpcClient
 from shared.service import Service
 
 
@@ -30,18 +33,24 @@ class GatewayService(Service):
         super().__init__(settings)
         self.settings: GatewaySettings = settings
         self.frontend: Frontend | None = None
+        self.rpc: RpcClient | None = None
 
     async def start(self) -> None:
         await super().start()
+        s = self.settings
         tokenizer, model = await asyncio.to_thread(self._load_model)
         client = GatewayBusClient(
-            self.bus,
-            self.streams,
-            self.settings.instance_id,
-            max_pending=self.settings.max_pending_requests,
+            self.bus, self.streams, s.instance_id, max_pending=s.max_pending_requests
         )
         await client.start()
-        self.frontend = Frontend(self.settings, tokenizer, model, client)
+        self.rpc = RpcClient(
+            self.bus,
+            self.streams.rpc_replies(self.name, s.instance_id),
+            self.streams.rpc_reply_prefix,
+        )
+        await self.rpc.start()
+        grammars = GrammarClient(self.rpc, self.streams.calls("grammar"), s.grammar_timeout_s)
+        self.frontend = Frontend(s, tokenizer, model, client, grammars)
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings
@@ -60,7 +69,8 @@ class GatewayService(Service):
     async def close(self) -> None:
         if self.frontend is not None:
             await self.frontend.client.stop()
-            await self.frontend.close()
+        if self.rpc is not None:
+            await self.rpc.stop()
         await super().close()
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:

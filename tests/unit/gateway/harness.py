@@ -1,9 +1,10 @@
 """A gateway wired to a real Redis, and a scheduler's side of the bus driven by the test.
 
-The gateway part is the real thing (Frontend, GatewayBusClient, the OpenAI router); only the
-scheduler is absent: tests read the SubmitRequests it would read and publish the TokenDeltas it
-would publish, built from real tokenizer ids. `serve=True` also runs the app in a real uvicorn
-server (for the `openai` client, streaming and disconnects).
+The gateway part is the real thing (Frontend, GatewayBusClient, its grammar client over the
+bus, the OpenAI router); the scheduler is absent: tests read the SubmitRequests it would read
+and publish the TokenDeltas it would publish, built from real tokenizer ids. A test that needs
+the grammar service runs the real one (tests/support/grammar_server.py). `serve=True` also runs
+the app in a real uvicorn server (for the `openai` client, streaming and disconnects).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from fastapi import FastAPI
 
 from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
+from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
+from shared.rpc import RpcClient
 from shared.streams import Streams
 
 MODEL_NAME = "smollm2"
@@ -106,7 +109,14 @@ async def gateway_harness(
         gateway_bus, streams, settings.instance_id, max_pending=settings.max_pending_requests
     )
     await client.start()
-    frontend = Frontend(settings, tokenizer, model, client)
+    rpc = RpcClient(
+        gateway_bus,
+        streams.rpc_replies("gateway", settings.instance_id),
+        streams.rpc_reply_prefix,
+    )
+    await rpc.start()
+    grammars = GrammarClient(rpc, streams.calls("grammar"), settings.grammar_timeout_s)
+    frontend = Frontend(settings, tokenizer, model, client, grammars)
     app = FastAPI()
     app.include_router(openai_router(lambda: frontend))
     server: uvicorn.Server | None = None
@@ -139,5 +149,6 @@ async def gateway_harness(
             server.should_exit = True
             await server_task
         await client.stop()
+        await rpc.stop()
         await gateway_bus.close()
         await scheduler_bus.close()
