@@ -76,12 +76,19 @@ class KVStoreService(Service):
         log.info("kvstore ready: %d chunks recovered, %d dropped", recovered, len(dropped))
 
     async def run(self) -> None:
+        """Serve calls and keep house until stopped; if either fails, so does the service."""
         assert self.rpc is not None and self.calls is not None, "start() sets them"
-        serving = asyncio.create_task(self.rpc.run(self.stopping), name="kvstore-calls")
-        try:
-            await self._housekeeping(self.calls)
-        finally:
-            await serving
+        tasks = [
+            asyncio.create_task(self.rpc.run(self.stopping), name="kvstore-calls"),
+            asyncio.create_task(self._housekeeping(self.calls), name="kvstore-housekeeping"),
+        ]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for task in done:
+            task.result()  # re-raises a failure
 
     async def _housekeeping(self, calls: OffloadCalls) -> None:
         while not self.stopping.is_set():

@@ -129,7 +129,12 @@ class RpcClient:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
         for attempt in range(attempts):
-            await self._send(stream, msg, end - loop.time())
+            try:
+                await self._send(stream, msg, end - loop.time())
+            except RpcUnavailable:
+                if attempt == 0:
+                    raise
+                # A retry that cannot be sent: the first attempt is out, keep waiting for it.
             # The attempts share what is left of the timeout equally. The answer is shielded:
             # a wait that times out must not cancel it for the next attempt.
             wait_until = loop.time() + (end - loop.time()) / (attempts - attempt)

@@ -29,6 +29,7 @@ from prometheus_client import Counter
 from redis.exceptions import ResponseError
 
 from shared.bus import Bus, BusUnavailable, Delivery
+from shared.codec import CodecError
 from shared.metrics import metric_name
 from shared.protocol import Ping, Pong, RpcErrorReply, RpcReply, RpcRequest
 from shared.rpc.envelope import envelope_problem, expired
@@ -135,8 +136,18 @@ class RpcServer:
             await self._ack(delivery)
             return
         reply = await self._answer(msg)
-        reply.correlation_id = msg.correlation_id
         self.served += 1  # handled: counted before its answer can reach the caller
+        try:
+            outcome = await self._publish(msg, reply, delivery)
+        except CodecError as exc:  # the answer does not encode (too large): say so instead
+            log.error("the answer to %s does not encode: %s", msg.TYPE, exc)
+            error = _error("internal", f"the answer to {msg.TYPE} does not encode: {exc}")
+            outcome = await self._publish(msg, error, delivery)
+        SERVED.labels(msg.TYPE, outcome).inc()
+
+    async def _publish(self, msg: RpcRequest, reply: RpcReply, delivery: Delivery) -> str:
+        """Answer and ack in one round trip; the outcome for the metric."""
+        reply.correlation_id = msg.correlation_id
         try:
             await self.bus.publish_reply(
                 msg.reply_stream,
@@ -155,9 +166,8 @@ class RpcServer:
                 exc,
                 extra={"type": msg.TYPE, "reply_stream": msg.reply_stream, "error": str(exc)},
             )
-            SERVED.labels(msg.TYPE, "unanswered").inc()
-            return
-        SERVED.labels(msg.TYPE, "error" if isinstance(reply, RpcErrorReply) else "ok").inc()
+            return "unanswered"
+        return "error" if isinstance(reply, RpcErrorReply) else "ok"
 
     async def _answer(self, msg: RpcRequest) -> RpcReply:
         if isinstance(msg, Ping):

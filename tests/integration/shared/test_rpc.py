@@ -170,6 +170,8 @@ async def test_a_handler_error_is_an_error_answer_and_the_server_keeps_serving(
             raise ValueError("cannot echo that")
         if req.spec == "refuse":
             raise RpcError("bad_request", "say something else")
+        if req.spec == "huge":  # an answer over the codec's size limit
+            return Echoed.model_construct(**echoed("x").model_dump() | {"key": "x" * 2**26})
         return echoed(req.spec)
 
     async with server(redis_url, picky), client(redis_url) as c:
@@ -179,6 +181,8 @@ async def test_a_handler_error_is_an_error_answer_and_the_server_keeps_serving(
         with pytest.raises(RpcError) as refused:
             await c.call(CALLS, ask("refuse"), Echoed, timeout_s=5)
         assert (refused.value.kind, refused.value.message) == ("bad_request", "say something else")
+        with pytest.raises(RpcError, match="the answer to grammar_compile does not encode"):
+            await c.call(CALLS, ask("huge"), Echoed, timeout_s=10)
         # A call type this server does not handle, and an answer of the wrong type.
         with pytest.raises(RpcError, match="echo does not answer kv_stats calls"):
             await c.call(CALLS, KVStats(), Echoed, timeout_s=5)
