@@ -133,9 +133,9 @@ def main() -> None:
         "MESHLLM_KV_CACHE_BYTES": str(512 * 2**20),
         "MESHLLM_MAX_MODEL_LEN": "4096",
         "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
+        "MESHLLM_KV_OFFLOAD": "true",
     }
     mesh = Mesh(services=SERVICES, env=env)
-    mesh.extra_env["MESHLLM_KVSTORE_URL"] = mesh.url("kvstore")
     rows = []
     with mesh:
         ttft(mesh, prompt_of(64, "warm-up"))  # first-request costs (tokenizer, template) out

@@ -114,6 +114,49 @@ class Bus:
         ids = await retry("publish_many", xadds, self.publish_timeout_s)
         return [entry_id.decode() for entry_id in ids]
 
+    async def publish_if_exists(self, stream: str, msg: Message) -> str | None:
+        """XADD NOMKSTREAM: the entry id, or None when the stream does not exist, which for a
+        request stream means its consumers never created their group (nobody serves it)."""
+        fields = {FIELD: encode(msg)}
+
+        async def xadd() -> Any:
+            return await self.redis.xadd(
+                stream,
+                fields,  # type: ignore[arg-type]
+                maxlen=self.maxlen,
+                approximate=True,
+                nomkstream=True,
+            )
+
+        entry_id = await retry("publish", xadd, self.publish_timeout_s)
+        return None if entry_id is None else entry_id.decode()
+
+    async def publish_reply(
+        self,
+        stream: str,
+        msg: Message,
+        *,
+        maxlen: int,
+        ttl_s: int,
+        ack: tuple[str, Delivery] | None = None,
+        limit_s: float | None = None,
+    ) -> None:
+        """One round trip: XADD to a reply stream capped at `maxlen`, renew its expiry to
+        `ttl_s` (so the stream of a caller that died goes away: a reply XADD would otherwise
+        recreate it for good), and XACK the entry it answers. Retried up to `limit_s`
+        (default `publish_timeout_s`)."""
+        fields = {FIELD: encode(msg)}
+
+        async def send() -> None:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(stream, fields, maxlen=maxlen, approximate=True)  # type: ignore[arg-type]
+            pipe.expire(stream, ttl_s)
+            if ack is not None:
+                pipe.xack(ack[1].stream, ack[0], ack[1].entry_id)
+            await pipe.execute()
+
+        await retry("publish_reply", send, self.publish_timeout_s if limit_s is None else limit_s)
+
     # --- consumer groups ---------------------------------------------------------------------
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
@@ -210,6 +253,14 @@ class Bus:
                 break
         return await self._sort([(stream.encode(), claimed)], group)
 
+    async def dead_letter(
+        self, delivery: Delivery, reason: str, detail: str, group: str | None = None
+    ) -> None:
+        """Move a decoded entry the consumer cannot use aside, as undecodable ones are (logged,
+        counted, recorded, and acked in `group`); never raises."""
+        bad = Rejected(delivery.stream, delivery.entry_id, reason, detail, encode(delivery.message))
+        await self._discard([bad], [], group)
+
     # --- fan-out -----------------------------------------------------------------------------
 
     async def read(
@@ -248,9 +299,11 @@ class Bus:
                 raise
 
     async def _recover_group(self, exc: ResponseError, group: str, streams: list[str]) -> None:
-        """Recreate groups Redis lost (NOGROUP after a restart); re-raise anything else, and
-        NOGROUP for a group this bus never ensured (a caller bug, not an outage)."""
-        if not _is_nogroup(exc) or any((s, group) not in self._groups for s in streams):
+        """Recreate groups Redis lost (NOGROUP after a restart; UNBLOCKED when the stream was
+        deleted under a blocked read, e.g. by FLUSHALL); re-raise anything else, and either for
+        a group this bus never ensured (a caller bug, not an outage)."""
+        lost = _is_nogroup(exc) or str(exc).startswith("UNBLOCKED")
+        if not lost or any((s, group) not in self._groups for s in streams):
             raise exc
         log.warning(
             "consumer group %s missing (Redis restarted?), recreating it on %s",

@@ -56,8 +56,8 @@ class GatewaySettings(CommonSettings, ModelSettings):
     max_n: int = 16
     max_logprobs: int = 20
     request_timeout_s: float = 600.0
-    grammar_url: str = "http://127.0.0.1:8003"
-    grammar_timeout_s: float = 30.0  # a compile call (cached: ms; new: up to its time limit)
+    # A compile call to the grammar service, over the bus (cached: ms; new: up to its limit).
+    grammar_timeout_s: float = Field(30.0, gt=0)
 
     @property
     def api_key_list(self) -> list[str]:
@@ -97,23 +97,19 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     reasoning_end_token_ids: list[int] = Field(default_factory=list)
     reasoning_start_token_ids: list[int] = Field(default_factory=list)
     structured_outputs_enable_in_reasoning: bool = False  # constrain the reasoning too
-    # KV offload tier (services/scheduler/offload): on when a kvstore URL is set, unless
-    # MESHLLM_KV_OFFLOAD=false. An unreachable kvstore degrades to recompute, never an error.
-    kvstore_url: str = ""
-    kv_offload: bool = True
+    # KV offload tier (services/scheduler/offload): the kvstore is called over the bus, so
+    # this switch alone turns it on; off by default, as a mesh need not run a kvstore. A
+    # kvstore that is down or slow degrades to recompute, never an error.
+    kv_offload: bool = False
     kvstore_timeout_s: float = Field(2.0, gt=0)  # one kvstore call
     kvstore_retry_s: float = Field(5.0, ge=0)  # after a failed call, skip the kvstore this long
     # Prefill/decode disaggregation (services/scheduler/pd): "prefill" computes prompts, stores
     # their KV through the offload tier and hands requests to a "decode" scheduler; "both"
-    # serves requests whole. Prefill and decode need a kvstore.
+    # serves requests whole. Prefill and decode need the offload tier (kv_offload).
     role: Literal["both", "prefill", "decode"] = "both"
     # Prompt tokens the prefill side leaves to the decode side besides the last one (the one
     # prefill-lookahead number, CONTRACTS.md: the max of this and the drafter's backoff).
     prefill_lookahead_tokens: int = Field(0, ge=0)
-
-    @property
-    def kv_offload_enabled(self) -> bool:
-        return self.kv_offload and bool(self.kvstore_url)
 
 
 class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):

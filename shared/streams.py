@@ -51,6 +51,20 @@ class Streams:
         """Scheduler -> one gateway instance (TokenDelta)."""
         return f"{self.prefix}:replies:{gateway_id}"
 
+    def calls(self, service: str) -> str:
+        """Request/reply calls to `service` (shared.rpc), read by its replicas through the
+        consumer group RPC_GROUP."""
+        return f"{self.prefix}:calls:{service}"
+
+    def rpc_replies(self, service: str, instance: str) -> str:
+        """The answers to the calls one instance of `service` makes (shared.rpc); only it reads
+        them. Every name under `rpc_reply_prefix` is such a stream and nothing else is."""
+        return f"{self.rpc_reply_prefix}{service}:{instance}"
+
+    @property
+    def rpc_reply_prefix(self) -> str:
+        return f"{self.prefix}:rpc:"
+
     def state_key(self, service: str, instance: str) -> str:
         """A service's small published state (readiness, scheduler queue snapshot)."""
         return f"{self.prefix}:state:{service}:{instance}"
@@ -58,3 +72,4 @@ class Streams:
 
 SCHEDULER_GROUP = "schedulers"
 DECODE_GROUP = "decoders"  # decode-role schedulers on the handoff stream
+RPC_GROUP = "servers"  # the callee's replicas on its `calls` stream

@@ -5,8 +5,11 @@ and are written as SHA-256 hashes, so the rendered file holds no plain password.
 user is disabled: a client that does not authenticate can do nothing.
 
 Key permissions (Redis 7): `~p` read+write, `%R~p` read only, `%W~p` write only. A stream
-command needs what its key spec says: XADD and XACK only write; XREAD only reads; XREADGROUP,
-XAUTOCLAIM and XGROUP CREATE both read and write (they move the consumer group's state).
+command needs what its key spec says: XADD, XACK and EXPIRE only write; XREAD only reads;
+XREADGROUP, XAUTOCLAIM and XGROUP CREATE both read and write (they move the consumer group's
+state). Calls between services (shared.rpc): the caller may only append to the `calls` stream
+of the services it calls and read its own service's reply streams; the callee consumes its own
+`calls` stream and may only write (answer, expire) the reply streams of its callers.
 The cluster name is `*` in every pattern, so one ACL file serves any number of clusters.
 
 Run: `python -m infra.redis.render_acl [--out FILE]` (stdout without --out). Used by the
@@ -69,6 +72,8 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         "~meshllm:*:replies:*",  # its own reply stream: read, group ops, trim on exit
         "%R~meshllm:*:grammar:*",  # compiled-grammar cache
         "%R~meshllm:*:heartbeats",  # which worker groups are ready (the mesh view)
+        "%W~meshllm:*:calls:grammar",  # CompileGrammar calls (shared.rpc)
+        "%R~meshllm:*:rpc:gateway:*",  # their answers (servers write and expire it)
     ),
     _service(
         "scheduler",
@@ -82,6 +87,8 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         "%R~meshllm:*:grammar:*",  # compiled grammars, deserialized in-process
         "~meshllm:*:kvmeta:*",  # offload block metadata
         "%R~meshllm:*:heartbeats",  # worker liveness and incarnation (restart detection)
+        "%W~meshllm:*:calls:kvstore",  # offload tier calls (shared.rpc)
+        "%R~meshllm:*:rpc:scheduler:*",  # their answers
     ),
     _service(
         "worker",
@@ -90,11 +97,18 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         "%W~meshllm:*:{g*}:control",
         "~meshllm:*:kv:*",  # offloaded KV payloads: read and write
     ),
-    _service("grammar", "~meshllm:*:grammar:*"),
+    _service(
+        "grammar",
+        "~meshllm:*:grammar:*",
+        "~meshllm:*:calls:grammar",  # its calls: consumer group `servers` (read, ack, claim)
+        "%W~meshllm:*:rpc:gateway:*",  # answers (XADD, EXPIRE) to the gateways that call it
+    ),
     _service(
         "kvstore",
         "%R~meshllm:*:kv:*",  # payload sizes and existence
         "~meshllm:*:kvmeta:*",
+        "~meshllm:*:calls:kvstore",  # its calls: consumer group `servers`
+        "%W~meshllm:*:rpc:scheduler:*",  # answers to the schedulers that call it
         # Eviction deletes payloads, but the kvstore never writes one: a selector grants
         # write permission on payload keys to DEL/UNLINK only.
         selectors=("(%W~meshllm:*:kv:* -@all +del +unlink)",),

@@ -1,6 +1,7 @@
 """The gateway's working parts, held together for the HTTP routes: settings, tokenizer, model
-facts, auth, the bus client and the mesh view. Everything here answers from a raw body to a plan
-or a JSON body; the routes only add HTTP (status codes, streaming, disconnects)."""
+facts, auth, the bus client, the mesh view and the grammar service's client. Everything here
+answers from a raw body to a plan or a JSON body; the routes only add HTTP (status codes,
+streaming, disconnects)."""
 
 from __future__ import annotations
 
@@ -40,17 +41,13 @@ class Frontend:
     model: ModelInfo
     client: GatewayBusClient
     mesh: MeshView
+    grammars: GrammarClient
     auth: ApiKeyAuth = field(init=False)
     accepting: bool = True  # False while draining: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
-    grammars: GrammarClient | None = None  # default: the grammar service at grammar_url
 
     def __post_init__(self) -> None:
         self.auth = ApiKeyAuth(self.settings.api_key_list)
-        if self.grammars is None:
-            self.grammars = GrammarClient(
-                self.settings.grammar_url, self.settings.grammar_timeout_s
-            )
 
     def check_accepting(self) -> None:
         if not self.accepting:
@@ -87,14 +84,10 @@ class Frontend:
         """The plan with its structured-output grammar compiled (GrammarRef.key set), before
         anything is queued. 400 for a spec that does not compile, 503 if the grammar service
         cannot answer; plans without a constraint pass through untouched."""
-        if plan.grammar is None or self.grammars is None:
+        if plan.grammar is None:
             return plan
         grammar = await self.grammars.compile(plan.grammar, plan.grammar_param)
         return dataclasses.replace(plan, grammar=grammar)
-
-    async def close(self) -> None:
-        if self.grammars is not None:
-            await self.grammars.close()
 
     def models(self) -> dict[str, Any]:
         card = {

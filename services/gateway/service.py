@@ -2,8 +2,9 @@
 
 Start-up order: the HTTP app is served first (so /health answers), then `start()` connects the
 bus, starts reading heartbeats into the mesh view, loads the tokenizer and model facts (off the
-event loop: the first start may convert the embedded model, ~20 s) and starts the reply reader.
-Until then the API answers 503 and /ready says not ready.
+event loop: the first start may convert the embedded model, ~20 s) and starts the reply
+readers (token deltas; the answers to its calls of the grammar service, shared.rpc). Until
+then the API answers 503 and /ready says not ready.
 
 Ready means able to serve: besides its own checks, /ready needs at least one alive scheduler with
 a ready worker group for the served model (check `workers`, from the mesh view); while there is
@@ -24,11 +25,13 @@ from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
 from services.gateway.mesh.groups import MeshView
 from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
+from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
 from shared.model.source import resolve_model
+from shared.rpc import RpcClient
 from shared.service import Service
 
 
@@ -41,9 +44,11 @@ class GatewayService(Service):
         self.frontend: Frontend | None = None
         self.mesh = MeshView(settings.heartbeat_interval_s)
         self.mesh_reader: HeartbeatReader | None = None
+        self.rpc: RpcClient | None = None
 
     async def start(self) -> None:
         await super().start()
+        s = self.settings
         # Recent beats are replayed: a restarted gateway is ready as soon as it has loaded.
         history_s = history_for(self.settings.heartbeat_interval_s)
         self.mesh_reader = HeartbeatReader(
@@ -52,13 +57,17 @@ class GatewayService(Service):
         self.mesh_reader.start()
         tokenizer, model = await asyncio.to_thread(self._load_model)
         client = GatewayBusClient(
-            self.bus,
-            self.streams,
-            self.settings.instance_id,
-            max_pending=self.settings.max_pending_requests,
+            self.bus, self.streams, s.instance_id, max_pending=s.max_pending_requests
         )
         await client.start()
-        self.frontend = Frontend(self.settings, tokenizer, model, client, self.mesh)
+        self.rpc = RpcClient(
+            self.bus,
+            self.streams.rpc_replies(self.name, s.instance_id),
+            self.streams.rpc_reply_prefix,
+        )
+        await self.rpc.start()
+        grammars = GrammarClient(self.rpc, self.streams.calls("grammar"), s.grammar_timeout_s)
+        self.frontend = Frontend(s, tokenizer, model, client, self.mesh, grammars)
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings
@@ -77,7 +86,8 @@ class GatewayService(Service):
     async def close(self) -> None:
         if self.frontend is not None:
             await self.frontend.client.stop()
-            await self.frontend.close()
+        if self.rpc is not None:
+            await self.rpc.stop()
         if self.mesh_reader is not None:
             await self.mesh_reader.stop()
         await super().close()

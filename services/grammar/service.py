@@ -2,27 +2,33 @@
 
 Start-up: the HTTP app answers /health at once; `start()` connects Redis, loads the served
 model's tokenizer as an xgrammar TokenizerInfo (off the event loop, seconds), publishes it to
-Redis for the schedulers, and starts the compiler processes. /ready and the compile API answer
-503 until then. The gateway calls `POST /v1/grammars/compile` before queuing a request and puts
-the returned key on the bus; schedulers load the compiled grammar from Redis by that key and
-run the matcher in-process, so nothing here is on the per-token path.
+Redis for the schedulers, starts the compiler processes, and only then opens its `calls`
+stream (/ready says 503 until then). The gateway calls `CompileGrammar` over the bus (calls.py)
+before queuing a request and puts the returned key on the bus; schedulers load the compiled
+grammar from Redis by that key and run the matcher in-process, so nothing here is on the
+per-token path. Replicas share the calls stream through one consumer group.
 """
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
-from fastapi import APIRouter
-
+from services.grammar.calls import compile_grammar
 from services.grammar.compiler_pool import CompilerPool
 from services.grammar.grammar_cache import GrammarCache
-from services.grammar.routes import grammar_router
 from services.grammar.tokenizer_identity import load_tokenizer_identity
 from shared.config import GrammarSettings
 from shared.grammar_store import GrammarKeys
 from shared.model.source import resolve_model
+from shared.protocol import CompileGrammar
+from shared.rpc import RpcServer
 from shared.service import Service
+
+#: Calls handled at once. Most are cache hits (memory or Redis, well under a millisecond); the
+#: compiler pool bounds the compilations among them.
+MAX_CONCURRENT_CALLS = 64
 
 
 class GrammarService(Service):
@@ -33,6 +39,7 @@ class GrammarService(Service):
         self.settings: GrammarSettings = settings
         self.cache: GrammarCache | None = None
         self.pool: CompilerPool | None = None
+        self.rpc: RpcServer | None = None
 
     async def start(self) -> None:
         await super().start()
@@ -59,9 +66,22 @@ class GrammarService(Service):
         )
         await cache.publish_tokenizer()
         self.cache = cache
+        rpc = RpcServer(
+            self.bus,
+            self.streams.calls("grammar"),
+            {CompileGrammar: partial(compile_grammar, cache)},
+            service=self.name,
+            instance_id=s.instance_id,
+            reply_prefix=self.streams.rpc_reply_prefix,
+            concurrency=MAX_CONCURRENT_CALLS,
+            claim_idle_ms=s.claim_idle_ms,
+        )
+        await rpc.start()
+        self.rpc = rpc  # calls are accepted from now on: ready
 
     async def run(self) -> None:
-        await self.stopping.wait()
+        assert self.rpc is not None, "start() sets it"
+        await self.rpc.run(self.stopping)
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -70,11 +90,8 @@ class GrammarService(Service):
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:
         ready, details = await super().check_ready()
-        details["checks"]["compiler"] = "ok" if self.cache is not None else "loading"
-        return ready and self.cache is not None, details
-
-    def routes(self) -> list[APIRouter]:
-        return [grammar_router(lambda: self.cache)]
+        details["checks"]["compiler"] = "ok" if self.rpc is not None else "loading"
+        return ready and self.rpc is not None, details
 
     def state(self) -> dict[str, Any]:
         out = super().state()
@@ -87,5 +104,6 @@ class GrammarService(Service):
                 "compiler_processes": self.pool.size,
                 "idle_compiler_processes": self.pool.num_idle,
                 "compiler_replacements": self.pool.replacements,
+                "calls": self.rpc.state() if self.rpc else None,
             }
         return out

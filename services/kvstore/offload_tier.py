@@ -1,7 +1,7 @@
 """The kvstore's core: a policy plus one record per running request.
 
 This is where the lifecycle of CONTRACTS.md's offload tier is put together, free of I/O (the
-service maps it to HTTP and Redis):
+service maps it to bus calls and Redis):
 - `store`: a request offers chunks; absent ones get the store-miss hook (once per key per
   request, before insertion), then are inserted WRITING (evicting others when over capacity,
   never the request's own keys) and returned for the worker to write;
@@ -168,13 +168,17 @@ class OffloadTier:
             self.policy.on_request_finished(record)
         return record
 
+    @property
+    def pin_holders(self) -> int:
+        return len(self._pins)
+
     def state(self) -> dict[str, object]:
         return {
             **self.policy.table.counts(),
             "capacity_bytes": self.policy.capacity_bytes,
             "evictions": self.policy.evictions,
             "requests": len(self.records),
-            "pin_holders": len(self._pins),
+            "pin_holders": self.pin_holders,
             "writes_started": len(self._started),  # being written, their step ended
             "policy": type(self.policy).__module__ + "." + type(self.policy).__name__,
         }

@@ -118,9 +118,9 @@ class SchedulerService(Service):
         self.finished: list[Delivery] = []  # acked after the outbox is out
         self.metrics_at = 0.0
         self.steps_run = 0
-        # KV offload tier: the kvstore edge (services/scheduler/offload/edge.py), if configured.
+        # KV offload tier: the kvstore edge (services/scheduler/offload/edge.py), if switched on.
         self.offload: OffloadEdge | None = (
-            OffloadEdge(settings, self.wakeup.set) if settings.kv_offload_enabled else None
+            OffloadEdge(settings, self.wakeup.set) if settings.kv_offload else None
         )
         # Where requests come from: the gateway's stream, or prefill groups' handoffs.
         decode = settings.role == "decode"
@@ -140,6 +140,8 @@ class SchedulerService(Service):
         await super().start()
         await self.bus.ensure_group(self.intake_stream, self.intake_group)
         self.grammar_loader = GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster))
+        if self.offload is not None:
+            await self.offload.start(self.bus, self.streams)
 
     async def run(self) -> None:
         tasks = [

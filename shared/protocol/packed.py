@@ -52,6 +52,14 @@ def _packer(dtype: str) -> Any:
 PackedInt32 = Annotated[
     list[int], PlainValidator(_unpacker("<i4", 4, int)), PlainSerializer(_packer("<i4"))
 ]
+#: int64 array (byte counts) packed as little-endian bytes.
+PackedInt64 = Annotated[
+    list[int], PlainValidator(_unpacker("<i8", 8, int)), PlainSerializer(_packer("<i8"))
+]
+#: uint8 array (small per-item codes: a status per chunk) packed one byte per item.
+PackedUInt8 = Annotated[
+    list[int], PlainValidator(_unpacker("<u1", 1, int)), PlainSerializer(_packer("<u1"))
+]
 #: float32 array (logprobs) packed as little-endian bytes.
 PackedFloat32 = Annotated[
     list[float], PlainValidator(_unpacker("<f4", 4, float)), PlainSerializer(_packer("<f4"))

@@ -35,10 +35,13 @@ class SamplingParams(Struct):
     logprobs: int | None = Field(None, ge=0)  # top-k logprobs per generated token (0 = chosen only)
 
 
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+
+
 class GrammarRef(Struct):
     """A structured-output constraint. `key` names the compiled grammar in the grammar cache."""
 
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
+    kind: GrammarKind
     spec: str
     key: str = ""
 

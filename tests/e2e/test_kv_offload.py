@@ -38,16 +38,15 @@ SERVICES = ("gateway", "scheduler", "worker", "kvstore")
 
 @pytest.fixture(scope="module")
 def kv_mesh(smollm2_dir) -> Iterator[Mesh]:
-    env = {**E2E_ENV, "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5", "MESHLLM_OVERLAP_STEPS": "auto"}
-    mesh = Mesh(services=SERVICES, env=env)  # the default CPU step loop (no overlap)
-    mesh.extra_env.update(
-        {
-            "MESHLLM_KVSTORE_URL": mesh.url("kvstore"),
-            "MESHLLM_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
-            "MESHLLM_KVSTORE_RETRY_S": "1.0",
-        }
-    )
-    with mesh:
+    env = {
+        **E2E_ENV,
+        "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
+        "MESHLLM_OVERLAP_STEPS": "auto",  # the default CPU step loop (no overlap)
+        "MESHLLM_KV_OFFLOAD": "true",
+        "MESHLLM_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
+        "MESHLLM_KVSTORE_RETRY_S": "1.0",
+    }
+    with Mesh(services=SERVICES, env=env) as mesh:
         yield mesh
 
 

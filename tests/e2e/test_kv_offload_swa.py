@@ -48,10 +48,9 @@ def swa_mesh(model_dir: Path) -> Iterator[Mesh]:
         "MESHLLM_MAX_MODEL_LEN": "512",
         "MESHLLM_BLOCK_SIZE": str(BLOCK),
         "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
+        "MESHLLM_KV_OFFLOAD": "true",
     }
-    mesh = Mesh(services=("gateway", "scheduler", "worker", "kvstore"), env=env)
-    mesh.extra_env["MESHLLM_KVSTORE_URL"] = mesh.url("kvstore")
-    with mesh:
+    with Mesh(services=("gateway", "scheduler", "worker", "kvstore"), env=env) as mesh:
         yield mesh
 
 

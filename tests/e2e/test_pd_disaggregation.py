@@ -82,10 +82,9 @@ def pd_mesh(model_dir: Path) -> Iterator[PDMesh]:
         "MESHLLM_BLOCK_SIZE": str(BLOCK),
         "MESHLLM_PREFILL_LOOKAHEAD_TOKENS": str(LOOKAHEAD),
         "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
+        "MESHLLM_KV_OFFLOAD": "true",
     }
-    mesh = PDMesh(env)
-    mesh.extra_env["MESHLLM_KVSTORE_URL"] = mesh.url("kvstore")
-    with mesh:
+    with PDMesh(env) as mesh:
         yield mesh
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,10 +127,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+#: How long the gateway waits for a compile over the bus: a dead grammar service costs a
+#: constrained request this much before its 503 (a slow first compile here takes ~1 s).
+GRAMMAR_TIMEOUT_S = 10
+
+
 @pytest.fixture(scope="module")
 def mesh(smollm2_dir: Path) -> Iterator[Mesh]:
     services = ("gateway", "scheduler", "worker", "grammar")
-    with Mesh(services=services, env=E2E_ENV) as m:
+    env = {**E2E_ENV, "MESHLLM_GRAMMAR_TIMEOUT_S": str(GRAMMAR_TIMEOUT_S)}
+    with Mesh(services=services, env=env) as m:
         yield m
 
 
@@ -312,12 +319,14 @@ def test_grammar_service_down_is_a_503_for_structured_requests_only(mesh: Mesh, 
         return reply.choices[0].message.content or ""
 
     assert ask_structured() in {"up", "down"}
-    mesh.kill("grammar")
+    mesh.kill("grammar")  # kill -9: its calls stream stays, nobody reads it
     try:
+        started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as caught:
             ask_structured()
         assert caught.value.status_code == 503
         assert "grammar service" in str(caught.value.message)
+        assert time.monotonic() - started >= GRAMMAR_TIMEOUT_S  # no answer within the timeout
         free = sync.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
         assert free.choices[0].finish_reason == "length"  # everything else keeps working
     finally:

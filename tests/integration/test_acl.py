@@ -7,6 +7,8 @@ the ACL lacks fails here, not in production.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from shared.bus import Bus
 from shared.protocol import (
     AbortRequest,
     Heartbeat,
+    Ping,
+    Pong,
     RequestDelta,
     StepPlan,
     StepResult,
@@ -29,6 +33,7 @@ from shared.protocol import (
     TokenDelta,
     WorkerReady,
 )
+from shared.rpc import RpcClient, RpcServer
 from shared.streams import SCHEDULER_GROUP, Streams
 from tests.support.redis_server import RedisServer
 
@@ -254,3 +259,76 @@ def test_acl_file_loads_in_a_fresh_server(tmp_path: Path) -> None:
             health.get("anything")
     finally:
         server.stop()
+
+
+# --- calls between services (shared.rpc) -------------------------------------------------------
+
+
+def test_calls_are_least_privilege(acl_redis: RedisServer) -> None:
+    """Each caller appends only to the calls streams of the services it calls and reads only
+    its own service's reply streams; each callee writes only its callers' reply streams."""
+    gateway, scheduler = raw(acl_redis, "gateway"), raw(acl_redis, "scheduler")
+    grammar, kvstore, worker = (raw(acl_redis, n) for n in ("grammar", "kvstore", "worker"))
+    refused = [
+        (gateway.xadd, S.calls("kvstore")),  # the gateway never calls the kvstore
+        (gateway.xadd, S.rpc_replies("gateway", "gw-1")),  # replies come from servers only
+        (scheduler.xadd, S.calls("grammar")),
+        (worker.xadd, S.calls("kvstore")),
+        (worker.xadd, S.calls("grammar")),
+        (grammar.xadd, S.rpc_replies("scheduler", "s-1")),  # answers only its callers
+        (grammar.xadd, S.calls("kvstore")),
+        (kvstore.xadd, S.rpc_replies("gateway", "gw-1")),
+    ]
+    for xadd, stream in refused:
+        with pytest.raises(NoPermissionError):
+            xadd(stream, {"m": b"x"})
+    grammar.xadd(S.rpc_replies("gateway", "gw-1"), {"m": b"x"})
+    kvstore.xadd(S.rpc_replies("scheduler", "s-1"), {"m": b"x"})
+    for client, stream in [
+        (gateway, S.rpc_replies("scheduler", "s-1")),  # another service's answers
+        (scheduler, S.rpc_replies("gateway", "gw-1")),
+        (kvstore, S.rpc_replies("scheduler", "s-1")),  # write-only for the callee
+        (gateway, S.calls("grammar")),  # callers cannot read other callers' calls
+        (worker, S.calls("kvstore")),
+    ]:
+        with pytest.raises(NoPermissionError):
+            client.xrange(stream)
+
+
+async def test_each_caller_reaches_its_callee_through_the_acl(bus_as: dict[str, Bus]) -> None:
+    """The real rpc client and server as the ACL users: gateway -> grammar, scheduler ->
+    kvstore, round trips and the server's dead-letter path; a forged reply stream pointing at a
+    stream of the wrong caller is never written."""
+    servers, clients, stop = [], [], asyncio.Event()
+    for callee, caller in (("grammar", "gateway"), ("kvstore", "scheduler")):
+        server = RpcServer(
+            bus_as[callee],
+            S.calls(callee),
+            {},
+            service=callee,
+            instance_id=f"{callee}-1",
+            reply_prefix=S.rpc_reply_prefix,
+        )
+        await server.start()
+        servers.append(asyncio.create_task(server.run(stop)))
+        client = RpcClient(bus_as[caller], S.rpc_replies(caller, f"{caller}-1"), S.rpc_reply_prefix)
+        await client.start()
+        clients.append(client)
+        pong = await client.call(S.calls(callee), Ping(), Pong, timeout_s=5)
+        assert pong.service == callee
+    # The scheduler asks the kvstore to answer on a gateway's reply stream: refused by Redis.
+    forged = Ping(
+        correlation_id="c", reply_stream=S.rpc_replies("gateway", "gw-9"), deadline=time.time() + 2
+    )
+    await bus_as["scheduler"].publish(S.calls("kvstore"), forged)
+    await bus_as["scheduler"].publish(S.calls("kvstore"), AbortRequest(request_id="not a call"))
+    pong = await clients[1].call(S.calls("kvstore"), Ping(), Pong, timeout_s=5)  # still serving
+    stop.set()
+    await asyncio.gather(*servers)
+    for client in clients:
+        await client.stop()
+    port = bus_as["gateway"].redis.connection_pool.connection_kwargs["port"]
+    admin = login(port, "admin", "admin-pw")
+    assert not admin.exists(S.rpc_replies("gateway", "gw-9"))
+    (_, record), *_ = admin.xrevrange(S.deadletter, count=1)
+    assert record[b"reason"] == b"bad_envelope" and record[b"consumer"] == b"kvstore-1"

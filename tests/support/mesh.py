@@ -59,7 +59,6 @@ class Mesh:
                 "MESHLLM_HOST": "127.0.0.1",
                 "MESHLLM_INSTANCE_ID": f"{name}-0",
                 "MESHLLM_LOG_JSON": "true",
-                "MESHLLM_GRAMMAR_URL": self.url("grammar"),
                 "MESHLLM_MODEL_CACHE_DIR": os.environ.get(
                     "MESHLLM_MODEL_CACHE_DIR", str(Path("~/.cache/meshllm").expanduser())
                 ),

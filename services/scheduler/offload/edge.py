@@ -19,10 +19,15 @@ Around the pure connector (services/scheduler/offload), per step of the service'
 Reports run one at a time from a queue (`run()`), under the same lock as `prepare`'s calls, so
 the kvstore sees each request's calls in order (its `store` before its `request_finished`).
 
-Failure policy: a kvstore that errs or times out is skipped for `kvstore_retry_s` (probes
-answer "miss", stores are dropped, loads are not started), counted in
+The kvstore is called over the bus (kvstore_client, shared.rpc): `start()` opens the edge's
+reply stream before the first call.
+
+Failure policy: a kvstore that errs or times out (or is not on the bus at all) is skipped
+(probes answer "miss", stores are dropped, loads are not started), counted in
 `meshllm:kv_offload_errors_total{op}` and logged; requests then simply recompute. Nothing here
-ever fails a request.
+ever fails a request. The skip lasts until a ping answers: the first one `kvstore_retry_s`
+after the failure, then one per `kvstore_retry_s`, in the background. So a dead kvstore costs
+the step loop one timeout, not one per retry period.
 """
 
 from __future__ import annotations
@@ -37,12 +42,19 @@ from prometheus_client import Counter
 
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.connector import OffloadConnector, StoreOffer
-from services.scheduler.offload.kvstore_client import KVStoreClient, KVStoreError
+from services.scheduler.offload.kvstore_client import (
+    KVStoreClient,
+    KVStoreError,
+    KVStoreRefused,
+)
 from services.scheduler.scheduler import Scheduler
+from shared.bus import Bus
 from shared.config import SchedulerSettings
 from shared.kv.offload_key import LAYOUT_VERSION, KeySpace, OffloadKey
 from shared.metrics import metric_name
 from shared.protocol import KVTransfer, KVTransferDone, StepPlan, WorkerReady
+from shared.rpc import RpcClient
+from shared.streams import Streams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,19 +81,11 @@ MAX_PENDING_STORES = 100_000  # store transfers awaiting their answer (a dead wo
 
 
 class OffloadEdge:
-    def __init__(
-        self,
-        settings: SchedulerSettings,
-        wake: Callable[[], None],
-        client_factory: Callable[[str], KVStoreClient] | None = None,
-    ) -> None:
+    def __init__(self, settings: SchedulerSettings, wake: Callable[[], None]) -> None:
         self.settings = settings
         self.wake = wake
-        self._client_factory = client_factory or (
-            lambda model: KVStoreClient(
-                settings.kvstore_url, model, LAYOUT_VERSION, timeout_s=settings.kvstore_timeout_s
-            )
-        )
+        self.rpc: RpcClient | None = None
+        self.kvstore_stream = ""
         self.client: KVStoreClient | None = None
         self.lookup: AsyncLookup | None = None
         self.connector: OffloadConnector | None = None
@@ -98,20 +102,36 @@ class OffloadEdge:
         # step id -> its store transfers whose writes have not begun (the step still runs)
         self._stores_in_step: dict[int, list[str]] = {}
         self._worker_incarnation = ""  # the core's, as of the last prepare
-        self._down_until = 0.0
+        self._down = False  # a call failed: skip the kvstore until a ping answers
+        self._next_ping = 0.0  # monotonic time of the next ping while down
+        self._ping: asyncio.Task[None] | None = None
         self.chunk_bytes = 0  # bytes per chunk: WorkerReady.kv_chunk_bytes, or store answers
         self._queries_seen = 0
         self.errors = 0
 
     # --- wiring ----------------------------------------------------------------------------
 
+    async def start(self, bus: Bus, streams: Streams) -> None:
+        """Open this scheduler's reply stream for kvstore answers (before any `attach`)."""
+        self.rpc = RpcClient(
+            bus,
+            streams.rpc_replies("scheduler", self.settings.instance_id),
+            streams.rpc_reply_prefix,
+        )
+        self.kvstore_stream = streams.calls("kvstore")
+        await self.rpc.start()
+
     def attach(self, core: Scheduler, ready: WorkerReady, incarnation: str) -> None:
         """Give a (new) core its connector, in the key space of the worker's model."""
+        assert self.rpc is not None, "start() first"
         if self.client is None or self.client.model != ready.model:
-            old = self.client
-            self.client = self._client_factory(ready.model)
-            if old is not None:
-                self._report("close", old.aclose)
+            self.client = KVStoreClient(
+                self.rpc,
+                self.kvstore_stream,
+                ready.model,
+                LAYOUT_VERSION,
+                timeout_s=self.settings.kvstore_timeout_s,
+            )
         self.lookup = AsyncLookup(self._probe)
         space = KeySpace(self.settings.cluster, ready.model, LAYOUT_VERSION)
         self.connector = OffloadConnector(
@@ -141,14 +161,16 @@ class OffloadEdge:
     async def close(self) -> None:
         if self.lookup is not None:
             await self.lookup.close()
-        if self.client is not None:
-            await self.client.aclose()
+        if self._ping is not None:
+            self._ping.cancel()
+        if self.rpc is not None:
+            await self.rpc.stop()
 
     def state(self) -> dict[str, Any]:
         c = self.connector
         return {
-            "kvstore_url": self.settings.kvstore_url,
-            "available": time.monotonic() >= self._down_until,
+            "kvstore_stream": self.kvstore_stream,
+            "available": not self._down,
             "errors": self.errors,
             "chunk_bytes": self.chunk_bytes,
             "pending_stores": len(self._stores),
@@ -166,24 +188,52 @@ class OffloadEdge:
 
     # --- kvstore calls ---------------------------------------------------------------------
 
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+    def usable(self) -> bool:
+        """Whether calls go out now. While down, pings the kvstore in the background once per
+        `kvstore_retry_s` (never from the caller: a dead kvstore must not stall the step loop
+        a timeout per retry)."""
+        if not self._down:
+            return True
+        client = self.client
+        if self._ping is None and client is not None and time.monotonic() >= self._next_ping:
+            self._ping = asyncio.create_task(self._ping_kvstore(client), name="kvstore-ping")
+        return False
+
+    async def _ping_kvstore(self, client: KVStoreClient) -> None:
+        try:
+            await client.ping()
+        except KVStoreError as exc:
+            self._next_ping = time.monotonic() + self.settings.kvstore_retry_s
+            log.info("kvstore still unreachable (%s); offload stays off", exc)
+        else:
+            self._down = False
+            log.info("kvstore answers again: offload back on")
+            self.wake()
+        finally:
+            self._ping = None
 
     async def _call(self, op: str, call: Callable[[], Awaitable[T]]) -> T | None:
         """One kvstore call; None when skipped or failed (then the tier is skipped a while)."""
-        if not self.available:
+        if not self.usable():
             return None
         try:
             return await call()
+        except KVStoreRefused as exc:  # this call only: the kvstore itself is fine
+            ERRORS.labels(op=op).inc()
+            self.errors += 1
+            log.warning("kvstore %s refused (%s): skipped", op, exc)
+            return None
         except (KVStoreError, TimeoutError, OSError) as exc:
             ERRORS.labels(op=op).inc()
             self.errors += 1
-            self._down_until = time.monotonic() + self.settings.kvstore_retry_s
+            self._down = True
+            self._next_ping = time.monotonic() + self.settings.kvstore_retry_s
             log.warning(
-                "kvstore %s failed (%s); offload skipped for %.1f s: requests recompute",
+                "kvstore %s failed (%s); offload off until the kvstore answers a ping "
+                "(in %.1f s, then every %.1f s): requests recompute",
                 op,
                 exc,
+                self.settings.kvstore_retry_s,
                 self.settings.kvstore_retry_s,
             )
             return None

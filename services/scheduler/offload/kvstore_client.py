@@ -1,26 +1,64 @@
-"""The kvstore's HTTP client, for the scheduler's offload connector (and tests).
+"""The scheduler's client of the kvstore, over the bus (shared.rpc; shared/protocol/kvstore.py).
 
-One client per model key space. `existing` has the `ProbeBackend` shape, so
-`AsyncLookup(client.existing)` probes the kvstore in one request per batch. HTTP and server
-errors raise `KVStoreError`; `AsyncLookup` turns a failed probe into misses.
+One client per model key space, sharing the scheduler's rpc client (one reply stream, one
+reader). `existing` has the `ProbeBackend` shape, so `AsyncLookup(client.existing)` probes the
+kvstore in one call per batch. Every failure (no answer in time, no kvstore on the bus, Redis
+down, an error answer) raises `KVStoreError`; `AsyncLookup` turns a failed probe into misses
+and the offload edge skips the tier a while. An invalid call raises its subclass
+`KVStoreRefused`, which says nothing about the kvstore's health.
+
+Only `lookup`, `stats` and `ping` are sent twice on a slow answer: the other calls change the
+kvstore's state, and a second `store` or `load` would reserve or pin again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
-import httpx
+from pydantic import ValidationError
 
 from services.scheduler.offload.window_scan import Verdict
 from shared.kv.offload_key import OffloadKey
+from shared.protocol import (
+    KVChunkOffers,
+    KVChunks,
+    KVChunksAt,
+    KVCountReply,
+    KVFinishedReply,
+    KVLoad,
+    KVLoaded,
+    KVLoadReply,
+    KVLookup,
+    KVLookupReply,
+    KVRequestFinished,
+    KVStats,
+    KVStatsReply,
+    KVStore,
+    KVStored,
+    KVStoreReply,
+    KVWriting,
+    Ping,
+    Pong,
+    RpcReply,
+    RpcRequest,
+)
+from shared.protocol.kvstore import CHUNK_STATES, STORE_OUTCOMES
+from shared.rpc import RpcCallError, RpcClient, RpcError
 
 READY_STATUSES = frozenset({"ready", "pinned"})
+R = TypeVar("R", bound=RpcReply)
 
 
 class KVStoreError(Exception):
-    pass
+    """The call got no usable answer (the kvstore may be down: the tier is skipped a while)."""
+
+
+class KVStoreRefused(KVStoreError):
+    """The call itself is invalid (too many chunks, a bad name): refused before it was sent
+    or by the kvstore. Says nothing about the kvstore's health."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +67,6 @@ class StoreReply:
     present: list[OffloadKey]
     refused: list[OffloadKey]
     evicted: int
-
-
-def _ref(key: OffloadKey) -> dict[str, Any]:
-    return {"group": key.group, "hash": key.block_hash.hex()}
-
-
-def _keys(refs: list[dict[str, Any]]) -> list[OffloadKey]:
-    return [OffloadKey.from_hex(r["hash"], int(r["group"])) for r in refs]
 
 
 def verdict_of_status(status: str) -> Verdict:
@@ -49,35 +79,40 @@ def verdict_of_status(status: str) -> Verdict:
 class KVStoreClient:
     def __init__(
         self,
-        base_url: str,
+        rpc: RpcClient,
+        stream: str,
         model: str,
         layout_version: int = 1,
         *,
-        timeout_s: float = 5.0,
-        http: httpx.AsyncClient | None = None,
+        timeout_s: float = 2.0,
     ) -> None:
+        self.rpc = rpc
+        self.stream = stream
         self.model = model
         self.layout_version = layout_version
-        self._http = http or httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+        self.timeout_s = timeout_s
 
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        if path != "request_finished":
-            body = {"model": self.model, "layout_version": self.layout_version, **body}
+    async def _call(self, request: RpcRequest, expect: type[R], *, safe: bool = False) -> R:
         try:
-            resp = await self._http.post(f"/v1/kv/{path}", json=body)
-        except httpx.HTTPError as exc:
-            raise KVStoreError(f"kvstore {path}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise KVStoreError(f"kvstore {path}: HTTP {resp.status_code}: {resp.text[:500]}")
-        return dict(resp.json())
+            return await self.rpc.call(
+                self.stream, request, expect, self.timeout_s, attempts=2 if safe else 1
+            )
+        except RpcError as exc:
+            error = KVStoreRefused if exc.kind == "bad_request" else KVStoreError
+            raise error(f"kvstore {request.TYPE}: {exc}") from None
+        except RpcCallError as exc:
+            raise KVStoreError(f"kvstore {request.TYPE}: {type(exc).__name__}: {exc}") from None
 
     async def lookup(self, keys: Sequence[OffloadKey]) -> list[str]:
         """Each key's status: "ready", "pinned", "writing" or "missing"."""
-        reply = await self._post("lookup", {"chunks": [_ref(k) for k in keys]})
-        return list(reply["statuses"])
+        with _invalid_call():
+            request = KVLookup(
+                model=self.model, layout_version=self.layout_version, chunks=KVChunks.of(keys)
+            )
+        reply = await self._call(request, KVLookupReply, safe=True)
+        if len(reply.statuses) != len(keys):
+            raise KVStoreError(f"kvstore lookup: {len(reply.statuses)} statuses for {len(keys)}")
+        return [CHUNK_STATES[code] for code in reply.statuses]
 
     async def existing(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
         """The keys that can be read now (a `ProbeBackend`)."""
@@ -88,34 +123,87 @@ class KVStoreClient:
         self, request_id: str, offers: Sequence[tuple[OffloadKey, int, int]]
     ) -> StoreReply:
         """Offer (key, end position, nbytes) chunks for store."""
-        chunks = [{**_ref(k), "end": end, "nbytes": n} for k, end, n in offers]
-        reply = await self._post("store", {"request_id": request_id, "chunks": chunks})
-        return StoreReply(
-            _keys(reply["write"]),
-            _keys(reply["present"]),
-            _keys(reply["refused"]),
-            int(reply["evicted"]),
-        )
+        with _invalid_call():
+            request = KVStore(
+                model=self.model,
+                layout_version=self.layout_version,
+                request_id=request_id,
+                chunks=KVChunkOffers.offers(offers),
+            )
+        reply = await self._call(request, KVStoreReply)
+        if len(reply.outcomes) != len(offers):
+            raise KVStoreError(f"kvstore store: {len(reply.outcomes)} outcomes for {len(offers)}")
+        # Ordered sets: a key offered twice is answered once.
+        by_outcome: dict[str, dict[OffloadKey, None]] = {name: {} for name in STORE_OUTCOMES}
+        for (key, _, _), code in zip(offers, reply.outcomes, strict=True):
+            by_outcome[STORE_OUTCOMES[code]][key] = None
+        write, present, refused = (list(by_outcome[name]) for name in STORE_OUTCOMES)
+        return StoreReply(write, present, refused, reply.evicted)
 
     async def writing(self, keys: Sequence[OffloadKey]) -> int:
         """The step computing these chunks ended: their write deadline restarts now."""
-        reply = await self._post("writing", {"chunks": [_ref(k) for k in keys]})
-        return int(reply["restarted"])
+        with _invalid_call():
+            request = KVWriting(
+                model=self.model, layout_version=self.layout_version, chunks=KVChunks.of(keys)
+            )
+        return (await self._call(request, KVCountReply)).count
 
     async def stored(self, offers: Sequence[tuple[OffloadKey, int, int]], ok: bool) -> int:
-        chunks = [{**_ref(k), "end": end, "nbytes": n} for k, end, n in offers]
-        return int((await self._post("stored", {"chunks": chunks, "ok": ok}))["completed"])
+        with _invalid_call():
+            request = KVStored(
+                model=self.model,
+                layout_version=self.layout_version,
+                chunks=KVChunkOffers.offers(offers),
+                ok=ok,
+            )
+        return (await self._call(request, KVCountReply)).count
 
     async def load(
         self, holder: str, reads: Sequence[tuple[OffloadKey, int]], *, internal: bool = False
     ) -> list[OffloadKey]:
-        chunks = [{**_ref(k), "end": end} for k, end in reads]
-        reply = await self._post("load", {"holder": holder, "internal": internal, "chunks": chunks})
-        return _keys(reply["pinned"])
+        """Pin the ready chunks among `reads` for `holder`; returns the pinned keys."""
+        with _invalid_call():
+            request = KVLoad(
+                model=self.model,
+                layout_version=self.layout_version,
+                holder=holder,
+                internal=internal,
+                chunks=KVChunksAt.at(reads),
+            )
+        reply = await self._call(request, KVLoadReply)
+        if len(reply.pinned) != len(reads):
+            raise KVStoreError(f"kvstore load: {len(reply.pinned)} answers for {len(reads)}")
+        pinned = [key for (key, _), flag in zip(reads, reply.pinned, strict=True) if flag]
+        return list(dict.fromkeys(pinned))  # a key read twice is pinned once
 
     async def loaded(self, holder: str, keys: Sequence[OffloadKey]) -> int:
-        reply = await self._post("loaded", {"holder": holder, "chunks": [_ref(k) for k in keys]})
-        return int(reply["released"])
+        with _invalid_call():
+            request = KVLoaded(
+                model=self.model,
+                layout_version=self.layout_version,
+                holder=holder,
+                chunks=KVChunks.of(keys),
+            )
+        return (await self._call(request, KVCountReply)).count
 
-    async def request_finished(self, request_id: str) -> dict[str, Any]:
-        return await self._post("request_finished", {"request_id": request_id})
+    async def request_finished(self, request_id: str) -> KVFinishedReply:
+        with _invalid_call():
+            request = KVRequestFinished(request_id=request_id)
+        return await self._call(request, KVFinishedReply)
+
+    async def stats(self) -> KVStatsReply:
+        return await self._call(KVStats(), KVStatsReply, safe=True)
+
+    async def ping(self) -> Pong:
+        """Whether a kvstore is serving now (answered by its rpc server itself)."""
+        return await self._call(Ping(), Pong, safe=True)
+
+
+@contextmanager
+def _invalid_call() -> Iterator[None]:
+    """A request its protocol model refuses (too many chunks, an empty id) is a KVStoreRefused
+    like any other failed call, never an exception the offload edge does not expect."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise KVStoreRefused(f"kvstore call not sent: {exc.errors()[0]['msg']}") from None

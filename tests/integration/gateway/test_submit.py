@@ -228,8 +228,8 @@ async def test_structured_output_specs_travel_as_grammar_refs(
     """The gateway compiles the spec with the (real) grammar service before queuing, and the
     request carries the spec and the compiled grammar's cache key."""
     async with (
-        grammar_service(redis_url, smollm2_dir) as grammar,
-        gateway_harness(redis_url, tokenizer, smollm2_dir, grammar_url=grammar.url) as gateway,
+        grammar_service(redis_url, smollm2_dir),
+        gateway_harness(redis_url, tokenizer, smollm2_dir) as gateway,
     ):
         (sub,), task = await submitted(
             gateway,

@@ -1,4 +1,5 @@
-"""The grammar service against a real Redis: compile API, caches, limits, the scheduler's view.
+"""The grammar service against a real Redis, called over the bus: compile calls, caches, limits,
+garbage on its calls stream, the scheduler's view.
 
 One service per module (its start loads the tokenizer and forks compilers). A compiled key
 must be loadable by the scheduler's GrammarLoader straight from Redis: that is the contract
@@ -9,16 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
 from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
+from shared.codec import encode
 from shared.grammar_store import GrammarEntry, GrammarKeys
+from shared.protocol import AbortRequest, CompileGrammar
+from shared.rpc import RpcError
+from shared.streams import Streams
 from tests.support.grammar_server import RunningGrammarService, grammar_service
 from tests.support.redis_server import RedisServer
 
@@ -107,12 +114,10 @@ async def test_every_kind_compiles_into_redis_where_the_scheduler_loads_it(
     good: str,
     bad: str,
 ) -> None:
-    resp = await grammar.compile(kind, spec)
-    assert resp.status_code == 200, resp.text
-    body = resp.json()
-    key = body["key"]
+    reply = await grammar.compile(kind, spec)
+    key = reply.key
     entry = GrammarEntry.decode(await redis.get(KEYS.grammar(key)))
-    assert entry.kind == kind and entry.tokenizer_hash == body["tokenizer_hash"]
+    assert entry.kind == kind == reply.kind and entry.tokenizer_hash == reply.tokenizer_hash
     assert await redis.ttl(KEYS.grammar(key)) > 0  # bounded lifetime, refreshed on use
 
     loaded = await GrammarLoader(redis, KEYS).load(key)  # what the scheduler does
@@ -132,14 +137,13 @@ async def test_the_same_spec_is_compiled_once(grammar: RunningGrammarService) ->
     spec = json.dumps({"type": "array", "items": {"type": "boolean"}, "maxItems": 3})
     misses = await metric(grammar, "meshllm:grammar_cache_misses_total")
     compiles = await metric(grammar, "meshllm:grammar_compile_seconds_count")
-    results = await asyncio.gather(*(grammar.compile("json_schema", spec) for _ in range(4)))
-    bodies = [r.json() for r in results]
-    assert len({b["key"] for b in bodies}) == 1
+    replies = await asyncio.gather(*(grammar.compile("json_schema", spec) for _ in range(4)))
+    assert len({r.key for r in replies}) == 1
     assert await metric(grammar, "meshllm:grammar_cache_misses_total") == misses + 1
     assert await metric(grammar, "meshllm:grammar_compile_seconds_count") == compiles + 1
     hits = await metric(grammar, 'meshllm:grammar_cache_hits_total{tier="memory"}')
-    again = (await grammar.compile("json_schema", spec)).json()
-    assert again["source"] == "memory" and again["cached"] and again["key"] == bodies[0]["key"]
+    again = await grammar.compile("json_schema", spec)
+    assert again.source == "memory" and again.cached and again.key == replies[0].key
     assert await metric(grammar, 'meshllm:grammar_cache_hits_total{tier="memory"}') == hits + 1
 
 
@@ -147,15 +151,19 @@ async def test_redis_is_the_second_tier_and_is_refilled_when_it_lost_an_entry(
     grammar: RunningGrammarService, redis: aioredis.Redis
 ) -> None:
     spec = r"[a-f]{4}"
-    key = (await grammar.compile("regex", spec)).json()["key"]
+    key = (await grammar.compile("regex", spec)).key
     assert grammar.service.cache is not None
     grammar.service.cache._memory.clear()  # a replica that never saw it: Redis answers
-    assert (await grammar.compile("regex", spec)).json()["source"] == "redis"
+    assert (await grammar.compile("regex", spec)).source == "redis"
 
-    await redis.flushall()  # Redis restarted empty: the memory hit writes everything back
-    body = (await grammar.compile("regex", spec)).json()
-    assert body["source"] == "memory" and body["key"] == key
-    assert await redis.exists(KEYS.grammar(key), KEYS.tokenizer(body["tokenizer_hash"])) == 2
+    # Redis restarted empty: the service recreates its calls stream at once (until then calls
+    # are unavailable), and the memory hit writes everything back.
+    await redis.flushall()
+    while not await redis.exists(grammar.stream):
+        await asyncio.sleep(0.01)
+    reply = await grammar.compile("regex", spec)
+    assert reply.source == "memory" and reply.key == key
+    assert await redis.exists(KEYS.grammar(key), KEYS.tokenizer(reply.tokenizer_hash)) == 2
     assert await GrammarLoader(redis, KEYS).load(key) is not None
 
 
@@ -171,39 +179,61 @@ async def test_redis_is_the_second_tier_and_is_refilled_when_it_lost_an_entry(
         ("grammar", "root ::= undefined_rule", "not defined"),
         ("grammar", "start: unknown", "unknown"),
         ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', ""),
-        ("sql", "SELECT 1", "unknown grammar kind"),
     ],
 )
-async def test_invalid_specs_are_a_400_with_the_reason(
+async def test_invalid_specs_are_refused_with_the_reason(
     grammar: RunningGrammarService, kind: str, spec: str, message: str
 ) -> None:
-    resp = await grammar.compile(kind, spec)
-    assert resp.status_code == 400, resp.text
-    error = resp.json()["error"]
-    assert error["param"] == "spec" and error["type"] == "invalid_request_error"
-    assert message in error["message"] and "project/cpp" not in error["message"]
+    with pytest.raises(RpcError) as refused:
+        await grammar.compile(kind, spec)
+    assert refused.value.kind == "bad_request"  # the gateway's 400
+    assert message in refused.value.message and "project/cpp" not in refused.value.message
 
 
-async def test_a_malformed_body_is_a_400(grammar: RunningGrammarService) -> None:
-    resp = await grammar.http.post("/v1/grammars/compile", content=b"{not json")
-    assert resp.status_code == 400
-    resp = await grammar.http.post("/v1/grammars/compile", json={"spec": "a"})
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kind"
+async def test_garbage_calls_are_dead_lettered_and_the_service_keeps_answering(
+    grammar: RunningGrammarService, redis: aioredis.Redis
+) -> None:
+    """Undecodable bytes, a kind the protocol does not know, a call answering elsewhere than
+    the rpc reply namespace, a message that is no call: each goes to the dead letters."""
+    streams = Streams("gtest")
+    calls = streams.calls("grammar")
+    dead_before = await redis.xlen(streams.deadletter)
+    unknown_kind = {"t": CompileGrammar.TYPE, "v": 1, "b": {"kind": "sql", "spec": "SELECT 1"}}
+    stray = CompileGrammar(
+        kind="regex",
+        spec="a",
+        correlation_id="c",
+        reply_stream="meshllm:gtest:requests",
+        deadline=time.time() + 60,
+    )
+    for payload in (
+        b"{not msgpack",
+        msgpack.packb(unknown_kind),
+        encode(stray),
+        encode(AbortRequest(request_id="not a call")),
+    ):
+        await redis.xadd(calls, {"m": payload})
+    assert (await grammar.compile("regex", "[0-9]{2}")).key  # still answering, in order
+    records = await redis.xrange(streams.deadletter)
+    reasons = [fields[b"reason"] for _, fields in records[dead_before:]]
+    assert reasons == [b"malformed", b"invalid", b"bad_envelope", b"bad_envelope"]
+    assert b"grammar_compile.kind" in records[dead_before + 1][1][b"detail"]
+    assert not await redis.exists("meshllm:gtest:requests")
 
 
 async def test_a_pathological_spec_is_refused_and_the_service_keeps_answering(
     grammar: RunningGrammarService,
 ) -> None:
     spec = json.dumps(PATHOLOGICAL)
-    resp = await grammar.compile("json_schema", spec)
-    assert resp.status_code == 400
-    assert "could not be compiled" in resp.json()["error"]["message"]
+    with pytest.raises(RpcError, match="could not be compiled") as refused:
+        await grammar.compile("json_schema", spec)
+    assert refused.value.kind == "bad_request"
     # Its process was replaced: the service compiles the next spec.
-    assert (await grammar.compile("regex", "[0-9]{5}")).status_code == 200
+    assert (await grammar.compile("regex", "[0-9]{5}")).key
     # Sent again, it is refused at once instead of occupying a compiler for another limit.
     replacements = grammar.service.pool.replacements if grammar.service.pool else -1
-    again = await grammar.compile("json_schema", spec)
-    assert again.status_code == 400
+    with pytest.raises(RpcError, match="could not be compiled"):
+        await grammar.compile("json_schema", spec)
     assert grammar.service.pool is not None and grammar.service.pool.replacements == replacements
 
 

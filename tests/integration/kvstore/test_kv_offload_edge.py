@@ -1,7 +1,9 @@
-"""The scheduler's offload edge against a real kvstore service: the stores of a plan start their
-short write deadline when the step's result arrives (`on_step_result`), or when the worker is
-reset (its steps in flight will never report), never at the `store` call before the forward.
-The chunk size offered is the worker's announced one (WorkerReady.kv_chunk_bytes)."""
+"""The scheduler's offload edge against a real kvstore service over the bus: the stores of a plan
+start their short write deadline when the step's result arrives (`on_step_result`), or when the
+worker is reset (its steps in flight will never report), never at the `store` call before the
+forward. The chunk size offered is the worker's announced one (WorkerReady.kv_chunk_bytes). A
+kvstore that is down costs one timeout, the plan goes out without its stores (recompute), and
+the edge comes back by itself once a ping is answered."""
 
 from __future__ import annotations
 
@@ -10,22 +12,24 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
-
 from services.scheduler.offload.edge import OffloadEdge
-from services.scheduler.offload.kvstore_client import KVStoreClient
 from services.scheduler.scheduler import Scheduler
+from shared.bus import Bus
 from shared.config import SchedulerSettings
 from shared.protocol import StepPlan, WorkerReady
-from tests.integration.kvstore.running import CLUSTER, MODEL, NBYTES, kvstore
+from shared.streams import RPC_GROUP
+from tests.integration.kvstore.running import (
+    CLUSTER,
+    MODEL,
+    NBYTES,
+    STREAMS,
+    RunningKVStore,
+    kvstore,
+)
 from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import BLOCK, config
 
 PROMPT = list(range(100, 122))  # 22 tokens: 5 full blocks of 4
-
-
-async def state(http: httpx.AsyncClient) -> dict[str, Any]:
-    return dict((await http.get("/admin/state")).json()["kvstore"])
 
 
 async def until(check: Callable[[], Any], what: str) -> None:
@@ -37,33 +41,48 @@ async def until(check: Callable[[], Any], what: str) -> None:
 
 
 @asynccontextmanager
-async def edge_with_core(redis_url: str) -> AsyncIterator[tuple[OffloadEdge, Scheduler, Any]]:
-    async with kvstore(redis_url, capacity_chunks=64) as http:
-        settings = SchedulerSettings(cluster=CLUSTER, instance_id="s", kvstore_url="http://kv")
-        edge = OffloadEdge(
-            settings, lambda: None, lambda model: KVStoreClient("", model, http=http)
-        )
-        core = Scheduler(config(), "s")
-        ready = WorkerReady(
-            worker_id="w",
-            incarnation="w1",
-            model=MODEL,
-            num_kv_blocks=64,
-            block_size=BLOCK,
-            vocab_size=1000,
-            max_model_len=200,
-            kv_chunk_bytes=NBYTES,
-        )
-        edge.attach(core, ready, "inc")
-        core.reset_worker_state("w1")  # what the service does when the worker is ready
-        stopping = asyncio.Event()
-        reports = asyncio.create_task(edge.run(stopping))
-        try:
-            yield edge, core, http
-        finally:
-            stopping.set()
-            reports.cancel()
-            await edge.close()
+async def scheduler_edge(
+    redis_url: str, **settings: Any
+) -> AsyncIterator[tuple[OffloadEdge, Scheduler]]:
+    """A scheduler core with its offload edge, calling the kvstore over a real bus."""
+    options: dict[str, Any] = {"cluster": CLUSTER, "instance_id": "s", "kv_offload": True}
+    edge = OffloadEdge(SchedulerSettings(**{**options, **settings}), lambda: None)
+    bus = Bus(redis_url, "s")
+    await bus.connect()
+    await edge.start(bus, STREAMS)
+    core = Scheduler(config(), "s")
+    ready = WorkerReady(
+        worker_id="w",
+        incarnation="w1",
+        model=MODEL,
+        num_kv_blocks=64,
+        block_size=BLOCK,
+        vocab_size=1000,
+        max_model_len=200,
+        kv_chunk_bytes=NBYTES,
+    )
+    edge.attach(core, ready, "inc")
+    core.reset_worker_state("w1")  # what the service does when the worker is ready
+    stopping = asyncio.Event()
+    reports = asyncio.create_task(edge.run(stopping))
+    try:
+        yield edge, core
+    finally:
+        stopping.set()
+        reports.cancel()
+        await edge.close()
+        await bus.close()
+
+
+@asynccontextmanager
+async def edge_with_core(
+    redis_url: str,
+) -> AsyncIterator[tuple[OffloadEdge, Scheduler, RunningKVStore]]:
+    async with (
+        kvstore(redis_url, capacity_chunks=64) as kv,
+        scheduler_edge(redis_url) as (edge, core),
+    ):
+        yield edge, core, kv
 
 
 async def plan_with_stores(edge: OffloadEdge, core: Scheduler) -> StepPlan:
@@ -79,18 +98,18 @@ async def plan_with_stores(edge: OffloadEdge, core: Scheduler) -> StepPlan:
 
 
 async def test_a_step_result_starts_the_write_deadline_of_its_stores(redis_url: str) -> None:
-    async with edge_with_core(redis_url) as (edge, core, http):
+    async with edge_with_core(redis_url) as (edge, core, kv):
         plan = await plan_with_stores(edge, core)
         num = len(plan.kv_stores[0].keys)
         assert num == 5
-        before = await state(http)
+        before = await kv.state()
         assert before["writing"] == num and before["writes_started"] == 0
         assert before["used_bytes"] == num * NBYTES  # the announced chunk size was offered
         edge.on_step_result(plan.step_id - 1)  # an earlier step: not this one's stores
         edge.on_step_result(plan.step_id)
 
         async def started() -> bool:
-            return (await state(http))["writes_started"] == num
+            return (await kv.state())["writes_started"] == num
 
         await until(started, "the kvstore heard the step ended")
 
@@ -98,13 +117,41 @@ async def test_a_step_result_starts_the_write_deadline_of_its_stores(redis_url: 
 async def test_a_worker_reset_starts_the_deadline_of_every_store_in_flight(
     redis_url: str,
 ) -> None:
-    async with edge_with_core(redis_url) as (edge, core, http):
+    async with edge_with_core(redis_url) as (edge, core, kv):
         plan = await plan_with_stores(edge, core)
         num = len(plan.kv_stores[0].keys)
         core.reset_worker_state("")  # the worker was declared dead: no result will come
         await edge.prepare(core, core.schedule())
 
         async def started() -> bool:
-            return (await state(http))["writes_started"] == num
+            return (await kv.state())["writes_started"] == num
 
         await until(started, "the kvstore heard the steps in flight are void")
+
+
+async def test_a_dead_kvstore_costs_one_timeout_and_a_ping_brings_the_tier_back(
+    redis_url: str,
+) -> None:
+    bus = Bus(redis_url, "kv-gone")
+    await bus.connect()
+    await bus.ensure_group(STREAMS.calls("kvstore"), RPC_GROUP)  # it ran once, and died
+    await bus.close()
+    fast = {"kvstore_timeout_s": 0.3, "kvstore_retry_s": 0.2}
+    async with scheduler_edge(redis_url, **fast) as (edge, core):
+        core.add_request(submit("a", PROMPT, max_tokens=2))
+        plan = None
+        while plan is None or not plan.num_scheduled_tokens:  # until the probe timed out
+            plan = core.schedule()
+            await edge.prepare(core, plan)
+            await asyncio.sleep(0.01)
+        assert plan.kv_stores == [] and plan.kv_loads == []  # computed; nothing stored
+        assert edge.state()["available"] is False and edge.errors == 1
+        async with kvstore(redis_url, capacity_chunks=64) as kv:
+
+            async def back() -> bool:
+                return edge.usable()  # what every call asks first: pings while down
+
+            await until(back, "a ping reached the restarted kvstore")
+            assert edge.client is not None and (await edge.client.stats()).chunks == 0
+            assert (await kv.state())["chunks"] == 0
+        assert edge.errors == 1  # one failed call for the whole outage: pings are not calls

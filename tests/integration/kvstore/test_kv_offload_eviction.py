@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 
 from services.scheduler.offload.kvstore_client import KVStoreClient
 from shared.kv.offload_key import OffloadKey
-from tests.integration.kvstore.running import MODEL, NBYTES, SPACE, kvstore
+from tests.integration.kvstore.running import NBYTES, SPACE, kvstore
 from tests.unit.kvstore.prefix import prefix_chunks
 
 CAPACITY = 8  # chunks
@@ -50,8 +50,8 @@ async def test_eviction_keeps_the_heads_of_hot_prefixes(redis_url: str) -> None:
     r = aioredis.Redis.from_url(redis_url)
     hot = prefix_chunks(4, seed=1)  # a system prompt every request starts with
     hot_keys = [k for k, _ in hot]
-    async with kvstore(redis_url, capacity_chunks=CAPACITY) as http:
-        client = KVStoreClient("", MODEL, http=http)
+    async with kvstore(redis_url, capacity_chunks=CAPACITY) as kv:
+        client = kv.client()
         assert await store(client, r, "first", hot) == hot_keys
         await client.request_finished("first")
         for n in range(6):  # cold prefixes stream in; requests keep reusing the hot head
@@ -60,7 +60,7 @@ async def test_eviction_keeps_the_heads_of_hot_prefixes(redis_url: str) -> None:
             written = await store(client, r, f"cold-{n}", cold)
             assert written == [k for k, _ in cold]  # room is always made (nothing pinned)
             await client.request_finished(f"cold-{n}")
-            state = (await http.get("/admin/state")).json()["kvstore"]
+            state = await kv.state()
             assert state["chunks"] <= CAPACITY
             # The hot head survives every round; a tail never outlives its head.
             hot_present = await present(r, hot_keys)
@@ -80,8 +80,8 @@ async def test_the_writing_call_restarts_only_writes_in_progress(redis_url: str)
     r = aioredis.Redis.from_url(redis_url)
     chunks = prefix_chunks(3, seed=2)
     keys = [k for k, _ in chunks]
-    async with kvstore(redis_url, capacity_chunks=CAPACITY) as http:
-        client = KVStoreClient("", MODEL, http=http)
+    async with kvstore(redis_url, capacity_chunks=CAPACITY) as kv:
+        client = kv.client()
         reply = await client.store("r1", [(k, end, NBYTES) for k, end in chunks])
         assert reply.write == keys
         await r.set(SPACE.payload_key(keys[0]), b"\x01" * NBYTES)

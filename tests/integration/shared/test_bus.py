@@ -308,6 +308,23 @@ async def test_a_blocked_read_survives_a_redis_restart(own_redis: RedisServer) -
         await bus.close()
 
 
+async def test_a_stream_deleted_under_a_blocked_read_is_recreated(redis_url: str) -> None:
+    """FLUSHALL (or a DEL) while a group read blocks unblocks it with an error: the bus
+    recreates the group and reads on."""
+    bus = Bus(redis_url, "consumer-a", dead_letter_stream=DEAD)
+    try:
+        await bus.connect()
+        await bus.ensure_group(STREAM, GROUP)
+        reader = asyncio.create_task(bus.read_group(GROUP, [STREAM], block_ms=30_000))
+        await eventually(lambda: redis_has_blocked_reader(redis_url), "a blocked XREADGROUP")
+        await bus.redis.delete(STREAM)
+        await eventually(lambda: bus.redis.exists(STREAM), "the group recreated")
+        await bus.publish(STREAM, abort(3))
+        assert messages(await asyncio.wait_for(reader, 30)) == [abort(3)]
+    finally:
+        await bus.close()
+
+
 async def test_publish_waits_for_redis_to_come_back(
     own_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,11 +1,13 @@
 """A gateway wired to a real Redis, and a scheduler's side of the bus driven by the test.
 
 The gateway part is the real thing (Frontend, GatewayBusClient, the mesh view fed by its
-heartbeat reader, the OpenAI router); only the scheduler is absent: tests read the
-SubmitRequests it would read and publish the TokenDeltas it would publish, built from real
-tokenizer ids, and its heartbeats go out through the real Heartbeater, saying ready (a group that
-can serve) unless `scheduler_ready=False`. `serve=True` also runs the app in a real uvicorn
-server (for the `openai` client, streaming and disconnects).
+heartbeat reader, its grammar client over the bus, the OpenAI router); only the scheduler is
+absent: tests read the SubmitRequests it would read and publish the TokenDeltas it would
+publish, built from real tokenizer ids, and its heartbeats go out through the real
+Heartbeater, saying ready (a group that can serve) unless `scheduler_ready=False`. A test that
+needs the grammar service runs the real one (tests/support/grammar_server.py). `serve=True`
+also runs the app in a real uvicorn server (for the `openai` client, streaming and
+disconnects).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
 from services.gateway.mesh.groups import MeshView
 from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
+from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import GatewayBusClient
@@ -34,6 +37,7 @@ from shared.bus import Bus
 from shared.config import GatewaySettings
 from shared.heartbeat import Heartbeater
 from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
+from shared.rpc import RpcClient
 from shared.streams import Streams
 
 MODEL_NAME = "smollm2"
@@ -151,7 +155,14 @@ async def gateway_harness(
     )
     stop_beats = asyncio.Event()
     beat_task = asyncio.create_task(beats.run(stop_beats), name="test-scheduler-beats")
-    frontend = Frontend(settings, tokenizer, model, client, mesh)
+    rpc = RpcClient(
+        gateway_bus,
+        streams.rpc_replies("gateway", settings.instance_id),
+        streams.rpc_reply_prefix,
+    )
+    await rpc.start()
+    grammars = GrammarClient(rpc, streams.calls("grammar"), settings.grammar_timeout_s)
+    frontend = Frontend(settings, tokenizer, model, client, mesh, grammars)
     app = FastAPI()
     app.include_router(openai_router(lambda: frontend))
     server: uvicorn.Server | None = None
@@ -190,5 +201,6 @@ async def gateway_harness(
             server.should_exit = True
             await server_task
         await client.stop()
+        await rpc.stop()
         await gateway_bus.close()
         await scheduler_bus.close()

@@ -33,4 +33,5 @@ def test_the_launcher_plans_the_decode_group_on_its_own_ports() -> None:
     assert len(ports) == len(set(ports))
     decode = local["scheduler-decode"]
     assert decode.module == "services.scheduler" and decode.env["MESHLLM_ROLE"] == "decode"
-    assert decode.env["MESHLLM_KVSTORE_URL"] == f"http://127.0.0.1:{local['kvstore'].port}"
+    assert decode.env["MESHLLM_KV_OFFLOAD"] == "true"  # the kvstore is found on the bus
+    assert SchedulerSettings(kv_offload=decode.env["MESHLLM_KV_OFFLOAD"]).kv_offload

@@ -148,7 +148,7 @@ def test_state_config_masks_secrets() -> None:
     assert config["admin_token"] == "***"
     assert config["api_keys"] == "***"
     assert config["redis_url"] == "redis://gateway:***@redis:6379/0"
-    assert config["grammar_url"] == settings.grammar_url
+    assert config["grammar_timeout_s"] == settings.grammar_timeout_s  # plain values as they are
     assert "pw" not in str(config) and "k1" not in str(config)
 
 

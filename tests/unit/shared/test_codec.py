@@ -16,13 +16,35 @@ from shared.protocol import (
     MESSAGE_TYPES,
     AbortRequest,
     CachedRequestData,
+    CompileGrammar,
+    GrammarCompiled,
     GrammarRef,
     Heartbeat,
+    KVChunkOffers,
+    KVChunks,
+    KVChunksAt,
+    KVCountReply,
+    KVFinishedReply,
+    KVLoad,
+    KVLoaded,
+    KVLoadReply,
+    KVLookup,
+    KVLookupReply,
+    KVRequestFinished,
+    KVStats,
+    KVStatsReply,
+    KVStore,
+    KVStored,
+    KVStoreReply,
     KVTransfer,
     KVTransferDone,
+    KVWriting,
     Message,
     NewRequestData,
+    Ping,
+    Pong,
     RequestDelta,
+    RpcErrorReply,
     SampledTokens,
     SamplingParams,
     StepPlan,
@@ -55,6 +77,61 @@ def sampling() -> SamplingParams:
         logprobs=5,
     )
 
+
+# Calls between services (shared.rpc): the envelope, then the grammar and kvstore calls.
+CALL = {
+    "correlation_id": "c0ffee-1",
+    "reply_stream": "meshllm:c:rpc:gateway:gw-1",
+    "deadline": 12.5,
+}
+ANSWER = {"correlation_id": "c0ffee-1"}
+SPACE = {"model": "SmolLM2-135M-Instruct", "layout_version": 2}
+CHUNKS = KVChunks(hashes=bytes(range(32)), groups=[0, 1])
+CHUNKS_AT = KVChunksAt(hashes=bytes(range(32)), groups=[0, 1], ends=[16, 32])
+OFFERS = KVChunkOffers(hashes=bytes(range(32)), groups=[0, 1], ends=[16, 32], nbytes=[1, 2**40])
+RPC_SAMPLES: list[Message] = [
+    Ping(**CALL),
+    Pong(**ANSWER, service="kvstore", instance_id="kv-1"),
+    RpcErrorReply(**ANSWER, kind="bad_request", message="unsupported JSON schema keyword"),
+    CompileGrammar(**CALL, kind="regex", spec="[0-9]+"),
+    GrammarCompiled(
+        **ANSWER,
+        key="ab" * 32,
+        kind="json_schema",
+        source="compiled",
+        compiled_bytes=60_000,
+        compile_seconds=0.0045,
+        tokenizer_hash="t0k",
+        xgrammar_version="0.2.9",
+    ),
+    KVLookup(**CALL, **SPACE, chunks=CHUNKS),
+    KVStore(**CALL, **SPACE, request_id="req-1", chunks=OFFERS),
+    KVWriting(**CALL, **SPACE, chunks=CHUNKS),
+    KVStored(**CALL, **SPACE, chunks=OFFERS, ok=False),
+    KVLoad(**CALL, **SPACE, holder="req-1", internal=True, chunks=CHUNKS_AT),
+    KVLoaded(**CALL, **SPACE, holder="req-1", chunks=CHUNKS),
+    KVRequestFinished(**CALL, request_id="req-1"),
+    KVStats(**CALL),
+    KVLookupReply(**ANSWER, statuses=[0, 1, 2, 3]),
+    KVStoreReply(**ANSWER, outcomes=[0, 1, 2], evicted=3),
+    KVLoadReply(**ANSWER, pinned=[1, 0]),
+    KVCountReply(**ANSWER, count=5),
+    KVFinishedReply(**ANSWER, keys=4, inserted=1, reused=2, store_misses=1),
+    KVStatsReply(
+        **ANSWER,
+        chunks=9,
+        used_bytes=900,
+        capacity_bytes=1000,
+        writing=1,
+        ready=6,
+        pinned=2,
+        evictions=3,
+        requests=4,
+        pin_holders=2,
+        recovered=5,
+        undeleted=1,
+    ),
+]
 
 # One fully populated instance per message type: every field, nested ones included, differs
 # from its default, so a field the codec drops or mangles cannot hide behind a default.
@@ -193,6 +270,7 @@ SAMPLES: dict[str, Message] = {
             kv_chunk_bytes=737_344,
             time=12.5,
         ),
+        *RPC_SAMPLES,
     ]
 }
 
