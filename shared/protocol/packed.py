@@ -6,6 +6,9 @@ msgpack integers, and decoding is one `numpy.frombuffer`.
 
 In Python the fields hold plain lists (ints or floats) so core logic stays simple; the
 conversion happens only at validation (bytes -> list) and serialization (list -> bytes).
+A list (or array) given for an int32 field is range-checked at validation: msgpack carries any
+64-bit integer, and one out of range would otherwise pass decoding and only fail when the
+message that repeats it (a StepPlan) is packed, in the consumer that trusted it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from typing import Annotated, Any
 
 import numpy as np
 from pydantic import PlainSerializer, PlainValidator
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
 
 
 def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
@@ -26,6 +32,8 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
                 )
             return np.frombuffer(raw, dtype=dtype).tolist()
         if isinstance(value, np.ndarray):
+            if kind is int and value.size and value.dtype.kind in "iu":
+                _check_int32(int(value.min()), int(value.max()))
             return value.astype(dtype, copy=False).tolist()
         if isinstance(value, list | tuple):
             out = []
@@ -35,10 +43,18 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
                 if kind is int and not float(v).is_integer():
                     raise ValueError(f"expected int items, got {v!r}")
                 out.append(kind(v))
+            if kind is int and out:
+                _check_int32(min(out), max(out))
             return out
         raise ValueError(f"expected packed bytes or a list, got {type(value).__name__}")
 
     return validate
+
+
+def _check_int32(low: int, high: int) -> None:
+    if low < INT32_MIN or high > INT32_MAX:
+        bad = low if low < INT32_MIN else high
+        raise ValueError(f"{bad} does not fit int32 [{INT32_MIN}, {INT32_MAX}]")
 
 
 def _packer(dtype: str) -> Any:
