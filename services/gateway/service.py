@@ -39,6 +39,8 @@ class GatewayService(Service):
             self.streams,
             self.settings.instance_id,
             max_pending=self.settings.max_pending_requests,
+            reply_stream_ttl_s=self.settings.reply_stream_ttl_s,
+            refresh_interval_s=self.settings.heartbeat_interval_s,
         )
         await client.start()
         self.frontend = Frontend(self.settings, tokenizer, model, client)
