@@ -1,9 +1,10 @@
 """The grammar service: compiles structured-output specs with xgrammar and caches them.
 
 Start-up: the HTTP app answers /health at once; `start()` connects Redis, loads the served
-model's tokenizer as an xgrammar TokenizerInfo (off the event loop, seconds), publishes it to
-Redis for the schedulers, and starts the compiler processes. /ready and the compile API answer
-503 until then. The gateway calls `POST /v1/grammars/compile` before queuing a request and puts
+model's tokenizer as an xgrammar TokenizerInfo (off the event loop, seconds) and starts the
+compiler processes. /ready and the compile API answer 503 until then. `run()` publishes the
+TokenizerInfo to Redis for the schedulers, and again whenever Redis loses it (every compile
+answer makes sure of it too). The gateway calls `POST /v1/grammars/compile` before queuing a request and puts
 the returned key on the bus; schedulers load the compiled grammar from Redis by that key and
 run the matcher in-process, so nothing here is on the per-token path.
 """
@@ -57,11 +58,11 @@ class GrammarService(Service):
             max_compiled_bytes=s.max_compiled_bytes,
             json_any_whitespace=s.json_whitespace == "any",
         )
-        await cache.publish_tokenizer()
-        self.cache = cache
+        self.cache = cache  # run() publishes the tokenizer info at once, and again if lost
 
     async def run(self) -> None:
-        await self.stopping.wait()
+        assert self.cache is not None
+        await self.cache.keep_tokenizer(self.stopping, self.settings.heartbeat_interval_s)
 
     async def close(self) -> None:
         if self.pool is not None:

@@ -43,6 +43,7 @@ from services.kvstore.http_api import (
 from services.kvstore.offload_tier import ChunkOffer, OffloadTier
 from services.kvstore.policy import load_policy
 from services.kvstore.redis_index import RedisOffloadIndex, StoredChunk, store_seq
+from shared.bus_retry import retry
 from shared.config import KVStoreSettings
 from shared.service import Service
 
@@ -68,12 +69,13 @@ class KVStoreService(Service):
         policy = load_policy(self.settings.policy, self.settings.capacity_bytes)
         self.index = RedisOffloadIndex(self.bus.redis, self.settings.cluster)
         dropped = []
-        for chunk in await self.index.scan_meta():
+        # However long Redis takes: a kvstore that exits for an outage helps nobody.
+        for chunk in await retry("kvstore recovery", self.index.scan_meta, None):
             if policy.restore(chunk.payload_key, chunk.nbytes):
                 self.recovered += 1
             else:
                 dropped.append(chunk.payload_key)  # over the (possibly smaller) capacity now
-        await self.index.delete(dropped)
+        await retry("kvstore recovery", lambda: self.index.delete(dropped), None)
         self.tier = OffloadTier(policy)
         log.info("kvstore ready: %d chunks recovered, %d dropped", self.recovered, len(dropped))
 
