@@ -71,6 +71,7 @@ OVERHEAD_SECONDS = Histogram(
 )
 
 METRICS_INTERVAL_S = 0.1  # gauges while stepping; always when the loop goes idle
+FIRST = asyncio.FIRST_COMPLETED
 
 
 @dataclass
@@ -374,13 +375,24 @@ class SchedulerService(Service):
                     self._reset_worker("")
                     self.worker = None
                     return None
-                await asyncio.wait([future], timeout=min(remaining, 1.0))
+                if self._answered_after(plan.step_id):
+                    # The worker answers in step order: a later step's result first means this
+                    # plan never reached it (Redis restarted empty between the two writes).
+                    log.error("step %d was lost; recomputing its requests", plan.step_id)
+                    self._reset_worker(plan.worker_incarnation)
+                    return None
+                # This step's result or a later one's, whichever comes first.
+                waits = [f for i, f in self.results.items() if i >= plan.step_id] or [future]
+                await asyncio.wait(waits, timeout=min(remaining, 1.0), return_when=FIRST)
             result = future.result()
             if result is None or result.worker_incarnation != plan.worker_incarnation:
                 return None
             return result
         finally:
             self.results.pop(plan.step_id, None)
+
+    def _answered_after(self, step_id: int) -> bool:
+        return any(f.done() for i, f in self.results.items() if i > step_id)
 
     def _finish_step(self, out: SchedulerOutput) -> None:
         """Queue the step's deltas (and the acks of the requests it finished) for the outbox."""
