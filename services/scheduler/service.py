@@ -305,7 +305,7 @@ class SchedulerService(Service):
                 await self._wait(self.wakeup, 0.5)
                 continue
             step = pending.popleft()
-            result = await self._await_result(step)
+            result = await self._await_result(step, pending)
             if result is None:  # worker gone or replaced; its requests were reset
                 self._abandon(pending)
                 continue
@@ -361,10 +361,10 @@ class SchedulerService(Service):
             self.results.pop(step.plan.step_id, None)
         pending.clear()
 
-    async def _await_result(self, step: _InFlight) -> StepResult | None:
+    async def _await_result(self, step: _InFlight, later: deque[_InFlight]) -> StepResult | None:
         """The step's result; None when its worker died (silent past the step timeout, or
-        gone quiet) or was replaced (_on_worker resolves the future with None and has already
-        reset the core)."""
+        gone quiet), was replaced (_on_worker resolves the future with None and has already
+        reset the core), or answered a `later` step first (this plan was lost)."""
         plan, future = step.plan, step.future
         deadline = time.monotonic() + self.settings.step_timeout_s
         try:
@@ -375,14 +375,14 @@ class SchedulerService(Service):
                     self._reset_worker("")
                     self.worker = None
                     return None
-                if self._answered_after(plan.step_id):
+                if any(s.future.done() for s in later):
                     # The worker answers in step order: a later step's result first means this
                     # plan never reached it (Redis restarted empty between the two writes).
                     log.error("step %d was lost; recomputing its requests", plan.step_id)
                     self._reset_worker(plan.worker_incarnation)
                     return None
                 # This step's result or a later one's, whichever comes first.
-                waits = [f for i, f in self.results.items() if i >= plan.step_id] or [future]
+                waits = [future, *(s.future for s in later)]
                 await asyncio.wait(waits, timeout=min(remaining, 1.0), return_when=FIRST)
             result = future.result()
             if result is None or result.worker_incarnation != plan.worker_incarnation:
@@ -390,9 +390,6 @@ class SchedulerService(Service):
             return result
         finally:
             self.results.pop(plan.step_id, None)
-
-    def _answered_after(self, step_id: int) -> bool:
-        return any(f.done() for i, f in self.results.items() if i > step_id)
 
     def _finish_step(self, out: SchedulerOutput) -> None:
         """Queue the step's deltas (and the acks of the requests it finished) for the outbox."""
