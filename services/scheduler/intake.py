@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.scheduler.gateway_watch import GatewayWatch
 from services.scheduler.pd.edge import PrefillEdge
@@ -157,7 +157,7 @@ class Intake:
         redis = self.bus.redis
         while not stopping.is_set():
             await asyncio.sleep(CLAIM_REFRESH_S)
-            ids = [d.entry_id for _, d in self.inflight.values()]
+            ids: list[Any] = [d.entry_id for _, d in self.inflight.values()]
             if ids:
                 # JUSTID: refreshing the idle time must not count as another delivery.
                 with contextlib.suppress(Exception):

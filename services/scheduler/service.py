@@ -32,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -127,21 +128,19 @@ class SchedulerService(Service):
 
     async def run(self) -> None:
         intake, stopping = self.intake, self.stopping
-        tasks = [
-            asyncio.create_task(coro, name=coro.__name__)
-            for coro in (
-                intake.read_requests(stopping),
-                intake.read_aborts(stopping),
-                intake.keep_claims(stopping),
-                intake.watch_gateways(stopping),
-                self._watch_worker(),
-                self._results(),
-                self._step_loop(),
-            )
-        ]
+        loops: dict[str, Coroutine[Any, Any, None]] = {
+            "intake": intake.read_requests(stopping),
+            "aborts": intake.read_aborts(stopping),
+            "claims": intake.keep_claims(stopping),
+            "gateways": intake.watch_gateways(stopping),
+            "worker": self._watch_worker(),
+            "results": self._results(),
+            "steps": self._step_loop(),
+        }
         if self.offload is not None:
-            tasks.append(asyncio.create_task(self.offload.run(self.stopping), name="kv-offload"))
-        stop = asyncio.create_task(self.stopping.wait())
+            loops["kv-offload"] = self.offload.run(stopping)
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in loops.items()]
+        stop: asyncio.Task[Any] = asyncio.create_task(stopping.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
             task.cancel()
