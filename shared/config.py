@@ -20,7 +20,11 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     cluster: str = "default"
-    instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Names this instance: its consumer in stream groups (with the service and group), so it
+    # must survive a restart for the restarted process to resume its own pending entries at
+    # once. The host name is a container's or pod's own and stays across its restarts; the
+    # local launcher sets the compose service name.
+    instance_id: str = Field(default_factory=socket.gethostname)
     group: str = "0"  # worker group served by a scheduler / worker
     host: str = "0.0.0.0"
     port: int = 0
@@ -29,6 +33,13 @@ class CommonSettings(BaseSettings):
     log_json: bool = True
     stream_maxlen: int = 100_000  # approximate MAXLEN for every stream
     claim_idle_ms: int = 15_000  # pending entries idle this long are claimed from dead consumers
+    # An entry delivered more often than this (its consumers kept dying on it) is dead-lettered
+    # and its request failed, instead of taking every consumer that reads it down in turn.
+    max_deliveries: int = Field(5, ge=1)
+    redis_timeout_s: float = Field(5.0, gt=0)  # one Redis command; a dead connection past it
+    # A publish on a request's path (the gateway's submit) gives up after this and answers 503;
+    # a service's own loops wait for Redis however long it is away.
+    publish_timeout_s: float = Field(30.0, gt=0)
     heartbeat_interval_s: float = 1.0
     shutdown_timeout_s: float = 30.0
 
@@ -56,6 +67,9 @@ class GatewaySettings(CommonSettings, ModelSettings):
     max_n: int = 16
     max_logprobs: int = 20
     request_timeout_s: float = 600.0
+    # The reply stream expires this long after the gateway last refreshed it (every heartbeat):
+    # a dead gateway's stream disappears, a live one's never does.
+    reply_stream_ttl_s: int = Field(120, ge=2)
     # A compile call to the grammar service, over the bus (cached: ms; new: up to its limit).
     grammar_timeout_s: float = Field(30.0, gt=0)
 
@@ -91,6 +105,9 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # decode-on-h200.md). A request that stops on eos computes up to two discarded positions.
     schedule_ahead: int = Field(3, ge=2, le=3)
     worker_ready_timeout_s: float = 600.0
+    # A request whose gateway sent no heartbeat for this long is aborted (nobody reads its
+    # tokens); counted only while Redis answers. 0 = never.
+    gateway_timeout_s: float = Field(30.0, ge=0)
     # Structured outputs with a reasoning model: token ids of the markers that end / start its
     # reasoning (e.g. `</think>` / `<think>`; JSON lists). Empty end marker = no reasoning
     # parser: the grammar applies from the first output token.

@@ -57,7 +57,12 @@ class GatewayService(Service):
         self.mesh_reader.start()
         tokenizer, model = await asyncio.to_thread(self._load_model)
         client = GatewayBusClient(
-            self.bus, self.streams, s.instance_id, max_pending=s.max_pending_requests
+            self.bus,
+            self.streams,
+            s.instance_id,
+            max_pending=s.max_pending_requests,
+            reply_stream_ttl_s=s.reply_stream_ttl_s,
+            refresh_interval_s=s.heartbeat_interval_s,
         )
         await client.start()
         self.rpc = RpcClient(

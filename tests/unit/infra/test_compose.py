@@ -28,7 +28,7 @@ SETTINGS_BY_MODULE: dict[str, type[BaseSettings]] = {
     "services.grammar": GrammarSettings,
     "services.kvstore": KVStoreSettings,
 }
-NOT_IN_COMPOSE = {"instance_id"}  # generated per process (<hostname>-<pid>), documented
+NOT_IN_COMPOSE = {"instance_id"}  # the hostname (the launcher: the service name), documented
 # Deliberately different from the code default in containers, with the reason in the file.
 CONTAINER_VALUES = {"redis_url", "model_cache_dir"}
 # The compose mesh runs a kvstore, so its schedulers switch the offload tier on (file comment).

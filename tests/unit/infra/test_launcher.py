@@ -112,6 +112,14 @@ def test_user_environment_overrides_compose_and_local_defaults(compose: dict[str
     }
 
 
+def test_every_service_gets_its_name_as_a_stable_instance_id(compose: dict[str, Any]) -> None:
+    """One host runs them all, so the hostname default would give every scheduler replica the
+    same consumer name; the compose name is unique and the same after a restart."""
+    services = plan(compose, {}, profiles=frozenset({"gpu", "pd"}))
+    assert all(s.env["MESHLLM_INSTANCE_ID"] == s.name for s in services)
+    assert len({s.env["MESHLLM_INSTANCE_ID"] for s in services}) == len(services)
+
+
 def test_argv_uses_this_interpreter(compose: dict[str, Any]) -> None:
     (scheduler,) = [s for s in plan(compose, {}) if s.name == "scheduler"]
     assert scheduler.argv(sys.executable) == [sys.executable, "-m", "services.scheduler"]
