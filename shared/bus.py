@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -140,19 +140,30 @@ class Bus:
         return None if entry_id is None else entry_id.decode()
 
     async def publish_many(
-        self, items: list[tuple[str, Message]], *, patient: bool = False
+        self,
+        items: list[tuple[str, Message]],
+        *,
+        patient: bool = False,
+        expire_if_unset: Mapping[str, int] | None = None,
     ) -> list[str]:
         """Many XADDs in one round trip (no transaction); ids in the order of `items`.
-        PublishRefused when Redis refused some of them (the others are written)."""
+        PublishRefused when Redis refused some of them (the others are written).
+        `expire_if_unset` {stream: ttl_s}: give each such stream that expiry unless it already
+        has one (EXPIRE NX), so a stream whose reader died and let it expire, re-created by
+        this XADD, expires again instead of staying for good."""
         if not items:
             return []
         encoded = [(stream, {FIELD: encode(msg)}) for stream, msg in items]
+        written = {stream for stream, _ in encoded}
+        expiries = {s: t for s, t in (expire_if_unset or {}).items() if s in written}
 
         async def xadds() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for stream, fields in encoded:
                 pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
-            return await pipe.execute(raise_on_error=False)
+            for stream, ttl_s in expiries.items():
+                pipe.expire(stream, ttl_s, nx=True)
+            return (await pipe.execute(raise_on_error=False))[: len(encoded)]
 
         replies = await retry("publish_many", xadds, None if patient else self.publish_timeout_s)
         errors = {i: r for i, r in enumerate(replies) if isinstance(r, ResponseError)}

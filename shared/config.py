@@ -42,6 +42,10 @@ class CommonSettings(BaseSettings):
     publish_timeout_s: float = Field(30.0, gt=0)
     heartbeat_interval_s: float = 1.0
     shutdown_timeout_s: float = 30.0
+    # A gateway's reply stream expires this long after the gateway last refreshed it (every
+    # heartbeat): a dead gateway's stream disappears, a live one's never does. Schedulers give
+    # the same expiry to a reply stream they re-create by writing to it after it expired.
+    reply_stream_ttl_s: int = Field(120, ge=2)
 
 
 class ModelSettings(BaseSettings):
@@ -67,9 +71,6 @@ class GatewaySettings(CommonSettings, ModelSettings):
     max_n: int = 16
     max_logprobs: int = 20
     request_timeout_s: float = 600.0
-    # The reply stream expires this long after the gateway last refreshed it (every heartbeat):
-    # a dead gateway's stream disappears, a live one's never does.
-    reply_stream_ttl_s: int = Field(120, ge=2)
     # A compile call to the grammar service, over the bus (cached: ms; new: up to its limit).
     grammar_timeout_s: float = Field(30.0, gt=0)
 

@@ -370,21 +370,38 @@ class Intake:
         for stream, delta in deltas:
             by_stream.setdefault(stream, []).append(delta)
         items = [(stream, self.token_delta(d)) for stream, d in by_stream.items()]
-        await send(self.bus, items)
+        await send(self.bus, items, ReplyExpiry.of(self.streams, self.settings))
 
 
 def error_delta(request_id: str, error: str) -> RequestDelta:
     return RequestDelta(request_id=request_id, start_index=0, finish_reason="error", error=error)
 
 
-async def send(bus: Bus, items: Sequence[tuple[str, Message]]) -> None:
+@dataclass(frozen=True)
+class ReplyExpiry:
+    """Reply streams (`prefix`...) the scheduler writes get an expiry of `ttl_s` when they
+    have none: a gateway that died stops refreshing its stream, the stream expires, and a
+    delta still on its way would otherwise re-create it for good."""
+
+    prefix: str
+    ttl_s: int
+
+    @classmethod
+    def of(cls, streams: Streams, settings: SchedulerSettings) -> ReplyExpiry:
+        return cls(streams.replies(""), settings.reply_stream_ttl_s)
+
+    def expiries(self, items: Sequence[tuple[str, Message]]) -> dict[str, int]:
+        return {s: self.ttl_s for s, _ in items if s.startswith(self.prefix)}
+
+
+async def send(bus: Bus, items: Sequence[tuple[str, Message]], replies: ReplyExpiry) -> None:
     """Publish, waiting for Redis however long it is away (nothing the scheduler sends is lost
     by waiting, and no step can run without Redis anyway). An entry Redis refuses is logged and
     dropped, the others are out: intake lets through only reply streams the scheduler may
     write, so a refusal is a deployment error, and one that hits a plan is raised (no step can
     run without it)."""
     try:
-        await bus.publish_many(list(items), patient=True)
+        await bus.publish_many(list(items), patient=True, expire_if_unset=replies.expiries(items))
     except PublishRefused as exc:
         for index, error in exc.errors.items():
             stream, msg = items[index]

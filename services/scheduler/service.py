@@ -39,7 +39,7 @@ from typing import Any
 from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.intake import Intake, send
+from services.scheduler.intake import Intake, ReplyExpiry, send
 from services.scheduler.offload.edge import OffloadEdge
 from services.scheduler.pd.edge import PrefillEdge
 from services.scheduler.scheduler import Scheduler
@@ -124,6 +124,7 @@ class SchedulerService(Service):
     async def start(self) -> None:
         await super().start()
         self.intake = Intake(self.bus, self.streams, self.settings, self, self.pd)
+        self.replies = ReplyExpiry.of(self.streams, self.settings)
         await self.intake.start(GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster)))
         if self.offload is not None:
             await self.offload.start(self.bus, self.streams)
@@ -338,7 +339,9 @@ class SchedulerService(Service):
         future: asyncio.Future[StepResult | None] = asyncio.get_running_loop().create_future()
         self.results[plan.step_id] = future  # registered first: a worker change resolves it
         outbox, self.outbox = self.outbox, []
-        await send(self.bus, [*outbox, (self.streams.steps(self.settings.group), plan)])
+        await send(
+            self.bus, [*outbox, (self.streams.steps(self.settings.group), plan)], self.replies
+        )
         await self._ack_finished()
         return _InFlight(plan, future, time.perf_counter())
 
@@ -346,7 +349,7 @@ class SchedulerService(Service):
         """Send the outbox alone (no plan follows it now)."""
         if self.outbox:
             outbox, self.outbox = self.outbox, []
-            await send(self.bus, outbox)
+            await send(self.bus, outbox, self.replies)
         await self._ack_finished()
 
     async def _ack_finished(self) -> None:
@@ -407,7 +410,7 @@ class SchedulerService(Service):
         handoffs = self.pd.take_handoffs(core)
         if not handoffs:
             return
-        await send(self.bus, [(self.streams.handoff, msg) for msg in handoffs])
+        await send(self.bus, [(self.streams.handoff, msg) for msg in handoffs], self.replies)
         held = self.intake.inflight
         acked = [self.intake.forget(m.request_id)[1] for m in handoffs if m.request_id in held]
         await self.bus.ack(self.intake.group, acked)

@@ -145,3 +145,20 @@ async def test_publish_if_exists_never_creates_the_stream(bus: Bus) -> None:
         AbortRequest(request_id="req-2"),
         AbortRequest(request_id="req-3"),
     ]
+
+
+async def test_publish_many_gives_a_recreated_stream_an_expiry_and_keeps_a_set_one(
+    bus: Bus,
+) -> None:
+    """A reply stream whose reader died expired; the next write re-creates it with an expiry
+    (it would otherwise stay for good), while a live reader's longer expiry is left alone."""
+    other = STREAM + ":other"
+    await bus.publish(other, abort(0))
+    await bus.redis.expire(other, 1000)
+    await bus.publish_many(
+        [(STREAM, abort(1)), (other, abort(2))], expire_if_unset={STREAM: 30, other: 30}
+    )
+    assert 0 < await bus.redis.ttl(STREAM) <= 30
+    assert await bus.redis.ttl(other) > 900
+    await bus.publish_many([(STREAM + ":plain", abort(3))])
+    assert await bus.redis.ttl(STREAM + ":plain") == -1
