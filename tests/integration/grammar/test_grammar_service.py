@@ -191,6 +191,19 @@ async def test_a_malformed_body_is_a_400(grammar: RunningGrammarService) -> None
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "kind"
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "structural_tag"])
+async def test_a_deeply_nested_spec_is_a_400_not_a_500(
+    grammar: RunningGrammarService, kind: str
+) -> None:
+    """300 levels (an operator's fuzz case) and 50,000 (past Python's recursion limit)."""
+    for levels in (300, 50_000):
+        spec = '{"type": "object", "properties": {"a": ' * levels + "{}" + "}}" * levels
+        resp = await grammar.compile(kind, spec)
+        assert resp.status_code == 400, resp.text
+        assert "levels deep" in resp.json()["error"]["message"]
+    assert (await grammar.compile("json_schema", json.dumps(SCHEMA))).status_code == 200
+
+
 async def test_a_pathological_spec_is_refused_and_the_service_keeps_answering(
     grammar: RunningGrammarService,
 ) -> None:
