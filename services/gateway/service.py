@@ -3,16 +3,19 @@
 Start-up order: the HTTP app is served first (so /health answers), then `start()` connects the
 bus, loads the tokenizer and model facts (off the event loop: the first start may convert the
 embedded model, ~20 s) and starts the reply reader. Until then the API answers 503 and /ready
-says not ready. Draining stops new requests (503) and waits for those in flight.
+says not ready. Draining stops new requests (503) and waits for those in flight; those still
+running when the drain's time is up end with a 503 error (body or SSE event, then [DONE]).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from fastapi import APIRouter
 
+from services.gateway.api.errors import OpenAIError
 from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
 from services.gateway.plan.model_info import ModelInfo
@@ -21,6 +24,15 @@ from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
 from shared.model.source import resolve_model
 from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+SHUTTING_DOWN = OpenAIError(
+    503,
+    "the gateway shut down before the request finished; retry it",
+    type_="service_unavailable",
+    code="shutting_down",
+)
 
 
 class GatewayService(Service):
@@ -42,6 +54,7 @@ class GatewayService(Service):
         )
         await client.start()
         self.frontend = Frontend(self.settings, tokenizer, model, client)
+        self.frontend.planning.warm_up()
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings
@@ -53,9 +66,18 @@ class GatewayService(Service):
         await self.stopping.wait()
 
     async def drain(self) -> None:
-        if self.frontend is not None:
-            self.frontend.accepting = False
+        if self.frontend is None:
+            return
+        self.frontend.accepting = False
+        try:
             await self.frontend.client.wait_idle()
+        except asyncio.CancelledError:
+            # The drain's time (shutdown_timeout_s) is up. End what is still in flight with an
+            # error its client can read, an SSE error event and [DONE] or a 503 body, before the
+            # HTTP server stops and would cut those connections.
+            failed = self.frontend.client.fail_in_flight(SHUTTING_DOWN)
+            log.warning("drain timed out: %d request(s) in flight ended with a 503", failed)
+            raise
 
     async def close(self) -> None:
         if self.frontend is not None:

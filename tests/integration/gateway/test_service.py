@@ -52,18 +52,19 @@ class SchedulerSide:
 
 @asynccontextmanager
 async def running_gateway(
-    redis_url: str, smollm2_dir: Path
+    redis_url: str, smollm2_dir: Path, **overrides: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, SchedulerSide, asyncio.Task[int], asyncio.Event]]:
-    settings = GatewaySettings(
-        redis_url=redis_url,
-        model=str(smollm2_dir),
-        served_model_name="smol",
-        api_keys=KEY,
-        admin_token="admin",
-        instance_id="gw-svc",
-        heartbeat_interval_s=0.2,
-        log_json=False,
-    )
+    options: dict[str, Any] = {
+        "redis_url": redis_url,
+        "model": str(smollm2_dir),
+        "served_model_name": "smol",
+        "api_keys": KEY,
+        "admin_token": "admin",
+        "instance_id": "gw-svc",
+        "heartbeat_interval_s": 0.2,
+        "log_json": False,
+    }
+    settings = GatewaySettings(**{**options, **overrides})
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     shutdown = asyncio.Event()

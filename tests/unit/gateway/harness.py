@@ -139,5 +139,6 @@ async def gateway_harness(
             server.should_exit = True
             await server_task
         await client.stop()
+        await frontend.close()
         await gateway_bus.close()
         await scheduler_bus.close()
