@@ -27,12 +27,14 @@ from shared.service import Service
 
 log = logging.getLogger(__name__)
 
-SHUTTING_DOWN = OpenAIError(
-    503,
-    "the gateway shut down before the request finished; retry it",
-    type_="service_unavailable",
-    code="shutting_down",
-)
+
+def shutting_down() -> OpenAIError:
+    return OpenAIError(
+        503,
+        "the gateway shut down before the request finished; retry it",
+        type_="service_unavailable",
+        code="shutting_down",
+    )
 
 
 class GatewayService(Service):
@@ -75,7 +77,7 @@ class GatewayService(Service):
             # The drain's time (shutdown_timeout_s) is up. End what is still in flight with an
             # error its client can read, an SSE error event and [DONE] or a 503 body, before the
             # HTTP server stops and would cut those connections.
-            failed = self.frontend.client.fail_in_flight(SHUTTING_DOWN)
+            failed = self.frontend.client.fail_in_flight(shutting_down)
             log.warning("drain timed out: %d request(s) in flight ended with a 503", failed)
             raise
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.gateway.api.errors import OpenAIError, invalid_request
@@ -165,11 +166,11 @@ class GatewayBusClient:
         )
         return handle
 
-    def fail_in_flight(self, error: OpenAIError) -> int:
-        """Fail every request in flight with `error`; how many there were."""
+    def fail_in_flight(self, error: Callable[[], OpenAIError]) -> int:
+        """Fail every request in flight with an `error()` of its own; how many there were."""
         handles = {id(sub.handle): sub.handle for sub in self._subs.values()}
         for handle in handles.values():
-            handle.fail(error)
+            handle.fail(error())
         return len(handles)
 
     def abort_soon(self, request_ids: list[str], reason: str) -> None:
