@@ -12,8 +12,11 @@ costs less than the hop to a process.
 
 Worker processes are started with `spawn` (the gateway has threads), get the tokenizer, the
 model facts and the settings once, and ignore SIGINT (a terminal's Ctrl-C is for the
-gateway, which shuts them down). A worker that dies (killed, out of memory on a hostile body)
-breaks the pool: that request gets a 500, and a fresh pool takes the next ones.
+gateway, which shuts them down). They run at a lower CPU priority (nice +10), so the event loop
+gets the CPU first when a large body is being tokenized: on the 2-core dev machine under load,
+/health during a 10 MB prompt answered in a median 2.5 ms (p99 15-20 ms) with it, against
+9-10 ms (p99 25-34 ms) at equal priority. A worker that dies (killed, out of memory on a
+hostile body) breaks the pool: that request gets a 500, and a fresh pool takes the next ones.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -41,6 +45,8 @@ Task = Literal["completion", "chat", "tokenize", "detokenize"]
 
 #: ~1 ms of tokenization on the dev machine (about a thousand tokens of text).
 INLINE_BELOW_BYTES = 4096
+#: Added to the worker processes' niceness (see above).
+WORKER_NICENESS = 10
 
 REQUESTS_PLANNING = Gauge(
     metric_name("gateway_requests_planning"),
@@ -126,6 +132,7 @@ _planner: Planner | None = None
 def _start_worker(hf_tokenizer: Any, model: ModelInfo, settings: GatewaySettings) -> None:
     global _planner
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.nice(WORKER_NICENESS)
     _planner = Planner(PromptTokenizer(hf_tokenizer), model, settings)
 
 
