@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
 from services.worker.runner.kv_cache import KVCache
 from shared.model.config import ModelConfig
 
@@ -23,6 +24,7 @@ class RowKV:
     ) -> None:
         self.block_size = block_size
         self.device = device
+        self.num_kv_heads = config.num_key_value_heads
         self.blocks_per_row = -(-max_model_len // block_size)
         self.cache = KVCache.allocate(
             config, max_num_reqs * self.blocks_per_row, block_size, dtype, device
@@ -34,12 +36,14 @@ class RowKV:
 
     def metadata(
         self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray, positions: np.ndarray
-    ) -> AttentionMetadata:
+    ) -> AttentionMetadata | TritonAttentionMetadata:
         """Attention over each row's own blocks for the flat tokens at `positions` (`counts`
-        per row, in `rows` order), each row's sequence ending at `ends`."""
+        per row, in `rows` order), each row's sequence ending at `ends`. The target's path for
+        the device (Triton kernels on CUDA, whose metadata uploads without a host sync)."""
         bases = np.asarray(rows, dtype=np.int64) * self.blocks_per_row
         block = np.repeat(bases, counts) + positions // self.block_size
-        return AttentionMetadata.build(
+        return build_attention_metadata(
+            num_kv_heads=self.num_kv_heads,
             query_lens=counts,
             seq_lens=ends,
             block_tables=bases[:, None] + np.arange(self.blocks_per_row)[None, :],
