@@ -265,7 +265,7 @@ class ModelRunner:
             self.sampler.remove_request(row)
             self.feed.drop(row)
             if self.drafter is not None:
-                self.drafter.book.drop(row)
+                self.drafter.release(row)
         for row, new in changes.added:
             try:
                 self.sampler.add_request(
@@ -283,12 +283,12 @@ class ModelRunner:
         cache tensors stay; their contents are simply no longer referenced."""
         self.routed_experts.clear()
         self.feed.clear()
-        if self.drafter is not None:
-            self.drafter.book.clear()
         for request_id in list(self.batch.req_rows):
             row = self.batch.remove(request_id)
             if row is not None:
                 self.sampler.remove_request(row)
+                if self.drafter is not None:
+                    self.drafter.release(row)
         if self.kv_connector is not None:  # pending loads/stores are reported failed
             self.kv_connector.reset()
 

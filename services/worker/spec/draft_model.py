@@ -1,11 +1,11 @@
 """A separate draft model sharing the target's tokenizer: drafts from a small CausalLM.
 
-The draft keeps its own KV cache, private to the worker: each batch row owns a contiguous run
-of draft blocks covering max_model_len, so the draft may write positions past the request's
-verified tokens (its own speculative steps) without slots from the scheduler, and never
-touches the target's cache. Per row it remembers how many verified tokens its KV covers; each
-proposal first catches up on the tokens verified since (a short span: the accepted drafts and
-the bonus), then decodes K - 1 more tokens. KV the draft wrote for its own proposals is never
+The draft keeps its own KV cache, private to the worker (row_kv.py: blocks per batch row from a
+pool of its own), so the draft may write positions past the request's verified tokens (its own
+speculative steps) without slots from the scheduler, and never touches the target's cache. Per
+row it remembers how many verified tokens its KV covers; each proposal first catches up on the
+tokens verified since (a short span: the accepted drafts and the bonus), then decodes K - 1
+more tokens. KV the draft wrote for its own proposals is never
 trusted later: the catch-up recomputes from the last verified position, so a rejection needs no
 rollback here.
 
@@ -62,14 +62,20 @@ class DraftModelDrafter:
         self.computed = np.zeros(max_num_reqs, dtype=np.int64)  # verified tokens in draft KV
         self.owner: list[str | None] = [None] * max_num_reqs
 
+    def release(self, row: int) -> None:
+        """The row's request left the batch: its draft KV is free."""
+        self.kv.release(row)
+        self.owner[row] = None
+        self.computed[row] = 0
+
     @torch.inference_mode()
     def propose(self, batch: InputBatch, draws: DraftSampler) -> None:
         """Draw `draws.ks[i]` drafts for each row of `draws` (every k > 0)."""
         rows, ks = draws.rows, draws.ks
         for row in rows.tolist():
             if self.owner[row] != batch.row_req[row]:  # a new request in this row
+                self.release(row)
                 self.owner[row] = batch.row_req[row]
-                self.computed[row] = 0
         # Catch up on the verified tokens; the last one's logits give draft 1.
         ends = batch.num_tokens[rows]
         starts = np.minimum(self.computed[rows], ends - 1)

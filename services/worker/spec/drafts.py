@@ -118,6 +118,14 @@ class Drafter:
         elif method != "ngram":
             raise ValueError(f"unknown MESHLLM_SPEC_METHOD={method!r} ({', '.join(METHODS)})")
 
+    def release(self, row: int) -> None:
+        """The row's request left the batch (finished, preempted, reset)."""
+        self.book.drop(row)
+        if self.features is not None:
+            self.features.release(row)
+        if self.draft_model is not None:
+            self.draft_model.release(row)
+
     def observe(
         self,
         batch: InputBatch,

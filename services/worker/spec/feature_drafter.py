@@ -147,6 +147,11 @@ class FeatureDrafter:
             else:
                 self.ready_req[row] = None
 
+    def release(self, row: int) -> None:
+        """The row's request left the batch: its head KV is free."""
+        self.kv.release(row)
+        self.ready_req[row] = None
+
     def ready(self, batch: InputBatch, row: int) -> bool:
         """The row's kept output stands for its current tokens (a proposal can start)."""
         return (

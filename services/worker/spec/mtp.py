@@ -76,7 +76,6 @@ class MtpModule(nn.Module):
 
 
 class MtpHead(nn.Module):
-
     def __init__(
         self,
         target_config: ModelConfig,

@@ -50,10 +50,6 @@ class ProposalBook:
             self._sampled -= old.q is not None
             self._rows[row] = None
 
-    def clear(self) -> None:
-        for row in range(len(self._rows)):
-            self.drop(row)
-
     @property
     def has_sampled(self) -> bool:
         """Some row holds sampled drafts (a step must run the verification path for them)."""
