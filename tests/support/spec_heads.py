@@ -169,3 +169,23 @@ def drafts_after(
     spec = drafter.config.model_copy(update={"num_spec_tokens": k})
     drafter.config = spec
     return drafter.propose(batch, rows, sampler)[0]
+
+
+def write_truncated_model(target_dir: Path, path: Path, num_layers: int) -> Path:
+    """The target's first `num_layers` layers with its embedding, final norm and head: a small
+    draft model with the target's vocabulary that predicts some of the target's tokens."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                layer = name.split(".")[2] if name.startswith("model.layers.") else None
+                if layer is None or int(layer) < num_layers:
+                    tensors[name] = f.get_tensor(name)
+    save_file(tensors, str(path / "model.safetensors"))
+    hf = {**target_hf(target_dir), "num_hidden_layers": num_layers}
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
+    return path
