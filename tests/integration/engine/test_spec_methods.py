@@ -9,7 +9,9 @@ target's own checkpoint.
   batch (drafts, acceptances and corrections are all keyed by seed and position).
 - Sampled drafts are verified by rejection sampling: a draft model equal to the target (q = p)
   has nearly every sampled draft accepted, where the same-noise rule would accept only
-  sum(p^2) of them.
+  sum(p^2) of them. With tokens arriving several per step, logprobs are still the target's
+  log_softmax at each emitted token (transformers' fp32 forward), and a stop token inside an
+  accepted run ends the output there.
 """
 
 from __future__ import annotations
@@ -106,3 +108,40 @@ def test_a_draft_equal_to_the_target_has_its_sampled_drafts_accepted(root) -> No
     stats = run.scheduler.spec.stats
     assert stats.num_draft_tokens >= 3 * (NEW_TOKENS // (K + 1))
     assert stats.acceptance_rate > 0.9
+
+
+def test_logprobs_and_stops_with_accepted_sampled_drafts(root) -> None:
+    path, _ = root
+    target = path / "target"
+    spec = SpeculativeConfig(method="draft", model=str(target), num_spec_tokens=K)
+
+    def run(params: SamplingParams) -> tuple[list[int], list[float], str | None]:
+        eng = InProcessEngine(
+            target, model_and_config=load_model(target, torch.float32), speculative=spec
+        )
+        gen = eng.generate({"a": PROMPTS["a"]}, params)["a"]
+        assert eng.scheduler.spec.stats.num_accepted_tokens > 0
+        return gen.token_ids, gen.logprobs, gen.finish_reason
+
+    with_logprobs = SamplingParams(
+        temperature=1.0, seed=9, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2
+    )
+    tokens, logprobs, _ = run(with_logprobs)
+    assert len(logprobs) == len(tokens) == NEW_TOKENS
+    hf = transformers_model(target)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPTS["a"] + tokens])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[len(PROMPTS["a"]) - 1 : -1]
+    expected = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=1e-4)
+
+    stop = tokens[6]
+    cut = tokens.index(stop) + 1
+    stopped, _, reason = run(with_logprobs.model_copy(update={"stop_token_ids": [stop]}))
+    assert stopped == tokens[:cut] and reason == "stop"
+
+
+def transformers_model(path: Path):  # type: ignore[no-untyped-def]
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
