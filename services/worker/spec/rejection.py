@@ -3,10 +3,10 @@ whose drafts were sampled from a distribution q the worker holds (proposals.py).
 
 verify_step.py samples the step position by position; `RejectionChecks` rides along: it says
 which rows of each position it checks, keeps their target distribution p, and at the end
-decides every checked row at once on the device (acceptance uniforms, residual draws) with one
-copy to the host. A checked row is row j < k of a request's drafts, plus row k when the
-proposal holds a draft past the plan's (the scheduler trimmed it; proposals.py says why it is
-still checked).
+decides every checked row at once on the device (acceptance uniforms, residual draws), then
+copies the answers to the host together (the step's tokens go to the scheduler anyway). A
+checked row is row j < k of a request's drafts, plus row k when the proposal holds a draft past
+the plan's (the scheduler trimmed it; proposals.py says why it is still checked).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class Decision:
     ) -> tuple[list[int], list[float]]:
         """(the step's output tokens, each one's logprob). `plain` [k + 1]: the plain draws of
         the request's rows (the bonus, and the correction where a residual has no mass)."""
-        corrections = [c if m else int(plain[j]) for j, (c, m) in enumerate(self._pairs())]
+        pairs = zip(self.corrections, self.has_mass, strict=True)
+        corrections = [c if mass else int(plain[j]) for j, (c, mass) in enumerate(pairs)]
         out = chain_tokens(drafts, self.accepted, corrections, int(plain[len(drafts)]), self.extra)
         logprobs = []
         for j in range(len(out)):
@@ -56,9 +57,6 @@ class Decision:
             else:
                 logprobs.append(float(plain_logprobs[j]))
         return out, logprobs
-
-    def _pairs(self) -> list[tuple[int, bool]]:
-        return list(zip(self.corrections, self.has_mass, strict=True))
 
 
 class RejectionChecks:
@@ -116,7 +114,7 @@ class RejectionChecks:
     def decide(
         self, runner: ModelRunner, rows: np.ndarray, verified: np.ndarray
     ) -> dict[int, Decision]:
-        """Every checked row decided on the device, then one copy of the answers to the host."""
+        """Every checked row decided on the device, then the answers copied to the host."""
         if not self._order:
             return {}
         sampler = runner.sampler
