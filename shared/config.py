@@ -96,9 +96,11 @@ class SpeculativeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
 
-    spec_method: Literal["", "ngram", "draft", "eagle"] = ""
+    spec_method: Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"] = ""
     spec_tokens: int = Field(4, ge=1, le=64)  # K: drafts verified per request and step
-    spec_model: str = ""  # the draft model's / EAGLE head's path ("draft", "eagle")
+    # The draft model's / EAGLE head's path ("draft", "eagle", "eagle3"); "mtp" reads the MTP
+    # layers of the served model's own checkpoint (default: MESHLLM_MODEL's directory).
+    spec_model: str = ""
 
 
 class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
