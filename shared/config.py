@@ -73,6 +73,18 @@ class GatewaySettings(CommonSettings, ModelSettings):
     request_timeout_s: float = 600.0
     # A compile call to the grammar service, over the bus (cached: ms; new: up to its limit).
     grammar_timeout_s: float = Field(30.0, gt=0)
+    # Request bodies past this size are refused with 413 before they are read (Content-Length)
+    # or as soon as a streamed body passes it. 32 MiB holds a million-token prompt as text or
+    # as token ids with room to spare; OpenAI's own cap on a request is of the same order.
+    max_body_bytes: int = Field(32 * 2**20, ge=1)
+    # JSON arrays/objects nested deeper than this anywhere in a body (or in a JSON spec sent as
+    # a string, e.g. structured_outputs.json) are a 400, checked on the raw bytes before
+    # parsing. Chat bodies nest < 10 levels; OpenAI caps structured-output schemas at 10 levels
+    # of objects, ~50 JSON levels in their deepest realistic form (arrays of nullable objects).
+    max_json_depth: int = Field(64, ge=1)
+    # Processes that parse and tokenize bodies of 4 KiB or more (services/gateway/plan/
+    # planning_pool.py), so a large body never blocks the event loop. Each holds a tokenizer.
+    planning_processes: int = Field(2, ge=1)
 
     @property
     def api_key_list(self) -> list[str]:
@@ -85,9 +97,11 @@ class SpeculativeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
 
-    spec_method: Literal["", "ngram", "draft", "eagle"] = ""
+    spec_method: Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"] = ""
     spec_tokens: int = Field(4, ge=1, le=64)  # K: drafts verified per request and step
-    spec_model: str = ""  # the draft model's / EAGLE head's path ("draft", "eagle")
+    # The draft model's / EAGLE head's path ("draft", "eagle", "eagle3"); "mtp" reads the MTP
+    # layers of the served model's own checkpoint (default: MESHLLM_MODEL's directory).
+    spec_model: str = ""
 
 
 class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):

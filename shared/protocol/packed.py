@@ -23,7 +23,6 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
 
-
 def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
     def validate(value: Any) -> list[Any]:
         if isinstance(value, bytes | bytearray | memoryview):

@@ -15,6 +15,9 @@
   gateway creates it empty at start and again whenever Redis lost it, so it carries a TTL from
   its first moment (a scheduler's XADD would create it without one); schedulers abort the
   requests of a gateway whose heartbeats stopped (services/scheduler/gateway_watch.py).
+- A request can also be failed from the gateway's side (`fail_in_flight`: it is shutting down
+  and its drain ran out of time): its waiter gets the error instead of the next delta, so the
+  client reads an error body or event rather than a cut connection.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
@@ -60,13 +64,23 @@ class RequestHandle:
         self.plan = plan
         self.seed = seed
         self.request_ids = [plan.choice_request_id(c) for c in range(plan.num_choices)]
-        self.queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, RequestDelta] | OpenAIError] = asyncio.Queue()
         self.open = set(range(plan.num_choices))  # choices the engine may still be running
 
     async def next_delta(self, timeout_s: float | None) -> tuple[int, RequestDelta]:
-        """(choice index, fresh delta); TimeoutError past `timeout_s`."""
+        """(choice index, fresh delta); TimeoutError past `timeout_s`; the OpenAIError the
+        request was failed with (`fail`)."""
         async with asyncio.timeout(timeout_s):
-            return await self.queue.get()
+            item = await self.queue.get()
+        if isinstance(item, OpenAIError):
+            self.queue.put_nowait(item)  # every later call fails the same way
+            raise item
+        return item
+
+    def fail(self, error: OpenAIError) -> None:
+        """End the request from the gateway's side: the waiter gets `error`. The route's
+        `close()` then aborts what still runs on the engine."""
+        self.queue.put_nowait(error)
 
     def abort(self, choice: int, reason: str) -> None:
         """Stop one choice on the scheduler (e.g. a stop string matched)."""
@@ -177,6 +191,13 @@ class GatewayBusClient:
             extra={"request_id": plan.request_id, "seed": seed, "user": plan.user},
         )
         return handle
+
+    def fail_in_flight(self, error: Callable[[], OpenAIError]) -> int:
+        """Fail every request in flight with an `error()` of its own; how many there were."""
+        handles = {id(sub.handle): sub.handle for sub in self._subs.values()}
+        for handle in handles.values():
+            handle.fail(error())
+        return len(handles)
 
     def abort_soon(self, request_ids: list[str], reason: str) -> None:
         task = asyncio.create_task(self._publish_aborts(request_ids, reason))

@@ -207,7 +207,9 @@ class DecodeChainLlama(LlamaForCausalLM):
     def reads_fed_ids(self, num_tokens: int) -> bool:
         """Whether a CUDA decode graph of `num_tokens` rows runs the chain, whose first kernel
         reads fed token ids itself (TritonAttentionMetadata.fed_tokens; cuda_graphs.py)."""
-        return DECODE_CHAIN_DEFAULT and 1 <= num_tokens <= GEMV_MAX_ROWS
+        return (
+            DECODE_CHAIN_DEFAULT and not self.aux_hidden_layers and 1 <= num_tokens <= GEMV_MAX_ROWS
+        )
 
     def forward(
         self,
@@ -216,7 +218,9 @@ class DecodeChainLlama(LlamaForCausalLM):
         attn: AttentionMetadata | Sequence[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        if DECODE_CHAIN_DEFAULT and chain_takes(input_ids):
+        # The chain returns the final hidden state only: EAGLE-3's auxiliary layer states
+        # (aux_hidden_layers) come from the layer-by-layer forward.
+        if DECODE_CHAIN_DEFAULT and not self.aux_hidden_layers and chain_takes(input_ids):
             return chain_forward(self, input_ids, positions, attn, kv_caches)
         return super().forward(input_ids, positions, attn, kv_caches)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.worker.loader.checkpoint_names import CheckpointError, assemble
+from services.worker.loader.checkpoint_names import CheckpointError, assemble, mtp_layer_index
 from services.worker.loader.safetensors_loader import iter_safetensors
 from services.worker.models.base import CausalLM
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
@@ -63,6 +63,9 @@ def load_model(
     elif path.is_dir():
         config = ModelConfig.from_hf_dir(path)
         tensors = iter_safetensors(path)
+        if config.num_mtp_layers:  # MTP modules are a drafter's (spec/mtp.py), not the model's
+            layers = config.num_hidden_layers
+            tensors = ((n, t) for n, t in tensors if mtp_layer_index(n, layers) is None)
     else:
         raise FileNotFoundError(f"{path}: expected an HF directory or a .gguf file")
     torch_dtype = resolve_dtype(dtype, config, device)

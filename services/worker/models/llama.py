@@ -169,6 +169,9 @@ class LlamaForCausalLM(CausalLM):
         self._local_layers = frozenset(
             i for i, t in enumerate(config.layer_types) if t == "sliding_attention"
         )
+        # EAGLE-3 drafting (services/worker/spec/eagle3.py) reads the residual stream entering
+        # these layers; empty = forward returns the final hidden state alone.
+        self.aux_hidden_layers: tuple[int, ...] = ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
@@ -183,9 +186,16 @@ class LlamaForCausalLM(CausalLM):
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         layer_inputs = self.layer_inputs(positions, attn, kv_caches)
-        for layer, (cos, sin, meta, kv_cache) in zip(self.layers, layer_inputs, strict=True):
+        aux: dict[int, torch.Tensor] = {}
+        for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(
+            zip(self.layers, layer_inputs, strict=True)
+        ):
+            if i in self.aux_hidden_layers:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache)
         hidden, _ = self.norm(hidden, residual)
+        if self.aux_hidden_layers:  # one tensor, so CUDA graphs capture it as any output
+            return torch.cat([hidden, *(aux[i] for i in self.aux_hidden_layers)], dim=-1)
         return hidden
 
     def layer_inputs(

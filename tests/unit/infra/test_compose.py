@@ -136,6 +136,15 @@ def test_healthchecks_and_start_order(config: dict[str, Any]) -> None:
     assert {p["target"] for p in gateway["ports"]} == {8000}
 
 
+def test_every_long_running_service_restarts_unless_stopped() -> None:
+    """What the local launcher's supervision mirrors (infra/supervisor.py); only the ACL job,
+    which runs once, is not restarted."""
+    everything = resolved_config(profiles=("gpu", "pd"))["services"]
+    for name, svc in everything.items():
+        expected = "no" if name == "redis-acl" else "unless-stopped"
+        assert svc.get("restart") == expected, name
+
+
 def test_acl_job_gets_every_password(config: dict[str, Any]) -> None:
     job = config["services"]["redis-acl"]
     assert job["command"][:3] == ["python", "-m", "infra.redis.render_acl"]
