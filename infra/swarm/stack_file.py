@@ -139,8 +139,8 @@ def _resources(kind: str, items: Mapping[str, Any]) -> dict[str, Any]:
         entry = dict(spec or {})
         if not entry.get("external"):
             entry.pop("name", None)
-        out[key] = entry
-    return _drop_empty(out)
+        out[key] = _drop_empty(entry)  # an empty entry stays: `model-cache: {}` declares it
+    return out
 
 
 def to_stack(model: Mapping[str, Any]) -> dict[str, Any]:

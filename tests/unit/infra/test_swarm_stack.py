@@ -118,6 +118,18 @@ def test_services_are_the_mesh_and_redis_without_the_acl_job(stack: dict[str, An
         assert not {"build", "depends_on", "restart", "profiles"} & set(svc), name
 
 
+def test_every_named_volume_network_and_config_is_declared(stack: dict[str, Any]) -> None:
+    for name, svc in stack["services"].items():
+        for volume in svc.get("volumes", []):
+            if volume["type"] == "volume":
+                assert volume["source"] in stack["volumes"], (name, volume)
+        for config in svc.get("configs", []):
+            assert config["source"] in stack["configs"], (name, config)
+        for network in svc.get("networks", {}):
+            assert network in stack["networks"], (name, network)
+    assert stack["volumes"] == {"model-cache": {}, "redis-acl": {}}
+
+
 def test_groups_pair_scheduler_and_worker_by_task_slot(stack: dict[str, Any]) -> None:
     scheduler, worker = (stack["services"][s] for s in GROUP_SERVICES)
     for svc in (scheduler, worker):
