@@ -39,6 +39,13 @@ redis:
 	command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
 
+# kubectl renders the Kubernetes manifests (`kubectl kustomize`, tests/unit/infra): Debian's
+# package when none is installed (the machine image brings one; Debian's 1.20 embeds a
+# kustomize too old for components, and the test then says so).
+kubectl:
+	command -v kubectl >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y kubernetes-client)
+
 # A C++ compiler: the CPU worker builds its decode attention kernel and inductor its compiled
 # forward with it (without one both fall back to PyTorch eager, but their tests need it).
 cxx:
@@ -58,7 +65,7 @@ DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
 
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 # tests/docker are deselected here (they need built images); docker-test runs them after.
-test: venv redis cxx
+test: venv redis cxx kubectl
 	@$(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	if [ $$status -ne 0 ]; then exit $$status; fi
