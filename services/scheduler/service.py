@@ -2,9 +2,11 @@
 
 Tasks, all in one event loop:
 - intake: SubmitRequests from the shared `requests` stream through the consumer group
-  `schedulers` (data-parallel scheduler replicas split them). An entry is acknowledged only when
-  its request finished, so a scheduler that dies leaves its requests pending: its restart (same
-  consumer name) re-reads them with `own_pending`, or another replica claims them once idle.
+  `schedulers` (data-parallel scheduler replicas split them), read only while the group's
+  worker is alive (a group still loading its model takes nothing). An entry is acknowledged
+  only when its request finished, so a scheduler that dies leaves its requests pending: its
+  restart (same consumer name) re-reads them with `own_pending`, or another replica claims
+  them once idle.
   While a request lives here, its entry is re-claimed to this consumer every few seconds so a
   long generation is never mistaken for a dead consumer's.
 - aborts: the fan-out `aborts` stream (every replica sees every abort; unknown ids are kept in
@@ -82,6 +84,7 @@ OVERHEAD_SECONDS = Histogram(
 
 ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
 CLAIM_REFRESH_S = 2.0
+WORKER_WAIT_S = 0.2  # intake's poll for a live worker
 METRICS_INTERVAL_S = 0.1  # gauges while stepping; always when the loop goes idle
 
 
@@ -198,12 +201,18 @@ class SchedulerService(Service):
     # --- intake ------------------------------------------------------------------------------
 
     async def _intake(self) -> None:
-        """Own pending entries first (a restart with the same consumer name), then new ones."""
+        """Own pending entries first (a restart with the same consumer name), then new ones,
+        but only while the group's worker is alive: a scheduler whose worker is still loading
+        (a group just added by a scale-up) or restarting leaves new requests in the stream for
+        the groups that can run them now, instead of holding them for a model load."""
         own = await self.bus.read_group(
             self.intake_group, [self.intake_stream], count=1000, own_pending=True
         )
         await self._accept(own)
         while not self.stopping.is_set():
+            if not self._worker_alive():
+                await asyncio.sleep(WORKER_WAIT_S)
+                continue
             deliveries = await self.bus.read_group(
                 self.intake_group, [self.intake_stream], count=256, block_ms=1000
             )
@@ -322,6 +331,8 @@ class SchedulerService(Service):
                         ids,
                         justid=True,
                     )
+            if not self._worker_alive():
+                continue  # a dead scheduler's requests go to a group that can run them
             claimed = await self.bus.claim_idle(
                 self.intake_stream, self.intake_group, self.settings.claim_idle_ms
             )
