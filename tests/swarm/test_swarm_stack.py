@@ -7,6 +7,7 @@ The tests run in file order on one stack (each states the shape it starts from).
 
 from __future__ import annotations
 
+import re
 import time
 from urllib.parse import urlsplit
 
@@ -28,6 +29,7 @@ from tests.swarm.stack import (
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 STEPS = "meshllm:scheduler_step_seconds_count"
+SECRET_SETTING = re.compile(r"MESHLLM_(ADMIN_TOKEN|API_KEYS|REDIS_PASSWORD)(_[A-Z]+)?$")
 
 
 def model_name(stack: SwarmStack) -> str:
@@ -70,7 +72,7 @@ def test_stack_serves_with_secrets_from_files(swarm_stack: SwarmStack) -> None:
         if "MESHLLM_REDIS_URL" in env:
             assert urlsplit(env["MESHLLM_REDIS_URL"]).password is None, name
             assert env["MESHLLM_REDIS_PASSWORD_FILE"].startswith("/run/secrets/"), name
-        secret_values = {k: v for k, v in env.items() if "PASSWORD" in k or "TOKEN" in k}
+        secret_values = {k: v for k, v in env.items() if SECRET_SETTING.match(k)}
         assert all(v == "" or k.endswith("_FILE") for k, v in secret_values.items()), name
         assert API_KEY not in str(spec) and ADMIN_TOKEN not in str(spec), name
 
