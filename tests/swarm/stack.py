@@ -27,7 +27,7 @@ GATEWAY_PORT = int(os.environ.get("MESHLLM_TEST_SWARM_GATEWAY_PORT", "18100"))
 ADMIN_TOKEN = "swarm-test-admin-token"
 API_KEY = "sk-swarm-test"
 SERVICES = ("redis", "gateway", "scheduler", "worker", "grammar", "kvstore")
-UP_TIMEOUT_S = 900  # a cold start converts SmolLM2 into the stack's model-cache volume
+UP_TIMEOUT_S = 1800  # a cold start converts SmolLM2 into the model-cache volume; busy CI
 
 # Read inside a task container: its service's /metrics, with the port its MESHLLM_PORT names.
 METRICS_PROBE = (
