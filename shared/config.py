@@ -3,6 +3,10 @@
 One settings class per service, all sharing `CommonSettings`. The same variable names appear in
 docker-compose.yml and are read by the local launcher, so the compose file is the single place
 where a deployment's configuration is written down.
+
+Any setting can also come from a file: `MESHLLM_<FIELD>_FILE=/run/secrets/x` (Docker and
+Kubernetes secrets; shared/setting_files.py). The Redis password has a field of its own,
+`redis_password`, so a secret holds just the password and the URL stays in plain config.
 """
 
 from __future__ import annotations
@@ -10,15 +14,49 @@ from __future__ import annotations
 import os
 import socket
 from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from shared.setting_files import FileSettingsSource
 
 
-class CommonSettings(BaseSettings):
+class MeshSettings(BaseSettings):
+    """`MESHLLM_*` variables, and `MESHLLM_*_FILE` files (which rank above the variables)."""
+
     model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        files = FileSettingsSource(settings_cls)
+        return (init_settings, files, env_settings, dotenv_settings, file_secret_settings)
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with its password replaced (percent-encoded, so any character is allowed)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = quote(parts.username or "", safe="")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+class CommonSettings(MeshSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Replaces the password in redis_url when set: a secret file then holds only the password
+    # (MESHLLM_REDIS_PASSWORD_FILE), and it may contain characters a URL cannot.
+    redis_password: str = ""
     cluster: str = "default"
     # Names this instance: its consumer in stream groups (with the service and group), so it
     # must survive a restart for the restarted process to resume its own pending entries at
@@ -47,10 +85,14 @@ class CommonSettings(BaseSettings):
     # the same expiry to a reply stream they re-create by writing to it after it expired.
     reply_stream_ttl_s: int = Field(120, ge=2)
 
+    @model_validator(mode="after")
+    def _password_into_url(self) -> CommonSettings:
+        if self.redis_password:
+            self.redis_url = with_password(self.redis_url, self.redis_password)
+        return self
 
-class ModelSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
 
+class ModelSettings(MeshSettings):
     model: str = ""  # HF safetensors dir or .gguf file; empty = embedded SmolLM2-135M-Instruct
     served_model_name: str = ""  # name in the OpenAI API; default derived from `model`
     model_cache_dir: str = Field(
@@ -91,11 +133,9 @@ class GatewaySettings(CommonSettings, ModelSettings):
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
 
 
-class SpeculativeSettings(BaseSettings):
+class SpeculativeSettings(MeshSettings):
     """Speculative decoding, read by the scheduler (K lookahead slots) and the worker (the
     drafter). Empty method = off."""
-
-    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
 
     spec_method: Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"] = ""
     spec_tokens: int = Field(4, ge=1, le=64)  # K: drafts verified per request and step

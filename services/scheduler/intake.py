@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
 CLAIM_REFRESH_S = 2.0
 HEARTBEAT_READ_MS = 1000
+WORKER_WAIT_S = 0.2  # the requests loop's poll for a live worker
 
 
 class Engine(Protocol):
@@ -74,6 +75,8 @@ class Engine(Protocol):
     outbox: list[tuple[str, TokenDelta]]  # sent with the next plan, or alone
 
     def vocab_size(self) -> int: ...
+
+    def worker_alive(self) -> bool: ...
 
 
 @dataclass
@@ -134,10 +137,16 @@ class Intake:
     # --- the loops (SchedulerService.run) ----------------------------------------------------
 
     async def read_requests(self, stopping: asyncio.Event) -> None:
-        """Own pending entries first (a restart with the same consumer name), then new ones."""
+        """Own pending entries first (a restart with the same consumer name), then new ones,
+        but only while the group's worker is alive: a scheduler whose worker is still loading
+        (a group just added by a scale-up) or restarting leaves new requests in the stream for
+        the groups that can run them now, instead of holding them for a model load."""
         own = await self.bus.read_group(self.group, [self.stream], count=1000, own_pending=True)
         await self.accept(own)
         while not stopping.is_set():
+            if not self.engine.worker_alive():
+                await asyncio.sleep(WORKER_WAIT_S)
+                continue
             deliveries = await self.bus.read_group(
                 self.group, [self.stream], count=256, block_ms=1000
             )
@@ -164,6 +173,8 @@ class Intake:
                     await redis.xclaim(
                         self.stream, self.group, self.bus.consumer, 0, ids, justid=True
                     )
+            if not self.engine.worker_alive():
+                continue  # a dead scheduler's requests go to a group that can run them
             claimed = await self.bus.claim_idle(
                 self.stream, self.group, self.settings.claim_idle_ms
             )

@@ -2,7 +2,8 @@
 
 Tasks, all in one event loop:
 - intake (intake.py): SubmitRequests from the shared `requests` stream through the consumer
-  group `schedulers` (data-parallel scheduler replicas split them), acked only when finished;
+  group `schedulers` (data-parallel scheduler replicas split them), read only while the group's
+  worker is alive (a group still loading its model takes nothing), acked only when finished;
   claims of a dead scheduler's entries; aborts, and the requests of gateways gone silent;
   poison entries dead-lettered without stopping anything.
 - worker watch: WorkerReady announcements on the group's `control` stream. A new incarnation
@@ -163,7 +164,7 @@ class SchedulerService(Service):
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:
         ready, info = await super().check_ready()
-        worker_ok = self._worker_alive()
+        worker_ok = self.worker_alive()
         info["checks"]["worker"] = "ok" if worker_ok else "no worker announced"
         return ready and worker_ok, info
 
@@ -173,7 +174,7 @@ class SchedulerService(Service):
         return {
             **super().state(),
             "worker": self.worker.model_dump() if self.worker else None,
-            "worker_alive": self._worker_alive(),
+            "worker_alive": self.worker_alive(),
             "scheduler": asdict(core.snapshot()) if core else None,
             "running_request_ids": [r.request_id for r in core.running] if core else [],
             "waiting_request_ids": [r.request_id for r in core.waiting] if core else [],
@@ -187,7 +188,7 @@ class SchedulerService(Service):
 
     # --- the worker --------------------------------------------------------------------------
 
-    def _worker_alive(self) -> bool:
+    def worker_alive(self) -> bool:
         return (
             self.worker is not None
             and time.monotonic() - self.worker_seen_at < self.worker_timeout_s
@@ -280,7 +281,7 @@ class SchedulerService(Service):
         last_result = time.perf_counter()
         while not self.stopping.is_set():
             core = self.core
-            if core is None or not self._worker_alive():
+            if core is None or not self.worker_alive():
                 self._abandon(pending)
                 await self._flush()
                 await self._wait(self.wakeup, 0.5)
@@ -374,7 +375,7 @@ class SchedulerService(Service):
         try:
             while not future.done():
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._worker_alive():
+                if remaining <= 0 or not self.worker_alive():
                     log.error("step %d: worker silent; recomputing its requests", plan.step_id)
                     self._reset_worker("")
                     self.worker = None
