@@ -128,8 +128,8 @@ class DecodeGraphs:
 
         ids = self.static["input_ids"][:size]
         if self.latest is not None:
-            reads_fed_ids = getattr(self.model, "reads_fed_ids", None)
-            if reads_fed_ids is not None and reads_fed_ids(size):
+            chain = self.model.decode_chain
+            if chain is not None and chain.reads_fed_ids(size):
                 meta.fed_tokens = self.latest  # its first kernel reads them (decode_chain.py)
             else:
                 feed_token_ids_(ids, self.latest)

@@ -34,7 +34,6 @@ import torch
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
-from services.worker.accel.cuda_layers import install_cuda_kernels
 from services.worker.attention.groups import group_attention, needs_group_attention
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import (
@@ -158,10 +157,8 @@ class ModelRunner:
             else None
         )
         self.compiled = CompiledForward(model) if compiled else None
-        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
+        # CUDA: decode steps replay CUDA graphs once captured.
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
-            install_cuda_kernels(model)
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
         # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
