@@ -142,9 +142,9 @@ def store_weights_column_major(model: nn.Module) -> None:
     """Re-lay every 2-D weight [out, in] as a transposed view of an [in, out] buffer.
 
     Same shapes and values; only the memory order changes, so `F.linear` hands MKL an
-    untransposed B operand. Measured on the 2-core dev machine (fp32, SmolLM2 shapes): skinny
-    GEMMs (decode batches of 2-64 rows) run up to 2-3x faster, batch 1 and long prefills the
-    same or slightly faster. bf16 goes through oneDNN, which prefers the checkpoint order, so
+    untransposed B operand: skinny GEMMs (decode batches of a few to tens of rows) run faster,
+    batch 1 and long prefills no slower (fp32, SmolLM2 shapes, the dev machine). bf16 goes
+    through oneDNN, which prefers the checkpoint order, so
     only fp32 weights on CPU are re-laid. The embedding lookup then reads strided rows, which
     costs microseconds per token.
     """
