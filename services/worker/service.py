@@ -211,9 +211,9 @@ class WorkerService(Service):
         if self._in_flight is not None and self._in_flight.landed():
             # The step in flight is done on the device, so nothing is queued there: answer it
             # first. The scheduler plans the step after this one from that result, so it goes
-            # out a launch sooner (launching first instead kept each plan arriving behind the
-            # device at large batches); this step starts a finish later, on a device that is
-            # idle anyway.
+            # out a launch sooner (launching first kept the plans behind the device every step
+            # at large batches); this step starts a finish later, on a device that is idle
+            # anyway.
             await self._finish_in_flight()
         launched = await self._run_step(plan, runner.launch, publish=False)
         await self._finish_in_flight()  # the previous step: results go out in step order

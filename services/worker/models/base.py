@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from torch import nn
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.models.rope import RotaryEmbedding
 from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.accel.decode_chain import DecodeChain
 
 
 class CausalLM(nn.Module):
@@ -24,6 +28,9 @@ class CausalLM(nn.Module):
     embed_tokens: nn.Embedding
     lm_head: nn.Module | None  # None: tied, the embedding matrix projects the logits
     aux_hidden_layers: tuple[int, ...] = ()  # see forward
+    # The fused forward of decode-sized steps, set at load where the model fits it
+    # (services/worker/accel/decode_chain.py); None: every step runs layer by layer.
+    decode_chain: DecodeChain | None = None
 
     @abstractmethod
     def forward(

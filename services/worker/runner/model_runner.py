@@ -34,7 +34,6 @@ import torch
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
-from services.worker.accel.cuda_layers import install_cuda_kernels
 from services.worker.attention.groups import group_attention, needs_group_attention
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import (
@@ -158,10 +157,8 @@ class ModelRunner:
             else None
         )
         self.compiled = CompiledForward(model) if compiled else None
-        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
+        # CUDA: decode steps replay CUDA graphs once captured.
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
-            install_cuda_kernels(model)
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
         # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
@@ -534,7 +531,7 @@ class ModelRunner:
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
         # model_construct: the values are ints and floats this process just made, so pydantic's
-        # per-item validation, a cost per message and step, is skipped on this per-step path.
+        # per-item validation is skipped on this per-step path.
         pairs = zip(step.request_ids, tokens.tolist(), strict=True)
         for i, (request_id, token) in enumerate(pairs):
             fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}

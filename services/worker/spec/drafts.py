@@ -97,8 +97,11 @@ class Drafter:
             if not config.model:
                 raise ValueError("MESHLLM_SPEC_METHOD=draft needs MESHLLM_SPEC_MODEL")
             from services.worker.loader import load_model
+            from services.worker.models.layer_impls import REFERENCE
 
-            model, _ = load_model(config.model, "auto", device, max_model_len)
+            # The reference layers on every device: the draft's attention is the reference
+            # path too, over its private cache (row_kv.py).
+            model, _ = load_model(config.model, "auto", device, max_model_len, impls=REFERENCE)
             self.draft_model = DraftModelDrafter(
                 model,
                 vocab_size,
