@@ -113,6 +113,9 @@ class GatewaySettings(CommonSettings, ModelSettings):
     max_n: int = 16
     max_logprobs: int = 20
     request_timeout_s: float = 600.0
+    # No reply delta (token) for a request this long, from its acceptance on: it ends with a
+    # 504 / error event and is aborted (services/gateway/stream/request_deadline.py). 0: off.
+    progress_timeout_s: float = Field(120.0, ge=0)
     # A compile call to the grammar service, over the bus (cached: ms; new: up to its limit).
     grammar_timeout_s: float = Field(30.0, gt=0)
     # Request bodies past this size are refused with 413 before they are read (Content-Length)

@@ -65,10 +65,6 @@ class Streams:
     def rpc_reply_prefix(self) -> str:
         return f"{self.prefix}:rpc:"
 
-    def state_key(self, service: str, instance: str) -> str:
-        """A service's small published state (readiness, scheduler queue snapshot)."""
-        return f"{self.prefix}:state:{service}:{instance}"
-
 
 SCHEDULER_GROUP = "schedulers"
 DECODE_GROUP = "decoders"  # decode-role schedulers on the handoff stream

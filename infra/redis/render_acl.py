@@ -1,19 +1,54 @@
-"""Render the Redis ACL file: one user per service, allowed only its own keys and streams.
+"""Render the Redis ACL file: one user per service, allowed exactly the commands its code runs,
+each only on the keys it runs them on.
 
 Passwords come from `MESHLLM_REDIS_PASSWORD_<USER>` (dev defaults below, never real secrets)
 and are written as SHA-256 hashes, so the rendered file holds no plain password. The default
 user is disabled: a client that does not authenticate can do nothing.
 
-Key permissions (Redis 7): `~p` read+write, `%R~p` read only, `%W~p` write only. A stream
-command needs what its key spec says: XADD, XACK and EXPIRE only write; XREAD only reads;
-XREADGROUP, XAUTOCLAIM and XGROUP CREATE both read and write (they move the consumer group's
-state). Calls between services (shared.rpc): the caller may only append to the `calls` stream
-of the services it calls and read its own service's reply streams; the callee consumes its own
-`calls` stream and may only write (answer, expire) the reply streams of its callers.
+How a user is written. Its root permissions hold no key and only the connection commands
+(PING, HELLO, SELECT, CLIENT ID/SETNAME/GETNAME). Every data command comes from a `Grant`, one
+Redis 7 ACL selector `(~pattern ... -@all +cmd ...)`: these commands, on these keys, nothing
+else. Key permissions alone cannot say "XADD but not DEL" (both write), so a stream a service
+only feeds gets a grant of XADD and nothing more. Redis checks a multi-key command against one
+selector at a time, so keys one command names together (an XREAD of several streams, an UNLINK
+of several keys) must share a grant; the services' commands name one key pattern each.
+The commands are the ones the code runs (grep for them before adding one):
+
+- `shared.bus`: XADD (MAXLEN ~; NOMKSTREAM for notes and calls), EXPIRE (NX on reply streams
+  by the scheduler), XREAD + XREVRANGE (fan-out reads; "$" pinned to the newest entry),
+  XGROUP CREATE MKSTREAM, XREADGROUP, XPENDING, XAUTOCLAIM, XACK (consumer groups); the
+  scheduler's intake also XCLAIMs (JUSTID) the requests it holds to keep them from idling.
+- the gateway keeps its reply stream alive: EXPIRE, XGROUP CREATE MKSTREAM when it is gone.
+- key-value: the grammar service GET/SET/EXISTS/EXPIREs compiled grammars, the scheduler GETs
+  them; the worker SET/GETs KV payloads; the kvstore HSET/HGETALL/EXISTS/UNLINKs their
+  metadata, EXISTS/UNLINKs payloads (evicts them) but never writes one, and SCANs metadata.
+
+What no service user can do: list the keyspace (KEYS, RANDOMKEY, DBSIZE, INFO's keyspace
+counts; SCAN, except the kvstore below), run anything server-wide (FLUSHALL/FLUSHDB,
+CONFIG, DEBUG, SHUTDOWN, SAVE, CLIENT LIST/KILL, MONITOR, ACL, FUNCTION and SCRIPT of any
+kind), run scripts (no service uses EVAL/FCALL), or delete, trim, rename, overwrite or expire a
+stream it only feeds. Limits of key patterns, which name services, not instances:
+
+- SCAN takes no key, so no pattern confines it: the kvstore, which rebuilds its block table
+  from the metadata keys after a restart (`scan_meta`), can list every key name (not values).
+  The other users cannot SCAN.
+- XADD's MAXLEN argument trims, and an ACL cannot restrict arguments: a user that may append
+  to a stream can also cut it short (XADD MAXLEN 0). Every stream is appended to only by the
+  services that feed it; nobody else can.
+- Heartbeats are one shared stream that every service appends to: a service can append a beat
+  that names another instance, even another service. Readers (the gateway's mesh view, the
+  scheduler's worker and gateway watches) trust a beat's `service`/`instance_id` fields.
+- Reply streams are named per instance (`replies:<gateway id>`, `rpc:<service>:<instance>`) but
+  granted per service: a gateway can read, and EXPIRE, another gateway's reply stream, and a
+  scheduler can append deltas to any gateway's. A gateway appends to no reply stream at all.
+
+Calls between services (shared.rpc): the caller may only append to the `calls` stream of the
+services it calls and read its own service's reply streams; the callee consumes its own
+`calls` stream and may only append to (and expire) the reply streams of its callers.
 The cluster name is `*` in every pattern, so one ACL file serves any number of clusters.
 
-Run: `python -m infra.redis.render_acl [--out FILE]` (stdout without --out). Used by the
-`redis-acl` compose service and by the local launcher.
+Run: `python -m infra.redis.render_acl [--out FILE]` (stdout without --out; FILE is written
+mode 0600). Used by the `redis-acl` compose service and by the local launcher.
 """
 
 from __future__ import annotations
@@ -26,29 +61,43 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Commands every service user may run: redis-py's connection set-up (HELLO, SELECT, CLIENT
-# SETNAME), PING for readiness, INFO for diagnostics. CLIENT SETINFO (Redis >= 7.2) is left out
-# on purpose: naming it fails on 7.0, and redis-py ignores its refusal. Data commands come from
-# categories and are confined by key patterns; @dangerous (FLUSHALL, KEYS, CONFIG, DEBUG, ...)
-# is removed before the few connection commands of that category are added back.
-BASE_COMMANDS = (
-    "-@all +@read +@write +@stream +@keyspace +@string +@hash +@sortedset +@list +@set"
-    " +@connection +@transaction +@scripting -@dangerous -@admin -@pubsub"
-    " +info +client|id +client|setname +client|getname +hello +select"
-)
+# Root permissions of every service user: redis-py's connection set-up (HELLO, SELECT, CLIENT
+# SETNAME) and PING for readiness. CLIENT SETINFO (Redis >= 7.2) is left out on purpose: naming
+# it fails on 7.0, and redis-py ignores its refusal. INFO is left out too: its keyspace section
+# counts every database's keys.
+CONNECTION = "-@all +ping +hello +select +client|id +client|setname +client|getname"
 
-COMMON_KEYS = (
-    "%W~meshllm:*:heartbeats",  # liveness beats (XADD only)
-    "%W~meshllm:*:deadletter",  # undecodable entries moved aside by the bus
-)
+# Command sets of shared.bus, by role.
+APPEND = ("xadd",)
+FAN_OUT_READ = ("xread", "xrevrange")
+GROUP_CONSUME = ("xgroup|create", "xreadgroup", "xpending", "xautoclaim", "xack")
+REPLY = ("xadd", "expire")  # a reply stream's writer renews its expiry
+
+
+@dataclass(frozen=True)
+class Grant:
+    """`commands` on the keys matching `patterns` (one ACL selector)."""
+
+    patterns: tuple[str, ...]
+    commands: tuple[str, ...]
+
+    def selector(self) -> str:
+        keys = " ".join(f"~{p}" for p in self.patterns)
+        commands = " ".join(f"+{c}" for c in self.commands)
+        return f"({keys} -@all {commands})"
+
+
+def grant(pattern: str, *command_sets: tuple[str, ...]) -> Grant:
+    commands = tuple(dict.fromkeys(c for s in command_sets for c in s))
+    return Grant((pattern,), commands)
 
 
 @dataclass(frozen=True)
 class AclUser:
     name: str
-    keys: tuple[str, ...]
-    selectors: tuple[str, ...] = field(default=())
-    commands: str = BASE_COMMANDS
+    grants: tuple[Grant, ...]
+    root: str = CONNECTION  # commands allowed without a key (keys only through grants)
+    root_keys: tuple[str, ...] = field(default=())
 
     @property
     def password_env(self) -> str:
@@ -59,66 +108,74 @@ class AclUser:
         return f"meshllm-dev-{self.name}"
 
 
-def _service(name: str, *keys: str, selectors: tuple[str, ...] = ()) -> AclUser:
-    own_state = f"~meshllm:*:state:{name}:*"
-    return AclUser(name, (*keys, *COMMON_KEYS, own_state), selectors)
+# Every service beats and dead-letters entries it cannot decode; both streams are write-only.
+COMMON = (grant("meshllm:*:deadletter", APPEND),)
+BEATS_ONLY = grant("meshllm:*:heartbeats", APPEND)
+BEATS_AND_MESH_VIEW = grant("meshllm:*:heartbeats", APPEND, FAN_OUT_READ)
+
+
+def _service(name: str, *grants: Grant, root: str = CONNECTION) -> AclUser:
+    return AclUser(name, (*grants, *COMMON), root)
 
 
 SERVICE_USERS: tuple[AclUser, ...] = (
     _service(
         "gateway",
-        "%W~meshllm:*:requests",  # SubmitRequest
-        "%W~meshllm:*:aborts",  # AbortRequest
-        "~meshllm:*:replies:*",  # its own reply stream: read, group ops, trim on exit
-        "%R~meshllm:*:grammar:*",  # compiled-grammar cache
-        "%R~meshllm:*:heartbeats",  # which worker groups are ready (the mesh view)
-        "%W~meshllm:*:calls:grammar",  # CompileGrammar calls (shared.rpc)
-        "%R~meshllm:*:rpc:gateway:*",  # their answers (servers write and expire it)
+        grant("meshllm:*:requests", APPEND),  # SubmitRequest
+        grant("meshllm:*:aborts", APPEND),  # AbortRequest
+        grant("meshllm:*:calls:grammar", APPEND),  # CompileGrammar calls (shared.rpc)
+        # its own reply stream: read, kept alive (EXPIRE; XGROUP CREATE MKSTREAM recreates it)
+        grant("meshllm:*:replies:*", FAN_OUT_READ, ("expire", "xgroup|create")),
+        grant("meshllm:*:rpc:gateway:*", FAN_OUT_READ),  # grammar answers
+        BEATS_AND_MESH_VIEW,  # which worker groups are ready
     ),
     _service(
         "scheduler",
-        "~meshllm:*:requests",  # consumer group `schedulers`: read, ack, claim
-        "~meshllm:*:handoff",  # P/D: prefill schedulers write, decode ones read (`decoders`)
-        "%R~meshllm:*:aborts",  # fan-out: plain XREAD
-        "%W~meshllm:*:{g*}:steps",  # StepPlan to its worker group
-        "~meshllm:*:{g*}:results",  # StepResult: read + group
-        "~meshllm:*:{g*}:control",  # WorkerReady: read + group
-        "%W~meshllm:*:replies:*",  # TokenDelta to each request's gateway
-        "%R~meshllm:*:grammar:*",  # compiled grammars, deserialized in-process
-        "~meshllm:*:kvmeta:*",  # offload block metadata
-        "%R~meshllm:*:heartbeats",  # worker liveness and incarnation (restart detection)
-        "%W~meshllm:*:calls:kvstore",  # offload tier calls (shared.rpc)
-        "%R~meshllm:*:rpc:scheduler:*",  # their answers
+        grant("meshllm:*:requests", GROUP_CONSUME, ("xclaim",)),  # group `schedulers`
+        # P/D: prefill schedulers append, decode ones consume (group `decoders`)
+        grant("meshllm:*:handoff", APPEND, GROUP_CONSUME, ("xclaim",)),
+        grant("meshllm:*:aborts", FAN_OUT_READ),
+        grant("meshllm:*:{g*}:steps", APPEND),  # StepPlan to its worker group
+        grant("meshllm:*:{g*}:results", FAN_OUT_READ),  # StepResult, KVTransferDone
+        grant("meshllm:*:{g*}:control", FAN_OUT_READ),  # WorkerReady
+        grant("meshllm:*:replies:*", REPLY),  # TokenDelta (EXPIRE NX), NOMKSTREAM notes
+        grant("meshllm:*:grammar:*", ("get",)),  # compiled grammars, deserialized in-process
+        grant("meshllm:*:calls:kvstore", APPEND),  # offload tier calls (shared.rpc)
+        grant("meshllm:*:rpc:scheduler:*", FAN_OUT_READ),  # their answers
+        BEATS_AND_MESH_VIEW,  # worker incarnations, gateways' liveness
     ),
     _service(
         "worker",
-        "~meshllm:*:{g*}:steps",  # StepPlan: read + group
-        "%W~meshllm:*:{g*}:results",
-        "%W~meshllm:*:{g*}:control",
-        "~meshllm:*:kv:*",  # offloaded KV payloads: read and write
+        grant("meshllm:*:{g*}:steps", FAN_OUT_READ),
+        grant("meshllm:*:{g*}:results", APPEND),
+        grant("meshllm:*:{g*}:control", APPEND),
+        grant("meshllm:*:kv:*", ("set", "get")),  # offloaded KV payloads
+        BEATS_ONLY,
     ),
     _service(
         "grammar",
-        "~meshllm:*:grammar:*",
-        "~meshllm:*:calls:grammar",  # its calls: consumer group `servers` (read, ack, claim)
-        "%W~meshllm:*:rpc:gateway:*",  # answers (XADD, EXPIRE) to the gateways that call it
+        grant("meshllm:*:grammar:*", ("get", "set", "exists", "expire")),
+        grant("meshllm:*:calls:grammar", GROUP_CONSUME),  # its calls: group `servers`
+        grant("meshllm:*:rpc:gateway:*", REPLY),  # answers to the gateways that call it
+        BEATS_ONLY,
     ),
     _service(
         "kvstore",
-        "%R~meshllm:*:kv:*",  # payload sizes and existence
-        "~meshllm:*:kvmeta:*",
-        "~meshllm:*:calls:kvstore",  # its calls: consumer group `servers`
-        "%W~meshllm:*:rpc:scheduler:*",  # answers to the schedulers that call it
-        # Eviction deletes payloads, but the kvstore never writes one: a selector grants
-        # write permission on payload keys to DEL/UNLINK only.
-        selectors=("(%W~meshllm:*:kv:* -@all +del +unlink)",),
+        grant("meshllm:*:kv:*", ("exists", "unlink")),  # evicts payloads, never writes one
+        grant("meshllm:*:kvmeta:*", ("hset", "hgetall", "exists", "unlink")),
+        grant("meshllm:*:calls:kvstore", GROUP_CONSUME),  # its calls: group `servers`
+        grant("meshllm:*:rpc:scheduler:*", REPLY),  # answers to the schedulers that call it
+        BEATS_ONLY,
+        # SCAN: recovery lists the metadata keys (see the module docstring); MULTI/EXEC:
+        # eviction deletes a payload and its metadata together.
+        root=f"{CONNECTION} +scan +multi +exec +discard",
     ),
 )
 
-HEALTHCHECK = AclUser("healthcheck", (), commands="-@all +ping +hello")
+HEALTHCHECK = AclUser("healthcheck", (), root="-@all +ping +hello")
 """For container healthchecks (`redis-cli --user healthcheck ... ping`): no key access."""
 
-ADMIN = AclUser("admin", ("~*",), commands="+@all &*")
+ADMIN = AclUser("admin", (), root="+@all &*", root_keys=("~*",))
 """An operator account; rendered only when MESHLLM_REDIS_PASSWORD_ADMIN is set (no default)."""
 
 
@@ -129,7 +186,7 @@ def password_for(user: AclUser, env: Mapping[str, str]) -> str:
 def acl_line(user: AclUser, password: str) -> str:
     digest = hashlib.sha256(password.encode()).hexdigest()
     parts = ["user", user.name, "on", f"#{digest}", "resetkeys", "resetchannels"]
-    parts += [*user.keys, user.commands, *user.selectors]
+    parts += [*user.root_keys, user.root, *(g.selector() for g in user.grants)]
     return " ".join(parts)
 
 
@@ -163,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text)
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # It holds password hashes: owner-only, also when the file existed with a wider mode.
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
     return 0

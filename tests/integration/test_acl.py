@@ -106,9 +106,9 @@ def test_passwords_come_from_env_and_the_file_holds_only_hashes(acl_redis: Redis
 
 
 def test_worker_is_refused_other_services_keys(acl_redis: RedisServer) -> None:
-    gateway, worker = raw(acl_redis, "gateway"), raw(acl_redis, "worker")
+    scheduler, worker = raw(acl_redis, "scheduler"), raw(acl_redis, "worker")
     grammar = raw(acl_redis, "grammar")
-    gateway.xadd(S.replies("gw-1"), {"m": b"x"})
+    scheduler.xadd(S.replies("gw-1"), {"m": b"x"})
     grammar.set("meshllm:acl:grammar:abc", b"compiled")
     with pytest.raises(NoPermissionError):
         worker.xrange(S.replies("gw-1"))  # gateway-only stream
@@ -131,12 +131,15 @@ def test_worker_is_refused_other_services_keys(acl_redis: RedisServer) -> None:
 def test_kvstore_deletes_payloads_but_never_writes_them(acl_redis: RedisServer) -> None:
     worker, kvstore = raw(acl_redis, "worker"), raw(acl_redis, "kvstore")
     worker.set("meshllm:acl:kv:block1", b"\x00" * 64)
-    assert kvstore.strlen("meshllm:acl:kv:block1") == 64
+    assert kvstore.exists("meshllm:acl:kv:block1") == 1
+    for read in (kvstore.get, kvstore.strlen):  # existence only, never the payload
+        with pytest.raises(NoPermissionError):
+            read("meshllm:acl:kv:block1")
     with pytest.raises(NoPermissionError):
         kvstore.set("meshllm:acl:kv:block1", b"overwritten")
     with pytest.raises(NoPermissionError):
         kvstore.append("meshllm:acl:kv:block1", b"more")
-    assert kvstore.delete("meshllm:acl:kv:block1") == 1
+    assert kvstore.unlink("meshllm:acl:kv:block1") == 1
     kvstore.hset("meshllm:acl:kvmeta:block1", mapping={"ref": 0})
     with pytest.raises(NoPermissionError):
         kvstore.delete("meshllm:acl:grammar:abc")
@@ -175,14 +178,17 @@ async def test_each_service_runs_its_own_bus_operations(bus_as: dict[str, Bus]) 
     await gw.publish(S.aborts, AbortRequest(request_id="r1"))
     assert [d.message.request_id for d in await sched.read(aborts_seen, block_ms=100)] == ["r1"]
 
-    # scheduler <-> worker: steps, results, control
-    await worker.ensure_group(S.steps("0"), "workers")
-    await sched.ensure_group(S.results("0"), "schedulers")
-    await sched.ensure_group(S.control("0"), "schedulers")
+    # scheduler <-> worker: steps, results, control, each read with a plain XREAD from "$"
+    # (pinned with XREVRANGE), as the worker's step loop and the scheduler's watches do
+    steps_seen, results_seen, control_seen = (
+        {S.steps("0"): "$"}, {S.results("0"): "$"}, {S.control("0"): "$"},
+    )  # fmt: skip
+    await worker.read(steps_seen, block_ms=None)
+    await sched.read(results_seen, block_ms=None)
+    await sched.read(control_seen, block_ms=None)
     await sched.publish(S.steps("0"), StepPlan(step_id=1, scheduler_id="s"))
-    steps = await worker.read_group("workers", [S.steps("0")], block_ms=1000)
+    steps = await worker.read(steps_seen, block_ms=1000)
     assert [d.message.step_id for d in steps] == [1]
-    await worker.ack("workers", steps)
     ready = WorkerReady(
         worker_id="w", incarnation="x", model="m", num_kv_blocks=8, block_size=16,
         vocab_size=100, max_model_len=64,
@@ -190,15 +196,18 @@ async def test_each_service_runs_its_own_bus_operations(bus_as: dict[str, Bus]) 
     await worker.publish_many(
         [(S.results("0"), StepResult(step_id=1, worker_id="w")), (S.control("0"), ready)]
     )
-    back = await sched.read_group("schedulers", [S.results("0"), S.control("0")], block_ms=1000)
+    back = await sched.read(results_seen, block_ms=1000) + await sched.read(control_seen)
     assert sorted(type(d.message).__name__ for d in back) == ["StepResult", "WorkerReady"]
-    await sched.ack("schedulers", back)
 
-    # scheduler -> gateway: token deltas on the gateway's own reply stream
+    # scheduler -> gateway: token deltas on the gateway's own reply stream, which the
+    # scheduler gives an expiry unless the gateway set one (EXPIRE NX)
     delta = TokenDelta(scheduler_id="s", deltas=[RequestDelta(request_id="r1", start_index=0)])
-    replies_seen = {reply_stream: "0"}
-    await sched.publish(reply_stream, delta)
+    replies_seen = {reply_stream: "$"}
+    await gw.read(replies_seen, block_ms=None)
+    await sched.publish_many([(reply_stream, delta)], expire_if_unset={reply_stream: 60})
     assert [d.message for d in await gw.read(replies_seen, block_ms=100)] == [delta]
+    port = gw.redis.connection_pool.connection_kwargs["port"]
+    assert 0 < login(port, "admin", "admin-pw").ttl(reply_stream) <= 60
 
     # the scheduler watches heartbeats (worker restarts), the gateway too (ready worker groups)
     for bus in (sched, gw):
@@ -210,18 +219,17 @@ async def test_key_operations_of_each_service(bus_as: dict[str, Bus]) -> None:
     grammar, gw, sched = bus_as["grammar"].redis, bus_as["gateway"].redis, bus_as["scheduler"].redis
     worker, kvstore = bus_as["worker"].redis, bus_as["kvstore"].redis
     await grammar.set("meshllm:acl:grammar:k1", b"compiled")
-    assert await gw.get("meshllm:acl:grammar:k1") == b"compiled"
+    with pytest.raises(NoPermissionError):  # the gateway asks the grammar service instead
+        await gw.get("meshllm:acl:grammar:k1")
     assert await sched.get("meshllm:acl:grammar:k1") == b"compiled"
     await worker.set("meshllm:acl:kv:b1", b"payload", ex=60)
     assert await worker.get("meshllm:acl:kv:b1") == b"payload"
-    await sched.hset("meshllm:acl:kvmeta:b1", mapping={"pos": 16})
-    assert await kvstore.hget("meshllm:acl:kvmeta:b1", "pos") == b"16"
+    await kvstore.hset("meshllm:acl:kvmeta:b1", mapping={"pos": 16})
+    assert await kvstore.hgetall("meshllm:acl:kvmeta:b1") == {b"pos": b"16"}
+    assert await kvstore.exists("meshllm:acl:kv:b1") == 1
     assert await kvstore.unlink("meshllm:acl:kv:b1") == 1
-    for name, bus in bus_as.items():  # everyone writes its own state key and nobody else's
-        await bus.redis.set(S.state_key(name, "i"), b"{}", ex=60)
-    with pytest.raises(NoPermissionError):
-        await worker.set(S.state_key("scheduler", "i"), b"{}")
-    assert await sched.info("server")
+    await grammar.expire("meshllm:acl:grammar:k1", 60)
+    assert await grammar.exists("meshllm:acl:grammar:k1") == 1
 
 
 async def test_bad_entries_reach_the_dead_letter_stream(

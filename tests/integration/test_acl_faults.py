@@ -12,13 +12,16 @@ from tests.support.redis_server import RedisServer
 __all__ = ["acl_redis", "bus_as"]
 
 
-async def test_gateway_keeps_its_reply_stream_alive(bus_as: dict[str, Bus]) -> None:
+async def test_gateway_keeps_its_reply_stream_alive(
+    acl_redis: RedisServer, bus_as: dict[str, Bus]
+) -> None:
     from services.gateway.stream.bus_client import GatewayBusClient
 
     client = GatewayBusClient(bus_as["gateway"], S, "gw-ttl", max_pending=1, reply_stream_ttl_s=30)
     await client.refresh_reply_stream()  # creates it empty, with its TTL
     await client.refresh_reply_stream()  # refreshes it
-    assert 0 < await bus_as["gateway"].redis.ttl(client.reply_stream) <= 30
+    admin = login(acl_redis.port, "admin", "admin-pw")
+    assert 0 < admin.ttl(client.reply_stream) <= 30
 
 
 async def test_scheduler_counts_deliveries_and_dead_letters_decoded_entries(

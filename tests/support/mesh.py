@@ -2,7 +2,9 @@
 separate processes (`python -m services.<name>`), each on its own free port.
 
 Tests talk to it with real clients (openai, httpx), and can kill -9 / restart any service to
-check that no accepted request is lost.
+check that no accepted request is lost. With `acl=True` Redis loads the rendered ACL file
+(infra/redis/render_acl.py) and each service connects as its own user, as under `make up`;
+`admin()` is then the operator's client for inspection.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import time
 from pathlib import Path
 
 import httpx
+import redis as redis_py
 
+from infra.redis.render_acl import redis_url, render_acl
 from tests.support.redis_server import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,11 +34,19 @@ class Mesh:
         services: tuple[str, ...] = ("gateway", "scheduler", "worker"),
         env: dict[str, str] | None = None,
         redis: RedisServer | None = None,
+        acl: bool = False,
     ) -> None:
         self.services = services
-        self.redis = redis or RedisServer()
-        self.owns_redis = redis is None
         self.logdir = Path(tempfile.mkdtemp(prefix="meshllm-e2e-"))
+        self.acl_env = {"MESHLLM_REDIS_PASSWORD_ADMIN": "e2e-admin"} if acl else None
+        if redis is None and self.acl_env is not None:
+            acl_file = self.logdir / "users.acl"
+            acl_file.write_text(render_acl(self.acl_env))
+            redis = RedisServer(extra_args=["--aclfile", str(acl_file)])
+            self.owns_redis = True
+        else:
+            self.owns_redis = redis is None
+        self.redis = redis or RedisServer()
         self.ports = {name: free_port() for name in SERVICES}
         self.cluster = f"t{os.getpid()}"
         self.extra_env = dict(env or {})
@@ -49,11 +61,23 @@ class Mesh:
     def api(self) -> str:
         return f"{self.url('gateway')}/v1"
 
+    def redis_url(self, name: str) -> str:
+        if self.acl_env is None:
+            return self.redis.url
+        return redis_url(name, "127.0.0.1", self.redis.port, self.acl_env)
+
+    def admin(self) -> redis_py.Redis:
+        """A client of all access: the ACL's admin user, or the default one without ACL."""
+        if self.acl_env is None:
+            return redis_py.Redis.from_url(self.redis.url)
+        password = self.acl_env["MESHLLM_REDIS_PASSWORD_ADMIN"]
+        return redis_py.Redis(port=self.redis.port, username="admin", password=password)
+
     def env_for(self, name: str, overrides: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHLLM_")}
         env.update(
             {
-                "MESHLLM_REDIS_URL": self.redis.url,
+                "MESHLLM_REDIS_URL": self.redis_url(name),
                 "MESHLLM_CLUSTER": self.cluster,
                 "MESHLLM_PORT": str(self.ports[name]),
                 "MESHLLM_HOST": "127.0.0.1",
@@ -117,6 +141,10 @@ class Mesh:
         proc = self.procs[name]
         proc.send_signal(sig)
         proc.wait(30)
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` (SIGSTOP / SIGCONT: freeze and thaw) without waiting for an exit."""
+        self.procs[name].send_signal(sig)
 
     def restart(self, name: str, overrides: dict[str, str] | None = None) -> None:
         self.start_service(name, overrides)

@@ -130,8 +130,10 @@ async def _generate(
 ) -> Response:
     bind_request_id(plan.request_id)
     handle = await frontend.client.submit(plan)
-    timeout_s = frontend.settings.request_timeout_s
-    generation = Generation(handle, frontend.tokenizer, timeout_s, arrival)
+    settings = frontend.settings
+    generation = Generation(
+        handle, frontend.tokenizer, settings.request_timeout_s, arrival, settings.progress_timeout_s
+    )
     if plan.stream:
         return StreamingResponse(
             _closing(generation), media_type="text/event-stream", headers=SSE_HEADERS

@@ -1,9 +1,10 @@
 """One API request in flight: replies in, choice updates out, as one body or as SSE events.
 
-Owns the per-choice assemblers and timers, the request deadline, and the abort of a choice
-that a stop string ended (the scheduler knows only stop tokens). It does not own the handle's
-lifetime: the HTTP edge calls `close()` in a `finally`, which aborts whatever still runs (a
-client that went away, a timeout) and frees the request's slots.
+Owns the per-choice assemblers and timers, the request's deadline (its total and progress
+bounds, request_deadline.py), and the abort of a choice that a stop string ended (the scheduler
+knows only stop tokens). It does not own the handle's lifetime: the HTTP edge calls `close()`
+in a `finally`, which aborts whatever still runs (a client that went away, a timeout) and frees
+the request's slots.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from services.gateway.metrics import ChoiceTimer
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import RequestHandle
 from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate
+from services.gateway.stream.request_deadline import Bound, RequestDeadline
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,21 @@ SUCCESS_REASONS = frozenset({"stop", "length", "abort"})
 
 
 class RequestTimedOut(Exception):
-    pass
+    def __init__(self, bound: Bound, progress_timeout_s: float) -> None:
+        self.bound = bound
+        if bound == "progress":
+            message = (
+                f"no progress for {progress_timeout_s:g} s: the engine produced no token for "
+                "this request (the mesh may be overloaded or a worker stuck); it was aborted"
+            )
+        else:
+            message = "the request timed out"
+        super().__init__(message)
+        self.message = message
+        self.code = "progress_timeout" if bound == "progress" else "timeout"
+
+    def error(self) -> OpenAIError:
+        return OpenAIError(504, self.message, type_="timeout_error", code=self.code)
 
 
 class Generation:
@@ -46,8 +62,11 @@ class Generation:
         tok: PromptTokenizer,
         timeout_s: float,
         arrival: float | None = None,
+        progress_timeout_s: float = 0.0,
     ) -> None:
-        """`arrival` is the request's `time.monotonic()` at the HTTP edge (for TTFT)."""
+        """`arrival` is the request's `time.monotonic()` at the HTTP edge (for TTFT);
+        `timeout_s` bounds the whole request, `progress_timeout_s` (0: off) each wait for its
+        next delta, the first one included."""
         self.handle = handle
         self.plan = handle.plan
         self.tok = tok
@@ -67,7 +86,8 @@ class Generation:
             ChoiceTimer(plan.model, len(plan.prompt_of(i).token_ids), arrival)
             for i in range(plan.num_choices)
         ]
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline = RequestDeadline(time.monotonic(), timeout_s, progress_timeout_s)
+        self.progress_timeout_s = progress_timeout_s
         self.timed_out = False
 
     def close(self) -> None:
@@ -79,14 +99,24 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
         """Choice updates in arrival order until every choice finished; RequestTimedOut past
-        the deadline."""
+        either bound of the deadline (`close()` then aborts the request on the scheduler)."""
         running = {c.index for c in self.choices}
         while running:
             try:
-                index, delta = await self.handle.next_delta(self.deadline - time.monotonic())
+                index, delta = await self.handle.next_delta(
+                    self.deadline.remaining_s(time.monotonic())
+                )
             except TimeoutError:
                 self.timed_out = True
-                raise RequestTimedOut from None
+                bound = self.deadline.passed(time.monotonic()) or "progress"
+                log.warning(
+                    "request %s: %s bound passed, aborting it",
+                    self.plan.request_id,
+                    bound,
+                    extra={"request_id": self.plan.request_id, "bound": bound},
+                )
+                raise RequestTimedOut(bound, self.progress_timeout_s) from None
+            self.deadline.progressed(time.monotonic())
             choice = self.choices[index]
             if choice.finished:
                 continue
@@ -108,10 +138,8 @@ class Generation:
                 if update.error is not None:
                     status, type_ = engine_error_status(update)
                     raise OpenAIError(status, update.error, type_=type_)
-        except RequestTimedOut:
-            raise OpenAIError(
-                504, "the request timed out", type_="timeout_error", code="timeout"
-            ) from None
+        except RequestTimedOut as exc:
+            raise exc.error() from None
         if self.plan.kind == "completion":
             return completion_body(self.plan, self.choices, self.tok)
         return chat_body(self.plan, self.choices, self.tok)
@@ -150,8 +178,8 @@ class Generation:
                     plan, index, update, self.tok, text_offset=offsets[index]
                 )
                 yield sse(chunk)
-        except RequestTimedOut:
-            yield error_event("the request timed out", "timeout_error", 504)
+        except RequestTimedOut as exc:
+            yield error_event(exc.message, "timeout_error", 504)
             yield DONE
             return
         except OpenAIError as exc:  # failed from the gateway's side (shutting down)

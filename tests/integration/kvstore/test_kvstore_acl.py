@@ -38,9 +38,9 @@ async def test_kvstore_user_can_do_all_its_redis_work(acl_redis: RedisServer) ->
     await index.write_meta([StoredChunk(p, 8, 16 * (i + 1), 1) for i, p in enumerate(payloads)])
     assert [c.payload_key for c in await index.scan_meta()] == payloads[::-1]  # tail first
     await index.delete(payloads[:1])
-    assert await worker.exists(payloads[0]) == 0 and await kv.exists(SPACE.meta_key(keys[0])) == 0
+    assert await kv.exists(payloads[0]) == 0 and await kv.exists(SPACE.meta_key(keys[0])) == 0
     await index.delete_payloads(payloads[1:])  # failed writes: payloads only
-    assert await worker.exists(*payloads) == 0
+    assert await kv.exists(*payloads) == 0
     assert await index.scan_meta() == []  # dangling metadata found and removed
     assert await kv.exists(SPACE.meta_key(keys[1]), SPACE.meta_key(keys[2])) == 0
     await worker.aclose()

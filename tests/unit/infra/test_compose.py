@@ -129,6 +129,7 @@ def test_healthchecks_and_start_order(config: dict[str, Any]) -> None:
         assert svc["restart"] == "unless-stopped", name
     redis = config["services"]["redis"]
     assert "--aclfile" in redis["command"]
+    assert redis["user"] == "10001:10001"  # the ACL file's owner (mode 0600)
     assert "redis-cli" in " ".join(redis["healthcheck"]["test"])
     assert redis["depends_on"]["redis-acl"]["condition"] == "service_completed_successfully"
     gateway = config["services"]["gateway"]
