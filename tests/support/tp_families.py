@@ -61,3 +61,24 @@ def family_runs(tp: TensorParallel, checkpoints: dict[str, str]) -> dict[str, di
         }
         for family, path in checkpoints.items()
     }
+
+
+def smollm2_greedy(
+    tp: TensorParallel, hf_dir: str, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """SmolLM2 (9 q heads, 3 KV heads: split 3+6 / 1+2 over two ranks) in fp32: greedy outputs
+    of the prompts batched, and the logits of the first sampled step."""
+    model, config = load_model(Path(hf_dir), torch.float32, "cpu", max_model_len=256, tp=tp)
+    kv = KVCache.allocate(config, 96, 16, torch.float32, "cpu")
+    runner = ModelRunner(model, config, kv, "cpu", max_num_reqs=8, max_model_len=256)
+    capture = LogitsCapture(runner)
+    driver = GroupedPlanDriver(runner)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i, prompt in enumerate(prompts):
+        driver.add(f"r{i}", prompt, greedy)
+    driver.run()
+    return {
+        "outputs": [driver.requests[f"r{i}"].output for i in range(len(prompts))],
+        "first_logits": capture.calls[0].numpy(),
+        "heads": (config.num_attention_heads, config.num_key_value_heads),
+    }

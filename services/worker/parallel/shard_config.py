@@ -1,8 +1,9 @@
 """What one rank of a tensor-parallel group holds, as the ModelConfig its model is built from.
 
 Megatron-style: attention heads are split across the ranks (each rank keeps its q heads and the
-KV heads they read; with fewer KV heads than ranks, a KV head is replicated on the ranks whose
-q heads use it), and every MLP's intermediate dimension is split, MoE experts included (each
+KV heads they read, split at KV-head granularity, so ranks may hold different head counts; with
+fewer KV heads than ranks, a KV head is replicated on the ranks whose q heads use it), and
+every MLP's intermediate dimension is split, MoE experts included (each
 rank holds a 1/N slice of every expert, so routing is the same computation on every rank and
 the routed-experts output is unchanged). Hidden size and vocabulary stay whole in the config:
 the embedding and LM head split the vocabulary themselves (parallel/layers.py).
@@ -22,22 +23,30 @@ class ShardingError(ValueError):
 
 
 def kv_heads_of_rank(config: ModelConfig, tp: TensorParallel) -> range:
-    """The KV heads rank `tp.rank` holds (in checkpoint order)."""
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    n = tp.size
-    if heads % n:
-        raise ShardingError(f"{heads} attention heads do not split over {n} ranks")
-    if kv % n == 0:
-        per = kv // n
-        return range(tp.rank * per, (tp.rank + 1) * per)
-    if n % kv == 0:  # fewer KV heads than ranks: each rank keeps the one its q heads read
-        head = tp.rank // (n // kv)
-        return range(head, head + 1)
-    raise ShardingError(f"{kv} KV heads neither split over nor replicate onto {n} ranks")
+    """The KV heads rank `tp.rank` holds (in checkpoint order).
+
+    With at least as many KV heads as ranks, each rank takes a contiguous run of them, as even
+    as the count allows (SmolLM2's 3 over 2 ranks: 1 and 2), with all the q heads that read
+    them, so uneven head counts still split. With fewer KV heads than ranks, the ranks are
+    grouped per KV head (their count must divide the ranks) and split its q heads evenly."""
+    heads, kv, n = config.num_attention_heads, config.num_key_value_heads, tp.size
+    if kv >= n:
+        return range(tp.rank * kv // n, (tp.rank + 1) * kv // n)
+    if n % kv or heads % n:
+        raise ShardingError(
+            f"{heads} attention heads with {kv} KV heads do not split over {n} ranks"
+        )
+    head = tp.rank // (n // kv)
+    return range(head, head + 1)
 
 
 def q_heads_of_rank(config: ModelConfig, tp: TensorParallel) -> range:
-    per = config.num_attention_heads // tp.size
+    heads, kv, n = config.num_attention_heads, config.num_key_value_heads, tp.size
+    if kv >= n:
+        kv_heads = kv_heads_of_rank(config, tp)
+        group = heads // kv  # q heads per KV head
+        return range(kv_heads.start * group, kv_heads.stop * group)
+    per = heads // n
     return range(tp.rank * per, (tp.rank + 1) * per)
 
 
@@ -51,9 +60,8 @@ def rank_config(config: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """The config of rank `tp.rank`'s shard (the config itself at size 1)."""
     if tp.size == 1:
         return config
-    kv_heads_of_rank(config, tp)  # checks the head counts
     update = {
-        "num_attention_heads": config.num_attention_heads // tp.size,
+        "num_attention_heads": len(q_heads_of_rank(config, tp)),
         "num_key_value_heads": len(kv_heads_of_rank(config, tp)),
         "intermediate_size": _split(config.intermediate_size, tp, "intermediate_size"),
     }

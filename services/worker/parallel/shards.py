@@ -3,8 +3,8 @@ input to HF names, loader/checkpoint_names.py).
 
 - column-parallel (output rows split): q_proj by q heads, k_proj/v_proj by the rank's KV heads
   (replicated when fewer than ranks), gate/up projections of every MLP and expert (w1/w3);
-- row-parallel (input columns split): o_proj, down projections (w2); their bias is added once,
-  after the all-reduce, so only rank 0 keeps it (the others hold zeros);
+- row-parallel (input columns split): o_proj by q heads, down projections (w2); their bias
+  is added once, after the all-reduce, so only rank 0 keeps it (the others hold zeros);
 - vocab-parallel: embed_tokens and lm_head rows, the vocabulary padded to a multiple of ranks;
 - everything else is replicated: norms (Qwen3's per-head q/k norms too), the MoE router, the
   shared expert's gate.
@@ -29,7 +29,7 @@ from services.worker.parallel.shard_config import (
 from shared.model.config import ModelConfig
 
 _COLUMN_EVEN = frozenset({"gate_proj", "up_proj", "w1", "w3"})
-_ROW_EVEN = frozenset({"down_proj", "w2", "o_proj"})
+_ROW_EVEN = frozenset({"down_proj", "w2"})
 _VOCAB = frozenset({"embed_tokens", "lm_head"})
 
 
@@ -67,6 +67,10 @@ class ShardPlan:
             return self._q
         if module in ("k_proj", "v_proj"):
             return self._kv
+        if module == "o_proj":  # its input columns are the rank's q heads
+            if kind == "bias":
+                return None if self.tp.rank == 0 else ZERO
+            return Slice(1, self._q.start, self._q.stop)
         if module in _COLUMN_EVEN:
             return self._even(0, shape[0])
         if module in _ROW_EVEN:

@@ -3,10 +3,12 @@ random weights, TP=2 gives transformers' greedy tokens and TP=1's logits (within
 reduction-order tolerance), identical seeded samples and logprobs, and the same routed experts.
 Both ranks compute the same results (rank 0 answers for the group; the others must agree to
 stay in step). Variants: a Llama with one KV head (replicated on both ranks) and a vocabulary
-that does not split evenly (padded vocab-parallel embedding and LM head)."""
+that does not split evenly (padded vocab-parallel embedding and LM head), one with 3 KV heads
+(ranks hold different head counts), and the real SmolLM2 (9 heads, 3 KV heads)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,10 +17,10 @@ import torch
 
 from tests.support.tiny_llama import make_tiny_llama, reference_greedy
 from tests.support.tiny_models import FAMILIES, make_tiny
-from tests.support.tp_families import GREEDY, PROMPTS, family_runs
+from tests.support.tp_families import GREEDY, PROMPTS, family_runs, smollm2_greedy
 from tests.support.tp_ranks import run_ranks, single
 
-VARIANTS = ["llama", "llama_kv1_odd_vocab", *sorted(FAMILIES)]
+VARIANTS = ["llama", "llama_kv1_odd_vocab", "llama_uneven_heads", *sorted(FAMILIES)]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             references[variant] = make_tiny_llama(path)
         elif variant == "llama_kv1_odd_vocab":
             references[variant] = make_tiny_llama(path, num_key_value_heads=1, vocab_size=509)
+        elif variant == "llama_uneven_heads":  # 3 KV heads over 2 ranks: 1 and 2, as SmolLM2
+            references[variant] = make_tiny_llama(
+                path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3
+            )
         else:
             references[variant] = make_tiny(path, variant)
         paths[variant] = str(path)
@@ -89,5 +95,25 @@ def test_shards_are_what_the_layout_says(runs: dict[str, Any]) -> None:
     assert rank0["llama"]["greedy"]["kv_heads"] == 1
     assert runs["tp1"]["llama"]["greedy"]["kv_heads"] == 2
     assert rank0["llama_kv1_odd_vocab"]["greedy"]["kv_heads"] == 1
+    assert [r["llama_uneven_heads"]["greedy"]["kv_heads"] for r in runs["tp2"]] == [1, 2]
     moe = rank0["mixtral"]["greedy"]["sampled"]
     assert moe and all(s["routed_experts"] is not None for s in moe)
+
+
+@pytest.mark.slow
+def test_smollm2_tp2_equals_transformers(smollm2_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    texts = ["The quick brown fox", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    max_tokens = 12
+    rank0, rank1 = run_ranks(smollm2_greedy, 2, str(smollm2_dir), prompts, max_tokens)
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    expected = [reference_greedy(reference, p, max_tokens) for p in prompts]
+    assert rank0["outputs"] == expected
+    assert rank1["outputs"] == expected
+    assert (rank0["heads"], rank1["heads"]) == ((3, 1), (6, 2))
+    with torch.no_grad():
+        last = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(torch.from_numpy(rank0["first_logits"]), last, rtol=0, atol=2e-4)
