@@ -212,6 +212,13 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # step_timeline.py; read by `python -m services.worker.runner.step_timeline_report`);
     # "" = off.
     step_timeline: str = ""
+    # Tensor parallelism (services/worker/parallel): the worker group runs this many ranks, one
+    # process each (one GPU each on CUDA); the worker process is rank 0 and starts the others.
+    # Each rank holds 1/tp of the weights and of the KV heads (kv_cache_bytes is per rank).
+    tp: int = Field(1, ge=1)
+    # Bound on every collective between the ranks: a rank that died takes the group down
+    # within it instead of hanging the others.
+    tp_timeout_s: float = Field(60.0, gt=0)
 
 
 class GrammarSettings(CommonSettings, ModelSettings):

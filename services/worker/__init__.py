@@ -17,5 +17,7 @@ Reading order:
   `decode_chain` (the fused decode forward a Llama model holds on CUDA), `cuda_graphs`,
   `cpu_compile` (inductor on CPU);
 - `sampling/` (per-row state and the Gumbel-max draw; its maths in kernels/sampling), `spec/`
-  (drafters and verification), `kv_offload/` (KV blocks <-> the Redis tier).
+  (drafters and verification), `kv_offload/` (KV blocks <-> the Redis tier);
+- `parallel/`: tensor parallelism (MESHLLM_TP): the rank processes of one group, the shard of
+  the model each holds, the collectives its layers run.
 """

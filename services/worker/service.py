@@ -22,6 +22,10 @@ step's tokens gathered on the device (in_flight.py); the running step is answere
 tokens reach the host or the next step has been launched, so the GPU never waits for the
 Redis round trip. A plan that arrives after the step in flight has finished on the device
 answers that step first, then launches. Results are always published in step order.
+
+Tensor parallelism (settings.tp > 1, services/worker/parallel): this process is rank 0 of the
+group and starts the other ranks; every runner call goes to them first (`_group_call`), and a
+rank that dies makes `run` fail, so the worker exits and its supervisor restarts the group.
 """
 
 from __future__ import annotations
@@ -30,15 +34,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from prometheus_client import Counter, Histogram
 
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.models.random_init import is_random_spec, random_source
-from services.worker.runner.bootstrap import build_runner
+from services.worker.parallel.group import SINGLE, join_group
+from services.worker.parallel.ranks import FollowerRanks, RankDied, free_init_method
+from services.worker.runner.bootstrap import build_runner, check_parallel_settings, pick_device
 from services.worker.runner.model_runner import LaunchedStep, ModelRunner
 from services.worker.runner.step_thread import StepThread
 from shared.config import WorkerSettings
@@ -48,7 +53,6 @@ from shared.protocol import StepPlan, StepResult, WorkerReady
 from shared.service import Service
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 STEP_EXECUTE = Histogram(
     metric_name("worker_step_execute_seconds"),
@@ -84,6 +88,7 @@ class WorkerService(Service):
         self._in_flight: LaunchedStep | None = None  # launched, not answered yet
         self._overlap = False  # set once the device is known (settings.overlap_steps)
         self.kv_pump: KVTransferPump | None = None  # KV offload transfers (settings.kv_offload)
+        self.ranks: FollowerRanks | None = None  # ranks 1..N-1 under tensor parallelism
 
     async def start(self) -> None:
         await super().start()
@@ -95,8 +100,21 @@ class WorkerService(Service):
             source = resolve_model(
                 self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
             )
+        tp = SINGLE
+        if self.settings.tp > 1:
+            check_parallel_settings(self.settings)
+            init_method = free_init_method()
+            self.ranks = FollowerRanks.start(self.settings, source, self.incarnation, init_method)
+            tp = await self.step_thread.run(
+                join_group,
+                0,
+                self.settings.tp,
+                init_method,
+                pick_device(self.settings.device),
+                self.settings.tp_timeout_s,
+            )
         runner, announcement = await self.step_thread.run(
-            build_runner, source, self.settings, self.incarnation
+            build_runner, source, self.settings, self.incarnation, tp
         )
         mode = self.settings.overlap_steps
         self._overlap = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
@@ -126,8 +144,20 @@ class WorkerService(Service):
         tasks = [announcer]
         if self.kv_pump is not None:  # KVTransferDone, and loads applied between steps
             tasks.append(asyncio.create_task(self.kv_pump.run(self.stopping), name="kv-pump"))
+        if self.ranks is not None:  # a follower that exits fails run(): the group restarts
+            tasks.append(asyncio.create_task(self.ranks.watch(self.stopping), name="ranks"))
         try:
-            await self._step_loop(last)
+            steps_task = asyncio.create_task(self._step_loop(last), name="steps")
+            done, _ = await asyncio.wait(
+                {steps_task, *tasks[-1:]} if self.ranks else {steps_task},
+                return_when=asyncio.FIRST_EXCEPTION,
+            )
+            for task in done:
+                task.result()  # RankDied, or the step loop's failure
+            if not steps_task.done():
+                steps_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await steps_task
         finally:
             for task in tasks:
                 task.cancel()
@@ -197,7 +227,7 @@ class WorkerService(Service):
             await self._finish_in_flight()
             if self.scheduler_incarnation:
                 log.info("a new scheduler incarnation: dropping the batch of the previous one")
-                runner.reset()
+                self._reset_runner()
             self.scheduler_incarnation = plan.scheduler_incarnation
         elif plan.step_id <= self.last_step_id:
             log.warning("plan of step %d seen twice; running it once", plan.step_id)
@@ -206,7 +236,7 @@ class WorkerService(Service):
         self.last_step_id = plan.step_id
         if not (self._overlap and runner.can_overlap(plan)):
             await self._finish_in_flight()
-            await self._run_step(plan, runner.execute, publish=True)
+            await self._run_step(plan, "execute", publish=True)
             return
         if self._in_flight is not None and self._in_flight.landed():
             # The step in flight is done on the device, so nothing is queued there: answer it
@@ -215,27 +245,39 @@ class WorkerService(Service):
             # at large batches); this step starts a finish later, on a device that is idle
             # anyway.
             await self._finish_in_flight()
-        launched = await self._run_step(plan, runner.launch, publish=False)
+        launched = await self._run_step(plan, "launch", publish=False)
         await self._finish_in_flight()  # the previous step: results go out in step order
         if launched is not None:
             self._in_flight = launched
 
-    async def _run_step(
-        self, plan: StepPlan, call: Callable[[StepPlan], T], *, publish: bool
-    ) -> T | None:
-        """`call(plan)` on the step thread; a failure resets the runner and answers the plan
-        with an error (after any step still in flight)."""
+    def _group_call(self, op: str, arg: Any) -> Any:
+        """Runner call `op(arg)` (launch, execute, finish) on every rank of the group: the
+        followers get it first, so they run the step's collectives alongside this one."""
+        if self.ranks is not None:
+            self.ranks.send(op, None if op == "finish" else arg)
+        return getattr(self.runner, op)(arg)
+
+    def _reset_runner(self) -> None:
+        if self.ranks is not None:
+            self.ranks.send("reset")
+        runner = self.runner
+        assert runner is not None
+        runner.reset()
+
+    async def _run_step(self, plan: StepPlan, op: str, *, publish: bool) -> Any:
+        """Runner call `op(plan)` (execute or launch) on the step thread; a failure resets
+        the runner and answers the plan with an error (after any step still in flight)."""
         started = time.perf_counter()
         async with self._busy:
             try:
-                out = await self.step_thread.run(call, plan)
+                out = await self.step_thread.run(self._group_call, op, plan)
+            except RankDied:
+                raise  # the group is broken: run() fails and the worker restarts
             except Exception as exc:
                 log.exception("step %d failed", plan.step_id)
                 STEP_FAILURES.inc()
                 error = self._error_result(plan.step_id, f"{type(exc).__name__}: {exc}")
-                runner = self.runner
-                assert runner is not None
-                runner.reset()
+                self._reset_runner()
             else:
                 if publish:
                     STEP_EXECUTE.observe(time.perf_counter() - started)
@@ -255,11 +297,13 @@ class WorkerService(Service):
         assert runner is not None
         async with self._busy:
             try:
-                result = await self.step_thread.run(runner.finish, step)
+                result = await self.step_thread.run(self._group_call, "finish", step)
+            except RankDied:
+                raise
             except Exception as exc:
                 log.exception("step %d failed", step.step_id)
                 STEP_FAILURES.inc()
-                runner.reset()
+                self._reset_runner()
                 result = self._error_result(step.step_id, f"{type(exc).__name__}: {exc}")
         STEP_EXECUTE.observe(time.perf_counter() - step.started)
         self._count_device_time()
@@ -304,4 +348,11 @@ class WorkerService(Service):
             "model": self.announcement.model_dump() if self.announcement else None,
             "steps_run": self.steps_run,
             "batch_size": runner.batch.num_reqs if runner else 0,
+            "tp": self.settings.tp,
+            "rank_pids": self.ranks.pids() if self.ranks else {},
         }
+
+    async def close(self) -> None:
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.close)
+        await super().close()

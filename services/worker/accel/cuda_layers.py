@@ -65,7 +65,7 @@ class GemvGatedMLP(GatedMLP):
     (kernels.layers.silu_mul) instead of eager's two. SiLU models only; other activations take the
     plain path."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
         if self.act is F.silu and gate_up.is_contiguous() and _gemv_rows(gate_up, down.weight):

@@ -8,6 +8,10 @@ Load time is where the device decides what runs (`layer_impls_for`): the model i
 the Triton layers on CUDA and the PyTorch reference elsewhere, its weights are then laid out for
 the device (`prepare_for_device`), and a model built with the Triton layers gets its decode
 chain where it fits (`finish_loading`).
+
+A rank of a tensor-parallel group (`tp`, services/worker/parallel) builds the model of its
+rank config and loads only its slice of each tensor (parallel/shards.py): read straight from
+the safetensors file, or cut from one dequantized GGUF tensor at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from services.worker.models.base import CausalLM
 from services.worker.models.layer_impls import REFERENCE, LayerImpls
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
 from services.worker.models.registry import build_model
+from services.worker.parallel.group import SINGLE, TensorParallel
+from services.worker.parallel.shard_config import rank_config
+from services.worker.parallel.shards import ShardPlan
 from shared.model.config import ModelConfig
 from shared.model.source import ModelSource
 
@@ -72,23 +79,26 @@ def load_model(
     max_model_len: int = 0,
     compiled: bool = False,
     impls: LayerImpls | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[CausalLM, ModelConfig]:
     """(model in eval mode on `device`, its config). `source` is a ModelSource, an HF dir or a
     .gguf file. `max_model_len` (0 = the model's own) sizes the RoPE tables. `compiled`: the
     forward will be compiled (cpu_compile.py), which packs the weights itself. `impls`: the
-    layers' implementations (None: the device's, `layer_impls_for`)."""
+    layers' implementations (None: the device's, `layer_impls_for`). `tp`: the model is rank
+    `tp.rank` of a tensor-parallel group; the config returned is then that rank's."""
     path = Path(source.path if isinstance(source, ModelSource) else source).expanduser()
     device = torch.device(device)
-    impls = impls or layer_impls_for(device)
+    impls = (impls or layer_impls_for(device)).with_tp(tp)
     if path.suffix == ".gguf":
         # Imported here: the gguf package is only needed when a GGUF file is served.
         from shared.model.gguf_reader import iter_gguf, open_gguf
 
         reader, config = open_gguf(path)
-        tensors = iter_gguf(reader, config)
+        shards = ShardPlan(config, tp)
+        tensors = ((n, shards.take(n, t)) for n, t in iter_gguf(reader, config))
     elif path.is_dir():
         config = ModelConfig.from_hf_dir(path)
-        tensors = iter_safetensors(path)
+        tensors = iter_safetensors(path, ShardPlan(config, tp) if tp.size > 1 else None)
         if config.num_mtp_layers:  # MTP modules are a drafter's (spec/mtp.py), not the model's
             layers = config.num_hidden_layers
             tensors = ((n, t) for n, t in tensors if mtp_layer_index(n, layers) is None)
@@ -96,6 +106,7 @@ def load_model(
         raise FileNotFoundError(f"{path}: expected an HF directory or a .gguf file")
     torch_dtype = resolve_dtype(dtype, config, device)
     state = assemble(tensors, torch_dtype, device, config.tie_word_embeddings)
+    config = rank_config(config, tp)
     with torch.device("meta"):
         model = build_model(config, max_model_len=max_model_len, impls=impls)
     expected = set(model.state_dict())

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.loader.checkpoint_names import CheckpointError
+from services.worker.parallel.shards import ShardPlan
 
 
 def safetensors_files(hf_dir: Path) -> list[Path]:
@@ -28,9 +29,12 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of every shard, one at a time."""
+def iter_safetensors(
+    hf_dir: Path, shards: ShardPlan | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every shard, one at a time; with `shards`, only
+    the tensor's part a tensor-parallel rank holds is read from the file."""
     for file in safetensors_files(hf_dir):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_tensor(name) if shards is None else shards.read(name, handle)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.parallel.group import SINGLE, TensorParallel
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back before the weight, exactly as transformers' Llama
@@ -62,7 +64,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`,
     rows [gate; up]); the loader concatenates the checkpoint's two weights. `linear_cls` builds
-    the two projections (layer_impls.py: the reference or a kernel's nn.Linear)."""
+    the two projections (layer_impls.py: the reference or a kernel's nn.Linear).
+
+    Under tensor parallelism (`tp` of more than one rank) the intermediate dimension is this
+    rank's slice: gate_up is column-parallel, down row-parallel, and the forward ends with the
+    one all-reduce that sums the ranks' partial outputs. Subclasses change `project` only, so
+    no kernel path skips the reduction."""
 
     def __init__(
         self,
@@ -71,13 +78,20 @@ class GatedMLP(nn.Module):
         bias: bool = False,
         act: str = "silu",
         linear_cls: type[nn.Linear] = nn.Linear,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = intermediate_size
         self.act = ACTIVATIONS[act]
         self.gate_up_proj = linear_cls(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = linear_cls(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.project(x))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output (the whole output without tensor parallelism)."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+        return out

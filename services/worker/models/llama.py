@@ -49,7 +49,10 @@ class LlamaAttention(nn.Module):
             self.q_size + 2 * self.kv_size,
             bias=config.attention_bias or config.qkv_bias,
         )  # rows [q; k; v]
+        # Built from the rank's config (parallel/shard_config.py): qkv_proj holds this rank's
+        # heads (column-parallel), o_proj their input columns (row-parallel, reduced below).
         self.o_proj = impls.linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.row_reduce = impls.row_reduce
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -64,7 +67,7 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata | TritonAttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(hidden, cos, sin, attn, kv_cache))  # type: ignore[no-any-return]
+        return self.row_reduce(self.o_proj(self.attend(hidden, cos, sin, attn, kv_cache)))
 
     def attend(
         self,
@@ -149,7 +152,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = impls.embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(config, i, impls) for i in range(config.num_hidden_layers)
         )
@@ -157,8 +160,9 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
-            else impls.linear(config.hidden_size, config.vocab_size, bias=False)
+            else impls.lm_head(config.hidden_size, config.vocab_size)
         )
+        self.gather_logits = impls.gather_logits
         # Set by the loader once the weights are in place (impls.decode_chain_for).
         self.decode_chain = None
         self.rotary = RotaryEmbedding(
@@ -233,8 +237,10 @@ class LlamaForCausalLM(CausalLM):
         """hidden [R, H] of the sampled rows -> logits [R, vocab].
 
         With tied embeddings `lm_head` is None and the embedding matrix is the projection,
-        unless the loader installed a separately laid-out head (see packed_linear.py)."""
+        unless the loader installed a separately laid-out head (see packed_linear.py). Under
+        tensor parallelism either holds this rank's vocabulary rows, gathered here."""
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits
+            logits = torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return self.gather_logits(logits, self.config.vocab_size)

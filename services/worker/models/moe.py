@@ -99,12 +99,19 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = impls.gated_mlp(
-                config.hidden_size, config.shared_expert_intermediate_size, act=config.hidden_act
+                config.hidden_size,
+                config.shared_expert_intermediate_size,
+                act=config.hidden_act,
+                reduce=False,  # summed with the routed experts' partial output, reduced once
             )
             self.shared_expert_gate = impls.linear(config.hidden_size, 1, bias=False)
         # Set by the model: where this block's routed ids go, and its index among MoE layers.
         self.recorder: RoutedExpertsRecorder | None = None
         self.moe_index = 0
+        # Under tensor parallelism every rank holds a slice of every expert's intermediate
+        # dimension (parallel/shard_config.py): the router is replicated, so routing is the
+        # same on every rank, and the block's partial outputs are summed once at its end.
+        self.row_reduce = impls.row_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
@@ -120,7 +127,7 @@ class SparseMoeBlock(nn.Module):
             )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.row_reduce(out)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

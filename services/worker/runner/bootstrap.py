@@ -1,4 +1,9 @@
-"""Building a ready-to-serve ModelRunner from the worker's settings (no I/O beyond files)."""
+"""Building a ready-to-serve ModelRunner from the worker's settings (no I/O beyond files).
+
+Every rank of a tensor-parallel group builds its runner here, in the same order (the loads,
+the KV block count agreed with a MIN all-reduce, the warm-up forward, the CUDA graph capture
+each run the same collectives on every rank).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import torch
 from services.worker.accel.cpu_compile import compile_supported
 from services.worker.loader import load_model, prepare_for_device
 from services.worker.models.random_init import is_random_spec, load_random_model
-from services.worker.runner.kv_cache import KVCache, KVCacheSizeError
+from services.worker.parallel.group import SINGLE, TensorParallel
+from services.worker.runner.kv_cache import KVCache, KVCacheSizeError, budget_blocks
 from services.worker.runner.model_runner import ModelRunner
 from services.worker.runner.step_timeline import StepTimeline
 from services.worker.spec import SpeculativeConfig
@@ -21,32 +27,61 @@ from shared.protocol import WorkerReady
 log = logging.getLogger(__name__)
 
 
-def pick_device(setting: str) -> torch.device:
+def pick_device(setting: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank`: on CUDA, one GPU per rank."""
     if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(setting)
+    if device.type == "cuda" and (rank or device.index is None):
+        device = torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def check_parallel_settings(settings: WorkerSettings) -> None:
+    """What a tensor-parallel group cannot do yet is refused at start, not done wrong."""
+    if settings.tp == 1:
+        return
+    if settings.spec_method:
+        raise ValueError(
+            "MESHLLM_TP > 1 does not run speculative decoding: unset MESHLLM_SPEC_METHOD"
+        )
+    if settings.kv_offload:
+        raise ValueError(
+            "MESHLLM_TP > 1: the KV offload data path does not move sharded KV yet; set "
+            "MESHLLM_KV_OFFLOAD=false (and no offload or P/D on the group's scheduler)"
+        )
 
 
 def build_runner(
-    source: ModelSource, settings: WorkerSettings, incarnation: str
+    source: ModelSource, settings: WorkerSettings, incarnation: str, tp: TensorParallel = SINGLE
 ) -> tuple[ModelRunner, WorkerReady]:
     """Load weights, size the KV cache from the budget, run one real forward (readiness means
-    the model has computed something), and describe the result for the scheduler."""
+    the model has computed something), and describe the result for the scheduler. `tp`: this
+    process is that rank of the worker group (what WorkerReady says is the same on every
+    rank: the vocabulary, layers and KV blocks are the group's)."""
     t0 = time.monotonic()
-    device = pick_device(settings.device)
+    check_parallel_settings(settings)
+    device = pick_device(settings.device, tp.rank)
     # MTP drafts with layers of the target's own checkpoint: its directory unless told.
     spec_model = settings.spec_model or (str(source.path) if settings.spec_method == "mtp" else "")
     spec = SpeculativeConfig(
         method=settings.spec_method, num_spec_tokens=settings.spec_tokens, model=spec_model
     )
     # Drafters call the target's own modules eagerly, so speculative runs stay eager.
-    compiled = settings.cpu_compile != "off" and device.type == "cpu" and not spec.enabled
+    # The compiled CPU forward has no collectives: a sharded model runs eagerly.
+    compiled = (
+        settings.cpu_compile != "off" and device.type == "cpu" and not spec.enabled and tp.size == 1
+    )
     if is_random_spec(source.path):  # benchmarks: real shapes, random weights, no checkpoint
+        if tp.size > 1:
+            raise ValueError("random-weight models are not sharded: MESHLLM_TP=1")
         model, config = load_random_model(
             str(source.path), settings.dtype, device, settings.max_model_len, compiled
         )
     else:
-        model, config = load_model(source, settings.dtype, device, settings.max_model_len, compiled)
+        model, config = load_model(
+            source, settings.dtype, device, settings.max_model_len, compiled, tp=tp
+        )
     dtype = next(model.parameters()).dtype
     if compiled and (why_not := compile_supported(config, dtype, device)):
         compiled = False
@@ -54,7 +89,7 @@ def build_runner(
         level = logging.WARNING if settings.cpu_compile == "on" else logging.INFO
         log.log(level, "forward not compiled: %s", why_not)
     max_model_len = settings.max_model_len or config.max_position_embeddings
-    kv_cache = KVCache.from_budget(
+    num_blocks = budget_blocks(
         config,
         settings.block_size,
         dtype,
@@ -62,6 +97,9 @@ def build_runner(
         kv_cache_bytes=settings.kv_cache_bytes,
         memory_fraction=settings.kv_cache_memory_fraction,
     )
+    # Ranks may hold different head counts and memory: the group holds what all ranks can.
+    num_blocks = tp.min_int(num_blocks, device)
+    kv_cache = KVCache.allocate(config, num_blocks, settings.block_size, dtype, device)
     # Block 0 is the scheduler's null block: the rest must hold one whole sequence, or the
     # context length the gateway advertises could never be served (vLLM refuses to start too).
     capacity = (kv_cache.num_blocks - 1) * kv_cache.block_size

@@ -44,6 +44,26 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return per_layer * config.num_hidden_layers
 
 
+def budget_blocks(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_cache_bytes: int = 0,
+    memory_fraction: float = 0.3,
+) -> int:
+    """Blocks the budget holds (see KVCache.from_budget); at least one, or KVCacheSizeError."""
+    device = torch.device(device)
+    budget = kv_cache_bytes or int(available_memory_bytes(device) * memory_fraction)
+    per_block = bytes_per_block(config, block_size, dtype)
+    if budget // per_block < 1:
+        raise KVCacheSizeError(
+            f"KV cache budget of {budget} bytes holds no block "
+            f"(one block of {block_size} tokens needs {per_block} bytes)"
+        )
+    return budget // per_block
+
+
 @dataclass
 class KVCache:
     layers: list[torch.Tensor]  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
@@ -80,17 +100,11 @@ class KVCache:
     ) -> KVCache:
         """`kv_cache_bytes` if > 0, else `memory_fraction` of available memory; `max_blocks`
         (> 0) caps the count (no use holding more blocks than the scheduler can ever fill)."""
-        device = torch.device(device)
-        budget = kv_cache_bytes or int(available_memory_bytes(device) * memory_fraction)
-        per_block = bytes_per_block(config, block_size, dtype)
-        num_blocks = budget // per_block
+        num_blocks = budget_blocks(
+            config, block_size, dtype, device, kv_cache_bytes, memory_fraction
+        )
         if max_blocks > 0:
             num_blocks = min(num_blocks, max_blocks)
-        if num_blocks < 1:
-            raise KVCacheSizeError(
-                f"KV cache budget of {budget} bytes holds no block "
-                f"(one block of {block_size} tokens needs {per_block} bytes)"
-            )
         return cls.allocate(config, num_blocks, block_size, dtype, device)
 
     @property
