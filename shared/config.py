@@ -133,6 +133,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
     kv_staging_bytes: int = Field(64 * 2**20, ge=0)  # store staging slots (pinned on CUDA)
     kv_offload_timeout_s: float = Field(5.0, gt=0)  # Redis socket timeout of the transfer threads
+    # The share of wall time the store thread may spend writing to Redis: it rests in proportion
+    # after each round trip, so stores never take more of the machine than this; a backlog
+    # waits in staging, and stores that find staging full are dropped (never waited for).
+    kv_store_max_busy_share: float = Field(0.5, gt=0, le=1)
     # A JSON line per step with its host and device times (services/worker/runner/
     # step_timeline.py; read by `python -m services.worker.runner.step_timeline_report`);
     # "" = off.

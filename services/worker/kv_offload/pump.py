@@ -35,6 +35,11 @@ KV_TRANSFER_BYTES = Counter(
     "Payload bytes moved by successful KV offload transfers",
     ["kind"],
 )
+KV_DROPPED_STORES = Counter(
+    metric_name("worker_kv_dropped_stores_total"),
+    "Store chunks dropped because staging was full (the store thread is behind, e.g. a slow "
+    "Redis): a step never waits for a store",
+)
 KV_TRANSFER_SECONDS = Counter(
     metric_name("worker_kv_transfer_seconds_total"),
     "Wall time of successful KV offload transfers (submitted to answered): bytes/s is the ratio",
@@ -92,6 +97,8 @@ class KVTransferPump:
             return
         for done in batch:
             KV_TRANSFERS.labels(done.kind, "ok" if done.ok else "failed").inc()
+            if done.error is not None and done.error.startswith("dropped"):
+                KV_DROPPED_STORES.inc(len(done.failed_keys))
             if done.ok:
                 KV_TRANSFER_BYTES.labels(done.kind).inc(done.num_bytes)
                 KV_TRANSFER_SECONDS.labels(done.kind).inc(done.seconds)
