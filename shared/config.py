@@ -103,6 +103,13 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_offload: bool = False
     kvstore_timeout_s: float = Field(2.0, gt=0)  # one kvstore call
     kvstore_retry_s: float = Field(5.0, ge=0)  # after a failed call, skip the kvstore this long
+    # Which KV chunks are written to the tier (services/scheduler/offload/store_admission.py):
+    # "reuse" = a chunk a second request offers (store on second sight), "always" = every full
+    # block of every request. A prefill-role scheduler always stores.
+    kv_store_policy: Literal["reuse", "always"] = "reuse"
+    # The tier's load rate (bytes/s) assumed until loads measured it: a hit is loaded only when
+    # that beats recomputing it (services/scheduler/offload/load_cost.py).
+    kv_load_bytes_per_s: float = Field(200e6, gt=0)
     # Prefill/decode disaggregation (services/scheduler/pd): "prefill" computes prompts, stores
     # their KV through the offload tier and hands requests to a "decode" scheduler; "both"
     # serves requests whole. Prefill and decode need the offload tier (kv_offload).
