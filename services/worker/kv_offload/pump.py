@@ -63,6 +63,7 @@ class KVTransferPump:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._unsent: list[KVTransferDone] = []
+        self._dropped_counted = 0
 
     def wake(self) -> None:
         """Called from any thread when there is a load to apply or a message to publish."""
@@ -85,6 +86,9 @@ class KVTransferPump:
 
     async def publish(self) -> None:
         assert self.connector is not None
+        dropped = self.connector.dropped_chunks  # counted when dropped, not when answered
+        KV_DROPPED_STORES.inc(dropped - self._dropped_counted)
+        self._dropped_counted = dropped
         self._unsent += self.connector.drain_done()
         if not self._unsent:
             return
@@ -97,8 +101,6 @@ class KVTransferPump:
             return
         for done in batch:
             KV_TRANSFERS.labels(done.kind, "ok" if done.ok else "failed").inc()
-            if done.error is not None and done.error.startswith("dropped"):
-                KV_DROPPED_STORES.inc(len(done.failed_keys))
             if done.ok:
                 KV_TRANSFER_BYTES.labels(done.kind).inc(done.num_bytes)
                 KV_TRANSFER_SECONDS.labels(done.kind).inc(done.seconds)

@@ -108,6 +108,7 @@ class TransferEngine:
         self._threads: list[threading.Thread] = []
         self._on_outcome: Callable[[TransferOutcome], None] | None = None
         self._closed = False
+        self._closing = threading.Event()  # ends the store thread's rest: close() drains
         self._submit_lock = threading.Lock()
         self.busy_s = 0.0  # time the store thread spent writing (its share is bounded)
         self.rested_s = 0.0  # time it rested to keep that share
@@ -162,6 +163,7 @@ class TransferEngine:
         """Finish the queued jobs, then stop the threads."""
         with self._submit_lock:
             self._closed = True
+            self._closing.set()
             self._pieces.put(None)
             self._loads.put(None)
         for thread in self._threads:
@@ -221,10 +223,10 @@ class TransferEngine:
                 self._write_batch(client, batch)
                 busy = time.perf_counter() - started
                 self.busy_s += busy
-                if self.max_busy_share < 1 and not stopping:
+                if self.max_busy_share < 1 and not stopping and not self._closing.is_set():
                     rest = busy * (1 / self.max_busy_share - 1)
                     self.rested_s += rest
-                    time.sleep(rest)
+                    self._closing.wait(rest)
         finally:
             client.close()
 
