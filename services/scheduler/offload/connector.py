@@ -96,6 +96,7 @@ class OffloadStats:
     loads_failed: int = 0
     defers: int = 0
     holds: int = 0  # steps a request waited for another request's load of its next block
+    lookups_skipped: int = 0  # requests not looked up: even a full hit would not beat recompute
 
 
 @dataclass
@@ -179,6 +180,8 @@ class OffloadConnector:
         self.requests[request.request_id] = request
         cap = self._max_hit_blocks(request)
         if not self._worth_looking_up(state.keys_looked_up, cap):
+            if state.keys_looked_up == 0 and cap > 0:
+                self.stats.lookups_skipped += 1
             return
         for i in range(state.keys_looked_up, cap):
             for g in self.groups:

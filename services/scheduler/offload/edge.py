@@ -95,7 +95,8 @@ TRANSFERS = Counter(
 )
 LOADS = Counter(
     metric_name("kv_offload_loads"),
-    "Tier hits by what was done with them: loaded, or recomputed because a load would be slower",
+    "Load decisions: a hit loaded (load) or recomputed because its load would be slower "
+    "(compute), or a request not looked up because even a full hit would be (no_lookup)",
     ["decision"],
 )
 STORE_OFFERS = Counter(
@@ -309,10 +310,12 @@ class OffloadEdge:
         async def run() -> None:
             try:
                 report = chunks
+                reply = store.reply if store is not None else None
                 if not ok:
-                    reply = store.reply if store is not None else None
                     reserved = set(reply.write) if reply is not None else set()
                     report = [c for c in chunks if c[0] in reserved]
+                elif reply is not None and reply.refused:  # written, but deleted now
+                    self.admission.mark_missing(reply.refused)
                 if report:
                     await self._call("stored", lambda: client.stored(report, ok))
             finally:
@@ -419,6 +422,7 @@ class OffloadEdge:
             "query_tokens": connector.stats.external_query_tokens,
             "load": self.cost.stats.loads,
             "compute": self.cost.stats.computes,
+            "no_lookup": connector.stats.lookups_skipped,
             "write": self.admission.stats.write,
             "record": self.admission.stats.record,
             "skip": self.admission.stats.skip,
@@ -430,7 +434,7 @@ class OffloadEdge:
             self._counted[name] = total
             if name == "query_tokens":
                 QUERY_TOKENS.inc(new)
-            elif name in ("load", "compute"):
+            elif name in ("load", "compute", "no_lookup"):
                 LOADS.labels(decision=name).inc(new)
             else:
                 STORE_OFFERS.labels(decision=name).inc(new)
@@ -490,7 +494,7 @@ class OffloadEdge:
             if msg.num_bytes:  # the worker's bytes per chunk: offers carry it from now on
                 self.chunk_bytes = msg.num_bytes // len(ok)
                 ok = [(key, end, self.chunk_bytes) for key, end, _ in ok]
-            self._queue_stored(store.request_id, ok, True)
+            self._queue_stored(store.request_id, ok, True, store)
             assert self.lookup is not None
             self.lookup.invalidate([c[0] for c in ok])  # present now: ask again
         if bad:

@@ -7,8 +7,10 @@ expected to be faster than the compute it replaces:
     load_s(bytes)      = answer_s + bytes / load_bytes_per_s
     recompute_s(tokens) = tokens / prefill_tokens_per_s
 
-`answer_s` is what a load costs besides its bytes: the request leaves the batch until the
-worker's answer, which comes after a step at the earliest, so it is the recent step time.
+`answer_s` is what a load costs besides its bytes: the loaded blocks are copied in at a step
+boundary and the request rejoins the batch at the next plan, so it is the time of a step of the
+running batch: the recent decode step (steps computing fewer than `min_prefill_tokens` tokens;
+none while the worker idles, when a load is applied at once).
 Each rate is learned online as an exponential moving average, from the worker's own figures:
 its KVTransferDone (bytes and seconds of every successful load) and its StepResults (tokens
 computed per second of execute time, from steps that compute at least `min_prefill_tokens`,
@@ -61,10 +63,11 @@ class LoadCostModel:
         """A step computed `num_tokens` tokens in `seconds` of execute time."""
         if seconds <= 0 or num_tokens <= 0:
             return
-        self.step_s = self._ewma(self.step_s, seconds)
         if num_tokens >= self.min_prefill_tokens:
             rate = num_tokens / seconds
             self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, rate)
+        else:
+            self.step_s = self._ewma(self.step_s, seconds)
 
     def load_seconds(self, num_bytes: int) -> float:
         return self.step_s + num_bytes / self.load_bytes_per_s

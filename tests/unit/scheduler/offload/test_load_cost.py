@@ -20,7 +20,8 @@ def test_loads_win_until_the_prefill_rate_is_known() -> None:
 
 def test_the_cheaper_side_wins_with_learned_rates() -> None:
     model = LoadCostModel(load_bytes_per_s=1e9, smoothing=1.0)
-    model.observe_step(num_tokens=2000, seconds=1.0)  # 2,000 tokens/s prefill; 1 s steps
+    model.observe_step(num_tokens=2000, seconds=1.0)  # 2,000 tokens/s prefill
+    model.observe_step(num_tokens=8, seconds=1.0)  # 1 s decode steps
     model.observe_load(num_bytes=100 * 10**6, seconds=1.0)  # 100 MB/s measured
     assert model.prefill_tokens_per_s == 2000 and model.load_bytes_per_s == 100e6
     # 4,000 tokens recompute in 2 s; 50 MB load in 1 s step + 0.5 s.
@@ -29,12 +30,12 @@ def test_the_cheaper_side_wins_with_learned_rates() -> None:
     assert not model.load_wins(1000, 1)
 
 
-def test_decode_steps_teach_the_step_time_not_the_prefill_rate() -> None:
+def test_decode_steps_teach_the_step_time_and_prefills_the_prefill_rate() -> None:
     model = LoadCostModel(smoothing=1.0, min_prefill_tokens=64)
     model.observe_step(num_tokens=8, seconds=0.05)
     assert model.prefill_tokens_per_s == 0 and model.step_s == 0.05
     model.observe_step(num_tokens=512, seconds=0.25)
-    assert model.prefill_tokens_per_s == 2048
+    assert model.prefill_tokens_per_s == 2048 and model.step_s == 0.05
 
 
 def test_rates_move_as_moving_averages() -> None:
@@ -62,6 +63,7 @@ async def test_a_tier_slower_than_recompute_is_not_even_looked_up() -> None:
     assert rig.tier.probes == probes  # no probe, and no step deferred for its answer
     assert all(not plan.kv_loads for plan in rig.plans)
     assert rig.connector.stats.defers == 0 and rig.connector.stats.external_hit_tokens == 0
+    assert rig.connector.stats.lookups_skipped == 1
     assert rig.client.finish["b"] == "length"
 
 
