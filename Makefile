@@ -11,12 +11,13 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
-.PHONY: help venv redis cxx up test docker-test lint format bench gpu-bundle clean
+.PHONY: help venv redis cxx kubectl up test docker-test swarm-test lint format bench gpu-bundle clean
 
 help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1; PROFILE=pd)"
 	@echo "make test   the whole test suite (what CI runs), docker-test included when it can run"
 	@echo "make docker-test  build the images, test \`docker compose up\` for real (root: installs docker.io)"
+	@echo "make swarm-test   the same images as a Docker Swarm stack: deploy, scale, roll, remove"
 	@echo "make lint   ruff check + ruff format --check"
 	@echo "make bench  the CPU component benchmarks in BENCH_MODULES (bench/README.md lists the rest)"
 	@echo "make gpu-bundle  .whl/ + .redisbin/ for a GPU machine without network (bench/gpu/run.sh)"
@@ -39,6 +40,13 @@ redis:
 	command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
 
+# kubectl renders the Kubernetes manifests (`kubectl kustomize`, tests/unit/infra): Debian's
+# package when none is installed (the machine image brings one; Debian's 1.20 embeds a
+# kustomize too old for components, and the test then says so).
+kubectl:
+	command -v kubectl >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y kubernetes-client)
+
 # A C++ compiler: the CPU worker builds its decode attention kernel and inductor its compiled
 # forward with it (without one both fall back to PyTorch eager, but their tests need it).
 cxx:
@@ -58,20 +66,26 @@ DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
 
 # pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
 # tests/docker are deselected here (they need built images); docker-test runs them after.
-test: venv redis cxx
+test: venv redis cxx kubectl
 	@$(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	if [ $$status -ne 0 ]; then exit $$status; fi
 ifeq ($(DOCKER_POSSIBLE),yes)
 	$(MAKE) docker-test
+	$(MAKE) swarm-test
 else
-	@echo "docker-test not run: needs root and docker.io (dockerd or apt) on this machine" >&2
+	@echo "docker-test and swarm-test not run: need root and docker.io (dockerd or apt)" >&2
 endif
 
 # The compose stack for real: private dockerd, debootstrap base, images, tests/docker, then
 # `docker compose down -v` and the daemon stopped (infra/docker/docker_test.sh).
 docker-test: venv
 	VENV=$(VENV) infra/docker/docker_test.sh
+
+# The stack on a one-node swarm of the same private dockerd: secrets, deploy, scale 1 -> 2 -> 1
+# and a rolling update under load, `docker stack rm`, swarm left (infra/swarm/swarm_test.sh).
+swarm-test: venv
+	VENV=$(VENV) infra/swarm/swarm_test.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

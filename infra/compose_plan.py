@@ -7,7 +7,8 @@ rewrites container host names to loopback:
 - `redis:6379` becomes the launcher's private redis-server;
 - `<service>:<container port>` becomes `127.0.0.1:<that service's local port>`;
 - a service listens locally on the host port compose publishes it on (`ports:`), so replicas
-  like `scheduler-gpu` (host port 8011) do not collide; `port_offset` shifts every port.
+  like `scheduler-gpu` (host port 8011) do not collide; `port_offset` shifts every port;
+- each service's MESHLLM_INSTANCE_ID is its compose name unless the file sets one.
 Only URL-valued settings (`scheme://host:port`) are rewritten, so a user name that equals a
 service name (`redis://gateway:pw@redis:6379`) is left alone.
 """
@@ -201,6 +202,9 @@ def plan(
     for name, command, service_env, container_port, local_port in chosen:
         resolved = {k: rewrite_url(v, hosts) for k, v in service_env.items()}
         resolved["MESHLLM_PORT"] = str(local_port)
+        # One host runs every service here, so the hostname default would name them all alike;
+        # the service name is unique and stable across restarts (stream group consumer names).
+        resolved.setdefault("MESHLLM_INSTANCE_ID", name)
         result.append(
             LocalService(
                 name=name,

@@ -9,10 +9,17 @@ SIGTERM stops everything: SIGTERM to each service
 then Redis. Children run in their own sessions so a terminal's Ctrl-C reaches only the
 launcher, which then stops them in that order.
 
+Until then every process is supervised like compose's `restart: unless-stopped`
+(infra/supervisor.py): one that dies, Redis included, is restarted with backoff, and the
+restart is printed and counted. The rest of the mesh keeps serving meanwhile (a restarted
+scheduler or worker picks up the requests in flight; a restarted Redis comes back empty and
+the services recreate their consumer groups).
+
     python -m infra.launcher [--compose docker-compose.yml] [--profile gpu] [--services a,b]
                              [--redis-port 6379] [--port-offset 0] [--log-dir DIR]
 
-Exit status: 0 after a requested stop, 1 when a service failed to start or died.
+Exit status: 0 after a requested stop, 1 when the mesh could not be started (redis-server
+missing, a service module missing, not ready within --ready-timeout).
 """
 
 from __future__ import annotations
@@ -29,13 +36,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO
 
 from infra.compose_plan import LocalService, acl_environment, load_compose, plan
 from infra.redis.render_acl import render_acl
+from infra.supervisor import Supervised, Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 REDIS_CONF = ROOT / "infra" / "redis" / "redis.conf"
@@ -46,12 +52,8 @@ class LaunchError(RuntimeError):
     pass
 
 
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int | None = None
-    log: IO[bytes] | None = field(default=None, repr=False)
+def say(message: str) -> None:
+    print(message, flush=True)
 
 
 def module_exists(module: str) -> bool:
@@ -59,12 +61,12 @@ def module_exists(module: str) -> bool:
     return (ROOT / Path(*module.split(".")) / "__main__.py").is_file()
 
 
-def wait_redis(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+def wait_redis(port: int, proc: subprocess.Popen[bytes] | None, timeout_s: float = 15.0) -> None:
     """Until redis answers (NOAUTH counts: the default user is disabled, the server is up)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LaunchError(f"redis-server exited with status {proc.returncode}")
+        if proc is None or proc.poll() is not None:
+            raise LaunchError(f"redis-server exited with status {proc and proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
@@ -112,21 +114,18 @@ class Launcher:
         self.log_dir = log_dir
         self.python = python
         self.workdir = Path(tempfile.mkdtemp(prefix="meshllm-up-"))
-        self.redis: Child | None = None
-        self.children: list[Child] = []
+        self.supervisor = Supervisor(say)
+        self.redis: Supervised | None = None
+        self.children: list[Supervised] = []
         self.stop_requested = False
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None) -> Child:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None, port: int | None = None
+    ) -> Supervised:
         log = open(self.log_dir / f"{name}.log", "ab") if self.log_dir else None  # noqa: SIM115
-        proc = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT if log else None,
-            start_new_session=True,
-        )
-        return Child(name, proc, log=log)
+        process = Supervised(name, argv, ROOT, env=env, port=port, log=log)
+        self.supervisor.start(process)
+        return process
 
     def start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -145,24 +144,23 @@ class Launcher:
             if not module_exists(service.module):
                 raise LaunchError(f"{service.name}: module {service.module} does not exist")
             env = {**os.environ, "PYTHONUNBUFFERED": "1", **service.env}
-            child = self._spawn(service.name, service.argv(self.python), env)
-            child.port = service.port
+            child = self._spawn(service.name, service.argv(self.python), env, service.port)
             self.children.append(child)
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until every service answers 200 on /ready; a LaunchError naming each one that does
-        not (with its failing checks) past `timeout_s`, or when one exits."""
+        """Until every service answers 200 on /ready (one that dies meanwhile is restarted); a
+        LaunchError naming each one that does not (with its failing checks) past `timeout_s`."""
         pending = {c.name: c for c in self.children}
         why: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
         while pending:
             if self.stop_requested:
                 raise LaunchError("stopped before the mesh was ready")
+            self.supervisor.poll()
             for name, child in list(pending.items()):
-                if child.proc.poll() is not None:
-                    raise LaunchError(f"{name} exited with status {child.proc.returncode}")
-                if child.port is None:
-                    raise LaunchError(f"{name} has no HTTP port to ask /ready")
+                if not child.running or child.port is None:
+                    why[name] = "not running (restarting)" if child.port else "no HTTP port"
+                    continue
                 ready, why[name] = ready_status(child.port)
                 if ready:
                     print(f"{name} ready on http://127.0.0.1:{child.port}", flush=True)
@@ -173,36 +171,48 @@ class Launcher:
             time.sleep(0.2)
 
     def watch(self) -> None:
-        """Until a stop is requested; a service that dies is an error."""
+        """Until a stop is requested: restart what dies, say when a restarted service is
+        ready again."""
+        recovering: dict[str, Supervised] = {}
         while not self.stop_requested:
-            for child in [*self.children, *([self.redis] if self.redis else [])]:
-                if child.proc.poll() is not None:
-                    raise LaunchError(f"{child.name} exited with status {child.proc.returncode}")
+            for process in self.supervisor.poll():
+                if process.port is not None:
+                    recovering[process.name] = process
+            for name, process in list(recovering.items()):
+                if process.running and process.port is not None and ready_status(process.port)[0]:
+                    say(f"{name} ready again on http://127.0.0.1:{process.port}")
+                    del recovering[name]
             time.sleep(0.2)
 
     def stop(self) -> None:
         """SIGTERM in start order (gateway first), wait, then SIGKILL stragglers; Redis last."""
-        for child in self.children:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+        running = [c for c in self.children if c.running]
+        for child in running:
+            assert child.proc is not None
+            child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for child in self.children:
+        for child in running:
+            assert child.proc is not None
             try:
                 child.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 print(f"{child.name} did not stop in time; killing it", flush=True)
                 child.proc.kill()
                 child.proc.wait()
-        if self.redis is not None and self.redis.proc.poll() is None:
+        if self.redis is not None and self.redis.running:
+            assert self.redis.proc is not None
             self.redis.proc.terminate()
             try:
                 self.redis.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.redis.proc.kill()
                 self.redis.proc.wait()
-        for child in [*self.children, *([self.redis] if self.redis else [])]:
-            if child.log is not None:
-                child.log.close()
+        restarts = {name: n for name, n in self.supervisor.restarts.items() if n}
+        if restarts:
+            say("restarts: " + ", ".join(f"{name} {n}" for name, n in restarts.items()))
+        for process in self.supervisor.processes:
+            if process.log is not None:
+                process.log.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:

@@ -75,7 +75,7 @@ def check_admin(request: Request, token: str, *, action: bool) -> None:
         raise AdminError(403, "invalid admin token", "permission_error", "invalid_token")
 
 
-SECRET_FIELDS = frozenset({"admin_token", "api_keys"})
+SECRET_FIELDS = frozenset({"admin_token", "api_keys", "redis_password"})
 
 
 def redact_url(url: str) -> str:

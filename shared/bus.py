@@ -8,11 +8,18 @@ Delivery is at least once. A retried publish whose first attempt did reach Redis
 connection broke adds the entry twice, and an unacknowledged entry is delivered again (own
 pending entries, or claimed by another consumer); handlers are idempotent by request/step id.
 
-Every operation survives a Redis restart: a lost connection is retried with exponential backoff
-(50 ms doubling to 2 s, jittered). Reads retry for as long as it takes (a consumer has nothing
-better to do); writes give up with `BusUnavailable` after `publish_timeout_s`. Redis runs
-without persistence, so a restart also loses the consumer groups: the bus remembers the groups it
-ensured and recreates them when Redis answers NOGROUP.
+Every operation survives a Redis outage of any length: a lost connection is retried with
+exponential backoff (50 ms doubling to 2 s, jittered). Reads, connecting and group creation retry
+for as long as it takes (a consumer has nothing better to do); writes give up with
+`BusUnavailable` after `publish_timeout_s` unless the caller asks for a `patient` one (a
+service's own loop, whose work is not lost by waiting: a step result, a plan). Redis runs without
+persistence, so a restart also loses the consumer groups: the bus remembers the groups it ensured
+and recreates them when Redis answers NOGROUP, or when a blocked group read is unblocked because
+its stream was deleted (a DEL of a consumed stream is the same loss, by hand).
+
+A batch publish whose Redis answers refuse some entries (an ACL that forbids a stream) writes the
+others and raises `PublishRefused`, which says which went through: one bad destination must not
+cost the step its plan.
 
 Blocking reads go through a second client without a socket timeout, each bounded instead by
 `asyncio.timeout(block + op_timeout_s)`: a read that outlives its BLOCK by that much is on a dead
@@ -24,7 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -33,17 +41,28 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
-from shared.bus_entry import DEAD_LETTERS, FIELD, Delivery, Rejected, decode_entry
+from shared.bus_entry import DEAD_LETTERS, FIELD, Delivery, Rejected, decode_entry, failed_entry
 from shared.bus_retry import BusUnavailable, retry
 from shared.codec import encode
 from shared.protocol import Message
 
-__all__ = ["DEAD_LETTERS", "Bus", "BusUnavailable", "Delivery"]
+__all__ = ["DEAD_LETTERS", "Bus", "BusUnavailable", "Delivery", "PublishRefused"]
 
 log = logging.getLogger(__name__)
 
 # Raw XREAD/XREADGROUP/XAUTOCLAIM entries: [(entry_id, {field: value}), ...] per stream.
 RawEntries = Sequence[tuple[bytes | None, dict[bytes, bytes] | None]]
+
+
+class PublishRefused(Exception):
+    """Redis refused some entries of a batch (`errors`: index -> its error reply); `ids` holds
+    the entry id of every item that was written, None for the refused ones."""
+
+    def __init__(self, ids: list[str | None], errors: dict[int, ResponseError]) -> None:
+        first = next(iter(errors.values()))
+        super().__init__(f"{len(errors)} of {len(ids)} entries refused: {first}")
+        self.ids = ids
+        self.errors = errors
 
 
 class Bus:
@@ -55,12 +74,13 @@ class Bus:
         maxlen: int = 100_000,
         dead_letter_stream: str | None = None,
         publish_timeout_s: float = 30.0,
-        connect_timeout_s: float = 30.0,
+        connect_timeout_s: float | None = None,
         op_timeout_s: float = 5.0,
     ) -> None:
         """`consumer` names this process in consumer groups; keep it stable across restarts so
         `read_group(own_pending=True)` finds what it read before. Without `dead_letter_stream`,
-        bad entries are only logged and counted."""
+        bad entries are only logged and counted. `connect_timeout_s` None: `connect` waits for
+        Redis however long it takes."""
         self.consumer = consumer
         self.maxlen = maxlen
         self.dead_letter_stream = dead_letter_stream
@@ -75,11 +95,13 @@ class Bus:
         self.redis: Redis = Redis.from_url(redis_url, socket_timeout=op_timeout_s, **common)
         self._reader: Redis = Redis.from_url(redis_url, socket_timeout=None, **common)
         self._groups: dict[tuple[str, str], str] = {}  # (stream, group) -> start id
+        self._rejection_watchers: dict[str, Callable[[Rejected], None]] = {}
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """Wait for Redis to answer a PING (it may still be starting); BusUnavailable if not."""
+        """Wait for Redis to answer a PING (it may still be starting); BusUnavailable past
+        `connect_timeout_s` when one is set."""
         await retry("connect", self.redis.ping, self.connect_timeout_s)
 
     async def close(self) -> None:
@@ -88,35 +110,21 @@ class Bus:
 
     # --- producing ---------------------------------------------------------------------------
 
-    async def publish(self, stream: str, msg: Message) -> str:
+    async def publish(self, stream: str, msg: Message, *, patient: bool = False) -> str:
         """XADD with approximate MAXLEN trimming; returns the entry id. A message over the codec's
-        size limit raises CodecError("oversized") before anything is sent."""
-        fields = {FIELD: encode(msg)}
-
-        async def xadd() -> Any:
-            return await self.redis.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
-
-        entry_id = await retry("publish", xadd, self.publish_timeout_s)
-        return entry_id.decode()
-
-    async def publish_many(self, items: list[tuple[str, Message]]) -> list[str]:
-        """Many XADDs in one round trip (no transaction); ids in the order of `items`."""
-        if not items:
-            return []
-        encoded = [(stream, {FIELD: encode(msg)}) for stream, msg in items]
-
-        async def xadds() -> list[Any]:
-            pipe = self.redis.pipeline(transaction=False)
-            for stream, fields in encoded:
-                pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
-            return await pipe.execute()
-
-        ids = await retry("publish_many", xadds, self.publish_timeout_s)
-        return [entry_id.decode() for entry_id in ids]
+        size limit raises CodecError("oversized") before anything is sent. `patient`: retry
+        until Redis answers instead of giving up after `publish_timeout_s`."""
+        entry_id = await self._xadd(stream, msg, patient=patient, create=True)
+        assert entry_id is not None  # XADD without NOMKSTREAM always adds
+        return entry_id
 
     async def publish_if_exists(self, stream: str, msg: Message) -> str | None:
-        """XADD NOMKSTREAM: the entry id, or None when the stream does not exist, which for a
-        request stream means its consumers never created their group (nobody serves it)."""
+        """`publish` into a stream only if it exists (XADD NOMKSTREAM); None when it does not.
+        For a note to a reader that may be gone: writing must not re-create its expired
+        stream, which nobody would delete again."""
+        return await self._xadd(stream, msg, patient=False, create=False)
+
+    async def _xadd(self, stream: str, msg: Message, *, patient: bool, create: bool) -> str | None:
         fields = {FIELD: encode(msg)}
 
         async def xadd() -> Any:
@@ -125,11 +133,44 @@ class Bus:
                 fields,  # type: ignore[arg-type]
                 maxlen=self.maxlen,
                 approximate=True,
-                nomkstream=True,
+                nomkstream=not create,
             )
 
-        entry_id = await retry("publish", xadd, self.publish_timeout_s)
+        entry_id = await retry("publish", xadd, None if patient else self.publish_timeout_s)
         return None if entry_id is None else entry_id.decode()
+
+    async def publish_many(
+        self,
+        items: list[tuple[str, Message]],
+        *,
+        patient: bool = False,
+        expire_if_unset: Mapping[str, int] | None = None,
+    ) -> list[str]:
+        """Many XADDs in one round trip (no transaction); ids in the order of `items`.
+        PublishRefused when Redis refused some of them (the others are written).
+        `expire_if_unset` {stream: ttl_s}: give each such stream that expiry unless it already
+        has one (EXPIRE NX), so a stream whose reader died and let it expire, re-created by
+        this XADD, expires again instead of staying for good."""
+        if not items:
+            return []
+        encoded = [(stream, {FIELD: encode(msg)}) for stream, msg in items]
+        written = {stream for stream, _ in encoded}
+        expiries = {s: t for s, t in (expire_if_unset or {}).items() if s in written}
+
+        async def xadds() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, fields in encoded:
+                pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+            for stream, ttl_s in expiries.items():
+                pipe.expire(stream, ttl_s, nx=True)
+            return (await pipe.execute(raise_on_error=False))[: len(encoded)]
+
+        replies = await retry("publish_many", xadds, None if patient else self.publish_timeout_s)
+        errors = {i: r for i, r in enumerate(replies) if isinstance(r, ResponseError)}
+        ids = [None if i in errors else r.decode() for i, r in enumerate(replies)]
+        if errors:
+            raise PublishRefused(ids, errors)
+        return ids  # type: ignore[return-value]
 
     async def publish_reply(
         self,
@@ -162,11 +203,7 @@ class Bus:
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create the group (and the stream) unless it exists; remembered for NOGROUP recovery."""
         self._groups[(stream, group)] = start_id
-        await retry(
-            "ensure_group",
-            lambda: self._create_group(stream, group, start_id),
-            self.publish_timeout_s,
-        )
+        await retry("ensure_group", lambda: self._create_group(stream, group, start_id), None)
 
     async def read_group(
         self,
@@ -179,7 +216,8 @@ class Bus:
     ) -> list[Delivery]:
         """New entries for this consumer (XREADGROUP >), waiting up to `block_ms` (None: not at
         all). With `own_pending`, this consumer's delivered-but-unacked entries instead, from the
-        oldest (never blocks; returns the same entries again until they are acked)."""
+        oldest (never blocks; returns the same entries again until they are acked), each with
+        its delivery count."""
         _check_block(block_ms)
         block = None if own_pending else block_ms
         ids = dict.fromkeys(streams, "0" if own_pending else ">")
@@ -201,10 +239,12 @@ class Bus:
                 break
             except ResponseError as exc:
                 await self._recover_group(exc, group, streams)
-        return await self._sort(response, group)
+        deliveries = await self._sort(response, group)
+        return await self._with_counts(group, deliveries) if own_pending else deliveries
 
     async def ack(self, group: str, deliveries: Iterable[Delivery]) -> None:
-        """XACK, one command per stream, pipelined. Entries Redis lost in a restart are ignored."""
+        """XACK, one command per stream, pipelined. Entries Redis lost (a restart, a DEL of the
+        stream) are ignored."""
         by_stream: dict[str, list[str]] = {}
         for delivery in deliveries:
             by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
@@ -218,7 +258,9 @@ class Bus:
             await pipe.execute()
 
         try:
-            await retry("ack", xack, self.publish_timeout_s)
+            # Retried until through: an ack given up on is an entry delivered again, and no
+            # caller could do better than wait for Redis either.
+            await retry("ack", xack, None)
         except ResponseError as exc:
             if not _is_nogroup(exc):
                 raise
@@ -231,7 +273,8 @@ class Bus:
         self, stream: str, group: str, min_idle_ms: int, count: int = 100
     ) -> list[Delivery]:
         """Take over up to `count` entries pending longer than `min_idle_ms` in other consumers
-        (a crashed one's). Entries trimmed away meanwhile are dropped by Redis and skipped."""
+        (a crashed one's), each with its delivery count. Entries trimmed away meanwhile are
+        dropped by Redis and skipped."""
         claimed: list[tuple[bytes | None, dict[bytes, bytes] | None]] = []
         cursor: bytes | str = "0-0"
         while len(claimed) < count:
@@ -251,15 +294,17 @@ class Bus:
             claimed.extend(reply[1])
             if cursor == b"0-0":
                 break
-        return await self._sort([(stream.encode(), claimed)], group)
+        deliveries = await self._sort([(stream.encode(), claimed)], group)
+        return await self._with_counts(group, deliveries)
 
-    async def dead_letter(
-        self, delivery: Delivery, reason: str, detail: str, group: str | None = None
-    ) -> None:
-        """Move a decoded entry the consumer cannot use aside, as undecodable ones are (logged,
-        counted, recorded, and acked in `group`); never raises."""
-        bad = Rejected(delivery.stream, delivery.entry_id, reason, detail, encode(delivery.message))
-        await self._discard([bad], [], group)
+    async def dead_letter(self, group: str | None, failed: list[tuple[Delivery, str, str]]) -> None:
+        """Give up on decoded entries: (delivery, reason, detail) each goes to the dead-letter
+        stream and, read through `group`, is acked, so it is never delivered again. Logged and
+        counted like undecodable entries; a failure to record is logged, never raised (the
+        entry then stays pending and comes back with a higher delivery count)."""
+        if failed:
+            rejected = [failed_entry(d, reason, detail) for d, reason, detail in failed]
+            await self._discard(rejected, [], group)
 
     # --- fan-out -----------------------------------------------------------------------------
 
@@ -286,6 +331,11 @@ class Bus:
                 last_ids[name.decode()] = entries[-1][0].decode()
         return await self._sort(response, None)
 
+    def watch_rejections(self, stream: str, callback: Callable[[Rejected], None]) -> None:
+        """Call `callback` with every entry of `stream` that did not decode, once it is
+        dead-lettered (a consumer may still salvage who should hear about it)."""
+        self._rejection_watchers[stream] = callback
+
     # --- internals ---------------------------------------------------------------------------
 
     def _read_limit_s(self, block_ms: int | None) -> float:
@@ -299,9 +349,9 @@ class Bus:
                 raise
 
     async def _recover_group(self, exc: ResponseError, group: str, streams: list[str]) -> None:
-        """Recreate groups Redis lost (NOGROUP after a restart; UNBLOCKED when the stream was
-        deleted under a blocked read, e.g. by FLUSHALL); re-raise anything else, and either for
-        a group this bus never ensured (a caller bug, not an outage)."""
+        """Recreate groups Redis lost (NOGROUP after a restart or a DEL of the stream; UNBLOCKED
+        for a read that was blocked on a stream deleted meanwhile); re-raise anything else, and
+        a lost group this bus never ensured (a caller bug, not an outage)."""
         lost = _is_nogroup(exc) or str(exc).startswith("UNBLOCKED")
         if not lost or any((s, group) not in self._groups for s in streams):
             raise exc
@@ -314,6 +364,26 @@ class Bus:
         for stream in streams:
             create = partial(self._create_group, stream, group, self._groups[(stream, group)])
             await retry("ensure_group", create, None)
+
+    async def _with_counts(self, group: str, deliveries: list[Delivery]) -> list[Delivery]:
+        """The deliveries with their group delivery counts (XPENDING, one per entry, pipelined);
+        an entry acked meanwhile keeps 1."""
+        if not deliveries:
+            return deliveries
+
+        async def xpendings() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            for d in deliveries:
+                pipe.xpending_range(d.stream, group, min=d.entry_id, max=d.entry_id, count=1)
+            return await pipe.execute(raise_on_error=False)
+
+        replies = await retry("delivery_counts", xpendings, None)
+        counted = []
+        for delivery, reply in zip(deliveries, replies, strict=True):
+            if isinstance(reply, list) and reply:
+                delivery = replace(delivery, deliveries=int(reply[0]["times_delivered"]))
+            counted.append(delivery)
+        return counted
 
     async def _pin_latest(self, last_ids: dict[str, str]) -> None:
         pinned = [stream for stream, last in last_ids.items() if last == "$"]
@@ -350,6 +420,13 @@ class Bus:
                     rejected.append(item)  # type: ignore[arg-type]
         if rejected or trimmed:
             await self._discard(rejected, trimmed, group)
+        for bad in rejected:
+            watcher = self._rejection_watchers.get(bad.stream)
+            if watcher is not None:
+                try:
+                    watcher(bad)
+                except Exception:
+                    log.exception("rejection watcher of %s failed", bad.stream)
         return deliveries
 
     async def _discard(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from shared.codec import CodecError, decode
+from shared.codec import CodecError, decode, encode
 from shared.protocol import Message
 
 FIELD = b"m"
@@ -31,11 +31,15 @@ DEAD_LETTERS = Counter(
 
 @dataclass(frozen=True)
 class Delivery:
-    """One decoded stream entry. `entry_id` is what `Bus.ack` acknowledges."""
+    """One decoded stream entry. `entry_id` is what `Bus.ack` acknowledges. `deliveries`
+    counts how often the group handed the entry out, this time included (Redis' counter, read
+    for re-read own pending and claimed entries; a first delivery is 1): an entry delivered
+    again and again is one its consumers keep dying on."""
 
     stream: str
     entry_id: str
     message: Message
+    deliveries: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,16 @@ class Rejected:
             b"consumer": consumer.encode(),
             b"time": repr(time.time()).encode(),
         }
+
+
+def failed_entry(delivery: Delivery, reason: str, detail: str) -> Rejected:
+    """A decoded entry its consumer gave up on (its handler failed, or it was delivered too
+    often), as a dead-letter record; the payload is re-encoded when the message still encodes."""
+    try:
+        payload = encode(delivery.message)
+    except Exception:  # the message itself may be why its handler failed
+        payload = b""
+    return Rejected(delivery.stream, delivery.entry_id, reason, detail, payload)
 
 
 def decode_entry(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> Delivery | Rejected:

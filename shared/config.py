@@ -3,6 +3,10 @@
 One settings class per service, all sharing `CommonSettings`. The same variable names appear in
 docker-compose.yml and are read by the local launcher, so the compose file is the single place
 where a deployment's configuration is written down.
+
+Any setting can also come from a file: `MESHLLM_<FIELD>_FILE=/run/secrets/x` (Docker and
+Kubernetes secrets; shared/setting_files.py). The Redis password has a field of its own,
+`redis_password`, so a secret holds just the password and the URL stays in plain config.
 """
 
 from __future__ import annotations
@@ -10,17 +14,55 @@ from __future__ import annotations
 import os
 import socket
 from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from shared.setting_files import FileSettingsSource
 
 
-class CommonSettings(BaseSettings):
+class MeshSettings(BaseSettings):
+    """`MESHLLM_*` variables, and `MESHLLM_*_FILE` files (which rank above the variables)."""
+
     model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        files = FileSettingsSource(settings_cls)
+        return (init_settings, files, env_settings, dotenv_settings, file_secret_settings)
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with its password replaced (percent-encoded, so any character is allowed)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = quote(parts.username or "", safe="")
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
+class CommonSettings(MeshSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Replaces the password in redis_url when set: a secret file then holds only the password
+    # (MESHLLM_REDIS_PASSWORD_FILE), and it may contain characters a URL cannot.
+    redis_password: str = ""
     cluster: str = "default"
-    instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Names this instance: its consumer in stream groups (with the service and group), so it
+    # must survive a restart for the restarted process to resume its own pending entries at
+    # once. The host name is a container's or pod's own and stays across its restarts; the
+    # local launcher sets the compose service name.
+    instance_id: str = Field(default_factory=socket.gethostname)
     group: str = "0"  # worker group served by a scheduler / worker
     host: str = "0.0.0.0"
     port: int = 0
@@ -29,13 +71,28 @@ class CommonSettings(BaseSettings):
     log_json: bool = True
     stream_maxlen: int = 100_000  # approximate MAXLEN for every stream
     claim_idle_ms: int = 15_000  # pending entries idle this long are claimed from dead consumers
+    # An entry delivered more often than this (its consumers kept dying on it) is dead-lettered
+    # and its request failed, instead of taking every consumer that reads it down in turn.
+    max_deliveries: int = Field(5, ge=1)
+    redis_timeout_s: float = Field(5.0, gt=0)  # one Redis command; a dead connection past it
+    # A publish on a request's path (the gateway's submit) gives up after this and answers 503;
+    # a service's own loops wait for Redis however long it is away.
+    publish_timeout_s: float = Field(30.0, gt=0)
     heartbeat_interval_s: float = 1.0
     shutdown_timeout_s: float = 30.0
+    # A gateway's reply stream expires this long after the gateway last refreshed it (every
+    # heartbeat): a dead gateway's stream disappears, a live one's never does. Schedulers give
+    # the same expiry to a reply stream they re-create by writing to it after it expired.
+    reply_stream_ttl_s: int = Field(120, ge=2)
+
+    @model_validator(mode="after")
+    def _password_into_url(self) -> CommonSettings:
+        if self.redis_password:
+            self.redis_url = with_password(self.redis_url, self.redis_password)
+        return self
 
 
-class ModelSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
-
+class ModelSettings(MeshSettings):
     model: str = ""  # HF safetensors dir or .gguf file; empty = embedded SmolLM2-135M-Instruct
     served_model_name: str = ""  # name in the OpenAI API; default derived from `model`
     model_cache_dir: str = Field(
@@ -58,21 +115,33 @@ class GatewaySettings(CommonSettings, ModelSettings):
     request_timeout_s: float = 600.0
     # A compile call to the grammar service, over the bus (cached: ms; new: up to its limit).
     grammar_timeout_s: float = Field(30.0, gt=0)
+    # Request bodies past this size are refused with 413 before they are read (Content-Length)
+    # or as soon as a streamed body passes it. 32 MiB holds a million-token prompt as text or
+    # as token ids with room to spare; OpenAI's own cap on a request is of the same order.
+    max_body_bytes: int = Field(32 * 2**20, ge=1)
+    # JSON arrays/objects nested deeper than this anywhere in a body (or in a JSON spec sent as
+    # a string, e.g. structured_outputs.json) are a 400, checked on the raw bytes before
+    # parsing. Chat bodies nest < 10 levels; OpenAI caps structured-output schemas at 10 levels
+    # of objects, ~50 JSON levels in their deepest realistic form (arrays of nullable objects).
+    max_json_depth: int = Field(64, ge=1)
+    # Processes that parse and tokenize bodies of 4 KiB or more (services/gateway/plan/
+    # planning_pool.py), so a large body never blocks the event loop. Each holds a tokenizer.
+    planning_processes: int = Field(2, ge=1)
 
     @property
     def api_key_list(self) -> list[str]:
         return [k.strip() for k in self.api_keys.split(",") if k.strip()]
 
 
-class SpeculativeSettings(BaseSettings):
+class SpeculativeSettings(MeshSettings):
     """Speculative decoding, read by the scheduler (K lookahead slots) and the worker (the
     drafter). Empty method = off."""
 
-    model_config = SettingsConfigDict(env_prefix="MESHLLM_", extra="ignore")
-
-    spec_method: Literal["", "ngram", "draft", "eagle"] = ""
+    spec_method: Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"] = ""
     spec_tokens: int = Field(4, ge=1, le=64)  # K: drafts verified per request and step
-    spec_model: str = ""  # the draft model's / EAGLE head's path ("draft", "eagle")
+    # The draft model's / EAGLE head's path ("draft", "eagle", "eagle3"); "mtp" reads the MTP
+    # layers of the served model's own checkpoint (default: MESHLLM_MODEL's directory).
+    spec_model: str = ""
 
 
 class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
@@ -91,6 +160,9 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # decode-on-h200.md). A request that stops on eos computes up to two discarded positions.
     schedule_ahead: int = Field(3, ge=2, le=3)
     worker_ready_timeout_s: float = 600.0
+    # A request whose gateway sent no heartbeat for this long is aborted (nobody reads its
+    # tokens); counted only while Redis answers. 0 = never.
+    gateway_timeout_s: float = Field(30.0, ge=0)
     # Structured outputs with a reasoning model: token ids of the markers that end / start its
     # reasoning (e.g. `</think>` / `<think>`; JSON lists). Empty end marker = no reasoning
     # parser: the grammar applies from the first output token.

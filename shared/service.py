@@ -4,7 +4,9 @@ Lifecycle of a process (`python -m services.<name>` calls `run_service`):
 1. logs are configured and the HTTP app (admin routes + the service's own) is bound and served
    at once, so `/health` answers while Redis is still being reached; `/ready` says 503 until
    `start()` has finished and the dependencies answer;
-2. `start()` connects the bus and starts the heartbeat; then `run()` runs the service's loops;
+2. `start()` connects the bus (waiting for Redis however long it takes) and starts the
+   heartbeat; then `run()` runs the service's loops, which ride out Redis outages: /ready says
+   503 while Redis is away and 200 again once it answers;
 3. SIGTERM/SIGINT (or the `drain` admin action, minus the exit) sets `stopping`, awaits
    `drain()` bounded by `shutdown_timeout_s`, then stops the HTTP server and closes the bus.
    The exit status is 0 for a requested shutdown, 1 when `run()` failed or `start()` did.
@@ -78,13 +80,16 @@ class Service(abc.ABC):
 
     async def start(self) -> None:
         """Connect the bus and start heartbeating. Subclasses set up after `super().start()`."""
+        s = self.settings
         self.bus = Bus(
-            self.settings.redis_url,
-            consumer=self.settings.instance_id,
-            maxlen=self.settings.stream_maxlen,
+            s.redis_url,
+            consumer=consumer_name(self.name, s.group, s.instance_id),
+            maxlen=s.stream_maxlen,
             dead_letter_stream=self.streams.deadletter,
+            publish_timeout_s=s.publish_timeout_s,
+            op_timeout_s=s.redis_timeout_s,
         )
-        await self.bus.connect()
+        await self.bus.connect()  # however long Redis takes: /ready says "starting" meanwhile
         self.heartbeater = Heartbeater(
             self.bus,
             self.streams.heartbeats,
@@ -216,6 +221,13 @@ class Service(abc.ABC):
     def configure_app(self, app: FastAPI) -> None:
         """Last hook on the app after routes are added (exception handlers, middleware)."""
         return None
+
+
+def consumer_name(service: str, group: str, instance_id: str) -> str:
+    """This process's consumer name in stream groups: stable across its restarts (so a restart
+    resumes its own pending entries at once instead of waiting for them to go idle), distinct
+    for each service and worker group on one host."""
+    return f"{service}:{group}:{instance_id}"
 
 
 class _AdminServer(uvicorn.Server):

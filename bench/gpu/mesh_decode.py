@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from shared.bus import Bus
+from shared.heartbeat import Heartbeater
 from shared.protocol import SamplingParams, SubmitRequest, TokenDelta
 from shared.streams import Streams
 from tests.support.mesh import Mesh
@@ -53,6 +54,10 @@ TINY = {
     "vocab_size": 256,
     "max_position_embeddings": 256,
 }
+
+
+async def _always_ready() -> bool:
+    return True
 
 
 def scrape(mesh: Mesh) -> dict[str, float]:
@@ -75,6 +80,14 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
     bus = Bus(mesh.redis.url, f"bench-{tag}")
     await bus.connect()
     reply = streams.replies(f"bench-{tag}")
+    # Beat as the gateway owning `reply` does: the scheduler aborts the requests of a reply
+    # stream nobody beats for (MESHLLM_GATEWAY_TIMEOUT_S), and a long run outlasts that.
+    beats_done = asyncio.Event()
+    beater = Heartbeater(
+        bus, streams.heartbeats, service="gateway", instance_id=f"bench-{tag}", group="0",
+        interval_s=1.0, is_ready=_always_ready,
+    )  # fmt: skip
+    beating = asyncio.create_task(beater.run(beats_done))
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     before = scrape(mesh)
     arrivals: dict[str, list[float]] = {f"{tag}-{i}": [] for i in range(batch)}
@@ -117,6 +130,8 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
                     if delta.finish_reason is not None:
                         finished.add(delta.request_id)
     wall = time.perf_counter() - started
+    beats_done.set()
+    await beating
     await bus.close()
     after = scrape(mesh)
     if len(finished) < batch:

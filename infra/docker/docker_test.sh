@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make docker-test`: the compose stack built and tested for real, then everything torn down.
 #   1. a private dockerd (infra/docker/dockerd.sh), unless one already answers on its socket
-#   2. the local base images (debootstrap; no registry is reachable) and the CPU image, built
-#      with the host's CA bundle and the CPU torch wheel (infra/docker/fetch_build_extras.sh)
+#   2. the local base images (debootstrap; no registry is reachable) and the CPU image
+#      (infra/docker/build_images.sh, shared with `make swarm-test`)
 #   3. tests/docker (pytest brings the stack up with `docker compose up -d --wait` and takes
 #      it down with `docker compose down -v`)
 # On exit, whatever happened: `docker compose down -v` once more, and the daemon stopped if
@@ -36,19 +36,7 @@ trap cleanup EXIT
 
 SECONDS=0
 infra/docker/dockerd.sh start
-infra/docker/build_base.sh "$BASE_IMAGE" "$REDIS_IMAGE"
-log "base images ready (${SECONDS} s)"
-read -r -a extras <<<"$(infra/docker/fetch_build_extras.sh)"
-# The dependency stage is tagged so `docker image prune` (cleanup) keeps its layers: untagged,
-# they are dangling and every run would reinstall torch and the requirements.
-for target in cpu-deps cpu; do
-    tag=$CPU_IMAGE; [ "$target" = cpu ] || tag=$CPU_IMAGE-$target
-    docker build --network host -q -f infra/Dockerfile --target "$target" \
-        --build-arg PYTHON_IMAGE="$BASE_IMAGE" "${extras[@]}" -t "$tag" . >/dev/null
-done
-log "image $CPU_IMAGE built (${SECONDS} s)"
-docker image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' |
-    grep -E "^($CPU_IMAGE|$BASE_IMAGE|$REDIS_IMAGE) " >&2 || true
+infra/docker/build_images.sh "$CPU_IMAGE" "$BASE_IMAGE" "$REDIS_IMAGE"
 
 MESHLLM_DOCKER_TEST=1 "$VENV/bin/pytest" -q -rA --durations=5 -p no:cacheprovider tests/docker "$@"
 log "done (${SECONDS} s)"

@@ -137,7 +137,9 @@ def render_acl(env: Mapping[str, str] | None = None) -> str:
     """The ACL file text for `env` (default: the process environment)."""
     env = os.environ if env is None else env
     # Redis ACL files allow no comments: the header lives in this module's docstring.
-    lines = ["user default off nopass resetkeys resetchannels -@all"]
+    # `resetpass`, not `nopass`: a default user flagged nopass (even one that is off) keeps
+    # protected mode refusing every client that is not on loopback, i.e. every container.
+    lines = ["user default off resetpass resetkeys resetchannels -@all"]
     for user in (*SERVICE_USERS, HEALTHCHECK):
         lines.append(acl_line(user, password_for(user, env)))
     admin_password = env.get(ADMIN.password_env)

@@ -16,7 +16,8 @@ Many pieces without a window (batch 1-2 at long contexts) run the strided kernel
 piece takes every num_splits-th tile, so its first tile's block ids load together with the
 sequence length (one dependent memory round trip fewer before the first K/V tile), the K/V
 tiles are double-buffered, and the last piece of each (sequence, kv head) to finish merges
-the pieces itself (an atomic count), so there is no second launch.
+the pieces itself (an atomic count), so there is no second launch where the merger's registers
+allow it (`merge_counters`); elsewhere the reduce kernel merges them, after the pieces.
 """
 
 from __future__ import annotations
@@ -44,42 +45,31 @@ from kernels.runtime.tensor_checks import (
     interpreting,
     next_power_of_2,
     sm_count,
-    supports_pdl,
 )
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
 INTERPRETER_TILES = AttentionTiles(block_n=16)
-# H200, graph time: split-K launches (small batches, long contexts) run best on 128-key tiles
-# (batch 1 at 32k: 43 vs 47 us with 64), single-pass ones (large batches) on 64-key tiles
-# (batch 64 at 4k: 251 vs 286 us with 128).
+# Tiles measured on the H200 (graph time): split-K launches (small batches, long contexts) run
+# best on 128-key tiles, single-pass ones (large batches) on 64-key tiles.
 DECODE_TILES = AttentionTiles(block_n=128, num_warps=4, num_stages=2)
 DECODE_TILES_SINGLE_PASS = AttentionTiles(block_n=64, num_warps=4, num_stages=2)
-# Single pass over many programs (128+ sequences at 8 kv heads), 16-bit caches: 32-key tiles
-# on 2 warps. H200, graph time, Llama-3-8B shape (bench/gpu/decode_batch_confirm_h200.log, 9
-# repeats; decode_tiles_h200.log, 5): batch 256 at 576 keys 143.0 vs 155.7 us (4.22 vs 3.88
-# TB/s), at 1024 keys 249.4 vs 271.9, at 4096 958.7 vs 1041.0 (4.48 TB/s); batch 128 at 576
-# 73.5 vs 78.6, at 1024 125.6 vs 132.0. They lose below that (batch 64 0.88-0.93x, 32 0.72x).
+# Single pass over many programs (MANY_PROGRAMS (sequence, kv head) pairs: 128+ sequences at 8
+# kv heads), 16-bit caches: 32-key tiles on 2 warps, the faster choice there on the Llama-3-8B
+# shape at every context length measured; below that they lose to DECODE_TILES_SINGLE_PASS.
 DECODE_TILES_MANY_PROGRAMS = AttentionTiles(block_n=32, num_warps=2, num_stages=2)
 MANY_PROGRAMS = 1024
-# Split-K merge launched with programmatic dependent launch where supported (see the launcher).
-PDL_DEFAULT = False
 # Split-K without a window runs the strided kernel (pieces dealt tile by tile, first block ids
 # loaded with seq_len, K/V double-buffered) with its pieces merged by the last one to finish,
 # where the split count is at least STRIDED_MIN_SPLITS (the default choice gives that to
 # batches of 1-2 at 8 kv heads from 4k keys on), or at any split count where there are few
-# programs (`few_programs`: batch 1-2 at 8 kv heads, shorter contexts). H200, graph time,
-# Llama-3-8B shape (bench/gpu/decode_variants_h200.md): batch 1 at 32k 38.4-39.7 us vs
-# 41.7-43.3 (64-key bf16 tiles, 3 stages, 32 pieces, fused merge; 41.6 with the second kernel
-# instead); batch 2 at 32k 69.6 vs 73.1; at batch 8 (5 pieces) it loses, 256-264 vs 250-254.
-# Tiles: STRIDED_TILE_BYTES of K per tile (64 keys of bf16 at head_dim 128, 128 of fp8: fp8
-# batch 1 at 32k 39.7 us vs 44.7).
-STRIDED_DEFAULT = True
+# programs (`few_programs`: batch 1-2 at 8 kv heads, shorter contexts): there it beats the
+# two-kernel split-K, with fewer pieces (batch 8 at 5 pieces) it loses to it. Tiles:
+# STRIDED_TILE_BYTES of K per tile (64 keys of bf16 at head_dim 128, 128 of fp8).
 STRIDED_MIN_SPLITS = 16
 SHORT_KEYS_PER_SPLIT = 64  # few programs, short context: a piece per 64-key tile
 STRIDED_TILE_BYTES = 16384
-FUSED_MERGE_DEFAULT = True
 MERGE_COUNTERS = "decode-merge"  # completion_counters family of the fused merge
 
 
@@ -141,10 +131,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     FP32_DOT: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
-    if LAUNCH_DEPENDENTS:  # the merge may be scheduled now; it waits for this grid's end
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -276,10 +263,7 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    WAIT_PRIMARY: tl.constexpr = False,
 ):
-    if WAIT_PRIMARY:  # launched early (programmatic dependent launch): wait for the pieces
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -311,17 +295,15 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_s
 
     Pieces are whole tiles (the kernel rounds a piece up to BLOCK_N keys), so the count is then
     trimmed to the pieces that hold keys: at 32k keys, 33 pieces of 993 keys become 32 of 1024,
-    and the empty 33rd program that would spill into a third wave is never launched (H200,
-    batch 1: 41.4 us instead of 43.0)."""
+    and the empty 33rd program that would spill into a third wave is never launched."""
     programs = max(1, num_seqs * num_kv_heads)
     by_occupancy = triton.cdiv(2 * num_sms, programs)
     by_length = triton.cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT)
     splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
     if splits < STRIDED_MIN_SPLITS and few_programs(num_seqs, num_kv_heads, num_sms):
         # Short contexts at batch 1-2: latency, not bandwidth, decides; the strided kernel
-        # (chosen for few programs) with one 64-key piece each, up to 16, and its fused merge.
-        # H200, 8 kv heads: 512 keys 6.3 us (8 pieces) vs 8.9 (2 pieces, old kernel); 1k 6.7
-        # vs 9.2; 2k 8.2 vs 10.0; batch 2 at 512 6.6 vs 9.1 (decode_variants.py --short).
+        # (chosen for few programs) with one 64-key piece each, up to 16, and its fused merge,
+        # rather than a couple of long pieces and a second launch.
         return max(
             1, min(triton.cdiv(max(1, max_seq_len), SHORT_KEYS_PER_SPLIT), STRIDED_MIN_SPLITS)
         )
@@ -336,10 +318,10 @@ def few_programs(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
 
 
 def strided_choice(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
-    """Whether split-K without a window runs the strided kernel by default (STRIDED_DEFAULT):
-    at STRIDED_MIN_SPLITS pieces or more, or at any split count with few programs."""
-    return STRIDED_DEFAULT and (
-        num_splits >= STRIDED_MIN_SPLITS or few_programs(num_seqs, num_kv_heads, sm_count(device))
+    """Whether split-K without a window runs the strided kernel: at STRIDED_MIN_SPLITS pieces
+    or more, or at any split count with few programs."""
+    return num_splits >= STRIDED_MIN_SPLITS or few_programs(
+        num_seqs, num_kv_heads, sm_count(device)
     )
 
 
@@ -373,27 +355,22 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     tiles: AttentionTiles | None = None,
-    pdl: bool | None = None,
     strided: bool | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, Hq, D], over its paged context.
 
     `num_splits` fixes the split-K factor (1 = single pass); otherwise it is chosen from
-    `max_seq_len`, which is read back from seq_lens (a host sync) when not given. `pdl`: launch
-    the split-K merge with programmatic dependent launch (Hopper+), so it is scheduled while
-    the pieces run instead of after them; None = PDL_DEFAULT where the device supports it.
+    `max_seq_len`, which is read back from seq_lens (a host sync) when not given.
 
-    `strided` (split-K without a window only; None = STRIDED_DEFAULT where num_splits >=
-    STRIDED_MIN_SPLITS or `few_programs`): run the strided kernel, whose pieces take every
-    num_splits-th tile, so each piece's first block ids load together with the sequence
-    length, and whose K/V tiles are double-buffered. `fused_merge` (strided kernel only; None
-    = FUSED_MERGE_DEFAULT): the last piece of each (sequence, kv head) to finish merges them,
-    instead of a second kernel (where the merger's registers allow: group * num_splits *
-    head_dim <= 4096 per warp). It counts finished pieces in a per-device buffer that each
-    merge leaves zeroed, so two such launches must not run concurrently on different streams
-    of one device; the buffer is allocated by the first eager call, and a first use inside a
-    CUDA graph capture falls back to the second kernel.
+    Split-K without a window runs the strided kernel where `strided_choice` says so (None), or
+    as `strided` pins it (tests compare the two kernels on the same case): its pieces take
+    every num_splits-th tile, so each piece's first block ids load together with the sequence
+    length, and its K/V tiles are double-buffered. The last of its pieces of each (sequence,
+    kv head) to finish merges them, instead of a second kernel, where the merger's registers
+    allow (group * num_splits * head_dim <= 4096 per warp). It counts finished pieces in a
+    per-device buffer that each merge leaves zeroed, so two such launches must not run
+    concurrently on different streams of one device; the buffer is allocated by the first
+    eager call, and a first use inside a CUDA graph capture falls back to the second kernel.
     """
     q = check_tensor("q", q, dtypes=MODEL_DTYPES, ndim=3, last_dim_contiguous=True)
     device = q.device
@@ -443,14 +420,13 @@ def paged_decode_attention(
                 else single_pass_tiles(num_seqs, geo.num_kv_heads, kv_cache.element_size())
             )
     tiles.check()
-    use_pdl = supports_pdl(device) and (PDL_DEFAULT if pdl is None else pdl)
     group = num_heads // geo.num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     merge_g, block_s = max(2, next_power_of_2(group)), max(2, next_power_of_2(num_splits))
     counters = (
         merge_counters(num_seqs, geo.num_kv_heads, group, num_splits, head_dim, tiles, device)
-        if use_strided and (FUSED_MERGE_DEFAULT if fused_merge is None else fused_merge)
+        if use_strided
         else None
     )
     if num_splits > 1:
@@ -471,7 +447,6 @@ def paged_decode_attention(
             FUSED_MERGE=counters is not None, MERGE_G=merge_g, BLOCK_S=block_s,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
-        use_pdl = False  # the strided kernel does not trigger the merge's launch early
     else:
         _decode_partial_kernel[(num_seqs, geo.num_kv_heads, num_splits)](
             q, kv_cache, tables, lens, ks, vs, out, part_out, part_lse,
@@ -482,11 +457,10 @@ def paged_decode_attention(
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, PAGE=geo.block_size, GROUP=group,
             BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_N=tiles.block_n, WINDOWED=window > 0, FP32_DOT=fp32_dot,
-            LAUNCH_DEPENDENTS=use_pdl and num_splits > 1,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
     if num_splits > 1 and counters is None:
-        merge_pieces(part_out, part_lse, out, use_pdl)
+        merge_pieces(part_out, part_lse, out)
     return out
 
 
@@ -520,9 +494,7 @@ def merge_counters(
     return completion_counters.counters(MERGE_COUNTERS, device, num_seqs * num_kv_heads)
 
 
-def merge_pieces(
-    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, pdl: bool = False
-) -> None:
+def merge_pieces(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
     """The second kernel of split-K: out [B, Hq, D] = the pieces weighted by their lse."""
     num_seqs, num_heads, num_splits, head_dim = part_out.shape
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -530,7 +502,6 @@ def merge_pieces(
         NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         BLOCK_S=max(2, next_power_of_2(num_splits)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)),
-        WAIT_PRIMARY=pdl, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
 
 

@@ -3,9 +3,8 @@ unfused step has three.
 
 After the qkv GEMV, a decode layer's attention is, unfused: the split-K reduce of the GEMV
 (kernels/decode_chain/gemv.py), RoPE + KV insert (kernels/attention/kv_insert.py), then the strided
-split-K decode with its fused merge (kernels/attention/paged_decode.py). At batch 1 these are short,
-latency-bound launches (~1 + 2.3 + 6 us on the H200, plus a gap before each). Here one kernel does
-all three:
+split-K decode with its fused merge (kernels/attention/paged_decode.py). At batch 1 these are
+three short, latency-bound launches with a gap before each. Here one kernel does all three:
 
 - each (sequence, kv head, piece) program sums the fp32 partials of its group's query heads in
   the reduce kernel's order, rounds them to the model dtype as the reduce stores them, rotates
@@ -44,7 +43,6 @@ from kernels.attention.paged_cache import (
     fp8_scales,
 )
 from kernels.attention.paged_decode import (
-    FUSED_MERGE_DEFAULT,
     INTERPRETER_TILES,
     LOG2E,
     MAX_SPLITS,
@@ -55,7 +53,6 @@ from kernels.attention.paged_decode import (
 )
 from kernels.runtime.pdl import chain_handoff
 from kernels.runtime.tensor_checks import (
-    CHAIN_PDL_DEFAULT,
     MODEL_DTYPES,
     check_shape,
     check_tensor,
@@ -261,7 +258,6 @@ def decode_from_qkv(
     is_neox: bool = True,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention output [B, num_heads, D] in `dtype` of B decode rows, from the qkv GEMV's
     fp32 split-K partials [split, B, (num_heads + 2 * kv_heads) * D] (kernels.decode_chain.gemv
@@ -270,8 +266,10 @@ def decode_from_qkv(
     rope_rows[row] is its row of cos_sin_cache ([rows, rotary_dim] = cos | sin).
 
     Same results as gemv's reduce to `dtype`, `kv_insert.insert_qkv` and
-    `paged_decode.paged_decode_attention(..., num_splits, strided=True)`, in one launch.
-    `pdl`: launched in the decode step's PDL chain (None = CHAIN_PDL_DEFAULT where supported).
+    `paged_decode.paged_decode_attention(..., num_splits, strided=True)`, in one launch,
+    launched in the decode step's PDL chain where the device supports it. Its pieces are
+    merged as that kernel merges them: by the last one to finish, or by the second kernel
+    where the merger's registers do not allow it (`paged_decode.merge_counters`).
     """
     part = check_tensor(
         "qkv_partials", qkv_partials, dtypes=(torch.float32,), ndim=3, contiguous=True
@@ -324,13 +322,9 @@ def decode_from_qkv(
         INTERPRETER_TILES if interpreting() else strided_tiles(head_dim, kv_cache.element_size())
     )
     group = num_heads // kv_heads
-    counters = (
-        merge_counters(num_seqs, kv_heads, group, num_splits, head_dim, tiles, device)
-        if FUSED_MERGE_DEFAULT
-        else None
-    )
+    counters = merge_counters(num_seqs, kv_heads, group, num_splits, head_dim, tiles, device)
     part_out, part_lse = piece_buffers(num_seqs, num_heads, num_splits, head_dim, device)
-    use_pdl = supports_pdl(device) and (CHAIN_PDL_DEFAULT if pdl is None else pdl)
+    use_pdl = supports_pdl(device)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     _decode_from_qkv_kernel[(num_seqs, kv_heads, num_splits)](
         part, kv_cache, tables, lens, slots, rows, table, ks, vs, out, part_out, part_lse,

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from kernels.layers.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
-from kernels.runtime import tensor_checks
 from kernels.runtime.pdl import chain_handoff
 from kernels.runtime.tensor_checks import (
     MODEL_DTYPES,
@@ -65,12 +64,11 @@ def embed_rmsnorm(
     eps: float,
     *,
     latest: torch.Tensor | None = None,
-    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, stream) [T, hidden] for ids [T] int64: stream = table[ids] and normed its
     RMSNorm times weight. With `latest` (int64 [R]), an id -(row + 1) reads latest[row] first.
     Ids and rows are not range-checked (a host sync): the runner checks them where they enter.
-    `pdl`: launch in the decode step's PDL chain (None = tensor_checks.CHAIN_PDL_DEFAULT)."""
+    Launched in the decode step's PDL chain where the device supports it."""
     ids = check_tensor("ids", ids, dtypes=(torch.int64,), ndim=1, contiguous=True)
     device = ids.device
     table = check_tensor(
@@ -89,7 +87,7 @@ def embed_rmsnorm(
     if num_rows == 0:
         return out, stream
     block = next_power_of_2(hidden)
-    use_pdl = supports_pdl(device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
+    use_pdl = supports_pdl(device)
     _embed_rmsnorm_kernel[(num_rows,)](
         ids, latest if latest is not None else ids, table, weight, stream, out, float(eps),
         hidden, table.stride(0), FED=latest is not None, BLOCK=block, PDL=use_pdl,

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from kernels.layers.rmsnorm import MAX_HIDDEN, add_rmsnorm_row, check_norm_inputs, norm_warps
-from kernels.runtime import tensor_checks
 from kernels.runtime.pdl import chain_handoff
 from kernels.runtime.tensor_checks import (
     check_tensor,
@@ -46,24 +45,23 @@ class GemvConfig:
     num_stages: int = 4
 
 
-# Best of the sweep in bench/gpu/kernels_check.py on the H200 (sum of CUDA-graph times at
-# batch 1 and 16, weights streamed from HBM), for the Llama-3-8B layer shapes (N, K). Other
-# shapes use `heuristic_config`, which reproduces the split factors found here.
+# Tiles swept on the H200 (CUDA-graph times at batch 1 and 16, weights streamed from HBM) for
+# the Llama-3-8B layer shapes (N, K). Other shapes use `heuristic_config`, which reproduces the
+# split factors found here.
 H200_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (4096, 4096): GemvConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4),
     (1024, 4096): GemvConfig(block_n=64, block_k=128, split_k=8, num_warps=4, num_stages=4),
     (14336, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4),
-    # The fused gate_up of the model, swept inside the 32-layer decode chain
-    # (bench/gpu/gemv_chain_sweep.py: -28 / -31 us a step at 1 / 16 rows vs (64, 128, 1, 4)).
+    # The fused gate_up of the model, swept inside the 32-layer decode chain rather than alone.
     (28672, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
     (4096, 14336): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4),
     (128256, 4096): GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=8, num_stages=4),
 }
 
-# One-row products on Hopper go to kernels/decode_chain/gemv_ws.py (weight loads ahead of the PDL
-# wait) with these tiles: (block_n, block_k, split, stages = num_stages), the work units spread
-# evenly over 132 programs. The LM head stays on the tensor-core kernel.
-GEMV_WS_DEFAULT = True
+# One-row products of these shapes on Hopper go to kernels/decode_chain/gemv_ws.py (weight loads
+# ahead of the PDL wait) with these tiles: (block_n, block_k, split, stages = num_stages), the
+# work units spread evenly over 132 programs. Every other product (more rows, other shapes, the
+# LM head, a caller's own config, a device without TMA) runs the tensor-core kernel.
 WS_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (6144, 4096): GemvConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=9),
     (4096, 4096): GemvConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=9),
@@ -198,7 +196,7 @@ def _split_k_norm_kernel(
 
 def heuristic_config(n: int, k: int, num_sms: int) -> GemvConfig:
     """Split K until the tiles about fill the SMs once and no split walks more than 32
-    K-steps, keeping at least 4 K-steps per split (the H200 sweep's optimum on 8B shapes)."""
+    K-steps, keeping at least 4 K-steps per split (the split factors of H200_CONFIGS)."""
     block_n, block_k = 64, 128
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
@@ -239,7 +237,6 @@ def _checked(
     weight: torch.Tensor,
     config: GemvConfig | None,
     gated: bool,
-    pdl: bool | None,
 ) -> _GemvLaunch:
     x = check_tensor("x", x, dtypes=WEIGHT_DTYPES, ndim=2, last_dim_contiguous=True)
     weight = check_tensor(
@@ -263,9 +260,9 @@ def _checked(
         raise ValueError(f"invalid gemv config {cfg}")
     if interpreting():
         cfg = GemvConfig(cfg.block_n, min(cfg.block_k, 64), cfg.split_k, cfg.num_warps, 1)
-    use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
-    ws_cfg = WS_CONFIGS.get((n, k)) if GEMV_WS_DEFAULT and config is None and x.is_cuda else None
-    if ws_cfg is not None and supports_pdl(x.device):  # sm_90+ (cached device lookup)
+    use_pdl = supports_pdl(x.device)  # in the decode step's PDL chain (kernels/runtime/pdl.py)
+    ws_cfg = WS_CONFIGS.get((n, k)) if config is None and x.is_cuda else None
+    if ws_cfg is not None and use_pdl:  # sm_90+ (cached device lookup)
         from kernels.decode_chain import gemv_ws  # Gluon, Hopper+: imported only where it can run
 
         if gemv_ws.supported(x, weight, k, ws_cfg.block_n, ws_cfg.block_k, ws_cfg.split_k):
@@ -312,7 +309,6 @@ def gemv(
     config: GemvConfig | None = None,
     *,
     gated: bool = False,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype.
 
@@ -321,9 +317,8 @@ def gemv(
     [M, K] intermediate and two elementwise launches fewer), rounded at the same points as
     `F.silu(gate) * up` in x's dtype.
 
-    pdl: launch as part of the decode step's PDL chain (Hopper+; None =
-    tensor_checks.CHAIN_PDL_DEFAULT)."""
-    g = _checked(x, weight, config, gated, pdl)
+    Launched in the decode step's PDL chain where the device supports it."""
+    g = _checked(x, weight, config, gated)
     m, n = g.x.shape[0], g.weight.shape[0]
     out = torch.empty(m, n, dtype=g.x.dtype, device=g.x.device)
     if g.split == 1:
@@ -342,13 +337,11 @@ def gemv_partials(
     x: torch.Tensor,
     weight: torch.Tensor,
     config: GemvConfig | None = None,
-    *,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
     """The product's fp32 split-K partials [split, M, N] (split 1: the whole accumulator), for
     a kernel that sums them itself in the reduce kernel's order and rounds as it rounds (the
     decode attention of kernels/decode_chain/decode_from_qkv.py)."""
-    return _partials(_checked(x, weight, config, False, pdl))
+    return _partials(_checked(x, weight, config, False))
 
 
 def gemv_add_rmsnorm(
@@ -360,7 +353,6 @@ def gemv_add_rmsnorm(
     config: GemvConfig | None = None,
     *,
     gated: bool = False,
-    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The product of `gemv`, added to the residual stream, then RMSNorm'd: returns (normed,
     stream) with stream = residual + x @ weight^T and normed = rmsnorm(stream) * norm_weight,
@@ -368,7 +360,7 @@ def gemv_add_rmsnorm(
     residual)`, in two launches instead of three: the split-K partials are summed by the
     norm's kernel (one program per row) rather than by a reduce kernel of their own. The
     decode step's o and down projections run this way (services/worker/accel/decode_chain.py)."""
-    g = _checked(x, weight, config, gated, pdl)
+    g = _checked(x, weight, config, gated)
     m, n = g.x.shape[0], g.weight.shape[0]
     checked, norm_weight = check_norm_inputs(g.x, (m, n), norm_weight, eps, residual)
     if checked is None:

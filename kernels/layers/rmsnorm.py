@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import tensor_checks
 from kernels.runtime.pdl import chain_handoff
 from kernels.runtime.tensor_checks import (
     MODEL_DTYPES,
@@ -124,11 +123,9 @@ def rmsnorm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    *,
-    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Normalize rows of x [T, hidden]; returns (normed, x + residual or None). `pdl`: launch
-    in the decode step's PDL chain (None = tensor_checks.CHAIN_PDL_DEFAULT)."""
+    """Normalize rows of x [T, hidden]; returns (normed, x + residual or None). Launched in the
+    decode step's PDL chain where the device supports it (kernels/runtime/pdl.py)."""
     x = check_tensor("x", x, dtypes=MODEL_DTYPES, ndim=2, last_dim_contiguous=True)
     num_rows, hidden = x.shape
     if not 0 < hidden <= MAX_HIDDEN:
@@ -139,7 +136,7 @@ def rmsnorm(
     if num_rows == 0:
         return out, residual_out
     block = next_power_of_2(hidden)
-    use_pdl = supports_pdl(x.device) and (tensor_checks.CHAIN_PDL_DEFAULT if pdl is None else pdl)
+    use_pdl = supports_pdl(x.device)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else out
     _rmsnorm_kernel[(num_rows,)](

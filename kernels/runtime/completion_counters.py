@@ -6,8 +6,7 @@ partial result, then counts itself done with an acq_rel atomic on its output til
 that brings the count to the number of pieces merges the partials and sets the counter back to zero
 for the next launch (or CUDA graph replay). The buffers live here, one per (kernel family, device),
 allocated zeroed and never freed. (The same trick for the decode GEMV's split-K reduce was
-measured on the H200 and dropped: no faster than its reduce launch inside a CUDA graph;
-bench/gpu/fused_reduce_h200.log.)
+tried and dropped: inside a CUDA graph it is no faster than the reduce launch.)
 
 Two launches sharing a buffer must not overlap: one stream at a time (a CUDA graph captured
 on another stream shares the buffer, which is fine as long as its replays do not run

@@ -111,9 +111,9 @@ class PackedCpuGpuBuffer:
     """Several per-step input arrays in one `CpuGpuBuffer` of bytes, uploaded with one copy.
 
     A decode step has five small inputs (token ids, positions, KV slots, sequence lengths,
-    block tables); five copies cost five DMA launches and the gaps between them (~3.5 us each
-    on the H200 at batch 1). Here each field is a typed view into one pinned host allocation
-    and one device allocation, laid out in the given order (each 16-byte aligned), and
+    block tables); five copies cost five DMA launches and the gaps between them, which at
+    batch 1 are a visible part of a step. Here each field is a typed view into one pinned host
+    allocation and one device allocation, laid out in the given order (each 16-byte aligned), and
     `copy_to_gpu(upto)` uploads the prefix of bytes that ends with the rows a step needs, so
     list the field whose size grows with the rows needed last. The buffer's fence rule holds
     for every field at once: `host()` waits for the copy still reading the host bytes.

@@ -103,8 +103,7 @@ def sm_count(device: torch.device) -> int:
 
 def _properties(device: torch.device) -> torch.cuda._CudaDeviceProperties:
     """The device's properties, looked up once: kernel launchers ask at every launch, and
-    torch's lookup costs ~12 us (~130 lookups in one 8192-token eager step on the H200,
-    bench/gpu/launch_cprofile_h200.log)."""
+    torch's lookup is slow enough to add up over the launches of an eager step."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _properties_of(index)
 
@@ -115,16 +114,5 @@ def _properties_of(index: int) -> torch.cuda._CudaDeviceProperties:
 
 
 def pdl_launch(use: bool) -> dict[str, bool]:
-    """Launch keywords of a kernel that takes part in a PDL chain (see CHAIN_PDL_DEFAULT)."""
+    """Launch keywords of a kernel that takes part in a PDL chain (kernels/runtime/pdl.py)."""
     return {"launch_pdl": True} if use else {}
-
-
-# The decode step's chain of RMSNorm, GEMV and split-K reduce kernels launched with
-# programmatic dependent launch: each such kernel waits for its predecessor's grid first
-# (griddepcontrol.wait, before reading anything), then lets its own successor be scheduled
-# (griddepcontrol.launch_dependents), so the next launch overlaps this one's run instead of
-# following its end. Waiting before triggering keeps at most one grid waiting ahead.
-# H200 (bench/gpu/pdl_chain.py): a 32-layer chain 1.02x faster at 1 row (~0.3 us a launch),
-# 1.01x at 16; the mesh at batch 1, alternating with it off in one call: 212.1 / 205.6 / 211.2
-# vs 205.6 / 203.5 / 203.9 tok/s.
-CHAIN_PDL_DEFAULT = True

@@ -34,8 +34,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _unpack_on_cpu(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """numpy's unpackbits: one single-threaded pass (the torch shift-and-mask above costs ~10x
-    more, and far more with intra-op threads on a busy CPU). Little-endian words as bytes,
+    """numpy's unpackbits: one single-threaded pass (the torch shift-and-mask above costs many
+    times more, and far more with intra-op threads on a busy CPU). Little-endian words as bytes,
     bits least significant first, are tokens in order."""
     words = bitmask.detach().to(torch.int32).numpy().astype("<i4", copy=False)
     bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little").view(np.bool_)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.runtime import completion_counters, tensor_checks
+from kernels.runtime import completion_counters
 from kernels.runtime.tensor_checks import (
     INDEX_DTYPES,
     MODEL_DTYPES,
@@ -408,7 +408,7 @@ def gumbel_argmax_triton(
     out = torch.empty(batch, dtype=torch.int64, device=device)
     counters = completion_counters.counters(COUNTERS, device, batch)
     # Programmatic dependent launch after the LM head GEMV (which lets its dependents start).
-    use_pdl = supports_pdl(device) and tensor_checks.CHAIN_PDL_DEFAULT
+    use_pdl = supports_pdl(device)
     _gumbel_argmax_kernel[(batch, num_chunks)](
         logits,
         logits.stride(0),

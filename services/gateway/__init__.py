@@ -2,11 +2,14 @@
 
 Reading order, one request top-down:
 - `api/`: the HTTP edge. `protocol_openai` (request bodies), `routes` (the endpoints, with
-  `auth`), `errors` (OpenAI's error body), `responses` (JSON bodies and SSE chunks),
-  `openapi_bodies` (what /openapi.json documents);
-- `plan/`: a raw body becomes a validated, tokenized `RequestPlan`: `request_plan` (with
-  `validation`, `tokenization`, `model_info`, `sampling_params`, `structured_outputs`) and
-  `grammar_client` (the grammar service, asked over the bus before anything is queued);
+  `auth`), `body_limits` (size and nesting bounds, before a body is parsed), `errors` (OpenAI's
+  error body), `responses` (JSON bodies and SSE chunks), `openapi_bodies` (what /openapi.json
+  documents);
+- `plan/`: a raw body becomes a validated, tokenized `RequestPlan`: `planner` (per endpoint,
+  run by `planning_pool`: inline for small bodies, in worker processes for large ones),
+  `request_plan` (with `validation`, `tokenization`, `model_info`, `sampling_params`,
+  `structured_outputs`) and `grammar_client` (the grammar service, asked before anything is
+  queued);
 - `stream/`: the plan on the bus and its answer: `bus_client` (submit, replies, aborts,
   backpressure, with `reply_dedup`), `generation` (one request in flight) and per choice
   `choice_assembler` (with `detokenizer`, `stop_strings`);

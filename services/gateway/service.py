@@ -9,18 +9,21 @@ then the API answers 503 and /ready says not ready.
 Ready means able to serve: besides its own checks, /ready needs at least one alive scheduler with
 a ready worker group for the served model (check `workers`, from the mesh view); while there is
 none, generation requests get 503 + Retry-After. Draining stops new requests (503) and waits for
-those in flight.
+those in flight; those still running when the drain's time is up end with a 503 error (body or
+SSE event, then [DONE]).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter
 
+from services.gateway.api.errors import OpenAIError
 from services.gateway.api.routes import openai_router
 from services.gateway.frontend import Frontend
 from services.gateway.mesh.groups import MeshView
@@ -33,6 +36,17 @@ from shared.config import GatewaySettings
 from shared.model.source import resolve_model
 from shared.rpc import RpcClient
 from shared.service import Service
+
+log = logging.getLogger(__name__)
+
+
+def shutting_down() -> OpenAIError:
+    return OpenAIError(
+        503,
+        "the gateway shut down before the request finished; retry it",
+        type_="service_unavailable",
+        code="shutting_down",
+    )
 
 
 class GatewayService(Service):
@@ -57,7 +71,12 @@ class GatewayService(Service):
         self.mesh_reader.start()
         tokenizer, model = await asyncio.to_thread(self._load_model)
         client = GatewayBusClient(
-            self.bus, self.streams, s.instance_id, max_pending=s.max_pending_requests
+            self.bus,
+            self.streams,
+            s.instance_id,
+            max_pending=s.max_pending_requests,
+            reply_stream_ttl_s=s.reply_stream_ttl_s,
+            refresh_interval_s=s.heartbeat_interval_s,
         )
         await client.start()
         self.rpc = RpcClient(
@@ -68,6 +87,7 @@ class GatewayService(Service):
         await self.rpc.start()
         grammars = GrammarClient(self.rpc, self.streams.calls("grammar"), s.grammar_timeout_s)
         self.frontend = Frontend(s, tokenizer, model, client, self.mesh, grammars)
+        self.frontend.planning.warm_up()
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings
@@ -79,13 +99,23 @@ class GatewayService(Service):
         await self.stopping.wait()
 
     async def drain(self) -> None:
-        if self.frontend is not None:
-            self.frontend.accepting = False
+        if self.frontend is None:
+            return
+        self.frontend.accepting = False
+        try:
             await self.frontend.client.wait_idle()
+        except asyncio.CancelledError:
+            # The drain's time (shutdown_timeout_s) is up. End what is still in flight with an
+            # error its client can read, an SSE error event and [DONE] or a 503 body, before the
+            # HTTP server stops and would cut those connections.
+            failed = self.frontend.client.fail_in_flight(shutting_down)
+            log.warning("drain timed out: %d request(s) in flight ended with a 503", failed)
+            raise
 
     async def close(self) -> None:
         if self.frontend is not None:
             await self.frontend.client.stop()
+            await self.frontend.close()
         if self.rpc is not None:
             await self.rpc.stop()
         if self.mesh_reader is not None:

@@ -2,9 +2,13 @@
 
 Invariants:
 - Every key this returns is in Redis, with the tokenizer info it needs, when the call returns:
-  the gateway puts the key on the bus right after, and a scheduler reads it from Redis. A
-  memory hit therefore refreshes the Redis entry's TTL and rewrites it when Redis lost it
-  (evicted, or Redis restarted empty).
+  the gateway puts the key on the bus right after, and a scheduler reads it from Redis. Every
+  path (memory hit, Redis hit, fresh compile) therefore refreshes the entry's TTL, rewrites it
+  when Redis lost it (evicted, or Redis restarted empty) and rewrites the tokenizer info when
+  that is gone; `keep_tokenizer` also re-publishes the tokenizer info within a beat of a Redis
+  restart, before any request asks.
+- A Redis command that meets a dead connection (a restarted Redis leaves every pooled one dead)
+  is retried on a fresh one for up to STORE_RETRY_S before the caller gets a 503.
 - One compilation per key at a time: concurrent requests for one spec share it (single
   flight), and a caller that goes away does not cancel it for the others.
 - A spec that failed is remembered (bounded) and refused at once, so a pathological spec sent
@@ -14,11 +18,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
@@ -27,6 +32,7 @@ from services.grammar.compiler_pool import CompilerPool
 from services.grammar.compiler_process import CompileError
 from services.grammar.grammar_spec import CompileJob, GrammarSpecError, compile_job, grammar_key
 from services.grammar.tokenizer_identity import TokenizerIdentity
+from shared.bus_retry import BusUnavailable, retry
 from shared.grammar_store import GrammarEntry, GrammarEntryError, GrammarKeys
 from shared.metrics import metric_name
 
@@ -49,6 +55,7 @@ COMPILE_FAILURES = Counter(
 )
 
 FAILURES_REMEMBERED = 1024
+STORE_RETRY_S = 3.0
 T = TypeVar("T")
 
 Source = Literal["memory", "redis", "compiled"]
@@ -103,7 +110,22 @@ class GrammarCache:
         return len(self._memory)
 
     async def publish_tokenizer(self) -> None:
-        await self.redis.set(self.keys.tokenizer(self.tokenizer.hash), self.tokenizer.info_json)
+        name, info = self.keys.tokenizer(self.tokenizer.hash), self.tokenizer.info_json
+        await self._redis(lambda: self.redis.set(name, info))
+
+    async def keep_tokenizer(self, stop: asyncio.Event, interval_s: float) -> None:
+        """Until `stop`: every `interval_s`, re-publish the tokenizer info if Redis lost it
+        (a restart without persistence), so schedulers can load grammars again at once."""
+        name = self.keys.tokenizer(self.tokenizer.hash)
+        while not stop.is_set():
+            try:
+                if not await self._redis(lambda: self.redis.exists(name)):
+                    await self.publish_tokenizer()
+                    log.info("tokenizer info re-published (Redis had lost it)")
+            except GrammarStoreUnavailable as exc:
+                log.warning("tokenizer info not checked: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
 
     async def get(self, kind: str, spec: str) -> GrammarInfo:
         """The key of (kind, spec) compiled for the served tokenizer, stored in Redis.
@@ -131,7 +153,7 @@ class GrammarCache:
         return await asyncio.shield(task)
 
     async def _load_or_compile(self, key: str, kind: str, job: CompileJob) -> GrammarInfo:
-        stored = await self._redis(self.redis.get(self.keys.grammar(key)))
+        stored = await self._redis(lambda: self.redis.get(self.keys.grammar(key)))
         if isinstance(stored, str):  # a client built with decode_responses
             stored = stored.encode()
         if stored is not None:
@@ -156,8 +178,8 @@ class GrammarCache:
         entry = GrammarEntry(
             kind, compiled.serialized, self.tokenizer.hash, self.tokenizer.xgrammar_version
         )
-        await self._redis(self.redis.set(self.keys.grammar(key), entry.encode(), ex=self.ttl_s))
         self._remember(key, entry)
+        await self._ensure_stored(key, entry, written=False)
         return GrammarInfo(key, kind, "compiled", len(entry.compiled), compiled.seconds)
 
     def _usable(self, raw: bytes) -> GrammarEntry | None:
@@ -185,22 +207,28 @@ class GrammarCache:
             self._failures.popitem(last=False)
         raise GrammarRefused(message)
 
-    async def _ensure_stored(self, key: str, entry: GrammarEntry) -> None:
-        """Refresh the TTL; rewrite the entry (and the tokenizer info) if Redis lost them."""
+    async def _ensure_stored(self, key: str, entry: GrammarEntry, written: bool = True) -> None:
+        """Refresh the TTL; rewrite the entry (and the tokenizer info) if Redis lost them.
+        `written=False`: the entry is new, write it."""
         grammar_key_name = self.keys.grammar(key)
         tokenizer_key_name = self.keys.tokenizer(self.tokenizer.hash)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.expire(grammar_key_name, self.ttl_s)
-        pipe.exists(tokenizer_key_name)
-        grammar_present, tokenizer_present = await self._redis(pipe.execute())
-        if not grammar_present:
-            await self._redis(self.redis.set(grammar_key_name, entry.encode(), ex=self.ttl_s))
+
+        async def check() -> list[Any]:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.expire(grammar_key_name, self.ttl_s)
+            pipe.exists(tokenizer_key_name)
+            return await pipe.execute()
+
+        grammar_present, tokenizer_present = await self._redis(check)
+        if not (written and grammar_present):
+            data = entry.encode()
+            await self._redis(lambda: self.redis.set(grammar_key_name, data, ex=self.ttl_s))
         if not tokenizer_present:
-            await self._redis(self.publish_tokenizer())
+            await self.publish_tokenizer()
 
     @staticmethod
-    async def _redis(awaitable: Awaitable[T]) -> T:
+    async def _redis(op: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await awaitable
-        except (RedisError, OSError) as exc:
+            return await retry("grammar cache", op, STORE_RETRY_S)
+        except (BusUnavailable, RedisError, OSError) as exc:
             raise GrammarStoreUnavailable(f"Redis is unreachable: {exc}") from None

@@ -3,10 +3,12 @@
 Start-up: the HTTP app answers /health at once; `start()` connects Redis, loads the served
 model's tokenizer as an xgrammar TokenizerInfo (off the event loop, seconds), publishes it to
 Redis for the schedulers, starts the compiler processes, and only then opens its `calls`
-stream (/ready says 503 until then). The gateway calls `CompileGrammar` over the bus (calls.py)
-before queuing a request and puts the returned key on the bus; schedulers load the compiled
-grammar from Redis by that key and run the matcher in-process, so nothing here is on the
-per-token path. Replicas share the calls stream through one consumer group.
+stream (/ready says 503 until then). `run()` serves the calls and keeps the TokenizerInfo
+in Redis: it is published again whenever Redis loses it (every compile answer makes sure of
+it too). The gateway calls `CompileGrammar` over the bus (calls.py) before queuing a request
+and puts the returned key on the bus; schedulers load the compiled grammar from Redis by
+that key and run the matcher in-process, so nothing here is on the per-token path. Replicas
+share the calls stream through one consumer group.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class GrammarService(Service):
         self.rpc = rpc  # calls are accepted from now on: ready
 
     async def run(self) -> None:
-        assert self.rpc is not None, "start() sets it"
-        await self.rpc.run(self.stopping)
+        assert self.rpc is not None and self.cache is not None, "start() sets them"
+        keep = self.cache.keep_tokenizer(self.stopping, self.settings.heartbeat_interval_s)
+        await asyncio.gather(self.rpc.run(self.stopping), keep)
 
     async def close(self) -> None:
         if self.pool is not None:

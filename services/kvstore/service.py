@@ -30,6 +30,7 @@ from services.kvstore.calls import OffloadCalls
 from services.kvstore.offload_tier import OffloadTier
 from services.kvstore.policy import load_policy
 from services.kvstore.redis_index import RedisOffloadIndex
+from shared.bus_retry import retry
 from shared.config import KVStoreSettings
 from shared.rpc import RpcServer
 from shared.service import Service
@@ -54,12 +55,13 @@ class KVStoreService(Service):
         policy = load_policy(s.policy, s.capacity_bytes)
         index = RedisOffloadIndex(self.bus.redis, s.cluster)
         recovered, dropped = 0, []
-        for chunk in await index.scan_meta():
+        # However long Redis takes: a kvstore that exits for an outage helps nobody.
+        for chunk in await retry("kvstore recovery", index.scan_meta, None):
             if policy.restore(chunk.payload_key, chunk.nbytes):
                 recovered += 1
             else:
                 dropped.append(chunk.payload_key)  # over the (possibly smaller) capacity now
-        await index.delete(dropped)
+        await retry("kvstore recovery", lambda: index.delete(dropped), None)
         calls = OffloadCalls(OffloadTier(policy), index, s.cluster, recovered)
         rpc = RpcServer(
             self.bus,

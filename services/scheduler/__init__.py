@@ -9,6 +9,9 @@ Reading order:
 - `spec/` (lookahead slots, draft bookkeeping), `structured_output/` (grammar matchers run
   in-process), `offload/` (the KV offload tier: pure `connector` and its I/O `edge`, with the
   kvstore client), `pd/` (prefill/decode disaggregation, pure core and `edge`);
-- `service`: the bus edge around all of it. Only `service`, `offload/edge`, `pd/edge`,
-  `offload/kvstore_client` and `structured_output/grammar_loader` do I/O.
+- `submit_check` (what a SubmitRequest may not carry), `gateway_watch` (whose gateway is
+  gone), both pure; `intake` (the requests held, from bus entry to ack, poison dead-lettered)
+  and `service` (the worker and the step loop): the bus edge around all of it. Only `service`,
+  `intake`, `offload/edge`, `pd/edge`, `offload/kvstore_client` and
+  `structured_output/grammar_loader` do I/O.
 """

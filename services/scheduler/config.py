@@ -24,6 +24,9 @@ class SchedulerConfig(BaseModel):
     max_model_len: int = Field(default=2048, ge=1)  # prompt + output tokens at most
     enable_prefix_caching: bool = True
     eos_token_ids: list[int] = Field(default_factory=list)
+    # The model's vocabulary (WorkerReady): a request with a token id outside it is refused.
+    # 0 = unknown (only negative ids are refused).
+    vocab_size: int = Field(default=0, ge=0)
     # A request whose steps failed this many times finishes with "error" instead of recomputing
     # forever (a request that crashes the worker would otherwise loop).
     max_step_failures: int = Field(default=3, ge=1)
@@ -66,6 +69,7 @@ class SchedulerConfig(BaseModel):
             max_model_len=max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
             eos_token_ids=list(ready.eos_token_ids),
+            vocab_size=ready.vocab_size,
             num_spec_tokens=settings.spec_tokens if settings.spec_method else 0,
             kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
             reasoning=ReasoningConfig(

@@ -34,6 +34,7 @@ from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapsh
 from services.scheduler.spec import SpecDecoding
 from services.scheduler.stop import check_stop
 from services.scheduler.structured_output import StructuredOutputManager
+from services.scheduler.submit_check import token_ids_error
 from services.scheduler.trusted_message import TrustedBuilder
 from shared.protocol import (
     CachedRequestData,
@@ -563,6 +564,8 @@ class Scheduler:
 
     def _admission_error(self, msg: SubmitRequest) -> str | None:
         if error := prompt_start_error(msg):
+            return error
+        if error := token_ids_error(msg, self.config.vocab_size):
             return error
         prompt_len = len(msg.prompt_token_ids)
         max_len = self.config.max_model_len

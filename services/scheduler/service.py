@@ -1,21 +1,24 @@
 """The scheduler service: the bus edge around the scheduler core.
 
 Tasks, all in one event loop:
-- intake: SubmitRequests from the shared `requests` stream through the consumer group
-  `schedulers` (data-parallel scheduler replicas split them). An entry is acknowledged only when
-  its request finished, so a scheduler that dies leaves its requests pending: its restart (same
-  consumer name) re-reads them with `own_pending`, or another replica claims them once idle.
-  While a request lives here, its entry is re-claimed to this consumer every few seconds so a
-  long generation is never mistaken for a dead consumer's.
-- aborts: the fan-out `aborts` stream (every replica sees every abort; unknown ids are kept in
-  a bounded set in case the abort overtakes its request).
+- intake (intake.py): SubmitRequests from the shared `requests` stream through the consumer
+  group `schedulers` (data-parallel scheduler replicas split them), read only while the group's
+  worker is alive (a group still loading its model takes nothing), acked only when finished;
+  claims of a dead scheduler's entries; aborts, and the requests of gateways gone silent;
+  poison entries dead-lettered without stopping anything.
 - worker watch: WorkerReady announcements on the group's `control` stream. A new incarnation
   means the worker restarted empty: every running request is recomputed. Silence longer than
-  `worker_timeout_s` means it died.
+  `worker_timeout_s` means it died (or Redis is away, which looks the same from here): the
+  requests are recomputed, and a new plan epoch tells a worker that was only unreachable to
+  drop its batch too.
 - step loop: schedule -> publish StepPlan -> await the StepResult with the same step id ->
   update -> publish TokenDelta batches -> ack finished requests. A step's TokenDeltas go out
   in the same pipelined round trip as the next plan (one write and one wake-up of Redis a
   step, not two), or alone when no plan follows.
+
+Redis outages: every loop waits for Redis (reads and writes retry however long it is away), so
+the scheduler never exits for it; /ready says 503 meanwhile and 200 once Redis and the worker's
+announcements are back, and the requests it holds go on from where the core has them.
 
 Prefill/decode disaggregation (services/scheduler/pd, SchedulerSettings.role): a "prefill"
 scheduler runs prefill jobs (services/scheduler/pd/edge.py) and acks a request once it handed it
@@ -29,38 +32,27 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.intake import Intake, ReplyExpiry, send
 from services.scheduler.offload.edge import OffloadEdge
 from services.scheduler.pd.edge import PrefillEdge
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_output import SchedulerOutput
 from services.scheduler.spec.metrics import SPEC_METRICS
-from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
+from services.scheduler.structured_output.grammar_loader import GrammarLoader
 from shared.bus import Delivery
 from shared.config import SchedulerSettings
 from shared.grammar_store import GrammarKeys
 from shared.metrics import metric_name
-from shared.protocol import (
-    AbortRequest,
-    KVTransferDone,
-    RequestDelta,
-    StepPlan,
-    StepResult,
-    SubmitRequest,
-    TokenDelta,
-    WorkerReady,
-)
+from shared.protocol import KVTransferDone, StepPlan, StepResult, TokenDelta, WorkerReady
 from shared.service import Service
-from shared.streams import DECODE_GROUP, SCHEDULER_GROUP
-
-if TYPE_CHECKING:
-    from xgrammar import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +72,8 @@ OVERHEAD_SECONDS = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
 
-ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
-CLAIM_REFRESH_S = 2.0
 METRICS_INTERVAL_S = 0.1  # gauges while stepping; always when the loop goes idle
+FIRST = asyncio.FIRST_COMPLETED
 
 
 @dataclass
@@ -103,13 +94,7 @@ class SchedulerService(Service):
         self.core: Scheduler | None = None
         self.worker: WorkerReady | None = None
         self.worker_seen_at = 0.0
-        # request id -> (its submit message, its bus entry), for acks and rebuilds
-        self.inflight: dict[str, tuple[SubmitRequest, Delivery]] = {}
-        # Compiled grammars of the structured-output requests in `inflight`, loaded at intake.
-        self.grammars: dict[str, CompiledGrammar] = {}
-        self.grammar_loader: GrammarLoader | None = None
-        self.backlog: list[SubmitRequest] = []  # arrived before any worker announced itself
-        self.aborted: OrderedDict[str, None] = OrderedDict()
+        self.intake: Intake  # made in start(), with the bus
         self.wakeup = asyncio.Event()
         # Result futures of published plans; a new worker incarnation resolves them with None.
         self.results: dict[int, asyncio.Future[StepResult | None]] = {}
@@ -118,17 +103,18 @@ class SchedulerService(Service):
         self.finished: list[Delivery] = []  # acked after the outbox is out
         self.metrics_at = 0.0
         self.steps_run = 0
+        self.epoch = 0  # bumped whenever the worker must drop its batch (_reset_worker)
         # KV offload tier: the kvstore edge (services/scheduler/offload/edge.py), if switched on.
         self.offload: OffloadEdge | None = (
             OffloadEdge(settings, self.wakeup.set) if settings.kv_offload else None
         )
-        # Where requests come from: the gateway's stream, or prefill groups' handoffs.
-        decode = settings.role == "decode"
-        self.intake_stream = self.streams.handoff if decode else self.streams.requests
-        self.intake_group = DECODE_GROUP if decode else SCHEDULER_GROUP
         self.pd: PrefillEdge | None = (
             PrefillEdge(settings, self.offload) if settings.role == "prefill" else None
         )
+
+    def vocab_size(self) -> int:
+        """The worker's vocabulary (0 before it announced itself); intake checks ids by it."""
+        return self.worker.vocab_size if self.worker else 0
 
     @property
     def worker_timeout_s(self) -> float:
@@ -138,26 +124,27 @@ class SchedulerService(Service):
 
     async def start(self) -> None:
         await super().start()
-        await self.bus.ensure_group(self.intake_stream, self.intake_group)
-        self.grammar_loader = GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster))
+        self.intake = Intake(self.bus, self.streams, self.settings, self, self.pd)
+        self.replies = ReplyExpiry.of(self.streams, self.settings)
+        await self.intake.start(GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster)))
         if self.offload is not None:
             await self.offload.start(self.bus, self.streams)
 
     async def run(self) -> None:
-        tasks = [
-            asyncio.create_task(coro, name=coro.__name__)
-            for coro in (
-                self._intake(),
-                self._aborts(),
-                self._watch_worker(),
-                self._results(),
-                self._keep_claims(),
-                self._step_loop(),
-            )
-        ]
+        intake, stopping = self.intake, self.stopping
+        loops: dict[str, Coroutine[Any, Any, None]] = {
+            "intake": intake.read_requests(stopping),
+            "aborts": intake.read_aborts(stopping),
+            "claims": intake.keep_claims(stopping),
+            "gateways": intake.watch_gateways(stopping),
+            "worker": self._watch_worker(),
+            "results": self._results(),
+            "steps": self._step_loop(),
+        }
         if self.offload is not None:
-            tasks.append(asyncio.create_task(self.offload.run(self.stopping), name="kv-offload"))
-        stop = asyncio.create_task(self.stopping.wait())
+            loops["kv-offload"] = self.offload.run(stopping)
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in loops.items()]
+        stop: asyncio.Task[Any] = asyncio.create_task(stopping.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
             task.cancel()
@@ -177,163 +164,31 @@ class SchedulerService(Service):
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:
         ready, info = await super().check_ready()
-        worker_ok = self._worker_alive()
+        worker_ok = self.worker_alive()
         info["checks"]["worker"] = "ok" if worker_ok else "no worker announced"
         return ready and worker_ok, info
 
     def state(self) -> dict[str, Any]:
         core = self.core
+        intake: Intake | None = getattr(self, "intake", None)  # made in start()
         return {
             **super().state(),
             "worker": self.worker.model_dump() if self.worker else None,
-            "worker_alive": self._worker_alive(),
+            "worker_alive": self.worker_alive(),
             "scheduler": asdict(core.snapshot()) if core else None,
             "running_request_ids": [r.request_id for r in core.running] if core else [],
             "waiting_request_ids": [r.request_id for r in core.waiting] if core else [],
-            "inflight_entries": len(self.inflight),
+            "inflight_entries": len(intake.inflight) if intake else 0,
+            "orphans_aborted": intake.num_orphans_aborted if intake else 0,
             "kv_offload": self.offload.state() if self.offload else None,
             "role": self.settings.role,
             "prefill": self.pd.state() if self.pd else None,
             "steps_run": self.steps_run,
         }
 
-    # --- intake ------------------------------------------------------------------------------
-
-    async def _intake(self) -> None:
-        """Own pending entries first (a restart with the same consumer name), then new ones."""
-        own = await self.bus.read_group(
-            self.intake_group, [self.intake_stream], count=1000, own_pending=True
-        )
-        await self._accept(own)
-        while not self.stopping.is_set():
-            deliveries = await self.bus.read_group(
-                self.intake_group, [self.intake_stream], count=256, block_ms=1000
-            )
-            await self._accept(deliveries)
-
-    async def _accept(self, deliveries: list[Delivery]) -> None:
-        rejected: list[tuple[str, RequestDelta]] = []
-        done: list[Delivery] = []
-        for delivery in deliveries:
-            msg = delivery.message
-            if not isinstance(msg, SubmitRequest):
-                log.warning("unexpected %s on the requests stream", msg.TYPE)
-                done.append(delivery)
-                continue
-            if msg.request_id in self.aborted:
-                self.aborted.pop(msg.request_id)
-                done.append(delivery)
-                continue
-            if msg.request_id in self.inflight:
-                continue  # redelivered while we hold it
-            if self.pd is not None:  # prefill role: the core runs the request's prefill job
-                job = self.pd.intake(msg)
-                if job is None:  # nothing to prefill here: straight to a decode scheduler
-                    await self.bus.publish(self.streams.handoff, msg)
-                    done.append(delivery)
-                    continue
-                msg = job
-            if msg.grammar is not None:
-                error = await self._load_grammar(msg)
-                if msg.request_id in self.inflight:
-                    continue  # taken by a concurrent intake (a claim) while it loaded
-                if msg.request_id in self.aborted:  # aborted while it loaded
-                    self.aborted.pop(msg.request_id)
-                    self.grammars.pop(msg.request_id, None)
-                    done.append(delivery)
-                    continue
-                if error is not None:
-                    rejected.append((msg.reply_stream, error))
-                    done.append(delivery)
-                    continue
-            self.inflight[msg.request_id] = (msg, delivery)
-            if self.core is None:
-                self.backlog.append(msg)
-                continue
-            delta = self.core.add_request(msg, self.grammars.get(msg.request_id))
-            if delta is not None:
-                rejected.append((msg.reply_stream, delta))
-                done.append(self._forget(msg.request_id)[1])
-        if rejected:
-            await self._publish_deltas(rejected)
-        if done:
-            await self.bus.ack(self.intake_group, done)
-        self.wakeup.set()
-
-    async def _load_grammar(self, msg: SubmitRequest) -> RequestDelta | None:
-        """Load the request's compiled grammar before the core sees it (the core never waits
-        on I/O); an "error" delta when it cannot be loaded."""
-        assert msg.grammar is not None and self.grammar_loader is not None
-        try:
-            self.grammars[msg.request_id] = await self.grammar_loader.load(msg.grammar.key)
-        except GrammarUnavailable as exc:
-            log.warning("structured output refused: %s", exc, extra={"request_id": msg.request_id})
-            return RequestDelta(
-                request_id=msg.request_id, start_index=0, finish_reason="error", error=str(exc)
-            )
-        return None
-
-    def _forget(self, request_id: str) -> tuple[SubmitRequest, Delivery]:
-        """Drop a request we no longer hold (finished, rejected, aborted)."""
-        self.grammars.pop(request_id, None)
-        if self.pd is not None:
-            self.pd.forget(request_id)
-        return self.inflight.pop(request_id)
-
-    async def _aborts(self) -> None:
-        last = {self.streams.aborts: "$"}
-        while not self.stopping.is_set():
-            for delivery in await self.bus.read(last, count=256, block_ms=1000):
-                msg = delivery.message
-                if isinstance(msg, AbortRequest):
-                    await self._abort(msg.request_id)
-
-    async def _abort(self, request_id: str) -> None:
-        entry = self.inflight.get(request_id)
-        if entry is None:
-            self.aborted[request_id] = None
-            while len(self.aborted) > ABORTED_MEMORY:
-                self.aborted.popitem(last=False)
-            return
-        submit, delivery = entry
-        delta = self.core.abort_request(request_id) if self.core else None
-        if self.core is None:
-            self.backlog = [m for m in self.backlog if m.request_id != request_id]
-        if delta is None:
-            delta = RequestDelta(request_id=request_id, start_index=0, finish_reason="abort")
-        await self._publish_deltas([(submit.reply_stream, delta)])
-        self._forget(request_id)
-        await self.bus.ack(self.intake_group, [delivery])
-        log.info("aborted", extra={"request_id": request_id})
-        self.wakeup.set()
-
-    async def _keep_claims(self) -> None:
-        """Refresh the idle time of entries we hold (so nobody claims a live scheduler's
-        requests) and take over entries idle past `claim_idle_ms` (a dead scheduler's)."""
-        redis = self.bus.redis
-        while not self.stopping.is_set():
-            await asyncio.sleep(CLAIM_REFRESH_S)
-            ids = [d.entry_id for _, d in self.inflight.values()]
-            if ids:
-                with contextlib.suppress(Exception):
-                    await redis.xclaim(
-                        self.intake_stream,
-                        self.intake_group,
-                        self.bus.consumer,
-                        0,
-                        ids,
-                        justid=True,
-                    )
-            claimed = await self.bus.claim_idle(
-                self.intake_stream, self.intake_group, self.settings.claim_idle_ms
-            )
-            if claimed:
-                log.info("claimed %d requests of a dead scheduler", len(claimed))
-                await self._accept(claimed)
-
     # --- the worker --------------------------------------------------------------------------
 
-    def _worker_alive(self) -> bool:
+    def worker_alive(self) -> bool:
         return (
             self.worker is not None
             and time.monotonic() - self.worker_seen_at < self.worker_timeout_s
@@ -363,11 +218,20 @@ class SchedulerService(Service):
         config = SchedulerConfig.from_worker(self.settings, ready)
         if self.core is None or self.core.config != config:
             self._rebuild_core(config)
-        self.core.reset_worker_state(ready.incarnation)  # type: ignore[union-attr]
+        self._reset_worker(ready.incarnation)
         for future in self.results.values():  # every plan in flight was for the old worker
             if not future.done():
                 future.set_result(None)
         self.wakeup.set()
+
+    def _reset_worker(self, incarnation: str) -> None:
+        """The core forgets what the worker holds (every request recomputes) and a new epoch
+        begins: plans carry it in `scheduler_incarnation`, so a worker that is in fact alive
+        with the old batch (it was only silent: a Redis outage) drops that batch too, instead
+        of keeping rows the core no longer knows about."""
+        assert self.core is not None
+        self.core.reset_worker_state(incarnation)
+        self.epoch += 1
 
     def _rebuild_core(self, config: SchedulerConfig) -> None:
         """A first worker, or one of another shape: start a core and (re)queue every request
@@ -375,13 +239,17 @@ class SchedulerService(Service):
         if self.core is not None:
             log.warning("worker capacity changed: requests restart on the new KV cache")
         self.core = Scheduler(config, self.settings.instance_id)
+        self.epoch += 1  # its step ids start again
         if self.pd is not None:
             self.pd.attach(self.core)
         if self.offload is not None and self.worker is not None:
             self.offload.attach(self.core, self.worker, self.incarnation)
-        self.backlog = []
-        for submit, _ in list(self.inflight.values()):
-            self.core.add_request(submit, self.grammars.get(submit.request_id))
+        self.intake.backlog = []
+        for submit, _ in list(self.intake.inflight.values()):
+            delta = self.core.add_request(submit, self.intake.grammars.get(submit.request_id))
+            if delta is not None:  # refused by the new core (e.g. a token id past its vocab)
+                self.outbox.append((submit.reply_stream, self.intake.token_delta([delta])))
+                self.finished.append(self.intake.forget(submit.request_id)[1])
 
     async def _results(self) -> None:
         last = {self.streams.results(self.settings.group): "$"}
@@ -413,7 +281,7 @@ class SchedulerService(Service):
         last_result = time.perf_counter()
         while not self.stopping.is_set():
             core = self.core
-            if core is None or not self._worker_alive():
+            if core is None or not self.worker_alive():
                 self._abandon(pending)
                 await self._flush()
                 await self._wait(self.wakeup, 0.5)
@@ -432,7 +300,7 @@ class SchedulerService(Service):
                 if plan is None:
                     break
                 plan.worker_incarnation = core.worker_incarnation
-                plan.scheduler_incarnation = self.incarnation
+                plan.scheduler_incarnation = f"{self.incarnation}.{self.epoch}"
                 pending.append(await self._publish(plan))
             await self._flush()  # deltas no plan carried (nothing more to schedule now)
             if not pending:
@@ -440,7 +308,7 @@ class SchedulerService(Service):
                 await self._wait(self.wakeup, 0.5)
                 continue
             step = pending.popleft()
-            result = await self._await_result(step)
+            result = await self._await_result(step, pending)
             if result is None:  # worker gone or replaced; its requests were reset
                 self._abandon(pending)
                 continue
@@ -451,7 +319,7 @@ class SchedulerService(Service):
                 # The worker dropped its whole batch after the failure (its state may be
                 # half-applied): every request it held is sent again as new, and a plan
                 # made ahead of the failure is void.
-                core.reset_worker_state(core.worker_incarnation)
+                self._reset_worker(core.worker_incarnation)
                 self._abandon(pending)
             self._finish_step(out)
             self.steps_run += 1
@@ -472,7 +340,9 @@ class SchedulerService(Service):
         future: asyncio.Future[StepResult | None] = asyncio.get_running_loop().create_future()
         self.results[plan.step_id] = future  # registered first: a worker change resolves it
         outbox, self.outbox = self.outbox, []
-        await self.bus.publish_many([*outbox, (self.streams.steps(self.settings.group), plan)])
+        await send(
+            self.bus, [*outbox, (self.streams.steps(self.settings.group), plan)], self.replies
+        )
         await self._ack_finished()
         return _InFlight(plan, future, time.perf_counter())
 
@@ -480,7 +350,7 @@ class SchedulerService(Service):
         """Send the outbox alone (no plan follows it now)."""
         if self.outbox:
             outbox, self.outbox = self.outbox, []
-            await self.bus.publish_many(list(outbox))
+            await send(self.bus, outbox, self.replies)
         await self._ack_finished()
 
     async def _ack_finished(self) -> None:
@@ -488,7 +358,7 @@ class SchedulerService(Service):
         its request's effect is durable)."""
         if self.finished:
             finished, self.finished = self.finished, []
-            await self.bus.ack(self.intake_group, finished)
+            await self.bus.ack(self.intake.group, finished)
 
     def _abandon(self, pending: deque[_InFlight]) -> None:
         """Forget plans made ahead whose results no longer matter (the core was reset)."""
@@ -496,21 +366,29 @@ class SchedulerService(Service):
             self.results.pop(step.plan.step_id, None)
         pending.clear()
 
-    async def _await_result(self, step: _InFlight) -> StepResult | None:
+    async def _await_result(self, step: _InFlight, later: deque[_InFlight]) -> StepResult | None:
         """The step's result; None when its worker died (silent past the step timeout, or
-        gone quiet) or was replaced (_on_worker resolves the future with None and has already
-        reset the core)."""
+        gone quiet), was replaced (_on_worker resolves the future with None and has already
+        reset the core), or answered a `later` step first (this plan was lost)."""
         plan, future = step.plan, step.future
         deadline = time.monotonic() + self.settings.step_timeout_s
         try:
             while not future.done():
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._worker_alive():
+                if remaining <= 0 or not self.worker_alive():
                     log.error("step %d: worker silent; recomputing its requests", plan.step_id)
-                    self.core.reset_worker_state("")  # type: ignore[union-attr]
+                    self._reset_worker("")
                     self.worker = None
                     return None
-                await asyncio.wait([future], timeout=min(remaining, 1.0))
+                if any(s.future.done() for s in later):
+                    # The worker answers in step order: a later step's result first means this
+                    # plan never reached it (Redis restarted empty between the two writes).
+                    log.error("step %d was lost; recomputing its requests", plan.step_id)
+                    self._reset_worker(plan.worker_incarnation)
+                    return None
+                # This step's result or a later one's, whichever comes first.
+                waits = [future, *(s.future for s in later)]
+                await asyncio.wait(waits, timeout=min(remaining, 1.0), return_when=FIRST)
             result = future.result()
             if result is None or result.worker_incarnation != plan.worker_incarnation:
                 return None
@@ -523,8 +401,8 @@ class SchedulerService(Service):
         if out.deltas:
             self.outbox.extend(out.token_deltas(self.settings.instance_id))
         for rid in out.finished_request_ids:
-            if rid in self.inflight:
-                self.finished.append(self._forget(rid)[1])
+            if rid in self.intake.inflight:
+                self.finished.append(self.intake.forget(rid)[1])
 
     async def _hand_off(self, core: Scheduler) -> None:
         """Prefill role: publish the requests whose prompt KV is stored to the decode side,
@@ -533,21 +411,11 @@ class SchedulerService(Service):
         handoffs = self.pd.take_handoffs(core)
         if not handoffs:
             return
-        await self.bus.publish_many([(self.streams.handoff, msg) for msg in handoffs])
-        acked = [self._forget(m.request_id)[1] for m in handoffs if m.request_id in self.inflight]
-        await self.bus.ack(self.intake_group, acked)
+        await send(self.bus, [(self.streams.handoff, msg) for msg in handoffs], self.replies)
+        held = self.intake.inflight
+        acked = [self.intake.forget(m.request_id)[1] for m in handoffs if m.request_id in held]
+        await self.bus.ack(self.intake.group, acked)
         log.info("handed off %d requests to decode", len(handoffs))
-
-    async def _publish_deltas(self, deltas: list[tuple[str, RequestDelta]]) -> None:
-        by_stream: dict[str, list[RequestDelta]] = {}
-        for stream, delta in deltas:
-            by_stream.setdefault(stream, []).append(delta)
-        await self.bus.publish_many(
-            [
-                (stream, TokenDelta(scheduler_id=self.settings.instance_id, deltas=items))
-                for stream, items in by_stream.items()
-            ]
-        )
 
     @staticmethod
     async def _wait(event: asyncio.Event, timeout: float) -> None:

@@ -6,14 +6,16 @@ Reading order:
   overlapped steps), `kv_cache` (the paged KV tensors), `routed_experts`, `bootstrap`
   (settings -> a ready runner), `step_thread`, `step_timeline` (and its offline reader
   `step_timeline_report`; `kernel_trace` reads a profiled run's kernels);
-- `models/`: the model families, each layer's implementation chosen at load time; `loader/`
-  (safetensors and GGUF -> our parameters);
+- `models/`: the model families, built from `layer_impls` (which implementation each Linear,
+  RMSNorm and gated MLP runs: the reference, or the Triton layers of accel/cuda_layers), chosen
+  by `loader/` per device (safetensors and GGUF -> our parameters);
 - `attention/`: `select` is the one entry point that says which attention runs on each device
   (`reference` on CPU, the C++ decode kernel, the Triton kernels in kernels/attention on CUDA,
   `dense_prefill`), with `groups` (metadata per KV cache group) and `bound` (an opaque op for
   compiled CPU forwards);
-- `accel/`: what runs faster where it can: `cuda_layers` and `decode_chain` (Triton layers
-  and the fused decode chain on CUDA), `cuda_graphs`, `cpu_compile` (inductor on CPU);
+- `accel/`: what runs faster where it can: `cuda_layers` (the Triton layers, `TRITON`) and
+  `decode_chain` (the fused decode forward a Llama model holds on CUDA), `cuda_graphs`,
+  `cpu_compile` (inductor on CPU);
 - `sampling/` (per-row state and the Gumbel-max draw; its maths in kernels/sampling), `spec/`
   (drafters and verification), `kv_offload/` (KV blocks <-> the Redis tier).
 """

@@ -9,6 +9,13 @@ it is the worker's liveness signal for its scheduler and lets a scheduler that s
 find it. Steps run on one step thread (step_thread.py) so announcements continue during a
 long prefill.
 
+Redis outages: the worker waits them out. Results are published patiently (a step's result is
+worth waiting for: the scheduler plans from it), the announcer keeps announcing through the
+outage (its scheduler stays ready only while it hears it), and a plan that Redis got twice (a
+write retried across a broken connection) runs once: plans are dropped unless their step id
+grows within one scheduler epoch (`scheduler_incarnation`, which a scheduler changes whenever
+it forgets the batch: a restart, or a worker it took for dead while Redis was away).
+
 Overlap (settings.overlap_steps, on for CUDA): with asynchronous scheduling the next plan
 arrives while a step still runs on the GPU. It is launched at once, its inputs for the running
 step's tokens gathered on the device (in_flight.py); the running step is answered as soon as its
@@ -50,6 +57,9 @@ STEP_EXECUTE = Histogram(
 )
 STEP_FAILURES = Counter(metric_name("worker_step_failures_total"), "Steps that raised")
 STALE_PLANS = Counter(metric_name("worker_stale_plans_total"), "Plans for another incarnation")
+DUPLICATE_PLANS = Counter(
+    metric_name("worker_duplicate_plans_total"), "Plans dropped as a second copy of a step"
+)
 DEVICE_BUSY = Counter(
     metric_name("worker_device_busy_seconds_total"),
     "CUDA: device time of the steps, first queued kernel to last (1 - its rate = the share of "
@@ -68,6 +78,7 @@ class WorkerService(Service):
         self.load_error: str | None = None
         self.steps_run = 0
         self.scheduler_incarnation = ""
+        self.last_step_id = -1  # of the current scheduler incarnation: plans run once
         self._busy = asyncio.Lock()
         self.step_thread = StepThread()  # every forward on one OS thread (step_thread.py)
         self._in_flight: LaunchedStep | None = None  # launched, not answered yet
@@ -162,11 +173,16 @@ class WorkerService(Service):
             await asyncio.to_thread(step.tokens.wait)  # not the step thread: it stays free
 
     async def _announce(self) -> None:
+        """WorkerReady every heartbeat interval, for as long as the worker lives: a failed
+        announcement (Redis away past the publish timeout) is logged and the next one tried."""
         control = self.streams.control(self.settings.group)
         while not self.stopping.is_set():
             assert self.announcement is not None
             self.announcement.time = time.time()
-            await self.bus.publish(control, self.announcement)
+            try:
+                await self.bus.publish(control, self.announcement)
+            except Exception as exc:
+                log.warning("WorkerReady not announced: %s", exc)
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     async def _execute(self, plan: StepPlan) -> None:
@@ -183,6 +199,11 @@ class WorkerService(Service):
                 log.info("a new scheduler incarnation: dropping the batch of the previous one")
                 runner.reset()
             self.scheduler_incarnation = plan.scheduler_incarnation
+        elif plan.step_id <= self.last_step_id:
+            log.warning("plan of step %d seen twice; running it once", plan.step_id)
+            DUPLICATE_PLANS.inc()
+            return
+        self.last_step_id = plan.step_id
         if not (self._overlap and runner.can_overlap(plan)):
             await self._finish_in_flight()
             await self._run_step(plan, runner.execute, publish=True)
@@ -190,9 +211,9 @@ class WorkerService(Service):
         if self._in_flight is not None and self._in_flight.landed():
             # The step in flight is done on the device, so nothing is queued there: answer it
             # first. The scheduler plans the step after this one from that result, so it goes
-            # out a launch sooner (launching first instead kept each plan arriving behind the
-            # device at large batches); this step starts a finish later, on a device that is
-            # idle anyway.
+            # out a launch sooner (launching first kept the plans behind the device every step
+            # at large batches); this step starts a finish later, on a device that is idle
+            # anyway.
             await self._finish_in_flight()
         launched = await self._run_step(plan, runner.launch, publish=False)
         await self._finish_in_flight()  # the previous step: results go out in step order
@@ -259,7 +280,7 @@ class WorkerService(Service):
         )
 
     async def _publish(self, result: StepResult) -> None:
-        await self.bus.publish(self.streams.results(self.settings.group), result)
+        await self.bus.publish(self.streams.results(self.settings.group), result, patient=True)
         self.steps_run += 1
 
     async def drain(self) -> None:

@@ -114,6 +114,9 @@ class ModelConfig(BaseModel):
     shared_expert_intermediate_size: int = Field(0, ge=0)  # Qwen2-MoE's sigmoid-gated expert
     decoder_sparse_step: int = Field(1, ge=1)
     mlp_only_layers: list[int] = Field(default_factory=list)
+    # Multi-token-prediction modules the checkpoint ships after its decoder layers
+    # (`num_nextn_predict_layers`, DeepSeek-V3 style): a speculative drafter's, not the model's.
+    num_mtp_layers: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _check_supported(self) -> ModelConfig:
@@ -250,6 +253,7 @@ class ModelConfig(BaseModel):
             shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
             decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
             mlp_only_layers=[int(i) for i in hf.get("mlp_only_layers") or []],
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
         )
 
 

@@ -6,6 +6,10 @@ msgpack integers, and decoding is one `numpy.frombuffer`.
 
 In Python the fields hold plain lists (ints or floats) so core logic stays simple; the
 conversion happens only at validation (bytes -> list) and serialization (list -> bytes).
+A list (or array) given for an integer field is range-checked against its dtype at validation
+(int32, int64, uint8): msgpack carries any 64-bit integer, and one out of range would otherwise
+pass decoding and only fail when the message that repeats it (a StepPlan) is packed, in the
+consumer that trusted it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from typing import Annotated, Any
 
 import numpy as np
 from pydantic import PlainSerializer, PlainValidator
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
 
 
 def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
@@ -26,6 +33,8 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
                 )
             return np.frombuffer(raw, dtype=dtype).tolist()
         if isinstance(value, np.ndarray):
+            if kind is int and value.size and value.dtype.kind in "iu":
+                _check_range(dtype, int(value.min()), int(value.max()))
             return value.astype(dtype, copy=False).tolist()
         if isinstance(value, list | tuple):
             out = []
@@ -35,10 +44,19 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
                 if kind is int and not float(v).is_integer():
                     raise ValueError(f"expected int items, got {v!r}")
                 out.append(kind(v))
+            if kind is int and out:
+                _check_range(dtype, min(out), max(out))
             return out
         raise ValueError(f"expected packed bytes or a list, got {type(value).__name__}")
 
     return validate
+
+
+def _check_range(dtype: str, low: int, high: int) -> None:
+    info = np.iinfo(np.dtype(dtype))
+    if low < info.min or high > info.max:
+        bad = low if low < info.min else high
+        raise ValueError(f"{bad} does not fit {info.dtype} [{info.min}, {info.max}]")
 
 
 def _packer(dtype: str) -> Any:

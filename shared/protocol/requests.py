@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from shared.protocol.base import Message, Struct, register
-from shared.protocol.packed import PackedInt32
+from shared.protocol.packed import INT32_MAX, INT32_MIN, PackedInt32
+
+MAX_STREAM_NAME = 512
 
 
 class SamplingParams(Struct):
@@ -19,11 +21,11 @@ class SamplingParams(Struct):
 
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = disabled
+    top_k: int = Field(0, ge=0, le=INT32_MAX)  # 0 = disabled
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = Field(0, ge=0, lt=2**64)
-    max_tokens: int = Field(16, ge=1)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: PackedInt32 = Field(default_factory=list)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
@@ -32,7 +34,15 @@ class SamplingParams(Struct):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     allowed_token_ids: PackedInt32 | None = None
     bad_token_ids: PackedInt32 = Field(default_factory=list)
-    logprobs: int | None = Field(None, ge=0)  # top-k logprobs per generated token (0 = chosen only)
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)  # top-k per token (0 = chosen only)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_fit_int32(cls, value: dict[int, float]) -> dict[int, float]:
+        for token in value:
+            if not INT32_MIN <= token <= INT32_MAX:
+                raise ValueError(f"logit_bias token id {token} does not fit int32")
+        return value
 
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
@@ -54,7 +64,7 @@ class SubmitRequest(Message):
     request_id: str = Field(min_length=1, max_length=256)
     prompt_token_ids: PackedInt32 = Field(min_length=1)
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams())
-    reply_stream: str = Field(min_length=1)
+    reply_stream: str = Field(min_length=1, max_length=MAX_STREAM_NAME)
     arrival_time: float = 0.0
     grammar: GrammarRef | None = None
     return_routed_experts: bool = False

@@ -128,7 +128,7 @@ class RpcServer:
         problem = envelope_problem(msg, self.reply_prefix)
         if problem is not None:
             SERVED.labels(msg.TYPE, "rejected").inc()
-            await self.bus.dead_letter(delivery, "bad_envelope", problem, self.group)
+            await self.bus.dead_letter(self.group, [(delivery, "bad_envelope", problem)])
             return
         assert isinstance(msg, RpcRequest)
         if expired(msg.deadline, time.time()):

@@ -87,6 +87,27 @@ def test_chat_max_tokens_gives_length(client: openai.OpenAI, model_name: str) ->
     assert resp.usage is not None and resp.usage.completion_tokens == 5
 
 
+@pytest.mark.parametrize("max_tokens", ["omitted", None])
+def test_completion_without_max_tokens_stops_at_openais_16(
+    mesh: Mesh, model_name: str, max_tokens: Any
+) -> None:
+    """OpenAI's default for /v1/completions, also for an explicit null (ignore_eos: the model
+    would go on)."""
+    body: dict[str, Any] = {
+        "model": model_name,
+        "prompt": COMPLETION_PROMPT,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if max_tokens != "omitted":
+        body["max_tokens"] = max_tokens
+    resp = httpx.post(f"{mesh.api}/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 16
+
+
 # --- streaming --------------------------------------------------------------------------------
 
 

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.accel.cuda_layers import install_cuda_kernels
-from services.worker.accel.decode_chain import DecodeChainLlama, fused_attention_takes
+from services.worker.accel.decode_chain import DecodeChain, fused_attention_takes
 from services.worker.attention.select import build_attention_metadata
-from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
 
@@ -55,13 +53,14 @@ def test_chain_is_bit_identical_to_the_layer_by_layer_forward(
     chain's attention runs from the qkv partials in one kernel
     (kernels/decode_chain/decode_from_qkv.py); rows=5 gets there by itself (3 strided pieces at 2 kv
     heads)."""
+    # On CUDA the model is built with the Triton layers, and the loader gives it the chain.
     model, config = build_random_model(SHAPE, torch.bfloat16, "cuda", std=0.05, seed=1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
-    install_cuda_kernels(model)
-    assert isinstance(model, DecodeChainLlama)
+    chain = model.decode_chain
+    assert isinstance(chain, DecodeChain) and chain.takes(torch.zeros(rows, device="cuda"))
     cache = KVCache.allocate(config, rows * 32, BLOCK, torch.bfloat16, "cuda")
     for layer_cache in cache.layers:
         layer_cache.normal_()
@@ -72,7 +71,9 @@ def test_chain_is_bit_identical_to_the_layer_by_layer_forward(
     assert fused_attention_takes(model, meta, rows) == (splits is not None or rows == 5)
     with torch.inference_mode():
         fused = model(ids, positions, meta, cache.layers)
-        plain = LlamaForCausalLM.forward(model, ids, positions, meta, other.layers)
+        model.decode_chain = None  # the same layers, one by one
+        plain = model(ids, positions, meta, other.layers)
+        model.decode_chain = chain
         assert torch.equal(fused, plain)
         for a, b in zip(cache.layers, other.layers, strict=True):
             assert torch.equal(a, b)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from kernels.layers.silu_mul import silu_mul, silu_mul_reference
-from services.worker.accel.cuda_layers import install_cuda_kernels
-from services.worker.models.layers import GatedMLP
+from services.worker.accel.cuda_layers import TRITON, GemvGatedMLP
 
 INTERMEDIATE = 14336
 
@@ -24,13 +23,13 @@ def test_bit_identical_to_eager(dtype: torch.dtype, rows: int) -> None:
 
 def test_gated_mlp_above_gemv_rows() -> None:
     torch.manual_seed(0)
-    mlp = GatedMLP(512, 1408).to("cuda", torch.bfloat16)
+    mlp = TRITON.gated_mlp(512, 1408).to("cuda", torch.bfloat16)
+    assert isinstance(mlp, GemvGatedMLP)
     for p in mlp.parameters():
         p.data.normal_(0.0, 0.05)
     x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        gate_up = mlp.gate_up_proj(x)
+        gate_up = mlp.gate_up_proj(x)  # 64 rows: past the GEMV, cuBLAS
         expected = mlp.down_proj(silu_mul_reference(gate_up))
-        install_cuda_kernels(mlp)
         out = mlp(x)
     assert torch.equal(out, expected)

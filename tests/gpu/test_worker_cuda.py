@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.worker.accel.cuda_layers import install_cuda_kernels
 from services.worker.attention.select import build_attention_metadata
 from services.worker.loader.checkpoint_names import assemble
+from services.worker.models.layer_impls import REFERENCE
 from services.worker.models.random_init import PRESETS, build_random_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
@@ -72,10 +72,10 @@ def test_8b_bf16_cuda_path_matches_pytorch_reference_forward() -> None:
 
     hf, cfg = _hf_8b(layers=32)
     cfg = dict(cfg, architectures=["LlamaForCausalLM"])
-    ours, config = build_random_model(cfg, torch.bfloat16, "cuda", 1024)
+    ours, config = build_random_model(cfg, torch.bfloat16, "cuda", 1024)  # the Triton layers
     state = assemble(hf.state_dict().items(), torch.bfloat16, torch.device("cuda"), False)
     ours.load_state_dict(state, strict=True)
-    reference, _ = build_random_model(cfg, torch.bfloat16, "cuda", 1024)  # stays PyTorch-only
+    reference, _ = build_random_model(cfg, torch.bfloat16, "cuda", 1024, impls=REFERENCE)
     reference.load_state_dict(state, strict=True)
     del state
     kv = KVCache.allocate(config, 256, 16, torch.bfloat16, "cuda")
@@ -132,11 +132,10 @@ def test_8b_shape_fp32_cuda_path_matches_transformers() -> None:
     hf = hf.float()
     restore_fp32_inv_freq(hf)
     cfg = dict(cfg, architectures=["LlamaForCausalLM"])
-    ours, config = build_random_model(cfg, torch.float32, "cuda", 1024)
+    ours, config = build_random_model(cfg, torch.float32, "cuda", 1024)  # the Triton layers
     ours.load_state_dict(
         assemble(hf.state_dict().items(), torch.float32, torch.device("cuda"), False)
     )
-    install_cuda_kernels(ours)
     n = 300
     kv = KVCache.allocate(config, 32, 16, torch.float32, "cuda")
     meta = build_attention_metadata(

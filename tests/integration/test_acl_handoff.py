@@ -38,7 +38,8 @@ async def test_schedulers_hand_off_and_others_cannot(acl_redis: RedisServer) -> 
         await prefill.publish(S.handoff, submit)
         got = await decode.read_group(DECODE_GROUP, [S.handoff], block_ms=1000)
         assert [d.message for d in got] == [submit]
-        assert await decode.claim_idle(S.handoff, DECODE_GROUP, 0) == got
+        claimed = await decode.claim_idle(S.handoff, DECODE_GROUP, 0)
+        assert [(d.entry_id, d.message) for d in claimed] == [(d.entry_id, d.message) for d in got]
         await decode.ack(DECODE_GROUP, got)
     finally:
         for bus in (prefill, decode):

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.accel.cuda_layers import install_cuda_kernels
-from services.worker.accel.decode_chain import DecodeChainLlama, chain_fits, chain_forward
+from services.worker.accel.cuda_layers import TRITON
+from services.worker.accel.decode_chain import DecodeChain, chain_fits, chain_forward
 from services.worker.attention.select import build_attention_metadata
+from services.worker.models.layer_impls import REFERENCE
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
@@ -37,14 +38,14 @@ BLOCK = 4
 def _model(device: torch.device, **overrides: object) -> LlamaForCausalLM:
     # compiled=True: the checkpoint's [out, in] weight layout on CPU too (as on CUDA).
     model, _ = build_random_model(
-        dict(TINY, **overrides), torch.float32, device, std=0.2, seed=5, compiled=True
-    )
+        dict(TINY, **overrides), torch.float32, device, std=0.2, seed=5, compiled=True,
+        impls=TRITON,
+    )  # fmt: skip
     with torch.no_grad():  # norm scales of their own, so using the wrong norm shows
         generator = torch.Generator(device).manual_seed(2)
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5, generator=generator)
-    install_cuda_kernels(model)
     return model  # type: ignore[return-value]
 
 
@@ -67,7 +68,7 @@ def _decode_step(model: LlamaForCausalLM, cache: KVCache, seq_lens: list[int]): 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_chain_matches_layer_by_layer(device, rows) -> None:  # type: ignore[no-untyped-def]
     model = _model(device)
-    assert isinstance(model, DecodeChainLlama)
+    assert isinstance(model.decode_chain, DecodeChain)
     cache = KVCache.allocate(model.config, rows * 4, BLOCK, torch.float32, device)
     for layer_cache in cache.layers:  # an earlier context, the same in both runs
         layer_cache.normal_(0, 1, generator=torch.Generator(device).manual_seed(1))
@@ -75,33 +76,49 @@ def test_chain_matches_layer_by_layer(device, rows) -> None:  # type: ignore[no-
     ids, positions, meta = _decode_step(model, cache, [9, 14, 5][:rows])
     with torch.inference_mode():
         fused = chain_forward(model, ids, positions, meta, cache.layers)
-        plain = LlamaForCausalLM.forward(model, ids, positions, meta, other.layers)
+        model.decode_chain = None  # the same model, layer by layer
+        plain = model(ids, positions, meta, other.layers)
     assert fused.shape == plain.shape == (rows, 64)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     for a, b in zip(cache.layers, other.layers, strict=True):  # the step's K/V written alike
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # The chain is the model's forward on CUDA steps of 1..16 rows.
-    if device.type == "cuda":
+
+
+def test_chain_is_the_models_forward_on_the_steps_it_takes(device) -> None:  # type: ignore[no-untyped-def]
+    """forward hands a step to the decode chain exactly when the chain takes it: on CUDA, 1..16
+    rows; the rest (CPU tensors here, 17 rows) runs layer by layer."""
+    model = _model(device)
+    chain = model.decode_chain
+    assert chain is not None
+    calls: list[int] = []
+    real = chain.forward
+    chain.forward = lambda ids, *a: calls.append(ids.shape[0]) or real(ids, *a)  # type: ignore[method-assign]
+    cache = KVCache.allocate(model.config, 17 * 4, BLOCK, torch.float32, device)
+    for rows in (1, 16, 17):
+        ids, positions, meta = _decode_step(model, cache, [4 + r % 9 for r in range(rows)])
         with torch.inference_mode():
-            assert torch.equal(model(ids, positions, meta, cache.layers), fused)
+            model(ids, positions, meta, cache.layers)
+    assert calls == ([1, 16] if device.type == "cuda" else [])
+    assert chain.takes(ids[:16]) == (device.type == "cuda") and not chain.takes(ids)
+    assert chain.reads_fed_ids(16) and not chain.reads_fed_ids(17)
 
 
 def test_fits_only_the_structure_it_runs(device) -> None:  # type: ignore[no-untyped-def]
     assert chain_fits(_model(device))
     biased = _model(device, attention_bias=True)  # o_proj with a bias: not taken
     assert type(biased) is LlamaForCausalLM and not chain_fits(biased)
+    assert biased.decode_chain is None
     gelu = _model(device, hidden_act="gelu_pytorch_tanh")
-    assert type(gelu) is LlamaForCausalLM
-    plain, _ = build_random_model(TINY, torch.float32, device, std=0.2, seed=5, compiled=True)
-    assert not chain_fits(plain)  # without the CUDA modules installed
-
-
-def test_larger_steps_take_the_layer_by_layer_forward(device) -> None:  # type: ignore[no-untyped-def]
-    from services.worker.accel.decode_chain import chain_takes
-
-    ids = torch.zeros(17, dtype=torch.long, device=device)
-    assert not chain_takes(ids)
-    assert chain_takes(ids[:16]) == (device.type == "cuda")
+    assert type(gelu) is LlamaForCausalLM and gelu.decode_chain is None
+    plain, _ = build_random_model(
+        TINY, torch.float32, device, std=0.2, seed=5, compiled=True, impls=REFERENCE
+    )
+    assert not chain_fits(plain) and plain.decode_chain is None  # the reference layers
+    gemma, _ = build_random_model(
+        dict(TINY, architectures=["Gemma3ForCausalLM"], hidden_act="gelu_pytorch_tanh"),
+        torch.float32, device, compiled=True, impls=TRITON,
+    )  # fmt: skip
+    assert gemma.decode_chain is None  # a family of its own (embedding scale, four norms)
 
 
 def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -138,7 +155,8 @@ def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkey
     with torch.inference_mode():
         fused = chain_forward(model, ids, pos, meta, cache.layers)
         assert len(calls) == TINY["num_hidden_layers"]
-        plain = LlamaForCausalLM.forward(model, ids, pos, dataclasses.replace(meta), other.layers)
+        model.decode_chain = None  # the same model, layer by layer
+        plain = model(ids, pos, dataclasses.replace(meta), other.layers)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
     for a, b in zip(cache.layers, other.layers, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -161,7 +179,6 @@ def test_fed_ids_read_from_the_feed_table_equal_the_tokens_themselves(device) ->
     from services.worker.runner.in_flight import fed_id
 
     model = _model(device)
-    assert model.reads_fed_ids(2) and not model.reads_fed_ids(17)  # type: ignore[operator]
     cache = KVCache.allocate(model.config, 2 * 4, BLOCK, torch.float32, device)
     other = copy.deepcopy(cache)
     lens, tables = np.array([9, 14]), np.arange(8).reshape(2, 4)

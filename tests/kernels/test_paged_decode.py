@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.attention import paged_decode
 from kernels.attention.paged_decode import (
     DECODE_TILES_MANY_PROGRAMS,
     DECODE_TILES_SINGLE_PASS,
@@ -16,7 +17,7 @@ from kernels.attention.paged_decode import (
     single_pass_tiles,
 )
 from kernels.runtime import completion_counters
-from kernels.runtime.tensor_checks import FP8_E4M3
+from kernels.runtime.tensor_checks import FP8_E4M3, interpreting
 from tests.kernels.paged_batch import make_paged_batch, tolerance
 
 SEQ_LENS = [1, 37, 150, 64]  # one key only, ragged, long enough for many tiles, page-aligned
@@ -54,17 +55,6 @@ def test_split_k_matches_single_pass_and_reference(device, dtype, window) -> Non
         split = _decode(batch, num_splits=splits, sliding_window=window)
         torch.testing.assert_close(split, ref, atol=tolerance(dtype), rtol=0)
         torch.testing.assert_close(split, single, atol=tolerance(dtype), rtol=0)
-
-
-@pytest.mark.parametrize("splits", [7, 32])
-def test_split_k_merge_launched_early_reads_finished_pieces(device, splits) -> None:  # type: ignore[no-untyped-def]
-    """pdl=True: on Hopper the merge is launched while the pieces still run (programmatic
-    dependent launch) and must wait for them; elsewhere the flag is ignored."""
-    batch = _batch(device, torch.bfloat16)
-    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
-    for _ in range(3):  # a race would show in some launch as NaN (unwritten) or stale rows
-        out = _decode(batch, num_splits=splits, pdl=True)
-        torch.testing.assert_close(out, ref.float(), atol=tolerance(torch.bfloat16), rtol=0)
 
 
 def test_default_split_choice_matches_reference(device) -> None:  # type: ignore[no-untyped-def]
@@ -145,13 +135,12 @@ def test_many_programs_tiles_match_reference(device, dtype) -> None:  # type: ig
 
 
 # The strided kernel: pieces take every num_splits-th tile (first block ids loaded with
-# seq_len), optionally merged by the last piece to finish instead of a second kernel.
+# seq_len), merged by the last piece to finish, or by a second kernel where the merger's
+# registers do not allow that.
 
 
-@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_strided_kernel_matches_reference(device, dtype, fused_merge) -> None:  # type: ignore[no-untyped-def]
-
+def test_strided_kernel_matches_reference(device, dtype) -> None:  # type: ignore[no-untyped-def]
     batch = _batch(device, dtype)
     batch.seq_lens[2] = 0  # a padding row between real ones: zeros, never NaN
     ref = paged_decode_reference(
@@ -159,12 +148,24 @@ def test_strided_kernel_matches_reference(device, dtype, fused_merge) -> None:  
     ).float()
     # 3 pieces: several tiles each; 7: pieces left empty for the short sequences. Three
     # launches in a row: each fused merge must leave its counters at zero for the next.
+    completion_counters.clear()
     for splits in (3, 7, 7, 7):
-        out = _decode(batch, num_splits=splits, strided=True, fused_merge=fused_merge)
+        out = _decode(batch, num_splits=splits, strided=True)
         torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=0)
         assert torch.equal(out[2], torch.zeros_like(out[2]))
-    if fused_merge:
-        assert completion_counters.all_zero()
+    assert completion_counters.allocated(paged_decode.MERGE_COUNTERS), "the merge never ran"
+    assert completion_counters.all_zero()
+
+
+def test_strided_pieces_merged_by_the_second_kernel_where_registers_run_out(device) -> None:  # type: ignore[no-untyped-def]
+    """16 query heads a kv head over 40 pieces: more than the last piece can hold to merge
+    them (merge_counters gives none), so the reduce kernel merges the strided pieces."""
+    batch = _batch(device, torch.bfloat16, num_heads=32)
+    tiles = paged_decode.INTERPRETER_TILES if interpreting() else paged_decode.strided_tiles(32, 2)
+    assert paged_decode.merge_counters(4, 2, 16, 40, 32, tiles, batch.q.device) is None
+    ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
+    out = _decode(batch, num_splits=40, strided=True)
+    torch.testing.assert_close(out, ref.float(), atol=tolerance(torch.bfloat16), rtol=0)
 
 
 @pytest.mark.parametrize("per_head_scale", [False, True])
@@ -173,7 +174,7 @@ def test_strided_kernel_fp8_cache(device, per_head_scale) -> None:  # type: igno
     ref = paged_decode_reference(
         batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, **batch.scales
     ).float()
-    out = _decode(batch, num_splits=4, strided=True, fused_merge=True)
+    out = _decode(batch, num_splits=4, strided=True)
     torch.testing.assert_close(out, ref, atol=tolerance(torch.float16), rtol=0)
 
 
@@ -182,14 +183,12 @@ def test_strided_request_with_a_window_runs_the_windowed_kernel(device) -> None:
     ref = paged_decode_reference(
         batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, sliding_window=20
     ).float()
-    out = _decode(batch, num_splits=3, sliding_window=20, strided=True, fused_merge=True)
+    out = _decode(batch, num_splits=3, sliding_window=20, strided=True)
     torch.testing.assert_close(out, ref, atol=tolerance(torch.bfloat16), rtol=0)
 
 
 def test_launcher_picks_the_strided_kernel_for_many_splits(device) -> None:  # type: ignore[no-untyped-def]
     """16+ pieces without a window: the strided kernel with the fused merge by default."""
-    from kernels.attention import paged_decode
-
     batch = _batch(device, torch.bfloat16)
     ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
     completion_counters.clear()
@@ -206,8 +205,6 @@ def test_fused_merge_kept_inside_a_cuda_graph(device) -> None:  # type: ignore[n
     """Counters allocated by an eager call are found inside a capture on another stream (a
     capture that fell back to the second kernel would lose the fused merge's time), and
     every replay leaves them at zero for the next."""
-    from kernels.attention import paged_decode
-
     batch = _batch(device, torch.bfloat16)
     ref = paged_decode_reference(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens)
     out = torch.full_like(batch.q, float("nan"))

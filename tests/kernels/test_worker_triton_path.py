@@ -15,6 +15,7 @@ import torch
 from services.worker.accel.cuda_graphs import DecodeGraphs
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
+from services.worker.models.layer_impls import REFERENCE
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
 
@@ -34,7 +35,8 @@ BLOCK = 4
 
 @pytest.fixture
 def model(device: torch.device) -> torch.nn.Module:
-    built, _ = build_random_model(TINY, torch.float32, device, std=0.2, seed=3)
+    # The reference layers on every device: what differs between the paths is the attention.
+    built, _ = build_random_model(TINY, torch.float32, device, std=0.2, seed=3, impls=REFERENCE)
     return built
 
 

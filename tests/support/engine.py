@@ -25,6 +25,7 @@ from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, 
 @dataclass
 class Generation:
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # when the request asked for them
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 
@@ -154,6 +155,8 @@ class InProcessEngine:
     def _apply(gen: Generation, delta: RequestDelta) -> None:
         assert delta.start_index == len(gen.token_ids), "deltas must arrive in order, no gaps"
         gen.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            gen.logprobs.extend(delta.logprobs)
         if delta.num_cached_tokens:
             gen.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:

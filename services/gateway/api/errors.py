@@ -34,6 +34,24 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in the gateway's planning processes and pickled back to the gateway.
+        return (
+            _rebuild,
+            (self.status, self.message, self.type, self.param, self.code, self.headers),
+        )
+
+
+def _rebuild(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None,
+    code: str | None,
+    headers: dict[str, str],
+) -> OpenAIError:
+    return OpenAIError(status, message, type_=type_, param=param, code=code, headers=headers)
+
 
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None

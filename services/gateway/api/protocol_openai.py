@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from services.gateway.api.body_limits import check_nesting
 from services.gateway.api.errors import invalid_request, param_path
 
 #: OpenAI documents up to 4 stop sequences; vLLM has no limit and tools such as lm-eval send
@@ -42,6 +43,9 @@ MAX_SEED = 2**63
 #: vocabulary already means "disabled", and no useful penalty comes near float32's maximum.
 MAX_TOP_K = 2**31 - 1
 MAX_REPETITION_PENALTY = 3.4028234663852886e38
+#: OpenAI's max_tokens for /v1/completions when it is omitted or null (chat has none: the rest
+#: of the context).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -219,10 +223,13 @@ class SamplingFields(ApiModel):
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is normalised to a list of prompts, each a string or a
-    list of token ids; OpenAI's default of 16 new tokens applies."""
+    list of token ids. `max_tokens` omitted or null is OpenAI's default of 16 new tokens
+    (DEFAULT_COMPLETION_MAX_TOKENS, applied once the prompt's length is known)."""
 
     prompt: Prompts
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(
+        None, ge=1, description=f"default {DEFAULT_COMPLETION_MAX_TOKENS}, also when null"
+    )
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
@@ -350,19 +357,23 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def parse_request(cls: type[M], raw: bytes) -> M:
+def parse_request(cls: type[M], raw: bytes, *, max_depth: int) -> M:
     """A JSON body as `cls`; any failure is a 400 naming the field (never FastAPI's 422).
 
+    Arrays/objects nested deeper than `max_depth` are refused before parsing (body_limits).
     Strict JSON only: Python's parser also takes NaN and Infinity, which no field can honour,
     and `\\ud800` escapes that decode to lone surrogates, which no tokenizer, msgpack or UTF-8
     response can carry. Both are refused here, so nothing downstream meets them."""
+    check_nesting(raw, max_depth)
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
+        bad = _lone_surrogate_at(data, ())
     except ValueError as exc:
         raise invalid_request(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # only past an operator's max_depth far above the default
+        raise invalid_request("the body is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise invalid_request("the body must be a JSON object")
-    bad = _lone_surrogate_at(data, ())
     if bad is not None:
         param = param_path(bad)
         raise invalid_request(

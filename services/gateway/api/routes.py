@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.responses import Response
 
+from services.gateway.api.body_limits import read_body
 from services.gateway.api.errors import OpenAIError, error_body
 from services.gateway.api.openapi_bodies import request_body
 from services.gateway.api.protocol_openai import (
@@ -78,19 +79,22 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         return _frontend(get_frontend).models()
 
     @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
-    async def tokenize(request: Request) -> dict[str, Any]:
-        return _frontend(get_frontend).tokenize(await request.body())
+    async def tokenize(request: Request) -> Response:
+        frontend = _frontend(get_frontend)
+        body = await frontend.tokenize(await _body(frontend, request))
+        return Response(body, media_type="application/json")
 
     @router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict[str, Any]:
-        return _frontend(get_frontend).detokenize(await request.body())
+        frontend = _frontend(get_frontend)
+        return await frontend.detokenize(await _body(frontend, request))
 
     @router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
-        plan = frontend.plan_completion(await request.body())
+        plan = await frontend.plan_completion(await _body(frontend, request))
         plan = await frontend.compile_grammar(plan)
         frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
@@ -100,12 +104,16 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         arrival = time.monotonic()
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
-        plan = frontend.plan_chat(await request.body())
+        plan = await frontend.plan_chat(await _body(frontend, request))
         plan = await frontend.compile_grammar(plan)
         frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
 
     return router
+
+
+async def _body(frontend: Frontend, request: Request) -> bytes:
+    return await read_body(request, frontend.settings.max_body_bytes)
 
 
 def _frontend(get_frontend: FrontendGetter) -> Frontend:

@@ -18,12 +18,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.gateway.api.errors import OpenAIError
-from services.gateway.api.protocol_openai import ChatCompletionRequest, CompletionRequest
+from services.gateway.api.protocol_openai import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.sampling_params import sampling_params
 from services.gateway.plan.structured_outputs import grammar_param, grammar_ref
-from services.gateway.plan.tokenization import PromptTokenizer, TokenizedPrompt
-from services.gateway.plan.validation import check_prompt, check_request, check_routed_experts_start
+from services.gateway.plan.tokenization import PromptTokenizer, PromptTooLong, TokenizedPrompt
+from services.gateway.plan.validation import (
+    check_prompt,
+    check_request,
+    check_routed_experts_start,
+    prompt_too_long,
+)
 from shared.config import GatewaySettings
 from shared.protocol import GrammarRef, SamplingParams, SubmitRequest
 
@@ -101,7 +110,10 @@ def plan_completion(
 ) -> RequestPlan:
     check_model_name(req.model, model)
     check_request(req, settings, model)
-    prompts = [tok.completion_prompt(p) for p in req.prompt]
+    try:
+        prompts = [tok.completion_prompt(p, token_limit=model.max_model_len) for p in req.prompt]
+    except PromptTooLong as exc:
+        raise prompt_too_long(exc.num_tokens, model, "prompt") from None
     samplings = []
     for prompt in prompts:
         max_tokens = check_prompt(
@@ -111,6 +123,7 @@ def plan_completion(
             prompt_param="prompt",
             max_tokens_param="max_tokens",
             min_tokens=req.min_tokens,
+            default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
         )
         samplings.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs))
     return _plan(
@@ -120,6 +133,7 @@ def plan_completion(
         prompts,
         samplings,
         model,
+        max_json_depth=settings.max_json_depth,
         echo=req.echo,
         logprobs=req.logprobs,
     )
@@ -130,11 +144,15 @@ def plan_chat(
 ) -> RequestPlan:
     check_model_name(req.model, model)
     check_request(req, settings, model)
-    prompt = tok.chat_prompt(
-        req.messages,
-        add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-    )
+    try:
+        prompt = tok.chat_prompt(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            token_limit=model.max_model_len,
+        )
+    except PromptTooLong as exc:
+        raise prompt_too_long(exc.num_tokens, model, "messages") from None
     max_tokens = check_prompt(
         prompt.token_ids,
         req.max_new_tokens,
@@ -152,6 +170,7 @@ def plan_chat(
         [prompt],
         [sampling],
         model,
+        max_json_depth=settings.max_json_depth,
         echo=False,
         logprobs=logprobs,
     )
@@ -165,6 +184,7 @@ def _plan(
     samplings: list[SamplingParams],
     model: ModelInfo,
     *,
+    max_json_depth: int,
     echo: bool,
     logprobs: int | None,
 ) -> RequestPlan:
@@ -182,7 +202,7 @@ def _plan(
         n=req.n,
         seed=req.seed,
         stop=list(req.stop or []),
-        grammar=grammar_ref(req.response_format, req.structured_outputs),
+        grammar=grammar_ref(req.response_format, req.structured_outputs, max_depth=max_json_depth),
         return_routed_experts=req.return_routed_experts,
         routed_experts_prompt_start=start,
         echo=echo,

@@ -4,6 +4,8 @@ Compiling a grammar is the grammar service's job (see grammar_client); here only
 checked, so a malformed spec is a 400 at once: a JSON schema must be a valid JSON schema, a
 structural tag valid JSON, regexes, grammars and choices non-empty.
 The schema text keeps the client's key order: property order decides the generated order.
+JSON sent as a string (`structured_outputs.json`, `structural_tag`) gets the body's nesting
+limit before it is parsed, as the body itself did.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from typing import Any
 from jsonschema import exceptions as jsonschema_errors
 from jsonschema import validators
 
+from services.gateway.api.body_limits import check_nesting
 from services.gateway.api.errors import invalid_request
 from services.gateway.api.protocol_openai import ResponseFormat, StructuredOutputs
 from shared.protocol import GrammarRef
 
 
 def grammar_ref(
-    response_format: ResponseFormat | None, structured_outputs: StructuredOutputs | None
+    response_format: ResponseFormat | None,
+    structured_outputs: StructuredOutputs | None,
+    *,
+    max_depth: int,
 ) -> GrammarRef | None:
     constrained_format = response_format is not None and response_format.type != "text"
     if constrained_format and structured_outputs is not None:
@@ -30,7 +36,7 @@ def grammar_ref(
     if response_format is not None and constrained_format:
         return _from_response_format(response_format)
     if structured_outputs is not None:
-        return _from_structured_outputs(structured_outputs)
+        return _from_structured_outputs(structured_outputs, max_depth)
     return None
 
 
@@ -65,11 +71,12 @@ def _from_response_format(fmt: ResponseFormat) -> GrammarRef:
     return GrammarRef(kind="json_schema", spec=json.dumps(schema, ensure_ascii=False))
 
 
-def _from_structured_outputs(so: StructuredOutputs) -> GrammarRef:
+def _from_structured_outputs(so: StructuredOutputs, max_depth: int) -> GrammarRef:
     param = "structured_outputs"
     if so.json_ is not None:
         schema: Any = so.json_
         if isinstance(schema, str):
+            check_nesting(schema, max_depth, f"{param}.json")
             try:
                 schema = json.loads(schema)
             except ValueError as exc:
@@ -90,6 +97,7 @@ def _from_structured_outputs(so: StructuredOutputs) -> GrammarRef:
         return GrammarRef(kind="choice", spec=json.dumps(so.choice, ensure_ascii=False))
     assert so.structural_tag is not None  # exactly one kind is set (StructuredOutputs)
     tag = _non_empty(so.structural_tag, f"{param}.structural_tag")
+    check_nesting(tag, max_depth, f"{param}.structural_tag")
     try:
         parsed = json.loads(tag)
     except ValueError as exc:
@@ -108,6 +116,10 @@ def _check_schema(schema: Any, param: str) -> None:
         validators.validator_for(schema).check_schema(schema)
     except jsonschema_errors.SchemaError as exc:
         raise invalid_request(f"invalid JSON schema: {exc.message}", param) from None
+    except RecursionError:
+        # jsonschema recurses ~8 frames per level: only an operator's MESHLLM_MAX_JSON_DEPTH
+        # far above the default lets a schema this deep through.
+        raise invalid_request("the JSON schema is nested too deeply to check", param) from None
 
 
 def _non_empty(value: str, param: str) -> str:

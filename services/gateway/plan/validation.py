@@ -7,7 +7,7 @@ out-of-range value is refused, never quietly adjusted.
 
 from __future__ import annotations
 
-from services.gateway.api.errors import invalid_request
+from services.gateway.api.errors import OpenAIError, invalid_request
 from services.gateway.api.protocol_openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,8 +27,9 @@ def check_request(
         # Token-id prompts are decoded (for echo) before check_prompt sees them: an id past the
         # vocabulary must be refused first, or the decoder fails on it.
         for prompt in req.prompt:
-            for token in prompt if isinstance(prompt, list) else ():
-                _check_token_id(token, model, "prompt")
+            # max() runs at C speed over a long id list; pydantic already refused negatives.
+            if isinstance(prompt, list) and prompt and max(prompt) >= model.vocab_size:
+                _check_token_id(max(prompt), model, "prompt")
     else:
         _check_chat(req, settings)
 
@@ -113,6 +114,15 @@ def _check_token_id(token: int, model: ModelInfo, param: str) -> None:
         )
 
 
+def prompt_too_long(num_tokens: int, model: ModelInfo, prompt_param: str) -> OpenAIError:
+    """The 400 for a prompt that leaves no room for output in the context."""
+    return invalid_request(
+        f"This model's maximum context length is {model.max_model_len} tokens. However, your "
+        f"prompt has {num_tokens} tokens, which leaves no room for output. Shorten the prompt.",
+        prompt_param,
+    )
+
+
 def check_prompt(
     prompt_ids: list[int],
     max_tokens: int | None,
@@ -121,33 +131,34 @@ def check_prompt(
     prompt_param: str,
     max_tokens_param: str,
     min_tokens: int = 0,
+    default_max_tokens: int | None = None,
 ) -> int:
     """Check a tokenized prompt against the context; return the max_tokens to run with.
 
-    `max_tokens` None means "the rest of the context" (chat without a limit). The prompt must
-    leave room for at least one new token, and for `min_tokens` (which check_request could
-    compare only with an explicit max_tokens).
+    `max_tokens` None (omitted or null) takes `default_max_tokens`, capped by the room the
+    context leaves (completions: OpenAI's 16, as vLLM caps it), or with no default the whole
+    room (chat). Only a value the client gave is refused for being too large: the default was
+    not theirs. The prompt must leave room for at least one new token, and for `min_tokens`
+    (which check_request could compare only with an explicit max_tokens).
     """
     if not prompt_ids:
         raise invalid_request("the prompt is empty", prompt_param)
+    limit = model.max_model_len
+    if len(prompt_ids) >= limit:  # before the per-token loop: a long prompt is refused at once
+        raise prompt_too_long(len(prompt_ids), model, prompt_param)
     for token in prompt_ids:
         _check_token_id(token, model, prompt_param)
-    limit = model.max_model_len
-    if len(prompt_ids) >= limit:
-        raise invalid_request(
-            f"This model's maximum context length is {limit} tokens. However, your prompt has "
-            f"{len(prompt_ids)} tokens, which leaves no room for output. Shorten the prompt.",
-            prompt_param,
-        )
     if max_tokens is None:
         room = limit - len(prompt_ids)
-        if min_tokens > room:
+        if default_max_tokens is not None and default_max_tokens <= room:
+            implicit, what = default_max_tokens, f"the default {max_tokens_param}"
+        else:
+            implicit, what = room, "the tokens the context leaves for output"
+        if min_tokens > implicit:
             raise invalid_request(
-                f"min_tokens ({min_tokens}) is more than the {room} tokens the context leaves "
-                "for output",
-                "min_tokens",
+                f"min_tokens ({min_tokens}) is more than {what} ({implicit})", "min_tokens"
             )
-        return room
+        return implicit
     if len(prompt_ids) + max_tokens > limit:
         raise invalid_request(
             f"'{max_tokens_param}' is too large: {max_tokens}. This model's maximum context "

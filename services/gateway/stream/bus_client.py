@@ -10,6 +10,14 @@
   Retry-After. A sub-request stops counting when its final delta arrives or it is aborted.
 - Aborts (client gone, stop string, timeout) are published from tasks the client owns, so a
   cancelled HTTP handler still gets its abort out.
+- The reply stream expires `reply_stream_ttl_s` after this gateway last refreshed it (every
+  `refresh_interval_s`, with its heartbeat): a dead gateway's stream disappears by itself. The
+  gateway creates it empty at start and again whenever Redis lost it, so it carries a TTL from
+  its first moment (a scheduler's XADD would create it without one); schedulers abort the
+  requests of a gateway whose heartbeats stopped (services/scheduler/gateway_watch.py).
+- A request can also be failed from the gateway's side (`fail_in_flight`: it is shutting down
+  and its drain ran out of time): its waiter gets the error instead of the next delta, so the
+  client reads an error body or event rather than a cut connection.
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from redis.exceptions import ResponseError
 
 from services.gateway.api.errors import OpenAIError, invalid_request
 from services.gateway.plan.request_plan import RequestPlan
@@ -32,6 +43,9 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 READ_BLOCK_MS = 1000
+# XGROUP CREATE ... MKSTREAM is the one command that makes an empty stream; the group itself is
+# never read (replies are read with plain XREAD).
+KEEPALIVE_GROUP = "ttl"
 
 
 @dataclass
@@ -50,13 +64,23 @@ class RequestHandle:
         self.plan = plan
         self.seed = seed
         self.request_ids = [plan.choice_request_id(c) for c in range(plan.num_choices)]
-        self.queue: asyncio.Queue[tuple[int, RequestDelta]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, RequestDelta] | OpenAIError] = asyncio.Queue()
         self.open = set(range(plan.num_choices))  # choices the engine may still be running
 
     async def next_delta(self, timeout_s: float | None) -> tuple[int, RequestDelta]:
-        """(choice index, fresh delta); TimeoutError past `timeout_s`."""
+        """(choice index, fresh delta); TimeoutError past `timeout_s`; the OpenAIError the
+        request was failed with (`fail`)."""
         async with asyncio.timeout(timeout_s):
-            return await self.queue.get()
+            item = await self.queue.get()
+        if isinstance(item, OpenAIError):
+            self.queue.put_nowait(item)  # every later call fails the same way
+            raise item
+        return item
+
+    def fail(self, error: OpenAIError) -> None:
+        """End the request from the gateway's side: the waiter gets `error`. The route's
+        `close()` then aborts what still runs on the engine."""
+        self.queue.put_nowait(error)
 
     def abort(self, choice: int, reason: str) -> None:
         """Stop one choice on the scheduler (e.g. a stop string matched)."""
@@ -76,13 +100,26 @@ class RequestHandle:
 
 
 class GatewayBusClient:
-    def __init__(self, bus: Bus, streams: Streams, instance_id: str, *, max_pending: int) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        streams: Streams,
+        instance_id: str,
+        *,
+        max_pending: int,
+        reply_stream_ttl_s: int = 120,
+        refresh_interval_s: float = 1.0,
+    ) -> None:
         self.bus = bus
         self.streams = streams
         self.reply_stream = streams.replies(instance_id)
         self.max_pending = max_pending
+        self.reply_stream_ttl_s = reply_stream_ttl_s
+        self.refresh_interval_s = refresh_interval_s
         self._subs: dict[str, _SubRequest] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self._aborts: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -97,12 +134,15 @@ class GatewayBusClient:
         last_ids = {self.reply_stream: "$"}
         await self.bus.read(last_ids, block_ms=None)
         self._reader = asyncio.create_task(self._read_replies(last_ids), name="gateway-replies")
+        self._keeper = asyncio.create_task(self._keep_reply_stream(), name="reply-stream-ttl")
 
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        self._closing.set()
+        for task in (self._reader, self._keeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
 
@@ -152,6 +192,13 @@ class GatewayBusClient:
         )
         return handle
 
+    def fail_in_flight(self, error: Callable[[], OpenAIError]) -> int:
+        """Fail every request in flight with an `error()` of its own; how many there were."""
+        handles = {id(sub.handle): sub.handle for sub in self._subs.values()}
+        for handle in handles.values():
+            handle.fail(error())
+        return len(handles)
+
     def abort_soon(self, request_ids: list[str], reason: str) -> None:
         task = asyncio.create_task(self._publish_aborts(request_ids, reason))
         self._aborts.add(task)
@@ -171,6 +218,29 @@ class GatewayBusClient:
         self._subs.pop(request_id, None)
         if not self._subs:
             self._idle.set()
+
+    # --- the reply stream's lifetime ----------------------------------------------------------
+
+    async def refresh_reply_stream(self) -> None:
+        """Push the reply stream's expiry `reply_stream_ttl_s` ahead; create it (empty) first
+        when it does not exist (before the first reply, or after Redis lost it)."""
+        redis = self.bus.redis
+        if await redis.expire(self.reply_stream, self.reply_stream_ttl_s):
+            return
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: a reply created it meanwhile
+            await redis.xgroup_create(self.reply_stream, KEEPALIVE_GROUP, id="$", mkstream=True)
+        await redis.expire(self.reply_stream, self.reply_stream_ttl_s)
+
+    async def _keep_reply_stream(self) -> None:
+        # Ends on `_closing`, not only on cancellation: redis-py can swallow a cancellation
+        # that lands inside a command, and the loop would then go on forever.
+        while not self._closing.is_set():
+            try:
+                await self.refresh_reply_stream()
+            except Exception as exc:  # Redis away: the next refresh tries again
+                log.warning("reply stream TTL not refreshed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), self.refresh_interval_s)
 
     # --- replies -----------------------------------------------------------------------------
 

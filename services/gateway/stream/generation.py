@@ -119,7 +119,8 @@ class Generation:
     async def stream(self) -> AsyncIterator[str]:
         """SSE events: per choice a first chunk (chat: the role; completions with echo: the
         prompt), content chunks, a chunk with the finish reason; the usage chunk when asked
-        for; then `data: [DONE]`. A failure mid-stream is an error event, then [DONE]."""
+        for; then `data: [DONE]`. A failure mid-stream (the engine's, a timeout, the gateway
+        shutting down) is an error event, then [DONE]."""
         plan = self.plan
         offsets = [0] * plan.num_choices
         for choice in self.choices:
@@ -151,6 +152,10 @@ class Generation:
                 yield sse(chunk)
         except RequestTimedOut:
             yield error_event("the request timed out", "timeout_error", 504)
+            yield DONE
+            return
+        except OpenAIError as exc:  # failed from the gateway's side (shutting down)
+            yield error_event(exc.message, exc.type, exc.status)
             yield DONE
             return
         if plan.include_usage:

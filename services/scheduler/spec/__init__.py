@@ -7,7 +7,18 @@ request 1 + k tokens with k lookahead slots, sends the drafts in the plan
 drafts (`SpecDecoding.on_verified`). Stats follow vLLM's spec-decode metrics.
 """
 
-from services.scheduler.spec.drafts import DraftBook, SpecDecoding, prefill_lookahead_tokens
+from services.scheduler.spec.drafts import (
+    DraftBook,
+    SpecDecoding,
+    drafter_backoff,
+    prefill_lookahead_tokens,
+)
 from services.scheduler.spec.stats import SpecDecodeStats
 
-__all__ = ["DraftBook", "SpecDecodeStats", "SpecDecoding", "prefill_lookahead_tokens"]
+__all__ = [
+    "DraftBook",
+    "SpecDecodeStats",
+    "SpecDecoding",
+    "drafter_backoff",
+    "prefill_lookahead_tokens",
+]

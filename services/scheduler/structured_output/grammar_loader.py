@@ -4,18 +4,28 @@ The scheduler service loads a request's grammar when it accepts the request, bef
 it to the core, so the core never waits on I/O. Each key is deserialized once and kept (bounded
 LRU); the TokenizerInfo the grammars need is read once per tokenizer hash. Deserialization runs
 in a thread: a large grammar takes milliseconds to seconds, and the step loop must not stall.
+
+After a Redis restart (no persistence) the tokenizer info is gone until the grammar service
+re-publishes it (within a heartbeat: services/grammar/grammar_cache.py), so a missing one is
+waited for up to `tokenizer_wait_s`; a dead pooled connection (every one, after a restart) is
+retried on a fresh one for up to `redis_retry_s`. Both bounded: the request then fails with the
+reason, it never hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
+from shared.bus_retry import BusUnavailable, retry
 from shared.grammar_store import GrammarEntry, GrammarEntryError, GrammarKeys
+
+TOKENIZER_POLL_S = 0.25
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -27,10 +37,20 @@ class GrammarUnavailable(Exception):
 
 
 class GrammarLoader:
-    def __init__(self, redis: Redis, keys: GrammarKeys, *, entries: int = 256) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: GrammarKeys,
+        *,
+        entries: int = 256,
+        tokenizer_wait_s: float = 5.0,
+        redis_retry_s: float = 3.0,
+    ) -> None:
         self.redis = redis
         self.keys = keys
         self.entries = max(1, entries)
+        self.tokenizer_wait_s = tokenizer_wait_s
+        self.redis_retry_s = redis_retry_s
         self._grammars: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._tokenizers: dict[str, Any] = {}  # hash -> xgrammar TokenizerInfo
         self._loading: dict[str, asyncio.Task[CompiledGrammar]] = {}
@@ -86,17 +106,28 @@ class GrammarLoader:
     async def _tokenizer(self, tokenizer_hash: str) -> Any:
         info = self._tokenizers.get(tokenizer_hash)
         if info is None:
-            raw = await self._get(self.keys.tokenizer(tokenizer_hash))
-            if raw is None:
-                raise GrammarUnavailable(f"tokenizer {tokenizer_hash} is not in the grammar cache")
-            info = await asyncio.to_thread(_deserialize_tokenizer, raw)
+            name = self.keys.tokenizer(tokenizer_hash)
+            deadline = time.monotonic() + self.tokenizer_wait_s
+            while (raw := await self._get(name)) is None:
+                if time.monotonic() >= deadline:
+                    raise GrammarUnavailable(
+                        f"tokenizer {tokenizer_hash} is not in the grammar cache "
+                        f"(waited {self.tokenizer_wait_s:.0f} s for the grammar service)"
+                    )
+                await asyncio.sleep(TOKENIZER_POLL_S)
+            try:
+                info = await asyncio.to_thread(_deserialize_tokenizer, raw)
+            except Exception as exc:
+                raise GrammarUnavailable(
+                    f"tokenizer {tokenizer_hash} does not load: {exc}"
+                ) from None
             self._tokenizers[tokenizer_hash] = info
         return info
 
     async def _get(self, name: str) -> bytes | None:
         try:
-            value = await self.redis.get(name)
-        except (RedisError, OSError) as exc:
+            value = await retry("grammar load", lambda: self.redis.get(name), self.redis_retry_s)
+        except (BusUnavailable, RedisError, OSError) as exc:
             raise GrammarUnavailable(f"the grammar cache is unreachable: {exc}") from None
         return value.encode() if isinstance(value, str) else value
 

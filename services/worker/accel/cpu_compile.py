@@ -8,10 +8,9 @@ attention stays the eager paged path behind an opaque op (bound_attention.py), s
 serves every step: decode batches, prefill chunks and mixed steps, of any size (the token
 count is unbacked, so size 1 is not specialised into a graph of its own).
 
-Measured on the 2-core dev VM (SmolLM2-135M bf16, batch-8 decode): the forward takes ~24-28 ms
-compiled vs ~41 ms eager (bench/worker_step.py --compile). Compiling takes 26-29 s at every
-start-up (frozen graphs bypass inductor's on-disk graph cache; a second start measured no
-faster).
+The compiled forward is the faster one on small-model CPU decode steps. Compiling takes tens of
+seconds at every start-up: frozen graphs bypass inductor's on-disk graph cache, so a second
+start is no faster.
 
 Numerics: fused chains keep fp32 intermediates that eager bf16 rounds, so outputs are close to
 the eager path, not bit-identical (as in vLLM, whose CPU backend compiles the same way).
@@ -71,9 +70,8 @@ class CompiledForward:
         # unpacked aten.mm). Nothing else in the worker compiles, so setting it globally is safe.
         inductor_config.freezing = True
         # The graph's wrapper (the code calling each kernel and op in turn) in C++, not
-        # Python: ~300 calls a step, a few microseconds of interpreter each. Measured
-        # (bench/worker_step.py --compile, batch 8, alternating): 28.9 vs 32.4 ms a step;
-        # warm-up takes ~12 s longer (the wrapper is compiled too).
+        # Python: hundreds of calls a step, each paying the interpreter otherwise. Steps are
+        # faster; warm-up is longer (the wrapper is compiled too).
         inductor_config.cpp_wrapper = True
         self._forward = torch.compile(model.forward, dynamic=False)
         self._logits = torch.compile(model.compute_logits, dynamic=False)

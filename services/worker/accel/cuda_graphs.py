@@ -1,7 +1,7 @@
 """CUDA graphs for decode-only steps: one graph per padded batch size, replayed every step.
 
-A decode step of an 8B model is a few hundred kernel launches of 2-30 us each; launched from
-Python they would cost more than the GPU time. So the forward of a step in which every
+A decode step of an 8B model is a few hundred short kernel launches; launched from Python they
+would cost more than the GPU time. So the forward of a step in which every
 scheduled request computes exactly one token is captured once per size in `GRAPH_SIZES` and
 replayed; a step of n requests runs the graph of the smallest captured size >= n, with the
 extra rows padded. Steps with prefill chunks or draft tokens run eagerly (`fits` says which).
@@ -128,8 +128,8 @@ class DecodeGraphs:
 
         ids = self.static["input_ids"][:size]
         if self.latest is not None:
-            reads_fed_ids = getattr(self.model, "reads_fed_ids", None)
-            if reads_fed_ids is not None and reads_fed_ids(size):
+            chain = self.model.decode_chain
+            if chain is not None and chain.reads_fed_ids(size):
                 meta.fed_tokens = self.latest  # its first kernel reads them (decode_chain.py)
             else:
                 feed_token_ids_(ids, self.latest)

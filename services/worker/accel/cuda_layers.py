@@ -2,10 +2,11 @@
 down projection with its SiLU fused into the GEMV, and one SiLU-and-multiply kernel for the
 gated MLP's larger steps.
 
-`install_cuda_kernels(model)` re-classes the model's plain `nn.Linear`, `RMSNorm` and
-`GatedMLP` modules in place (same parameters, same state_dict names), so every model family
-gets the kernels without its files naming a device. Each forward still falls back to PyTorch
-for what the kernel does not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job:
+`TRITON` is the `LayerImpls` (models/layer_impls.py) a model is built with to run them: the
+model families build their Linear, RMSNorm and GatedMLP from it, and get these subclasses of
+the reference modules (same parameters, same state_dict names), plus the decode chain
+(decode_chain.py) where the loaded model fits it. Each forward still falls back to PyTorch for
+what the kernel does not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job:
 cuBLAS), a dtype mismatch, a norm over a non-contiguous tensor, an activation other than SiLU.
 
 Numerics: the RMSNorm kernel rounds exactly as transformers' Llama does (see
@@ -15,14 +16,21 @@ fp32 model equal the CPU reference, and bf16 logits stay within bf16 rounding of
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.models.layer_impls import LayerImpls
 from services.worker.models.layers import GatedMLP, RMSNorm
 
-# kernels.decode_chain.gemv's limits, restated so importing this module does not import Triton (the
-# kernel modules bind to the compiler or the interpreter at import; see attention_select.py).
+if TYPE_CHECKING:
+    from services.worker.accel.decode_chain import DecodeChain
+    from services.worker.models.base import CausalLM
+
+# kernels.decode_chain.gemv's limits, restated so importing this module does not import Triton
+# (the kernel modules bind to the compiler or the interpreter at import; see attention/select.py).
 GEMV_MAX_ROWS = 16
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -103,26 +111,17 @@ class TritonRMSNorm(RMSNorm):
         return normed.view(x.shape), new_residual
 
 
-def install_cuda_kernels(model: nn.Module) -> dict[str, int]:
-    """Re-class plain nn.Linear / RMSNorm modules under `model`, and a plain Llama model to the
-    decode chain (decode_chain.py); returns how many of each.
+def _decode_chain_for(model: CausalLM) -> DecodeChain | None:
+    # Imported here: decode_chain.py builds on this module's classes.
+    from services.worker.accel.decode_chain import decode_chain_for
 
-    Only exact types are touched: a subclass (a packed CPU linear, a family's own norm) keeps
-    its behaviour."""
-    counts = {"linear": 0, "rmsnorm": 0, "gated_mlp": 0}
-    for module in model.modules():
-        if type(module) is GatedMLP:
-            module.__class__ = GemvGatedMLP
-            counts["gated_mlp"] += 1
-        elif type(module) is nn.Linear:
-            module.__class__ = GemvLinear
-            counts["linear"] += 1
-        elif type(module) is RMSNorm:
-            module.__class__ = TritonRMSNorm
-            counts["rmsnorm"] += 1
-    from services.worker.accel.decode_chain import (
-        install_decode_chain,  # it builds on these classes
-    )
+    return decode_chain_for(model)
 
-    counts["decode_chain"] = int(install_decode_chain(model))
-    return counts
+
+TRITON = LayerImpls(
+    "triton",
+    linear_cls=GemvLinear,
+    norm_cls=TritonRMSNorm,
+    gated_mlp_cls=GemvGatedMLP,
+    decode_chain_for=_decode_chain_for,
+)

@@ -15,11 +15,12 @@ decode, plain qkv projections), each layer's attention also runs from the qkv GE
 partials in one kernel (kernels/decode_chain/decode_from_qkv.py: the reduce, RoPE + KV insert and
 the decode attention; bit-identical to the three launches): 7 launches a layer instead of 9.
 
-It needs the next norm's weight inside a layer, so it is a model-level forward: installed on a
-plain `LlamaForCausalLM` (Llama, Mistral, Qwen2/3) whose layers all have the re-classed CUDA
-modules of cuda_layers.py, no bias on o/down, and a SiLU MLP; other families and models keep
-their own forward. At run time it takes steps of 1..16 rows on CUDA (the GEMV's range) and
-leaves larger steps to the layer-by-layer forward (cuBLAS GEMMs).
+It needs the next norm's weight inside a layer, so it is a model-level forward: the loader sets
+`model.decode_chain = decode_chain_for(model)` (through cuda_layers.TRITON) on a plain
+`LlamaForCausalLM` (Llama, Mistral, Qwen2/3) built with the CUDA layers of cuda_layers.py, with
+no bias on o/down and a SiLU MLP (`chain_fits`); other families and models keep None. The
+model's `forward` hands it the steps it `takes`: 1..16 rows on CUDA (the GEMV's range); larger
+steps run the layer-by-layer forward (cuBLAS GEMMs).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from services.worker.models.base import per_layer_metadata
 from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
-def chain_fits(model: LlamaForCausalLM) -> bool:
-    """Whether every layer of `model` has the structure the chain runs (see the module doc)."""
-    if not isinstance(model, LlamaForCausalLM) or type(model.norm) is not TritonRMSNorm:
+def chain_fits(model: torch.nn.Module) -> bool:
+    """Whether `model` and every layer of it have the structure the chain runs (see the module
+    doc). Exactly LlamaForCausalLM: a family's subclass changes the embedding or the layers."""
+    if type(model) is not LlamaForCausalLM or type(model.norm) is not TritonRMSNorm:
         return False
     dtype = model.norm.weight.dtype
     return dtype in GEMV_DTYPES and all(_layer_fits(layer, dtype) for layer in model.layers)
@@ -112,7 +114,7 @@ def _attends(
     """Per layer: normed hidden -> attention output. The fused attention reads each
     position's RoPE row from the model's cos | sin table itself (no per-step lookup)."""
     layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
-    if FUSED_ATTENTION_DEFAULT and fused_attention_takes(model, attn, rows):
+    if fused_attention_takes(model, attn, rows):
         if len(kv_caches) != len(layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} layers")
         metas = per_layer_metadata(attn, len(layers))
@@ -201,13 +203,21 @@ def chain_takes(input_ids: torch.Tensor) -> bool:
     return input_ids.is_cuda and input_ids.dim() == 1 and 1 <= input_ids.shape[0] <= GEMV_MAX_ROWS
 
 
-class DecodeChainLlama(LlamaForCausalLM):
-    """LlamaForCausalLM whose decode-sized CUDA steps run `chain_forward`."""
+class DecodeChain:
+    """The decode chain of one loaded model: what `LlamaForCausalLM.forward` consults."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+
+    def takes(self, input_ids: torch.Tensor) -> bool:
+        # The chain returns the final hidden state only: EAGLE-3's auxiliary layer states
+        # (aux_hidden_layers) come from the layer-by-layer forward.
+        return not self.model.aux_hidden_layers and chain_takes(input_ids)
 
     def reads_fed_ids(self, num_tokens: int) -> bool:
         """Whether a CUDA decode graph of `num_tokens` rows runs the chain, whose first kernel
         reads fed token ids itself (TritonAttentionMetadata.fed_tokens; cuda_graphs.py)."""
-        return DECODE_CHAIN_DEFAULT and 1 <= num_tokens <= GEMV_MAX_ROWS
+        return not self.model.aux_hidden_layers and 1 <= num_tokens <= GEMV_MAX_ROWS
 
     def forward(
         self,
@@ -216,20 +226,13 @@ class DecodeChainLlama(LlamaForCausalLM):
         attn: AttentionMetadata | Sequence[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        if DECODE_CHAIN_DEFAULT and chain_takes(input_ids):
-            return chain_forward(self, input_ids, positions, attn, kv_caches)
-        return super().forward(input_ids, positions, attn, kv_caches)
+        return chain_forward(self.model, input_ids, positions, attn, kv_caches)
 
 
-def install_decode_chain(model: torch.nn.Module) -> bool:
-    """Re-class a plain LlamaForCausalLM that `chain_fits` (after install_cuda_kernels)."""
-    if type(model) is not LlamaForCausalLM or not chain_fits(model):
-        return False
-    model.__class__ = DecodeChainLlama
-    return True
-
-
-# On by default; False runs every step layer by layer (for A/B runs on the GPU).
-DECODE_CHAIN_DEFAULT = True
-# On by default; False keeps the three launches of the chain's attention (A/B runs).
-FUSED_ATTENTION_DEFAULT = True
+def decode_chain_for(model: torch.nn.Module) -> DecodeChain | None:
+    """The chain of a loaded model (weights in place: their dtypes are checked), or None
+    where it does not fit."""
+    if not chain_fits(model):
+        return None
+    assert isinstance(model, LlamaForCausalLM)
+    return DecodeChain(model)

@@ -239,8 +239,8 @@ def _gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Ten
     """[2, len(block_ids), block_size * kv_heads * head_dim]: whole blocks copied as rows.
 
     One index_select along dim 0 of the [2 * num_blocks, block] view (K rows, then the same
-    blocks' V rows): a plain row copy, faster than selecting along dim 1 of a
-    [2, num_blocks, block] view and much faster than advanced indexing."""
+    blocks' V rows): a plain row copy, faster on CPU than selecting along dim 1 of a
+    [2, num_blocks, block] view, and than advanced indexing."""
     num_blocks = kv_cache.shape[1]
     rows = torch.cat((block_ids, block_ids + num_blocks))
     return kv_cache.view(2 * num_blocks, -1).index_select(0, rows).view(2, len(block_ids), -1)

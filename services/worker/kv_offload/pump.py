@@ -4,13 +4,15 @@ stream and copies finished loads into the KV cache while no step runs.
 The scheduler does not schedule a loading request until its load is reported, and it may have
 nothing else to run, so a load must complete between steps too: the transfer threads wake this
 pump (thread-safe), which takes the step lock (no forward in flight), applies the ready loads
-and publishes. A message that fails to publish is kept and retried on the next wake-up or at
-close: every transfer must be answered exactly once, or a request would wait forever.
+and publishes. A message that fails to publish is kept and retried on the next wake-up, every
+second while any is kept, and at close: every transfer must be answered exactly once, or a
+request would wait forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -26,6 +28,8 @@ from shared.metrics import metric_name
 from shared.protocol import KVTransferDone
 
 log = logging.getLogger(__name__)
+
+RETRY_UNSENT_S = 1.0
 
 KV_TRANSFERS = Counter(
     metric_name("worker_kv_transfers_total"), "KV offload transfers finished", ["kind", "result"]
@@ -71,7 +75,11 @@ class KVTransferPump:
 
     async def run(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
-            await self._wake.wait()
+            # Messages that failed to publish (Redis away) are retried every RETRY_UNSENT_S
+            # too: after an outage, nothing else may ever wake the pump again.
+            timeout = RETRY_UNSENT_S if self._unsent else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             await self.step()
 

@@ -38,6 +38,19 @@ class CheckpointError(ValueError):
     """The checkpoint's tensors do not fit the model (missing, unexpected or misshapen)."""
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_layer_index(hf_name: str, num_hidden_layers: int) -> int | None:
+    """k when `hf_name` belongs to MTP module k of a model with `num_hidden_layers` decoder
+    layers (DeepSeek-V3's spelling: `model.layers.{num_hidden_layers + k}.*`), else None. The
+    model's loader skips these; services/worker/spec/mtp.py reads them."""
+    match = _LAYER.match(hf_name)
+    if match is None or int(match[1]) < num_hidden_layers:
+        return None
+    return int(match[1]) - num_hidden_layers
+
+
 def our_name(hf_name: str) -> tuple[str, str, int] | None:
     """(our parameter name, fused module or '', shard index) for an HF name; None to skip.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,6 +17,9 @@ from services.worker.attention.reference import AttentionMetadata
 from services.worker.models.rope import RotaryEmbedding
 from shared.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    from services.worker.accel.decode_chain import DecodeChain
+
 
 class CausalLM(nn.Module):
     config: ModelConfig
@@ -23,6 +27,10 @@ class CausalLM(nn.Module):
     rotary: RotaryEmbedding
     embed_tokens: nn.Embedding
     lm_head: nn.Module | None  # None: tied, the embedding matrix projects the logits
+    aux_hidden_layers: tuple[int, ...] = ()  # see forward
+    # The fused forward of decode-sized steps, set at load where the model fits it
+    # (services/worker/accel/decode_chain.py); None: every step runs layer by layer.
+    decode_chain: DecodeChain | None = None
 
     @abstractmethod
     def forward(
@@ -35,7 +43,10 @@ class CausalLM(nn.Module):
         """input_ids, positions [T] of one flat batch -> final hidden states [T, hidden].
 
         `attn` is one metadata shared by every layer, or one per layer (layers of different KV
-        cache groups have different block tables and windows)."""
+        cache groups have different block tables and windows). A model with a non-empty
+        `aux_hidden_layers` (set for EAGLE-3 drafting) returns [T, (1 + n) * hidden] instead:
+        the final hidden states, then the residual stream entering each listed layer, in the
+        list's order (`split_aux_hidden` takes them apart)."""
 
     def materialize_rotary(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Compute every RoPE table of the model (some families have one per layer type)."""
@@ -46,6 +57,15 @@ class CausalLM(nn.Module):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden] of the rows being sampled -> logits [R, vocab]."""
+
+
+def split_aux_hidden(
+    out: torch.Tensor, hidden_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(final hidden [T, H], auxiliary layer states [T, n * H] or None) of a forward's output."""
+    if out.shape[-1] == hidden_size:
+        return out, None
+    return out[:, :hidden_size], out[:, hidden_size:]
 
 
 def per_layer_metadata(

@@ -11,25 +11,27 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.models.layers import GemmaRMSNorm, RMSNorm
-from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from services.worker.models.layer_impls import REFERENCE, LayerImpls
+from services.worker.models.layers import GemmaRMSNorm
+from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from shared.model.config import ModelConfig
 
 
-class GemmaAttention(LlamaAttention):
-    norm_cls = GemmaRMSNorm
+def gemma_impls(impls: LayerImpls) -> LayerImpls:
+    """Gemma's (1 + w) norm has no kernel: every norm of the model (layers, q/k, final) is
+    the reference GemmaRMSNorm on every device; the linears and the MLP are `impls`'."""
+    return impls.with_norm(GemmaRMSNorm)
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
-    attention_cls = GemmaAttention
-
-    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
-        super().__init__(config, layer_idx)
+    def __init__(
+        self, config: ModelConfig, layer_idx: int = 0, impls: LayerImpls = REFERENCE
+    ) -> None:
+        impls = gemma_impls(impls)
+        super().__init__(config, layer_idx, impls)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm: RMSNorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm: RMSNorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = impls.rms_norm(size, eps)
+        self.post_feedforward_layernorm = impls.rms_norm(size, eps)
 
     def mlp_input(
         self, attn_out: torch.Tensor, residual: torch.Tensor
@@ -45,10 +47,11 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = GemmaDecoderLayer
-    norm_cls = GemmaRMSNorm
 
-    def __init__(self, config: ModelConfig, max_model_len: int = 0) -> None:
-        super().__init__(config, max_model_len)
+    def __init__(
+        self, config: ModelConfig, max_model_len: int = 0, impls: LayerImpls = REFERENCE
+    ) -> None:
+        super().__init__(config, max_model_len, gemma_impls(impls))
         self.embed_scale = config.hidden_size**0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -61,16 +61,22 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`,
-    rows [gate; up]); the loader concatenates the checkpoint's two weights."""
+    rows [gate; up]); the loader concatenates the checkpoint's two weights. `linear_cls` builds
+    the two projections (layer_impls.py: the reference or a kernel's nn.Linear)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        act: str = "silu",
+        linear_cls: type[nn.Linear] = nn.Linear,
     ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.act = ACTIVATIONS[act]
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = linear_cls(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = linear_cls(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

@@ -12,6 +12,11 @@ The other dense families are this model with config switches (Qwen2: q/k/v biase
 norms; Mistral: sliding windows, which live in the per-layer attention metadata), and the MoE
 families swap the MLP through `LlamaDecoderLayer.build_mlp`; Gemma overrides the norms and the
 layer's residual wiring. So the attention and the decoder loop are written once, here.
+
+What runs is chosen when the model is built: every Linear, RMSNorm and gated MLP comes from the
+`LayerImpls` passed in (layer_impls.py: the PyTorch reference, or the Triton layers on CUDA),
+and `forward` hands decode-sized steps to `decode_chain` where the loader set one
+(services/worker/accel/decode_chain.py); otherwise it runs the layers one by one.
 """
 
 from __future__ import annotations
@@ -24,15 +29,14 @@ from torch import nn
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata, rotary_attention
 from services.worker.models.base import CausalLM, per_layer_metadata
-from services.worker.models.layers import GatedMLP, RMSNorm
+from services.worker.models.layer_impls import REFERENCE, LayerImpls
+from services.worker.models.layers import RMSNorm
 from services.worker.models.rope import RotaryEmbedding
 from shared.model.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    norm_cls: type[RMSNorm] = RMSNorm
-
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, impls: LayerImpls = REFERENCE) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -40,17 +44,17 @@ class LlamaAttention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = impls.linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=config.attention_bias or config.qkv_bias,
         )  # rows [q; k; v]
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = impls.linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
-            self.k_norm = self.norm_cls(self.head_dim, config.rms_norm_eps)
+            self.q_norm = impls.rms_norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = impls.rms_norm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -92,19 +96,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    attention_cls: type[LlamaAttention] = LlamaAttention
-
-    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int = 0, impls: LayerImpls = REFERENCE
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = self.attention_cls(config)
-        self.mlp = self.build_mlp(config, layer_idx)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, impls)
+        self.mlp = self.build_mlp(config, layer_idx, impls)
+        self.input_layernorm = impls.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = impls.rms_norm(config.hidden_size, config.rms_norm_eps)
 
-    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+    def build_mlp(self, config: ModelConfig, layer_idx: int, impls: LayerImpls) -> nn.Module:
         """The layer's MLP; MoE families return a sparse block for their sparse layers."""
-        return GatedMLP(
+        return impls.gated_mlp(
             config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act
         )
 
@@ -138,22 +142,25 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
-    norm_cls: type[RMSNorm] = RMSNorm
 
-    def __init__(self, config: ModelConfig, max_model_len: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, max_model_len: int = 0, impls: LayerImpls = REFERENCE
+    ) -> None:
         super().__init__()
         self.config = config
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i, impls) for i in range(config.num_hidden_layers)
         )
-        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.norm = impls.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else impls.linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # Set by the loader once the weights are in place (impls.decode_chain_for).
+        self.decode_chain = None
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope, self.max_model_len, config.max_position_embeddings
         )
@@ -169,6 +176,9 @@ class LlamaForCausalLM(CausalLM):
         self._local_layers = frozenset(
             i for i, t in enumerate(config.layer_types) if t == "sliding_attention"
         )
+        # EAGLE-3 drafting (services/worker/spec/eagle3.py) reads the residual stream entering
+        # these layers; empty = forward returns the final hidden state alone.
+        self.aux_hidden_layers: tuple[int, ...] = ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
@@ -180,12 +190,21 @@ class LlamaForCausalLM(CausalLM):
         attn: AttentionMetadata | Sequence[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        if self.decode_chain is not None and self.decode_chain.takes(input_ids):
+            return self.decode_chain.forward(input_ids, positions, attn, kv_caches)
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         layer_inputs = self.layer_inputs(positions, attn, kv_caches)
-        for layer, (cos, sin, meta, kv_cache) in zip(self.layers, layer_inputs, strict=True):
+        aux: dict[int, torch.Tensor] = {}
+        for i, (layer, (cos, sin, meta, kv_cache)) in enumerate(
+            zip(self.layers, layer_inputs, strict=True)
+        ):
+            if i in self.aux_hidden_layers:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, cos, sin, meta, kv_cache)
         hidden, _ = self.norm(hidden, residual)
+        if self.aux_hidden_layers:  # one tensor, so CUDA graphs capture it as any output
+            return torch.cat([hidden, *(aux[i] for i in self.aux_hidden_layers)], dim=-1)
         return hidden
 
     def layer_inputs(

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.models.layer_impls import REFERENCE, LayerImpls
 from services.worker.models.layers import ACTIVATIONS, GatedMLP
 from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from services.worker.runner.routed_experts import RoutedExpertsRecorder
@@ -82,22 +83,25 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The router and the shared expert are `impls`' layers; the routed experts run the
+    grouped PyTorch path on CPU and the fused-MoE kernel on CUDA (by the input's device)."""
+
+    def __init__(self, config: ModelConfig, impls: LayerImpls = REFERENCE) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.act = config.hidden_act
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate = impls.linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = StackedExperts(
             config.num_experts, config.hidden_size, config.moe_intermediate_size
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(
+            self.shared_expert = impls.gated_mlp(
                 config.hidden_size, config.shared_expert_intermediate_size, act=config.hidden_act
             )
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert_gate = impls.linear(config.hidden_size, 1, bias=False)
         # Set by the model: where this block's routed ids go, and its index among MoE layers.
         self.recorder: RoutedExpertsRecorder | None = None
         self.moe_index = 0
@@ -120,10 +124,10 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
-    def build_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+    def build_mlp(self, config: ModelConfig, layer_idx: int, impls: LayerImpls) -> nn.Module:
         if layer_idx in config.moe_layers:
-            return SparseMoeBlock(config)
-        return super().build_mlp(config, layer_idx)
+            return SparseMoeBlock(config, impls)
+        return super().build_mlp(config, layer_idx, impls)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -132,8 +136,10 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     decoder_layer_cls = MoeDecoderLayer
 
-    def __init__(self, config: ModelConfig, max_model_len: int = 0) -> None:
-        super().__init__(config, max_model_len)
+    def __init__(
+        self, config: ModelConfig, max_model_len: int = 0, impls: LayerImpls = REFERENCE
+    ) -> None:
+        super().__init__(config, max_model_len, impls)
         self.routed_experts = RoutedExpertsRecorder(
             len(config.moe_layers), config.num_experts_per_tok
         )

@@ -2,11 +2,10 @@
 
 `F.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout on every call;
 packing once (`mkldnn._reorder_linear_weight`) and calling `mkldnn._linear_pointwise` skips
-that. Measured on the 2-core dev machine with SmolLM2 shapes: 1.5-3x faster for decode
-batches of 1-8 rows and ~1.2-1.7x for 256-row prefill chunks; outputs equal `F.linear` to the
-last bf16 bit in nearly every element. These are private PyTorch ops (the ones inductor's CPU
-freezing uses), so packing is probed first and skipped, keeping plain `nn.Linear`, wherever
-they are missing or disagree.
+that, which is faster for decode batches and prefill chunks alike (SmolLM2 shapes on the dev
+machine); outputs equal `F.linear` to the last bf16 bit in nearly every element. These are
+private PyTorch ops (the ones inductor's CPU freezing uses), so packing is probed first and
+skipped, keeping plain `nn.Linear`, wherever they are missing or disagree.
 """
 
 from __future__ import annotations

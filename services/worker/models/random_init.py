@@ -19,8 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.loader import prepare_for_device, resolve_dtype
+from services.worker.loader import (
+    finish_loading,
+    layer_impls_for,
+    prepare_for_device,
+    resolve_dtype,
+)
 from services.worker.models.base import CausalLM
+from services.worker.models.layer_impls import LayerImpls
 from services.worker.models.registry import build_model
 from shared.model.config import ModelConfig
 from shared.model.source import ModelSource
@@ -121,21 +127,23 @@ def build_random_model(
     std: float = 0.02,
     seed: int = 0,
     compiled: bool = False,
+    impls: LayerImpls | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
-    """(model in eval mode on `device` with random weights, its config); `compiled` as in
-    load_model."""
+    """(model in eval mode on `device` with random weights, its config); `compiled` and
+    `impls` as in load_model."""
     if not isinstance(config, ModelConfig):
         config = ModelConfig.from_hf_dict(config)
     device = torch.device(device)
+    impls = impls or layer_impls_for(device)
     with torch.device("meta"):
-        model = build_model(config, max_model_len=max_model_len).to(dtype)
+        model = build_model(config, max_model_len=max_model_len, impls=impls).to(dtype)
     model = model.to_empty(device=device)  # allocated once, in the serving dtype
     init_random_(model, std=std, seed=seed)
     # Every RoPE table (families with per-layer-type tables name theirs in materialize_rotary).
     materialize = getattr(model, "materialize_rotary", None) or model.rotary.materialize
     materialize(device, dtype)
     prepare_for_device(model, dtype, device, compiled)  # the layout a loaded model gets
-    model.eval().requires_grad_(False)
+    finish_loading(model, impls)
     return model, config
 
 

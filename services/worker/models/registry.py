@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from services.worker.models.base import CausalLM
+    from services.worker.models.layer_impls import LayerImpls
     from shared.model.config import ModelConfig
 
 # The dense Llama-shaped families differ only by ModelConfig switches (q/k/v biases, q/k norms,
@@ -44,6 +45,12 @@ def model_class(architecture: str) -> type[CausalLM]:
     return getattr(importlib.import_module(module_name), class_name)  # type: ignore[no-any-return]
 
 
-def build_model(config: ModelConfig, max_model_len: int = 0) -> CausalLM:
-    """An un-initialised model (call under `torch.device('meta')` to allocate nothing)."""
-    return model_class(config.architecture)(config, max_model_len=max_model_len)  # type: ignore[call-arg]
+def build_model(
+    config: ModelConfig, max_model_len: int = 0, impls: LayerImpls | None = None
+) -> CausalLM:
+    """An un-initialised model (call under `torch.device('meta')` to allocate nothing) whose
+    layers are `impls`' (layer_impls.py; None: the PyTorch reference)."""
+    from services.worker.models.layer_impls import REFERENCE
+
+    cls = model_class(config.architecture)
+    return cls(config, max_model_len=max_model_len, impls=impls or REFERENCE)  # type: ignore[call-arg]

@@ -34,8 +34,10 @@ def build_runner(
     the model has computed something), and describe the result for the scheduler."""
     t0 = time.monotonic()
     device = pick_device(settings.device)
+    # MTP drafts with layers of the target's own checkpoint: its directory unless told.
+    spec_model = settings.spec_model or (str(source.path) if settings.spec_method == "mtp" else "")
     spec = SpeculativeConfig(
-        method=settings.spec_method, num_spec_tokens=settings.spec_tokens, model=settings.spec_model
+        method=settings.spec_method, num_spec_tokens=settings.spec_tokens, model=spec_model
     )
     # Drafters call the target's own modules eagerly, so speculative runs stay eager.
     compiled = settings.cpu_compile != "off" and device.type == "cpu" and not spec.enabled

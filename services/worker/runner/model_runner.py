@@ -34,7 +34,6 @@ import torch
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
-from services.worker.accel.cuda_layers import install_cuda_kernels
 from services.worker.attention.groups import group_attention, needs_group_attention
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import (
@@ -43,7 +42,7 @@ from services.worker.attention.select import (
     build_attention_metadata,
     cpu_decode_kernel,
 )
-from services.worker.models.base import CausalLM
+from services.worker.models.base import CausalLM, split_aux_hidden
 from services.worker.runner.in_flight import InFlightTokens, PendingFeed, fed_id
 from services.worker.runner.input_batch import InputBatch, PlanError
 from services.worker.runner.kv_cache import KVCache
@@ -158,10 +157,8 @@ class ModelRunner:
             else None
         )
         self.compiled = CompiledForward(model) if compiled else None
-        # CUDA: Triton norm/GEMV layers; decode steps replay CUDA graphs once captured.
+        # CUDA: decode steps replay CUDA graphs once captured.
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
-            install_cuda_kernels(model)
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         self.kv_connector: KVConnector | None = None
         # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
@@ -264,6 +261,8 @@ class ModelRunner:
         for row in changes.removed_rows:
             self.sampler.remove_request(row)
             self.feed.drop(row)
+            if self.drafter is not None:
+                self.drafter.release(row)
         for row, new in changes.added:
             try:
                 self.sampler.add_request(
@@ -285,6 +284,8 @@ class ModelRunner:
             row = self.batch.remove(request_id)
             if row is not None:
                 self.sampler.remove_request(row)
+                if self.drafter is not None:
+                    self.drafter.release(row)
         if self.kv_connector is not None:  # pending loads/stores are reported failed
             self.kv_connector.reset()
 
@@ -303,7 +304,12 @@ class ModelRunner:
         starts = batch.num_computed_tokens[rows]
         ends = starts + counts
         known = batch.num_tokens[rows] + self.feed.pending(rows)  # + a token still on the device
-        num_drafts = stage_drafts(batch, plan, ids, rows) if plan.spec_token_ids else None
+        # Rows may hold sampled drafts the plan did not carry: those are verified too
+        # (services/worker/spec/proposals.py), so the step takes the verification path.
+        verifying = plan.spec_token_ids or (
+            self.drafter is not None and self.drafter.book.has_sampled
+        )
+        num_drafts = stage_drafts(batch, plan, ids, rows) if verifying else None
         if num_drafts is not None:
             known = known + num_drafts  # drafts are this step's inputs after the known tokens
         self._check(ids, counts, ends, known, rows)
@@ -363,14 +369,17 @@ class ModelRunner:
             if sample_idx.size and inputs.num_drafts is None
             else None
         )
-        hidden = self._forward(inputs, eager=bool(recording))
+        hidden, aux = split_aux_hidden(
+            self._forward(inputs, eager=bool(recording)), self.config.hidden_size
+        )
         if recording:
             self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
         if inputs.num_drafts is not None:
-            return self._propose(verify_and_sample(self, hidden, inputs, plan), hidden, inputs)
+            sampled = verify_and_sample(self, hidden, inputs, plan)
+            return self._propose(sampled, hidden, aux, inputs)
         if sampler_rows is None:
-            return self._propose([], hidden, inputs)
+            return self._propose([], hidden, aux, inputs)
         last_rows = np.cumsum(inputs.query_lens)[sample_idx] - 1
         if len(last_rows) == hidden.shape[0] and last_rows[-1] == len(last_rows) - 1:
             last = hidden  # every row is one token, sampled (a decode-only step): no gather
@@ -396,20 +405,26 @@ class ModelRunner:
         self.feed.launched(tokens)
         if self.drafter is None:
             return tokens
-        return self._propose(self._land(tokens), hidden, inputs)
+        return self._propose(self._land(tokens), hidden, aux, inputs)
 
     def _propose(
-        self, sampled: list[SampledTokens], hidden: torch.Tensor, inputs: StepInputs
+        self,
+        sampled: list[SampledTokens],
+        hidden: torch.Tensor,
+        aux: torch.Tensor | None,
+        inputs: StepInputs,
     ) -> list[SampledTokens]:
-        """Attach each sampled request's drafts for its next step (speculative decoding). An
-        EAGLE drafter first takes the step's hidden states (every row, sampled or not)."""
+        """Attach each sampled request's drafts for its next step (speculative decoding). A
+        feature drafter (EAGLE, EAGLE-3, MTP) first takes the step's hidden states (every row,
+        sampled or not; `aux`: the target's auxiliary layer states, for EAGLE-3)."""
         if self.drafter is None:
             return sampled
-        self.drafter.observe(self.batch, hidden, inputs.rows, inputs.query_lens, inputs.seq_lens)
+        batch = self.batch
+        self.drafter.observe(batch, hidden, aux, inputs.rows, inputs.query_lens, inputs.seq_lens)
         if not sampled:
             return sampled
-        rows = np.array([self.batch.req_rows[s.request_id] for s in sampled], dtype=np.int64)
-        for s, drafts in zip(sampled, self.drafter.propose(self.batch, rows), strict=True):
+        rows = np.array([batch.req_rows[s.request_id] for s in sampled], dtype=np.int64)
+        for s, drafts in zip(sampled, self.drafter.propose(batch, rows, self.sampler), strict=True):
             if drafts:
                 s.draft_token_ids = drafts
         return sampled
@@ -423,7 +438,7 @@ class ModelRunner:
         if (
             self.graphs is not None
             and not eager
-            and inputs.num_drafts is None
+            and (inputs.num_drafts is None or not inputs.num_drafts.any())
             and not needs_group_attention(self.kv_groups)
             and self.graphs.fits(inputs.query_lens)
         ):
@@ -516,7 +531,7 @@ class ModelRunner:
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
         # model_construct: the values are ints and floats this process just made, so pydantic's
-        # per-item validation, a cost per message and step, is skipped on this per-step path.
+        # per-item validation is skipped on this per-step path.
         pairs = zip(step.request_ids, tokens.tolist(), strict=True)
         for i, (request_id, token) in enumerate(pairs):
             fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}
@@ -595,7 +610,8 @@ class ModelRunner:
         )
         positions = np.arange(num_tokens)
         ids = positions % self.config.vocab_size
-        hidden = self.model_forward(self._to_device(ids), self._to_device(positions), attn)
+        out = self.model_forward(self._to_device(ids), self._to_device(positions), attn)
+        hidden, _ = split_aux_hidden(out, self.config.hidden_size)
         self.compute_logits(hidden[self._to_device(positions[-1:])])  # gathered, as _run does
         num_decodes = max(1, min(num_decodes, self.batch.max_num_reqs))
         decode_lens = np.full(num_decodes, num_tokens)
@@ -605,9 +621,10 @@ class ModelRunner:
             block_tables=np.repeat(table, num_decodes, axis=0),
             slot_mapping=np.full(num_decodes, num_tokens - 1),
         )
-        hidden = self.model_forward(
+        out = self.model_forward(
             self._to_device(ids[-1:].repeat(num_decodes)), self._to_device(decode_lens - 1), attn
         )
+        hidden, _ = split_aux_hidden(out, self.config.hidden_size)
         logits = self.compute_logits(hidden)
         if not bool(torch.isfinite(logits).all()):
             raise RuntimeError("profile run produced non-finite logits")

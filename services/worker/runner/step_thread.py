@@ -3,8 +3,8 @@
 torch's CPU kernels parallelise with OpenMP, and an OpenMP runtime keeps one team of threads
 per calling OS thread. `asyncio.to_thread` hands successive calls to whichever thread of the
 default executor is free, so consecutive steps ran on different threads, each with its own team
-of `num_threads` spinning workers: two teams then fight over the cores, and with as many
-threads as cores every step slows down. Every forward, warmup and KV copy of the
+of `num_threads` spinning workers: on a 2-core machine two teams fought over the cores and
+every step slowed down. Every forward, warmup and KV copy of the
 worker goes through this single thread instead, so one team serves them all (and CUDA work is
 issued from one thread, in order).
 """

@@ -53,6 +53,12 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] float32, logprob of the sampled token
     top_token_ids: torch.Tensor | None = None  # [B, k] int64
     top_logprobs: torch.Tensor | None = None  # [B, k] float32
+    # Only with sample(..., return_probs=True) (speculative verification, services/worker/spec):
+    # the distribution each row was drawn from, softmax of its processed logits / T (rows with
+    # T > 0; a greedy row's entry is meaningless), and every token's logprob when logprobs are
+    # on (the emitted token of a verification row need not be the one drawn here).
+    probs: torch.Tensor | None = None  # [B, V] float32
+    row_logprobs: torch.Tensor | None = None  # [B, V] float32
 
 
 class _Column:
@@ -259,6 +265,7 @@ class SamplingState:
         bitmask_index: torch.Tensor | None = None,
         position_salt: int = 0,
         feed: torch.Tensor | None = None,
+        return_probs: bool = False,
     ) -> SamplerOutput:
         """One token per batch row: logits [B, V], rows [B] (state rows), positions [B].
 
@@ -268,6 +275,7 @@ class SamplingState:
         2^30 so its noise differs from the target's). `feed` int64 [max_num_reqs] (the
         worker's newest token per row, in_flight.PendingFeed) receives feed[rows[i]] = token i;
         on CUDA the draw writes it itself when nothing edits its tokens afterwards.
+        `return_probs`: also return the processed distribution (SamplerOutput.probs).
         """
         batch, vocab = self._check_batch(logits, rows, positions)
         rows = rows.to(self.device, torch.int64)
@@ -334,6 +342,7 @@ class SamplingState:
             )
             work.masked_fill_(removed, float("-inf"))
 
+        probs = self._probs(work, rows, fused_bitmask, bitmask_index) if return_probs else None
         draw_index = bitmask_index if fused_bitmask is not None else None
         fed = False
         if work.is_cuda:  # one launch: the kernel reads the rows' temperature and seed itself
@@ -365,10 +374,30 @@ class SamplingState:
         if feed is not None and not fed:
             feed[rows] = token_ids
         if logprobs is None:
-            return SamplerOutput(token_ids=token_ids)
+            return SamplerOutput(token_ids=token_ids, probs=probs)
         k = max(self._logprob_rows.values())
         chosen, top_ids, top_values = pick_logprobs(logprobs, token_ids, k)
-        return SamplerOutput(token_ids, chosen, top_ids, top_values)
+        row_logprobs = logprobs if return_probs else None
+        return SamplerOutput(token_ids, chosen, top_ids, top_values, probs, row_logprobs)
+
+    def _probs(
+        self,
+        work: torch.Tensor,
+        rows: torch.Tensor,
+        bitmask: torch.Tensor | None,
+        bitmask_index: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """softmax(work / T) with the grammar applied: exactly the distribution the Gumbel draw
+        of `work` samples (the draw scales by the same float32 1/T). Greedy rows are scaled by 1
+        (their draw is an argmax; nothing reads their entry)."""
+        scores = work.float()
+        if bitmask is not None:
+            assert bitmask_index is not None
+            allowed = allowed_mask(bitmask, bitmask_index, work.shape[1])
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        inv_temperature = self.inv_temperature[rows]
+        scale = torch.where(inv_temperature == 0, 1.0, inv_temperature)
+        return torch.softmax(scores * scale.unsqueeze(1), dim=-1)
 
     # ---- helpers -----------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SpecMethod = Literal["", "ngram", "draft", "eagle"]
+SpecMethod = Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"]
+METHODS = ("ngram", "draft", "eagle", "eagle3", "mtp")
 
 
 class SpeculativeConfig(BaseModel):
@@ -15,7 +16,9 @@ class SpeculativeConfig(BaseModel):
     method: SpecMethod = ""  # "" = no speculation
     # K: drafts proposed per request and step (the scheduler caps what it schedules by it too).
     num_spec_tokens: int = Field(default=4, ge=1, le=64)
-    model: str = ""  # the draft model / EAGLE head checkpoint ("draft" and "eagle")
+    # the draft model / EAGLE head checkpoint ("draft", "eagle", "eagle3"); "mtp": the target's
+    # own checkpoint directory, whose MTP layers draft
+    model: str = ""
     # Prompt lookup: the longest suffix of n tokens (max..min) found earlier in the request.
     prompt_lookup_max: int = Field(default=4, ge=1)
     prompt_lookup_min: int = Field(default=2, ge=1)

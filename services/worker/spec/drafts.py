@@ -20,14 +20,20 @@ import numpy as np
 import torch
 
 from services.worker.runner.input_batch import InputBatch, PlanError
-from services.worker.spec.config import SpeculativeConfig
+from services.worker.spec.config import METHODS, SpeculativeConfig
 from services.worker.spec.draft_model import DraftModelDrafter, load_d2t
-from services.worker.spec.eagle_drafter import EagleDrafter
+from services.worker.spec.draft_sampler import DraftSampler
+from services.worker.spec.eagle import load_eagle_head
+from services.worker.spec.eagle3 import load_eagle3_head
+from services.worker.spec.feature_drafter import FeatureDrafter, FeatureHead
+from services.worker.spec.mtp import load_mtp_head
 from services.worker.spec.ngram import NgramProposer
+from services.worker.spec.proposals import Proposal, ProposalBook
 from shared.protocol import SamplingParams, StepPlan
 
 if TYPE_CHECKING:
     from services.worker.models.base import CausalLM
+    from services.worker.sampling.state import SamplingState
 
 
 def stage_drafts(
@@ -63,9 +69,10 @@ def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool
 
 
 class Drafter:
-    """Proposes each sampled request's drafts for the next step: prompt lookup ("ngram") or a
-    separate draft model ("draft", services/worker/spec/draft_model.py) or an EAGLE head fed
-    the target's features ("eagle", eagle.py / eagle_drafter.py; needs `target`)."""
+    """Proposes each sampled request's drafts for the next step and keeps the proposals until
+    they are verified (proposals.py): prompt lookup ("ngram"), a separate draft model
+    ("draft", draft_model.py), or a head fed the target's features ("eagle", "eagle3", "mtp":
+    feature_drafter.py with eagle.py / eagle3.py / mtp.py; needs `target`)."""
 
     def __init__(
         self,
@@ -78,16 +85,23 @@ class Drafter:
         target: CausalLM | None = None,
     ) -> None:
         self.config = config
+        self.vocab_size = vocab_size
+        self.book = ProposalBook(max_num_reqs)
         self.proposer = NgramProposer(
             config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         self.draft_model: DraftModelDrafter | None = None
-        if config.method == "draft":
+        self.features: FeatureDrafter | None = None
+        method = config.method
+        if method == "draft":
             if not config.model:
                 raise ValueError("MESHLLM_SPEC_METHOD=draft needs MESHLLM_SPEC_MODEL")
             from services.worker.loader import load_model
+            from services.worker.models.layer_impls import REFERENCE
 
-            model, _ = load_model(config.model, "auto", device, max_model_len)
+            # The reference layers on every device: the draft's attention is the reference
+            # path too, over its private cache (row_kv.py).
+            model, _ = load_model(config.model, "auto", device, max_model_len, impls=REFERENCE)
             self.draft_model = DraftModelDrafter(
                 model,
                 vocab_size,
@@ -97,54 +111,102 @@ class Drafter:
                 d2t=load_d2t(config.model),
                 device=device,
             )
-        self.eagle: EagleDrafter | None = None
-        if config.method == "eagle":
-            if not config.model:
-                raise ValueError("MESHLLM_SPEC_METHOD=eagle needs MESHLLM_SPEC_MODEL (the head)")
+        elif method in ("eagle", "eagle3", "mtp"):
             if target is None:
-                raise ValueError("an EAGLE drafter needs the target model")
-            from services.worker.spec.eagle import load_eagle_head
-
-            dtype = next(target.parameters()).dtype
-            head, d2t = load_eagle_head(config.model, dtype, device, max_model_len)
-            self.eagle = EagleDrafter(
+                raise ValueError(f"a {method} drafter needs the target model")
+            head, d2t = load_head(config, target, torch.device(device), max_model_len)
+            self.features = FeatureDrafter(
                 head, target, vocab_size, max_num_reqs, max_model_len, d2t=d2t, device=device
             )
-        elif config.method not in ("ngram", "draft"):
-            raise ValueError(f"unknown MESHLLM_SPEC_METHOD={config.method!r} (ngram, draft, eagle)")
+        elif method != "ngram":
+            raise ValueError(f"unknown MESHLLM_SPEC_METHOD={method!r} ({', '.join(METHODS)})")
+
+    def release(self, row: int) -> None:
+        """The row's request left the batch (finished, preempted, reset)."""
+        self.book.drop(row)
+        if self.features is not None:
+            self.features.release(row)
+        if self.draft_model is not None:
+            self.draft_model.release(row)
 
     def observe(
         self,
         batch: InputBatch,
         hidden: torch.Tensor,
+        aux: torch.Tensor | None,
         rows: np.ndarray,
         query_lens: np.ndarray,
         seq_lens: np.ndarray,
     ) -> None:
-        """After each forward (sampled or not): the EAGLE head takes the step's target
+        """After each forward (sampled or not): a feature head takes the step's target
         features; other drafters need nothing."""
-        if self.eagle is not None:
-            self.eagle.observe(batch, hidden, rows, query_lens, seq_lens)
+        if self.features is not None:
+            self.features.observe(batch, hidden, aux, rows, query_lens, seq_lens)
 
-    def propose(self, batch: InputBatch, rows: np.ndarray) -> list[list[int]]:
-        """Drafts per row (possibly empty), from the row's verified tokens. K is capped so the
-        drafts and the bonus token stay within max_model_len."""
-        ks: list[int] = []
-        for row in rows.tolist():
+    def propose(
+        self, batch: InputBatch, rows: np.ndarray, sampler: SamplingState
+    ) -> list[list[int]]:
+        """Drafts per row (possibly empty), from the row's verified tokens; each row's proposal
+        is kept for its verification. K is capped so the drafts and the bonus token stay
+        within max_model_len."""
+        ks = np.zeros(len(rows), dtype=np.int64)
+        for i, row in enumerate(rows.tolist()):
             num_tokens = int(batch.num_tokens[row])
             room = batch.max_model_len - 1 - num_tokens
             num_output = num_tokens - int(batch.num_prompt_tokens[row])
-            if room <= 0 or not may_speculate(batch.sampling[row], num_output):
-                ks.append(0)
-            else:
-                ks.append(min(self.config.num_spec_tokens, room))
-        if self.draft_model is not None:
-            return self.draft_model.propose(batch, rows, ks)
-        if self.eagle is not None:
-            return self.eagle.propose(batch, rows, ks)
-        return [
-            self.proposer.propose(batch.token_ids[row, : int(batch.num_tokens[row])], k)
-            if k
-            else []
-            for row, k in zip(rows.tolist(), ks, strict=True)
-        ]
+            if room > 0 and may_speculate(batch.sampling[row], num_output):
+                ks[i] = min(self.config.num_spec_tokens, room)
+        proposals: list[Proposal | None] = [None] * len(rows)
+        if self.draft_model is None and self.features is None:  # prompt lookup: point masses
+            for i, row in enumerate(rows.tolist()):
+                if ks[i]:
+                    tokens = batch.token_ids[row, : int(batch.num_tokens[row])]
+                    drafts = self.proposer.propose(tokens, int(ks[i]))
+                    proposals[i] = Proposal(
+                        batch.row_req[row] or "", int(batch.num_tokens[row]), drafts
+                    )
+        else:
+            features = self.features
+            active = np.flatnonzero(
+                (ks > 0)
+                & np.array(
+                    [features is None or features.ready(batch, r) for r in rows.tolist()],
+                    dtype=bool,
+                )
+            )
+            if active.size:
+                vocab_map = (features or self.draft_model).vocab_map  # type: ignore[union-attr]
+                draws = DraftSampler(
+                    sampler, batch, rows[active], ks[active], self.vocab_size, vocab_map
+                )
+                if features is not None:
+                    features.propose(batch, draws)
+                else:
+                    assert self.draft_model is not None
+                    self.draft_model.propose(batch, draws)
+                made = draws.proposals(draws.drafts())
+                for i, proposal in zip(active.tolist(), made, strict=True):
+                    proposals[i] = proposal
+        for row, kept in zip(rows.tolist(), proposals, strict=True):
+            self.book.put(row, kept)
+        return [p.drafts if p is not None else [] for p in proposals]
+
+
+def load_head(
+    config: SpeculativeConfig, target: CausalLM, device: torch.device, max_model_len: int
+) -> tuple[FeatureHead, torch.Tensor | None]:
+    """(the feature head of `config.method`, its d2t or None). EAGLE-3 also makes the target
+    return the auxiliary layer states its head reads (CausalLM.forward)."""
+    dtype = next(target.parameters()).dtype
+    if config.method == "mtp":  # the modules live in the target's own checkpoint
+        if not config.model:
+            raise ValueError("MESHLLM_SPEC_METHOD=mtp needs the target checkpoint's directory")
+        return load_mtp_head(config.model, target, dtype, device, max_model_len), None
+    if not config.model:
+        raise ValueError(f"MESHLLM_SPEC_METHOD={config.method} needs MESHLLM_SPEC_MODEL (the head)")
+    if config.method == "eagle3":
+        layers = target.config.num_hidden_layers
+        head3, d2t = load_eagle3_head(config.model, layers, dtype, device, max_model_len)
+        target.aux_hidden_layers = head3.aux_layers  # type: ignore[assignment]
+        return head3, d2t
+    return load_eagle_head(config.model, dtype, device, max_model_len)

@@ -8,10 +8,10 @@ followed. `fc` is [H, 2H] (with a bias in EAGLE-1), then `num_hidden_layers` Lla
 layers whose first has no input norm, and no final norm: the head's output g[p] approximates
 f[p+1], and the TARGET's lm_head on g[p] predicts t[p+2]. The embedding is always the target's.
 
-EAGLE-3-style checkpoints may bring their own `lm_head` (optionally after a `norm`) over a
-smaller draft vocabulary plus `d2t` offsets; those ids reach the target through the shared
-vocabulary map (vocab_map.py). EAGLE-3's fused multi-layer features (`fc` [H, 3H], `midlayer`)
-are not supported: loading such a checkpoint is refused with a clear error.
+Some checkpoints bring their own `lm_head` (optionally after a `norm`) over a smaller draft
+vocabulary plus `d2t` offsets; those ids reach the target through the shared vocabulary map
+(vocab_map.py). EAGLE-3 heads (`fc` [H, 3H] over fused multi-layer features, a `midlayer`) are
+eagle3.py's: loading one here is refused with an error that says so.
 
 Parameter names are ours (q/k/v fused, gate/up fused); checkpoints are read and written in the
 HF spelling through checkpoint_names.py.
@@ -19,7 +19,6 @@ HF spelling through checkpoint_names.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,15 @@ import torch
 from torch import nn
 
 from services.worker.attention.reference import AttentionMetadata
-from services.worker.loader.checkpoint_names import FUSED, CheckpointError, assemble
+from services.worker.attention.select import TritonAttentionMetadata
+from services.worker.loader.checkpoint_names import CheckpointError
 from services.worker.loader.safetensors_loader import iter_safetensors
+from services.worker.models.base import CausalLM
 from services.worker.models.layers import RMSNorm
 from services.worker.models.llama import LlamaDecoderLayer
 from services.worker.models.random_init import init_random_
 from services.worker.models.rope import RotaryEmbedding
+from services.worker.spec.head_io import hf_tensors, load_into, read_config, save_tensors
 from shared.model.config import ModelConfig
 
 #: checkpoint tensors the head does not own (the embedding is the target's; d2t/t2d are maps)
@@ -91,13 +93,35 @@ class EagleHead(nn.Module):
         """0 when the target's lm_head projects (the draft vocabulary is the target's)."""
         return self.lm_head.out_features if self.lm_head is not None else 0
 
+    @property
+    def kv_config(self) -> ModelConfig:
+        return self.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """EAGLE reads the target's final hidden state (after its norm)."""
+        return hidden
+
+    def embed(self, token_ids: torch.Tensor, target: CausalLM) -> torch.Tensor:
+        return target_embedding(target, token_ids)
+
+    def draft_logits(self, g: torch.Tensor, target: CausalLM, step: int = 0) -> torch.Tensor:
+        """The head's own lm_head (draft vocabulary) where it has one, else the target's."""
+        if self.lm_head is not None:
+            return self.own_logits(g)
+        return target.compute_logits(g)
+
     def forward(
         self,
         embeds: torch.Tensor,
         features: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | TritonAttentionMetadata,
         kv_caches: list[torch.Tensor],
+        step: int = 0,
     ) -> torch.Tensor:
         """embeds, features [T, H] (of t[p+1] and f[p]) at head positions [T] -> g [T, H]."""
         hidden = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
@@ -115,6 +139,12 @@ class EagleHead(nn.Module):
             g, _ = self.norm(g)
         logits: torch.Tensor = self.lm_head(g)
         return logits
+
+
+def target_embedding(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
+    """The target's input embedding of `token_ids` (its own scaling included, e.g. Gemma's)."""
+    embed = getattr(target, "embed", target.embed_tokens)
+    return embed(token_ids)  # type: ignore[no-any-return]
 
 
 def random_eagle_head(
@@ -139,30 +169,10 @@ def random_eagle_head(
 
 def save_eagle_head(head: EagleHead, path: str | Path, d2t: torch.Tensor | None = None) -> None:
     """config.json + model.safetensors in the HF/EAGLE spelling (q/k/v, gate/up split)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(head.hf_config, indent=2))
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in head.state_dict().items():
-        if name.startswith("rotary."):
-            continue
-        fused = next((f for f in FUSED if f".{f}." in name), None)
-        if fused is None:
-            tensors[name] = tensor.contiguous()
-            continue
-        config = head.config
-        sizes = (
-            [config.q_size, config.kv_size, config.kv_size]
-            if fused == "qkv_proj"
-            else [config.intermediate_size, config.intermediate_size]
-        )
-        for part, piece in zip(FUSED[fused], tensor.split(sizes), strict=True):
-            tensors[name.replace(fused, part)] = piece.contiguous()
+    tensors = hf_tensors(head.state_dict(), head.config)
     if d2t is not None:
         tensors["d2t"] = d2t.to(torch.int64)
-    save_file(tensors, str(path / "model.safetensors"))
+    save_tensors(tensors, Path(path), head.hf_config)
 
 
 def load_eagle_head(
@@ -170,16 +180,13 @@ def load_eagle_head(
 ) -> tuple[EagleHead, torch.Tensor | None]:
     """(head, d2t or None) from a dir holding config.json and *.safetensors (EAGLE names)."""
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"EAGLE head {path} has no config.json")
-    hf_config = json.loads(config_file.read_text())
+    hf_config = read_config(path, "EAGLE head")
     raw = dict(iter_safetensors(path))
     unsupported = [n for n in raw if n.startswith("midlayer.")]
     if unsupported:
         raise CheckpointError(
-            f"{path}: EAGLE-3 fused-feature heads ({unsupported[0]}, ...) are not supported; "
-            "an EAGLE-1/2 head (fc [H, 2H] + Llama layers) is"
+            f"{path}: an EAGLE-3 head ({unsupported[0]}, ...): serve it with "
+            "MESHLLM_SPEC_METHOD=eagle3 (eagle reads EAGLE-1/2 heads: fc [H, 2H] + Llama layers)"
         )
     d2t = raw.get("d2t")
     lm_head = raw.get("lm_head.weight")
@@ -191,21 +198,8 @@ def load_eagle_head(
         draft_vocab_size=int(lm_head.shape[0]) if lm_head is not None else 0,
         final_norm="norm.weight" in raw,
     )
-    weights = assemble(
-        ((n, t) for n, t in raw.items() if n not in _NOT_WEIGHTS),
-        dtype,
-        torch.device(device),
-        tie_word_embeddings=False,
-    )
-    head = head.to(dtype=dtype, device=device)
-    try:
-        missing, unexpected = head.load_state_dict(weights, strict=False)
-    except RuntimeError as exc:  # misshapen tensors (e.g. a head for another hidden size)
-        raise CheckpointError(f"{path}: EAGLE head weights do not fit its config: {exc}") from None
-    missing = [n for n in missing if not n.startswith("rotary.")]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: EAGLE head weights missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    head.rotary.materialize(device, dtype)
-    return head.eval().requires_grad_(False), d2t
+    named = ((n, t) for n, t in raw.items() if n not in _NOT_WEIGHTS)
+    loaded = load_into(head, named, dtype, torch.device(device), f"{path}: EAGLE")
+    assert isinstance(loaded, EagleHead)
+    loaded.rotary.materialize(device, dtype)
+    return loaded.eval().requires_grad_(False), d2t

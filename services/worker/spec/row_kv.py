@@ -1,5 +1,16 @@
-"""A drafter's private paged KV cache: batch row r owns blocks [r * B, (r + 1) * B) of it, where
-B = ceil(max_model_len / block_size), so a drafter needs no block allocator of its own."""
+"""A drafter's private paged KV cache: per batch row, the blocks holding that row's positions.
+
+The drafter writes positions past the request's verified tokens (its own speculative steps),
+so it cannot use the scheduler's block tables, and it must never touch the target's cache.
+Blocks come from a pool of its own that grows on demand (doubling; block ids stay valid
+across growth because the old blocks are copied to the same indices) and takes back a row's
+blocks when its request leaves the batch (`release`). So the drafter's KV costs what its live
+rows hold, not max_num_reqs x max_model_len (which for a one-layer head of an 8B target would
+be GBs), and it has no limit of its own besides memory.
+
+Growth happens while building a forward's metadata, before any kernel of that forward is
+launched: an eager step, never inside a captured graph.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +18,12 @@ import numpy as np
 import torch
 
 from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
 from services.worker.runner.kv_cache import KVCache
 from shared.model.config import ModelConfig
+
+#: blocks allocated at first (grown by doubling)
+INITIAL_BLOCKS = 64
 
 
 class RowKV:
@@ -21,29 +36,70 @@ class RowKV:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        self.config = config
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
+        self.num_kv_heads = config.num_key_value_heads
         self.blocks_per_row = -(-max_model_len // block_size)
-        self.cache = KVCache.allocate(
-            config, max_num_reqs * self.blocks_per_row, block_size, dtype, device
-        )
+        self.tables = np.zeros((max_num_reqs, self.blocks_per_row), dtype=np.int64)
+        self.num_row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.cache = KVCache.allocate(config, INITIAL_BLOCKS, block_size, dtype, device)
+        self.free = list(range(INITIAL_BLOCKS - 1, -1, -1))  # a stack: pop() gives low ids
 
     @property
     def layers(self) -> list[torch.Tensor]:
         return self.cache.layers
 
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def release(self, row: int) -> None:
+        """The row's request left: its blocks go back to the pool."""
+        n = int(self.num_row_blocks[row])
+        self.free.extend(self.tables[row, :n].tolist()[::-1])
+        self.num_row_blocks[row] = 0
+
     def metadata(
         self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray, positions: np.ndarray
-    ) -> AttentionMetadata:
+    ) -> AttentionMetadata | TritonAttentionMetadata:
         """Attention over each row's own blocks for the flat tokens at `positions` (`counts`
-        per row, in `rows` order), each row's sequence ending at `ends`."""
-        bases = np.asarray(rows, dtype=np.int64) * self.blocks_per_row
-        block = np.repeat(bases, counts) + positions // self.block_size
-        return AttentionMetadata.build(
+        per row, in `rows` order), each row's sequence ending at `ends`; blocks up to each
+        end are allocated first. The target's path for the device (Triton kernels on CUDA,
+        whose metadata uploads without a host sync)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self._reserve(rows, np.asarray(ends, dtype=np.int64))
+        tables = self.tables[rows]
+        block = tables[np.repeat(np.arange(len(rows)), counts), positions // self.block_size]
+        return build_attention_metadata(
+            num_kv_heads=self.num_kv_heads,
             query_lens=counts,
             seq_lens=ends,
-            block_tables=bases[:, None] + np.arange(self.blocks_per_row)[None, :],
+            block_tables=tables,
             block_size=self.block_size,
             slot_mapping=block * self.block_size + positions % self.block_size,
             device=self.device,
         )
+
+    def _reserve(self, rows: np.ndarray, ends: np.ndarray) -> None:
+        needed = -(-ends // self.block_size)
+        if (needed > self.blocks_per_row).any():
+            raise ValueError(f"drafter positions up to {int(ends.max())} exceed max_model_len")
+        missing = int(np.maximum(needed - self.num_row_blocks[rows], 0).sum())
+        if missing > len(self.free):
+            self._grow(missing - len(self.free))
+        for row, n in zip(rows.tolist(), needed.tolist(), strict=True):
+            have = int(self.num_row_blocks[row])
+            for i in range(have, n):
+                self.tables[row, i] = self.free.pop()
+            self.num_row_blocks[row] = max(have, n)
+
+    def _grow(self, at_least: int) -> None:
+        old = self.cache.num_blocks
+        new = max(2 * old, old + at_least)
+        grown = KVCache.allocate(self.config, new, self.block_size, self.dtype, self.device)
+        for dst, src in zip(grown.layers, self.cache.layers, strict=True):
+            dst[:, :old].copy_(src)
+        self.cache = grown
+        self.free = list(range(new - 1, old - 1, -1)) + self.free

@@ -1,11 +1,14 @@
 """The runner's speculative sampling path: logits at every draft position, one draw per
 position, acceptance, and the batch rolled forward to the accepted tokens only.
 
-Called by ModelRunner when a step carries drafts. Requests without drafts in the same step are
-the k = 0 case (one row, the plain draw), so a mixed batch runs one path. Draws run position by
-position (j = 0..max k) over the requests that have a row j, so each sampler call sees every
-state row at most once (the sampler's per-row tables assume that) and row j uses position
-T + j: the noise plain decoding would use there (verify.py says why that makes this exact).
+Called by ModelRunner when a step carries drafts, or when some row holds sampled drafts the
+plan did not carry (proposals.py). Requests without drafts in the same step are the k = 0 case
+(one row, the plain draw), so a mixed batch runs one path. Draws run position by position
+(j = 0..max k) over the requests that have a row j, so each sampler call sees every state row
+at most once (the sampler's per-row tables assume that) and row j uses position T + j: the
+noise plain decoding would use there. Each request is then decided by its rule (verify.py):
+same noise from those draws, or rejection sampling for sampled drafts (rejection.py), which
+also needs the rows' distributions p.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from services.worker.runner.input_batch import PlanError
+from services.worker.spec.rejection import RejectionChecks
 from services.worker.spec.verify import num_accepted
 from shared.protocol import SampledTokens, StepPlan
 
@@ -68,6 +72,7 @@ def verify_and_sample(
     logits = runner.compute_logits(hidden[runner._to_device(flat)])
     bitmask, bitmask_first = bitmask_rows(plan, ids, k, runner.device)
     verified = batch.num_tokens[rows].copy()  # T: tokens known before this step's drafts
+    checks = RejectionChecks.find(runner, rows, verified, k)
 
     max_k = int(k.max())
     draws = np.full((len(ids), max_k + 1), -1, dtype=np.int64)
@@ -79,18 +84,22 @@ def verify_and_sample(
         if bitmask is not None:
             b = bitmask_first[sel]
             index = runner._to_device(np.where(b >= 0, b + j, -1))
+        checked = checks.rows_at(j, sel)
         out = sampler.sample(
             logits[runner._to_device(offsets[sel] + j)],
             runner._to_device(rows[sel]),
             runner._to_device(verified[sel] + j),
             bitmask if index is not None else None,
             bitmask_index=index,
+            return_probs=bool(checked.size),
         )
+        checks.collect(out, checked, runner)
         draws[sel, j] = out.token_ids.to("cpu", torch.int64).numpy()
         if out.logprobs is not None:
             logprobs[sel, j] = out.logprobs.cpu().numpy()
         if out.top_token_ids is not None and out.top_logprobs is not None:
             top[j] = (out.top_token_ids.cpu().numpy(), out.top_logprobs.cpu().numpy())
+    decided = checks.decide(runner, rows, verified)
 
     result: list[SampledTokens] = []
     rec_rows: list[int] = []
@@ -98,9 +107,14 @@ def verify_and_sample(
     for i, request_id in enumerate(ids):
         row, t, n = int(rows[i]), int(verified[i]), int(k[i])
         drafts = batch.token_ids[row, t : t + n].tolist()
-        a = num_accepted(drafts, draws[i, : n + 1].tolist())
-        tokens = draws[i, : a + 1].tolist()
-        room = min(a + 1, batch.max_model_len - t)  # only a no-draft row at the limit is short
+        if i in decided:
+            tokens, token_logprobs = decided[i].tokens(drafts, draws[i], logprobs[i])
+            logprobs[i, : len(token_logprobs)] = token_logprobs
+            a = min(len(tokens) - 1, n)
+        else:  # same noise (verify.py): the emitted tokens are the plain draws
+            a = num_accepted(drafts, draws[i, : n + 1].tolist())
+            tokens = draws[i, : a + 1].tolist()
+        room = min(len(tokens), batch.max_model_len - t)  # only a no-draft row at the limit
         batch.token_ids[row, t : t + room] = tokens[:room]
         batch.num_tokens[row] = t + room
         batch.num_computed_tokens[row] = t + a  # KV stands for the verified and accepted

@@ -14,6 +14,7 @@ checkpoint's offsets, EAGLE-3's `d2t`). The rule:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -68,3 +69,14 @@ def to_target_logits(
     out = draft_logits.new_full((draft_logits.shape[0], target_vocab_size), float("-inf"))
     out[:, vocab_map.to(draft_logits.device)] = draft_logits
     return out
+
+
+def to_draft_table(vocab_map: torch.Tensor | None, target_vocab_size: int) -> np.ndarray | None:
+    """The inverse map as a host table [target vocab] -> draft id (None without a map), for a
+    draft model that reads the verified tokens. A target token the draft vocabulary lacks
+    has no draft id: it is read as draft id 0, which can only make its drafts worse."""
+    if vocab_map is None:
+        return None
+    table = np.zeros(target_vocab_size, dtype=np.int64)
+    table[vocab_map.cpu().numpy()] = np.arange(len(vocab_map))
+    return table

@@ -25,9 +25,11 @@ from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader import load_model
 from services.worker.runner.input_batch import InputBatch
 from services.worker.runner.kv_cache import KVCache
+from services.worker.sampling import SamplingState
 from services.worker.spec import SpeculativeConfig
+from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.eagle import EagleHead, random_eagle_head, save_eagle_head
-from services.worker.spec.eagle_drafter import EagleDrafter
+from services.worker.spec.feature_drafter import FeatureDrafter
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
 
@@ -78,18 +80,17 @@ def test_batched_drafts_match_a_fresh_head_and_output_is_exact(setup) -> None:
     _, target, prompts, _, reference = setup
     engine = eagle_engine(setup, enable_prefix_caching=False)
     drafter = engine.runner.drafter
-    assert drafter is not None and drafter.eagle is not None
-    eagle = drafter.eagle
+    assert drafter is not None and drafter.features is not None
+    eagle = drafter.features
     calls: list[tuple[list[int], list[int], torch.Tensor]] = []
     propose = eagle.propose
 
-    def recording(batch, rows, ks):
-        result = propose(batch, rows, ks)
-        for row, drafts in zip(rows.tolist(), result, strict=True):
+    def recording(batch, draws):
+        propose(batch, draws)
+        for row, drafts in zip(draws.rows.tolist(), draws.drafts(), strict=True):
             if drafts:
                 tokens = batch.token_ids[row, : batch.num_tokens[row]].tolist()
                 calls.append((tokens, drafts, eagle.last[row].clone()))
-        return result
 
     eagle.propose = recording  # type: ignore[method-assign]
     out = engine.generate(prompts, GREEDY)
@@ -123,9 +124,15 @@ def fresh_drafts(
         hidden = target(torch.tensor(tokens[:-1]), torch.arange(n - 1), attn, kv.layers)
     batch = InputBatch(1, 4096, 16)
     batch.row_req[0] = "fresh"
+    batch.sampling[0] = GREEDY
     batch.token_ids[0, :n] = tokens
     batch.num_tokens[0] = n
     batch.num_computed_tokens[0] = n - 1
-    drafter = EagleDrafter(head, target, target.config.vocab_size, 1, 4096)
-    drafter.observe(batch, hidden, np.array([0]), np.array([n - 1]), np.array([n - 1]))
-    return drafter.propose(batch, np.array([0]), [k])[0], drafter.last[0].clone()
+    vocab = target.config.vocab_size
+    drafter = FeatureDrafter(head, target, vocab, 1, 4096)
+    drafter.observe(batch, hidden, None, np.array([0]), np.array([n - 1]), np.array([n - 1]))
+    sampler = SamplingState(1, vocab)
+    sampler.add_request(0, GREEDY, tokens, [])
+    draws = DraftSampler(sampler, batch, np.array([0]), np.array([k]), vocab)
+    drafter.propose(batch, draws)
+    return draws.drafts()[0], drafter.last[0].clone()

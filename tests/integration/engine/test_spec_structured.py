@@ -1,10 +1,11 @@
-"""Structured outputs with n-gram drafts (SmolLM2, scheduler core + model runner).
+"""Structured outputs with drafts of every method (SmolLM2, scheduler core + model runner).
 
 Drafts of a constrained request are validated by its grammar from the constraint start, each
 draft gets its own bitmask row plus the bonus row, and only accepted tokens advance the grammar
 (services/scheduler/structured_output). Greedy output with speculation must equal greedy output
-without it, token for token: with a JSON-schema constraint batched with a free request, and
-with a reasoning-end marker that falls inside a draft window (the grammar starts after it).
+without it, token for token, for n-gram, draft-model, EAGLE, EAGLE-3 and MTP drafts: with a
+JSON-schema constraint batched with a free request, and with a reasoning-end marker (the
+grammar starts after it; with n-gram drafts the marker falls inside a draft window).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from services.worker.loader import load_model
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import GrammarRef, SamplingParams, StepPlan, SubmitRequest
 from tests.support.engine import InProcessEngine
+from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.tiny_llama import make_tiny_llama
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 
 SCHEMA = {
     "type": "object",
@@ -35,7 +38,9 @@ SCHEMA = {
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 NGRAM = SpeculativeConfig(method="ngram", num_spec_tokens=4, prompt_lookup_min=1)
+METHODS = ["ngram", "draft", "eagle", "eagle3", "mtp"]
 ANSWER = '{"city": "Paris", "rank": 3}'
+FREE = "Repeat exactly: the cat sat on the warm mat next to the door."
 
 
 @pytest.fixture(scope="module")
@@ -107,29 +112,65 @@ class Run:
         return {rid: gen.token_ids for rid, gen in self.engine.run().items()}
 
 
-def test_json_schema_with_drafts_equals_without(
+@pytest.fixture(scope="module")
+def drafters(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per method: (its SpeculativeConfig, the target's (model, config) to serve). The model
+    drafters are random (a tiny draft model with SmolLM2's vocabulary) or near-identity heads,
+    saved as checkpoints in their users' formats (tests/support/spec_heads.py)."""
+    root = tmp_path_factory.mktemp("structured_drafters")
+    make_tiny_llama(root / "draft", seed=1, num_hidden_layers=1, vocab_size=49152)
+    write_eagle_head(smollm2_dir, root / "eagle", identity=True)
+    write_eagle3_head(smollm2_dir, root / "eagle3", identity=True)
+    mtp = write_mtp_target(smollm2_dir, root / "mtp", identity=True)
+    out: dict[str, Any] = {"ngram": (NGRAM, None)}
+    for method in ("draft", "eagle", "eagle3"):
+        spec = SpeculativeConfig(method=method, model=str(root / method), num_spec_tokens=4)
+        out[method] = (spec, None)
+    spec = SpeculativeConfig(method="mtp", model=str(mtp), num_spec_tokens=4)
+    out["mtp"] = (spec, load_model(mtp, torch.float32, "cpu"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_json(
     smollm2_dir: Path, model_and_config: Any, tokenizer: Any, grammar: Any
+) -> dict[str, list[int]]:
+    run = Run(smollm2_dir, model_and_config, None)
+    run.submit("json", chat(tokenizer, f"Reply with this JSON exactly: {ANSWER}"), grammar)
+    run.submit("free", chat(tokenizer, FREE))
+    return run.outputs()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_json_schema_with_drafts_equals_without(
+    smollm2_dir: Path,
+    model_and_config: Any,
+    tokenizer: Any,
+    grammar: Any,
+    drafters: dict[str, Any],
+    plain_json: dict[str, list[int]],
+    method: str,
 ) -> None:
-    constrained = chat(tokenizer, f"Reply with this JSON exactly: {ANSWER}")
-    free = chat(tokenizer, "Repeat exactly: the cat sat on the warm mat next to the door.")
-    outs = []
-    for spec in (None, NGRAM):
-        run = Run(smollm2_dir, model_and_config, spec)
-        run.submit("json", constrained, grammar)
-        run.submit("free", free)
-        outs.append((run.outputs(), run))
-    (plain, _), (spec_out, spec_run) = outs
-    assert spec_out == plain
+    spec, served = drafters[method]
+    run = Run(smollm2_dir, served or model_and_config, spec)
+    run.submit("json", chat(tokenizer, f"Reply with this JSON exactly: {ANSWER}"), grammar)
+    run.submit("free", chat(tokenizer, FREE))
+    spec_out = run.outputs()
+    assert spec_out == plain_json
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert spec_out["json"][-1] == eos
     jsonschema.validate(json.loads(tokenizer.decode(spec_out["json"][:-1])), SCHEMA)
-    assert spec_run.windows.get("json"), "the constrained request verified no drafts"
-    assert spec_run.engine.scheduler.spec.stats.num_accepted_tokens > 0
+    assert run.engine.scheduler.spec.stats.num_draft_tokens > 0
+    if method == "ngram":  # copying drafts: the constrained request verified and accepted some
+        assert run.windows.get("json"), "the constrained request verified no drafts"
+        assert run.engine.scheduler.spec.stats.num_accepted_tokens > 0
 
 
-def test_reasoning_marker_inside_a_draft_window(
+@pytest.fixture(scope="module")
+def reasoning_case(
     smollm2_dir: Path, model_and_config: Any, tokenizer: Any, grammar: Any
-) -> None:
+) -> tuple[ReasoningConfig, list[int], list[int], list[int]]:
+    """(the reasoning config, its end marker, the prompt, the output without speculation)."""
     marker = tokenizer.encode(" nice.", add_special_tokens=False)  # two tokens
     assert len(marker) == 2
     reasoning = ReasoningConfig(
@@ -137,19 +178,35 @@ def test_reasoning_marker_inside_a_draft_window(
         start_token_ids=(tokenizer.convert_tokens_to_ids("<|im_start|>"),),
     )
     prompt = chat(tokenizer, f"Repeat exactly: The city is nice. {ANSWER}")
-    outs = []
-    for spec in (None, NGRAM):
-        run = Run(smollm2_dir, model_and_config, spec, reasoning)
-        run.submit("r", prompt, grammar)
-        outs.append((run.outputs()["r"], run))
-    (plain, _), (tokens, spec_run) = outs
+    run = Run(smollm2_dir, model_and_config, None, reasoning)
+    run.submit("r", prompt, grammar)
+    return reasoning, marker, prompt, run.outputs()["r"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_reasoning_marker_with_drafts(
+    smollm2_dir: Path,
+    model_and_config: Any,
+    tokenizer: Any,
+    grammar: Any,
+    drafters: dict[str, Any],
+    reasoning_case: tuple[ReasoningConfig, list[int], list[int], list[int]],
+    method: str,
+) -> None:
+    reasoning, marker, prompt, plain = reasoning_case
+    spec, served = drafters[method]
+    run = Run(smollm2_dir, served or model_and_config, spec, reasoning)
+    run.submit("r", prompt, grammar)
+    tokens = run.outputs()["r"]
     assert tokens == plain
-    # The marker ended inside some verified draft window (not only in the bonus token).
-    assert any(
-        constraint_start(drafts, history=history, marker=marker, reasoning_in_play=True)
-        <= len(drafts)
-        for history, drafts in spec_run.windows["r"]
-    )
+    assert run.engine.scheduler.spec.stats.num_draft_tokens > 0
+    if method == "ngram":
+        # The marker ended inside some verified draft window (not only in the bonus token).
+        assert any(
+            constraint_start(drafts, history=history, marker=marker, reasoning_in_play=True)
+            <= len(drafts)
+            for history, drafts in run.windows["r"]
+        )
     # Free text up to the marker, then the grammar's JSON.
     text = tokenizer.decode(tokens[:-1])
     assert text.startswith("The city is nice.")

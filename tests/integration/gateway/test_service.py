@@ -71,21 +71,22 @@ class SchedulerSide:
 
 @asynccontextmanager
 async def running_gateway(
-    redis_url: str, smollm2_dir: Path, *, scheduler_ready: bool = True
+    redis_url: str, smollm2_dir: Path, *, scheduler_ready: bool = True, **overrides: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, SchedulerSide, asyncio.Task[int], asyncio.Event]]:
     """The gateway under serve(), and the scheduler's side beating (ready or not) from before
     the gateway starts; yields once the gateway's model is loaded (ready, when the scheduler
-    side says so)."""
-    settings = GatewaySettings(
-        redis_url=redis_url,
-        model=str(smollm2_dir),
-        served_model_name="smol",
-        api_keys=KEY,
-        admin_token="admin",
-        instance_id="gw-svc",
-        heartbeat_interval_s=0.2,
-        log_json=False,
-    )
+    side says so). `overrides` change the gateway's settings."""
+    options: dict[str, Any] = {
+        "redis_url": redis_url,
+        "model": str(smollm2_dir),
+        "served_model_name": "smol",
+        "api_keys": KEY,
+        "admin_token": "admin",
+        "instance_id": "gw-svc",
+        "heartbeat_interval_s": 0.2,
+        "log_json": False,
+    }
+    settings = GatewaySettings(**{**options, **overrides})
     bus = Bus(redis_url, consumer="scheduler-side")
     await bus.connect()
     scheduler = SchedulerSide(bus, Streams(settings.cluster), ready=scheduler_ready, interval_s=0.2)

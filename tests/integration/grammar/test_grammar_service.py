@@ -221,6 +221,19 @@ async def test_garbage_calls_are_dead_lettered_and_the_service_keeps_answering(
     assert not await redis.exists("meshllm:gtest:requests")
 
 
+@pytest.mark.parametrize("kind", ["json_schema", "structural_tag"])
+async def test_a_deeply_nested_spec_is_a_400_not_a_500(
+    grammar: RunningGrammarService, kind: str
+) -> None:
+    """300 levels (an operator's fuzz case) and 50,000 (past Python's recursion limit)."""
+    for levels in (300, 50_000):
+        spec = '{"type": "object", "properties": {"a": ' * levels + "{}" + "}}" * levels
+        with pytest.raises(RpcError, match="levels deep") as refused:
+            await grammar.compile(kind, spec)
+        assert refused.value.kind == "bad_request"  # the gateway's 400
+    assert (await grammar.compile("json_schema", json.dumps(SCHEMA))).key
+
+
 async def test_a_pathological_spec_is_refused_and_the_service_keeps_answering(
     grammar: RunningGrammarService,
 ) -> None:

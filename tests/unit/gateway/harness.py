@@ -202,5 +202,6 @@ async def gateway_harness(
             await server_task
         await client.stop()
         await rpc.stop()
+        await frontend.close()
         await gateway_bus.close()
         await scheduler_bus.close()

@@ -6,7 +6,7 @@ import pytest
 
 from services.gateway.api.errors import OpenAIError
 from services.gateway.api.protocol_openai import ChatMessage
-from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.plan.tokenization import PromptTokenizer, PromptTooLong
 
 
 def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:
@@ -88,3 +88,30 @@ def test_decode_matches_transformers(tokenizer: PromptTokenizer) -> None:
     ids = [*tokenizer.encode("Hi 😀 there", add_special_tokens=False), 2, 1]
     for skip in (True, False):
         assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+@pytest.mark.parametrize(
+    "text",
+    ["", "Hello world", "<|im_start|>user\nHi<|im_end|>", "é😀 naïve  spaces\n\ttabs", "a" * 5000],
+)
+def test_encode_equals_transformers(
+    tokenizer: PromptTokenizer, text: str, add_special_tokens: bool
+) -> None:
+    """encode() calls the Rust batch encoder directly (it releases the GIL); the ids are the
+    ones transformers' own encode gives, special tokens in the text included."""
+    expected = tokenizer.hf.encode(text, add_special_tokens=add_special_tokens)
+    assert tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected
+
+
+def test_a_prompt_past_the_token_limit_is_refused_with_its_exact_count(
+    tokenizer: PromptTokenizer,
+) -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 50
+    count = len(tokenizer.encode(text))
+    assert tokenizer.encode(text, token_limit=count) == tokenizer.encode(text)
+    with pytest.raises(PromptTooLong) as err:
+        tokenizer.encode(text, token_limit=count - 1)
+    assert err.value.num_tokens == count
+    with pytest.raises(PromptTooLong):
+        tokenizer.completion_prompt(list(range(10, 30)), token_limit=19)

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from services.grammar.grammar_spec import (
+    MAX_JSON_SPEC_DEPTH,
     GrammarSpecError,
     choice_ebnf,
     compile_job,
@@ -114,3 +115,29 @@ def test_the_key_covers_every_input() -> None:
     assert grammar_key(compact, "json_schema", schema, "t", "v") != grammar_key(
         loose, "json_schema", schema, "t", "v"
     )
+
+
+def nested_arrays_schema(depth: int) -> str:
+    """A schema whose JSON nests `depth` objects deep (arrays of arrays of ... strings)."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return json.dumps(schema)
+
+
+def test_a_json_spec_as_deep_as_the_limit_passes_one_level_more_is_refused() -> None:
+    job = compile_job("json_schema", nested_arrays_schema(MAX_JSON_SPEC_DEPTH))
+    assert job.method == "json_schema"
+    with pytest.raises(GrammarSpecError, match=f"more than {MAX_JSON_SPEC_DEPTH} levels deep"):
+        compile_job("json_schema", nested_arrays_schema(MAX_JSON_SPEC_DEPTH + 1))
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "structural_tag", "choice"])
+def test_json_specs_nested_far_past_the_recursion_limit_are_refused_not_crashed(
+    kind: str,
+) -> None:
+    """50,000 levels: json.loads alone would raise RecursionError (a 500 in the service)."""
+    with pytest.raises(GrammarSpecError, match="levels deep"):
+        compile_job(kind, "[" * 50_000 + "]" * 50_000)
+    with pytest.raises(GrammarSpecError, match="levels deep"):
+        compile_job(kind, '{"a": ' * 50_000 + "1" + "}" * 50_000)

@@ -28,7 +28,7 @@ SETTINGS_BY_MODULE: dict[str, type[BaseSettings]] = {
     "services.grammar": GrammarSettings,
     "services.kvstore": KVStoreSettings,
 }
-NOT_IN_COMPOSE = {"instance_id"}  # generated per process (<hostname>-<pid>), documented
+NOT_IN_COMPOSE = {"instance_id"}  # the hostname (the launcher: the service name), documented
 # Deliberately different from the code default in containers, with the reason in the file.
 CONTAINER_VALUES = {"redis_url", "model_cache_dir"}
 # The compose mesh runs a kvstore, so its schedulers switch the offload tier on (file comment).
@@ -134,6 +134,15 @@ def test_healthchecks_and_start_order(config: dict[str, Any]) -> None:
     gateway = config["services"]["gateway"]
     assert gateway["depends_on"]["grammar"]["condition"] == "service_healthy"
     assert {p["target"] for p in gateway["ports"]} == {8000}
+
+
+def test_every_long_running_service_restarts_unless_stopped() -> None:
+    """What the local launcher's supervision mirrors (infra/supervisor.py); only the ACL job,
+    which runs once, is not restarted."""
+    everything = resolved_config(profiles=("gpu", "pd"))["services"]
+    for name, svc in everything.items():
+        expected = "no" if name == "redis-acl" else "unless-stopped"
+        assert svc.get("restart") == expected, name
 
 
 def test_acl_job_gets_every_password(config: dict[str, Any]) -> None:

@@ -1,24 +1,32 @@
 """The launcher's plan: the same services, commands and environment as docker-compose.yml,
 with container host names rewritten to loopback. Docker Compose's own resolution (the bundled
-binary) is the reference for interpolation."""
+binary) is the reference for interpolation. Then its supervision, with real processes."""
 
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from infra.compose_plan import (
     ComposeError,
+    acl_environment,
     environment,
     interpolate,
     load_compose,
     plan,
     rewrite_url,
 )
-from infra.launcher import failing_checks, module_exists
+from infra.launcher import Launcher, failing_checks, module_exists, ready_status
+from tests.support.redis_server import free_port, free_ports
 from tests.unit.infra.compose_cli import COMPOSE_FILE, resolved_config, run_compose
 
 INFRA_SERVICES = {"redis", "redis-acl"}  # the launcher provides these itself
@@ -112,6 +120,14 @@ def test_user_environment_overrides_compose_and_local_defaults(compose: dict[str
     }
 
 
+def test_every_service_gets_its_name_as_a_stable_instance_id(compose: dict[str, Any]) -> None:
+    """One host runs them all, so the hostname default would give every scheduler replica the
+    same consumer name; the compose name is unique and the same after a restart."""
+    services = plan(compose, {}, profiles=frozenset({"gpu", "pd"}))
+    assert all(s.env["MESHLLM_INSTANCE_ID"] == s.name for s in services)
+    assert len({s.env["MESHLLM_INSTANCE_ID"] for s in services}) == len(services)
+
+
 def test_argv_uses_this_interpreter(compose: dict[str, Any]) -> None:
     (scheduler,) = [s for s in plan(compose, {}) if s.name == "scheduler"]
     assert scheduler.argv(sys.executable) == [sys.executable, "-m", "services.scheduler"]
@@ -163,3 +179,73 @@ def test_failing_checks_of_a_ready_body() -> None:
     body = json.dumps({"ready": False, "service": "gateway", "checks": checks}).encode()
     assert failing_checks(body) == f"model: loading; workers: {workers}"
     assert failing_checks(b"<html>proxy error</html>") == "<html>proxy error</html>"
+
+
+# --- supervision: real processes under the launcher ---------------------------------------------
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # polls a condition; no timing is asserted
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_killed_service_and_a_killed_redis_are_restarted_and_serve_again(
+    compose: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """compose's `restart: unless-stopped` under `make up`: kill -9 the kvstore, then Redis;
+    each comes back, the kvstore is ready again (it reconnects to the new Redis), and the
+    launcher keeps running until it is asked to stop."""
+    redis_port, offset = free_port(), free_ports(5) - 8000
+    env = {"MESHLLM_CLUSTER": "supervise", "MESHLLM_HEARTBEAT_INTERVAL_S": "0.2"}
+    (kvstore,) = [
+        s
+        for s in plan(compose, env, redis_port=redis_port, port_offset=offset)
+        if s.name == "kvstore"
+    ]
+    launcher = Launcher(
+        [kvstore],
+        redis_port=redis_port,
+        acl_env=acl_environment(compose, env),
+        log_dir=tmp_path,
+    )
+    watcher = threading.Thread(target=launcher.watch)
+    try:
+        launcher.start_redis()
+        launcher.start_services()
+        launcher.wait_ready(120)
+        watcher.start()
+        service, redis_process = launcher.children[0], launcher.redis
+        assert redis_process is not None
+
+        printed: list[str] = []
+
+        def said(text: str) -> bool:
+            printed.append(capsys.readouterr().out)
+            return text in "".join(printed)
+
+        for victim in (service, redis_process):
+            first = victim.proc
+            assert first is not None
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            wait_for(lambda v=victim: v.restarts == 1 and v.running, f"{victim.name} restart")
+            assert victim.proc is not first
+            wait_for(lambda: ready_status(kvstore.port)[0], "kvstore ready again", timeout_s=120)
+        wait_for(lambda: said("kvstore ready again"), "the launcher saying so")
+        assert watcher.is_alive()
+        assert launcher.supervisor.restarts == {"redis": 1, "kvstore": 1}
+    finally:
+        launcher.stop_requested = True
+        if watcher.is_alive():
+            watcher.join(10)
+        launcher.stop()
+    out = "".join(printed) + capsys.readouterr().out
+    assert "kvstore exited with status -9; restarting in 0.1 s (restart 1)" in out
+    assert "redis exited with status -9; restarting in 0.1 s (restart 1)" in out
+    assert "kvstore ready again" in out
+    assert "restarts: redis 1, kvstore 1" in out
+    assert "launcher: kvstore restarted" in (tmp_path / "kvstore.log").read_text()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", redis_port)) != 0  # stopped, not restarted

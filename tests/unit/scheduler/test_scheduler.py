@@ -144,6 +144,17 @@ def test_missing_sample_for_a_sampled_request_recomputes_it() -> None:
     assert [n.request_id for n in retry.new_requests] == ["a"]
 
 
+def test_token_ids_outside_the_workers_vocabulary_are_refused_not_planned() -> None:
+    d = make(vocab_size=50)
+    outside = d.scheduler.add_request(submit("x", [1, 50, 2]))
+    assert outside is not None and outside.finish_reason == "error"
+    assert "vocabulary [0, 50)" in (outside.error or "")
+    stop = d.scheduler.add_request(submit("y", [1, 2], stop_token_ids=[70]))
+    assert stop is not None and "stop_token_ids" in (stop.error or "")
+    assert d.scheduler.add_request(submit("z", [0, 49], max_tokens=2)) is None
+    assert [r.request_id for r in d.scheduler.waiting] == ["z"]
+
+
 def test_rejections_and_idempotent_resubmission() -> None:
     d = make(max_model_len=16, num_gpu_blocks=4)  # 3 usable blocks of 4 = 12 slots
     too_long = d.scheduler.add_request(submit("x", list(range(16))))  # no room for output

@@ -394,6 +394,35 @@ def test_rejects_packed_ints_whose_length_is_not_a_multiple_of_four() -> None:
     assert "multiple of 4" in error.detail
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("prompt_token_ids", [1, 2**40]),  # msgpack carries it; packing a StepPlan would not
+        ("prompt_token_ids", [-(2**31) - 1]),
+        ("sampling", {"max_tokens": 2**40}),
+        ("sampling", {"top_k": 2**31}),
+        ("sampling", {"stop_token_ids": [2**31]}),
+        ("sampling", {"logit_bias": {2**33: 1.0}}),
+        ("reply_stream", "r" * 513),
+    ],
+)
+def test_rejects_values_that_do_not_fit_their_wire_types(field: str, value: object) -> None:
+    body: dict[str, object] = {"request_id": "r", "prompt_token_ids": [1], "reply_stream": "s"}
+    body[field] = value
+    error = reason_of(envelope("submit", 1, body))
+    assert error.reason == "invalid"
+    assert field in error.detail
+
+
+def test_int32_bounds_are_inclusive() -> None:
+    ids = [-(2**31), 2**31 - 1]
+    msg = SubmitRequest(request_id="r", prompt_token_ids=ids, reply_stream="s")
+    assert decode(encode(msg)).prompt_token_ids == ids  # type: ignore[attr-defined]
+    assert SubmitRequest(request_id="r", prompt_token_ids=np.array(ids), reply_stream="s")
+    with pytest.raises(ValueError, match="int32"):
+        SubmitRequest(request_id="r", prompt_token_ids=np.array([2**32]), reply_stream="s")
+
+
 def test_rejects_a_body_that_breaks_the_schema() -> None:
     error = reason_of(envelope("submit", 1, {"request_id": "r", "reply_stream": "s"}))
     assert error.reason == "invalid"

@@ -66,10 +66,23 @@ def test_common_fields_read_from_env(monkeypatch: pytest.MonkeyPatch, cls: type)
     assert s.admin_token == "s3cret"
 
 
-def test_instance_id_defaults_to_host_and_pid() -> None:
-    import os
+def test_instance_id_defaults_to_the_hostname_which_a_restart_keeps() -> None:
+    import socket
 
-    assert CommonSettings().instance_id.endswith(f"-{os.getpid()}")
+    assert CommonSettings().instance_id == socket.gethostname()
+
+
+def test_consumer_names_are_stable_per_service_group_and_instance() -> None:
+    from shared.service import consumer_name
+
+    assert consumer_name("scheduler", "0", "node-7") == consumer_name("scheduler", "0", "node-7")
+    names = {
+        consumer_name("scheduler", "0", "node-7"),
+        consumer_name("scheduler", "gpu", "node-7"),
+        consumer_name("worker", "0", "node-7"),
+        consumer_name("scheduler", "0", "node-8"),
+    }
+    assert len(names) == 4
 
 
 def test_service_specific_fields(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,12 +7,6 @@ import pytest
 import torch
 
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
-from services.worker.accel.cuda_layers import (
-    GemvGatedMLP,
-    GemvLinear,
-    TritonRMSNorm,
-    install_cuda_kernels,
-)
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
@@ -72,26 +66,6 @@ def test_fits_only_decode_only_steps_of_a_captured_size() -> None:
     assert not graphs.fits(np.ones(7, dtype=np.int64))  # more rows than any graph
     with pytest.raises(ValueError, match="no captured graph"):
         graphs.run(*(np.zeros(3, dtype=np.int64),) * 4, np.zeros((3, 5), dtype=np.int64))
-
-
-def test_install_cuda_kernels_keeps_parameters_and_cpu_results() -> None:
-    model, _ = build_random_model(RANDOM_TINY_LLAMA, torch.float32, "cpu", seed=1)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    x = torch.randn(3, 32)
-    layer = model.layers[0]
-    expected = layer.mlp(layer.input_layernorm(x)[0])
-    counts = install_cuda_kernels(model)
-    # 2 layers x (qkv, o, gate_up, down) + lm_head; 2 layers x 2 norms + final norm.
-    assert counts == {"linear": 9, "rmsnorm": 5, "gated_mlp": 2, "decode_chain": 1}
-    assert isinstance(layer.mlp, GemvGatedMLP)
-    assert isinstance(layer.mlp.down_proj, GemvLinear)
-    assert isinstance(layer.input_layernorm, TritonRMSNorm)
-    assert model.state_dict().keys() == before.keys()
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, before[name]), name
-    assert torch.equal(layer.mlp(layer.input_layernorm(x)[0]), expected)  # CPU: PyTorch ops
-    again = {"linear": 0, "rmsnorm": 0, "gated_mlp": 0, "decode_chain": 0}
-    assert install_cuda_kernels(model) == again
 
 
 def test_rope_table_is_rebuilt_for_another_cos_tensor() -> None:

@@ -170,6 +170,9 @@ async def test_a_reset_prefill_request_is_not_released_until_recomputed() -> Non
 
 def test_the_lookahead_is_the_max_of_what_applies() -> None:
     assert lookahead_of(SchedulerSettings()) == 0
-    assert lookahead_of(SchedulerSettings(spec_method="eagle")) == 1
+    for method in ("eagle", "eagle3", "mtp"):  # every drafter fed the target's features
+        assert lookahead_of(SchedulerSettings(spec_method=method)) == 1
+    for method in ("ngram", "draft"):
+        assert lookahead_of(SchedulerSettings(spec_method=method)) == 0
     assert lookahead_of(SchedulerSettings(spec_method="eagle", prefill_lookahead_tokens=3)) == 3
     assert lookahead_of(SchedulerSettings(spec_method="ngram", prefill_lookahead_tokens=2)) == 2

@@ -30,6 +30,9 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         6,
         "/models/draft",
     )
+    for method in ("eagle3", "mtp"):
+        monkeypatch.setenv("MESHLLM_SPEC_METHOD", method)
+        assert WorkerSettings().spec_method == method
     monkeypatch.setenv("MESHLLM_SPEC_METHOD", "medusa")
     with pytest.raises(ValueError):
         WorkerSettings()

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader import load_model
 from services.worker.loader.checkpoint_names import CheckpointError
-from services.worker.runner.input_batch import InputBatch
-from services.worker.runner.kv_cache import KVCache
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.drafts import Drafter
 from services.worker.spec.eagle import load_eagle_head, random_eagle_head, save_eagle_head
 from services.worker.spec.vocab_map import DraftVocabError
+from tests.support.spec_heads import drafts_after
 from tests.support.tiny_llama import make_tiny_llama
 
 MAX_LEN = 64
@@ -34,30 +31,6 @@ def target(tmp_path_factory):
     hf = json.loads((path / "config.json").read_text())
     hf.update(num_hidden_layers=1)
     return model, hf
-
-
-def drafts_after(drafter: Drafter, model, tokens: list[int], k: int) -> list[int]:
-    """Drafts after one target prefill over `tokens` (one batch row)."""
-    n = len(tokens)
-    kv = KVCache.allocate(model.config, 4, 16, torch.float32, "cpu")
-    attn = AttentionMetadata.build(
-        query_lens=np.array([n - 1]),
-        seq_lens=np.array([n - 1]),
-        block_tables=np.arange(4)[None, :],
-        block_size=16,
-        slot_mapping=np.arange(n - 1),
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(tokens[:-1]), torch.arange(n - 1), attn, kv.layers)
-    batch = InputBatch(1, MAX_LEN, 16)
-    batch.row_req[0] = "r"
-    batch.token_ids[0, :n] = tokens
-    batch.num_tokens[0] = n
-    batch.num_computed_tokens[0] = n - 1
-    rows = np.array([0])
-    drafter.observe(batch, hidden, rows, np.array([n - 1]), np.array([n - 1]))
-    assert drafter.eagle is not None
-    return drafter.eagle.propose(batch, rows, [k])[0]
 
 
 def eagle_drafter(path, model) -> Drafter:
@@ -81,10 +54,10 @@ def test_a_saved_head_loads_to_the_same_weights_and_drafts(target, tmp_path) -> 
     for name, tensor in head.state_dict().items():
         assert torch.equal(tensor, theirs[name]), name
     drafter = eagle_drafter(tmp_path, model)
-    assert drafter.eagle is not None and drafter.eagle.vocab_map is None  # target's vocab
+    assert drafter.features is not None and drafter.features.vocab_map is None  # target's vocab
     drafts = drafts_after(drafter, model, TOKENS, 3)
     assert len(drafts) == 3
-    drafter.eagle.head = head  # the in-memory original proposes the same from the same state
+    drafter.features.head = head  # the in-memory original proposes the same from the same state
     assert drafts_after(drafter, model, TOKENS, 3) == drafts
 
 
@@ -94,8 +67,8 @@ def test_an_own_smaller_lm_head_drafts_target_ids_through_d2t(target, tmp_path) 
     target_ids = torch.arange(64) * 7 + 3  # draft i -> target 7i + 3
     save_eagle_head(head, tmp_path / "mapped", d2t=target_ids - torch.arange(64))
     drafter = eagle_drafter(tmp_path / "mapped", model)
-    assert drafter.eagle is not None and drafter.eagle.head.norm is not None
-    assert torch.equal(drafter.eagle.vocab_map, target_ids)
+    assert drafter.features is not None and drafter.features.head.norm is not None
+    assert torch.equal(drafter.features.vocab_map, target_ids)
     drafts = drafts_after(drafter, model, TOKENS, 3)
     assert len(drafts) == 3 and all((d - 3) % 7 == 0 for d in drafts)
     save_eagle_head(head, tmp_path / "unmapped")

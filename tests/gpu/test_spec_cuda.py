@@ -1,0 +1,108 @@
+"""Speculative decoding on CUDA, every method: greedy output with speculation equals the same
+engine's output without it (and transformers'), on a tiny fp32 Llama with drafters saved as
+checkpoints (tests/support/spec_heads.py), with the runner's CUDA graphs captured as the worker
+captures them (steps without drafts replay them; EAGLE-3's target returns its auxiliary layer
+states from the graphs too). The drafters' draft loop never synchronizes with the GPU: it runs
+under torch.cuda.set_sync_debug_mode (the drafts are read back once, after the loop)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.spec import SpeculativeConfig
+from shared.protocol import SamplingParams
+from tests.support.engine import InProcessEngine
+from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.tiny_llama import make_tiny_llama, reference_greedy
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS = {"a": [5, 17, 99, 3, 250, 41], "b": [7, 7, 300, 12], "c": list(range(20, 45))}
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.9, seed=4, max_tokens=NEW_TOKENS, ignore_eos=True)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+#: label -> (SPEC_METHOD, drafter dir, served target dir)
+METHODS = {
+    "ngram": ("ngram", "", "target"),
+    "draft": ("draft", "draft", "target"),
+    "eagle": ("eagle", "eagle", "target"),
+    "eagle3": ("eagle3", "eagle3", "target"),
+    "eagle3-speculators": ("eagle3", "eagle3s", "target"),
+    "mtp": ("mtp", "mtp", "mtp"),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("spec_cuda")
+    target = root / "target"
+    hf = make_tiny_llama(target, seed=0)
+    make_tiny_llama(root / "draft", seed=1, num_hidden_layers=1)
+    write_eagle_head(target, root / "eagle", identity=True)
+    write_eagle3_head(target, root / "eagle3", draft_vocab_size=128, identity=True)
+    write_eagle3_head(target, root / "eagle3s", speculators=True, identity=True)
+    write_mtp_target(target, root / "mtp", identity=True)
+    reference = {rid: reference_greedy(hf, p, NEW_TOKENS) for rid, p in PROMPTS.items()}
+    return root, reference
+
+
+def cuda_engine(root: Path, label: str | None) -> InProcessEngine:
+    spec = None
+    target = root / "target"
+    if label is not None:
+        method, drafter, served = METHODS[label]
+        target = root / served
+        model = str(root / drafter) if drafter else ""
+        spec = SpeculativeConfig(method=method, model=model, num_spec_tokens=3)
+    engine = InProcessEngine(target, device="cuda", speculative=spec, num_blocks=256)
+    engine.runner.warmup()  # as the worker starts: warm-up, then the decode graphs
+    engine.runner.capture_cuda_graphs()
+    return engine
+
+
+@pytest.mark.parametrize("label", list(METHODS))
+def test_greedy_with_speculation_equals_without_on_cuda(root, label: str) -> None:
+    path, reference = root
+    plain = cuda_engine(path, None).generate(PROMPTS, GREEDY)
+    assert {rid: g.token_ids for rid, g in plain.items()} == reference
+    engine = cuda_engine(path, label)
+    out = engine.generate(PROMPTS, GREEDY)
+    assert {rid: g.token_ids for rid, g in out.items()} == reference
+    assert engine.scheduler.spec.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("label", [m for m in METHODS if m != "ngram"])
+def test_the_draft_loop_never_synchronizes(root, label: str) -> None:
+    path, _ = root
+    engine = cuda_engine(path, label)
+    drafter = engine.runner.drafter
+    assert drafter is not None
+    inner = drafter.features or drafter.draft_model
+    assert inner is not None
+    sites: list[str] = []
+    loop = inner.propose
+
+    def guarded(batch, draws) -> None:  # type: ignore[no-untyped-def]
+        def record(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+            if SYNC_WARNING in str(message):
+                sites.append(f"{Path(filename).name}:{lineno}")
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            warnings.showwarning = record
+            try:
+                loop(batch, draws)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    inner.propose = guarded  # type: ignore[method-assign]
+    out = engine.generate(PROMPTS, SAMPLED)  # sampled drafts: q kept on the device too
+    assert all(len(g.token_ids) == NEW_TOKENS for g in out.values())
+    assert engine.scheduler.spec.stats.num_draft_tokens > 0
+    assert not sites, f"the draft loop synchronized at {sorted(set(sites))}"
