@@ -484,7 +484,10 @@ class OffloadEdge:
         """Report the written chunks `stored` (all of them: see the module docstring) and the
         failed ones the kvstore was writing; count what the worker dropped."""
         space = self.connector.space  # type: ignore[union-attr]
-        failed = {space.parse(name) for name in msg.failed_keys} if msg.ok else None
+        # A failed store names its failed chunks (dropped for staging, or not written); the
+        # others were written (a store larger than staging writes its head) and are kept.
+        named = msg.ok or bool(msg.failed_keys)
+        failed = {space.parse(name) for name in msg.failed_keys} if named else None
         ok = [c for c in store.chunks if failed is not None and c[0] not in failed]
         bad = [c for c in store.chunks if failed is None or c[0] in failed]
         if msg.error and msg.error.startswith("dropped"):

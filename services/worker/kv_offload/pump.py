@@ -109,7 +109,7 @@ class KVTransferPump:
             return
         for done in batch:
             KV_TRANSFERS.labels(done.kind, "ok" if done.ok else "failed").inc()
-            if done.ok:
+            if done.num_bytes:  # a store that dropped its tail still wrote its head
                 KV_TRANSFER_BYTES.labels(done.kind).inc(done.num_bytes)
                 KV_TRANSFER_SECONDS.labels(done.kind).inc(done.seconds)
 

@@ -245,3 +245,42 @@ async def test_a_written_chunk_the_kvstore_refused_leaves_no_payload(redis_url: 
         metas = [SPACE.meta_key(SPACE.parse(key)) for key in transfer.keys]
         assert await r.exists(*metas) == 2  # and the two kept have their metadata
         await r.aclose()
+
+
+async def test_a_partly_dropped_store_keeps_the_chunks_it_wrote(redis_url: str) -> None:
+    """The worker wrote the head of a store and dropped the rest (staging full): its answer is
+    failed, naming the dropped chunks; the written ones are stored, the dropped ones freed."""
+    async with edge_with_core(redis_url) as (edge, core, kv):
+        plan = await plan_with_stores(edge, core, kv)
+        (transfer,) = plan.kv_stores
+        head, dropped = transfer.keys[:2], transfer.keys[2:]
+        r = aioredis.Redis.from_url(redis_url)
+        for key in head:
+            await r.set(key, b"\x01" * NBYTES)
+        edge.on_step_result(plan.step_id)
+        edge.on_done(
+            core,
+            KVTransferDone(
+                worker_id="w",
+                worker_incarnation="w1",
+                transfer_id=transfer.transfer_id,
+                request_id="a",
+                kind="store",
+                ok=False,
+                failed_keys=dropped,
+                num_bytes=len(head) * NBYTES,
+                error="dropped: staging full",
+            ),
+        )
+
+        async def settled() -> bool:
+            return not edge.stores_pending("a")
+
+        await until(settled, "the stored and failed reports")
+        state = await kv.state()
+        assert state["chunks"] == len(head) and state["writing"] == 0
+        assert await r.exists(*head) == len(head)
+        metas = [SPACE.meta_key(SPACE.parse(key)) for key in transfer.keys]
+        assert await r.exists(*metas[: len(head)]) == len(head)
+        assert await r.exists(*metas[len(head) :]) == 0
+        await r.aclose()
