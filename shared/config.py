@@ -178,6 +178,13 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_offload: bool = False
     kvstore_timeout_s: float = Field(2.0, gt=0)  # one kvstore call
     kvstore_retry_s: float = Field(5.0, ge=0)  # after a failed call, skip the kvstore this long
+    # Which KV chunks are written to the tier (services/scheduler/offload/store_admission.py):
+    # "reuse" = a chunk a second request offers (store on second sight), "always" = every full
+    # block of every request. A prefill-role scheduler always stores.
+    kv_store_policy: Literal["reuse", "always"] = "reuse"
+    # The tier's load rate (bytes/s) assumed until loads measured it: a hit is loaded only when
+    # that beats recomputing it (services/scheduler/offload/load_cost.py).
+    kv_load_bytes_per_s: float = Field(200e6, gt=0)
     # Prefill/decode disaggregation (services/scheduler/pd): "prefill" computes prompts, stores
     # their KV through the offload tier and hands requests to a "decode" scheduler; "both"
     # serves requests whole. Prefill and decode need the offload tier (kv_offload).
@@ -208,6 +215,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
     kv_staging_bytes: int = Field(64 * 2**20, ge=0)  # store staging slots (pinned on CUDA)
     kv_offload_timeout_s: float = Field(5.0, gt=0)  # Redis socket timeout of the transfer threads
+    # The share of wall time the store thread may spend writing to Redis: it rests in proportion
+    # after each round trip, so stores never take more of the machine than this; a backlog
+    # waits in staging, and stores that find staging full are dropped (never waited for).
+    kv_store_max_busy_share: float = Field(0.5, gt=0, le=1)
     # A JSON line per step with its host and device times (services/worker/runner/
     # step_timeline.py; read by `python -m services.worker.runner.step_timeline_report`);
     # "" = off.

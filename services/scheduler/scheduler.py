@@ -200,6 +200,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        # Requests waiting for another request's load of their next block: set aside for this
+        # step, then back at the front in their order (services/scheduler/offload: HOLD).
+        held: list[Request] = []
         if not preempted:
             max_seqs = self.config.max_num_seqs
             while self.waiting and budget > 0 and len(self.running) < max_seqs:
@@ -210,6 +213,9 @@ class Scheduler:
                     admission = self.offload.admit(request, kv)
                     if admission.action == "defer":
                         break  # lookup unanswered (or no room): FCFS, as a failed allocation
+                    if admission.action == "hold":
+                        held.append(self.waiting.popleft())
+                        continue
                     if admission.action == "load":
                         self.waiting.popleft()  # computes nothing until its load is done
                         continue
@@ -239,6 +245,7 @@ class Scheduler:
                 request.num_computed_tokens = num_hit + num_new
                 self._note_sampling(request, sampling)
                 budget -= num_new
+        self.waiting.extendleft(reversed(held))
 
         if not num_scheduled and not (self.offload and self.offload.has_pending_loads()):
             return None
@@ -280,6 +287,10 @@ class Scheduler:
         sampling = self._sampling_steps.get(plan.step_id, ())
         if not self._settle(plan):
             return SchedulerOutput()
+        if self.offload is not None:  # the tier's cost model learns this machine's prefill rate
+            self.offload.cost.observe_step(
+                sum(plan.num_scheduled_tokens.values()), result.execute_ms / 1000
+            )
         out = SchedulerOutput()
         sampled = {s.request_id: s for s in result.sampled}
         missing: list[Request] = []

@@ -1,17 +1,22 @@
 """KV offload end to end: gateway, scheduler, worker and kvstore processes on a real Redis, with
-SmolLM2.
+SmolLM2, under the default store policy ("reuse": a chunk is stored once a second request
+offers it).
 
-- A ~1,500-token prompt served twice with the worker restarted in between (its local cache
-  empty): the second run loads from Redis (the scheduler's metrics show the hit tokens and the
-  bytes), and its greedy output is identical. (TTFT is recorded by bench/kv_offload_ttft.py.)
+- A ~1,500-token prompt served twice (stored at its second sight) and then once more with the
+  worker restarted in between (its local cache empty): the last run loads from Redis (the
+  scheduler's metrics show the hit tokens and the bytes), and its greedy output is identical.
+  (TTFT is recorded by bench/kv_offload_ttft.py.)
+- Prompts seen once are not stored at all.
+- A burst of requests sharing a long prefix computes it once (the scheduler's prefix-cache hits)
+  and stores it once (no request's own suffix), with the outputs of sequential runs.
 - After runs, and after a worker killed mid-store (once the kvstore's write deadline passed), no
   payload key exists without its metadata and no metadata without its payload.
 - kvstore killed, or the KV keys deleted from Redis: requests still complete, by recompute,
   with a warning metric.
 
 One mesh and ONE worker restart for the module (a worker start is most of its time): the
-`history` fixture serves a short and a long prompt, kills the worker in the middle of a third
-request's stores, restarts it and lets that request finish; the tests then work on the
+`history` fixture serves a short and a long prompt (twice each), kills the worker in the middle
+of a request's stores, restarts it and lets that request finish; the tests then work on the
 restarted worker, whose local prefix cache is empty.
 """
 
@@ -20,12 +25,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 import redis
 
+from shared.kv.block_hash import extend_block_hashes
+from shared.kv.offload_key import LAYOUT_VERSION, KeySpace, OffloadKey
 from tests.e2e.conftest import E2E_ENV
 from tests.support.mesh import Mesh
 
@@ -129,9 +138,11 @@ class History:
 
 
 def kill_worker_mid_store(mesh: Mesh, prompt: str) -> tuple[int, str]:
-    """Stream `prompt`; on its first token (the prefill ran: its stores are being written) kill
-    the worker; once the writes it never reported expired, check the keys, restart the worker
-    and let the request finish on it. Returns the chunk count after the kill and the text."""
+    """Stream `prompt` (seen once before: this second sight stores it); on its first token (its
+    first step ran: its stores are being written) kill the worker; once the writes it never
+    reported expired, check the keys, restart the worker and let the request finish on it.
+    Returns the chunk count after the kill and the text."""
+    chat(mesh, prompt, max_tokens=1)
     client, model = client_of(mesh)
     first_token = threading.Event()
     done: list[str] = []
@@ -175,6 +186,10 @@ def history(kv_mesh: Mesh) -> History:
     prompt = long_prompt("volcanoes")
     reply = chat(kv_mesh, prompt)
     assert reply.usage is not None and 1300 <= reply.usage.prompt_tokens <= 1800
+    # Each seen once: nothing stored but the chat template's head the two prompts share.
+    assert kvstore_state(kv_mesh)["chunks"] <= 3
+    for again in (short_prompt, prompt):  # the second sight stores them (a local hit)
+        chat(kv_mesh, again)
     chunks_after_runs = assert_consistent(kv_mesh)
     chunks_after_kill, killed_text = kill_worker_mid_store(kv_mesh, long_prompt("glaciers", 400))
     return History(
@@ -207,6 +222,73 @@ def test_a_worker_killed_mid_store_leaves_no_half_chunk(kv_mesh: Mesh, history: 
     assert history.chunks_after_kill >= history.chunks_after_runs  # checked consistent then
     assert history.killed_request_text  # completed on the restarted worker
     assert_consistent(kv_mesh)  # and after its recompute stored it again
+
+
+def tokens_of(mesh: Mesh, prompt: str) -> list[int]:
+    """The prompt's token ids as the gateway's chat template and tokenizer make them."""
+    _, model = client_of(mesh)
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}]}
+    return list(
+        httpx.post(f"{mesh.url('gateway')}/tokenize", json=body, timeout=30).json()["tokens"]
+    )
+
+
+def block_keys(mesh: Mesh, tokens: list[int]) -> list[str]:
+    """Suffixes (as `kv_keys` lists them) of the payload keys of the prompt's full blocks."""
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, 16)
+    _, model = client_of(mesh)
+    space = KeySpace(mesh.cluster, model, LAYOUT_VERSION)
+    prefix = f"meshllm:{mesh.cluster}:kv:"
+    return [space.payload_key(OffloadKey(h, 0))[len(prefix) :] for h in hashes]
+
+
+def shared_blocks(prompts: list[list[int]]) -> int:
+    """Full 16-token blocks every prompt shares from its start."""
+    n = 0
+    while all(len(p) > n for p in prompts) and len({p[n] for p in prompts}) == 1:
+        n += 1
+    return n // 16
+
+
+def test_prompts_seen_once_are_not_stored(kv_mesh: Mesh, history: History) -> None:
+    chunks = kvstore_state(kv_mesh)["chunks"]
+    skipped = metric(kv_mesh, "meshllm:kv_offload_store_offers_total", decision="skip")
+    written = metric(kv_mesh, "meshllm:kv_offload_store_offers_total", decision="write")
+    for topic in ("comets", "orchids", "bridges"):
+        chat(kv_mesh, long_prompt(topic, words=120), max_tokens=4)
+    assert kvstore_state(kv_mesh)["chunks"] == chunks
+    assert metric(kv_mesh, "meshllm:kv_offload_store_offers_total", decision="write") == written
+    new_skips = metric(kv_mesh, "meshllm:kv_offload_store_offers_total", decision="skip") - skipped
+    assert new_skips >= 3 * 12  # ~230 tokens each: every full block was considered, none kept
+
+
+def test_a_burst_sharing_a_prefix_computes_and_stores_it_once(
+    kv_mesh: Mesh, history: History
+) -> None:
+    notes = long_prompt("lighthouses", words=400)  # ~750 tokens, new to the mesh
+    questions = ["Which one is oldest?", "Name two.", "Why red?", "Count them.", "Any ghosts?"]
+    prompts = [f"{notes}\n{q}" for q in questions]
+    token_ids = [tokens_of(kv_mesh, p) for p in prompts]
+    shared = shared_blocks(token_ids)
+    assert shared >= 700 // 16
+    before = kv_mesh.admin_state("scheduler")["scheduler"]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # submitted together
+        burst = list(pool.map(lambda p: chat(kv_mesh, p, max_tokens=6), prompts))
+    after = kv_mesh.admin_state("scheduler")["scheduler"]
+    # Every request but the first found the prefix in the local cache: computed once.
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert hits >= (len(prompts) - 1) * shared * 16
+    # Stored once, from its second sight; no request's own blocks (seen once) are stored.
+    assert_consistent(kv_mesh)
+    stored, _ = kv_keys(kv_mesh)
+    keys = [block_keys(kv_mesh, tokens) for tokens in token_ids]
+    assert set(keys[0][:shared]) <= stored
+    assert not any(set(own[shared:]) & stored for own in keys)
+    # Greedy outputs as each request gives alone.
+    for prompt, reply in zip(prompts, burst, strict=True):
+        alone = chat(kv_mesh, prompt, max_tokens=6)
+        assert alone.choices[0].message.content == reply.choices[0].message.content
 
 
 def test_kv_keys_deleted_from_redis_fall_back_to_recompute(kv_mesh: Mesh, history: History) -> None:

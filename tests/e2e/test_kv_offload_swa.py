@@ -2,10 +2,11 @@
 
 A tiny random-weight Gemma-3-style model (layers sliding / full / sliding, window 16, block 16:
 two KV cache groups) served by gateway, scheduler, worker and kvstore processes on a real Redis.
-A prompt of five chunks and more is served; the worker is restarted (its local prefix cache is
-empty); the same prompt served again loads its prefix from Redis: the full group's five chunks
+A prompt of five chunks and more is served twice (the default store policy writes a chunk on
+its second sight); the worker is restarted (its local prefix cache is empty); the same prompt
+served again loads its prefix from Redis: the full group's five chunks
 and the sliding group's window chunk, so the hit is all five chunks (80 tokens). The greedy
-output of both runs equals transformers' on the same weights.
+output of every run equals transformers' on the same weights.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def test_a_restarted_worker_loads_the_window_and_generates_the_same_text(
 ) -> None:
     prompt = random_prompt(PROMPT_LEN, 8)
     first = complete(swa_mesh, prompt)
+    assert complete(swa_mesh, prompt) == first  # its second sight: stored
     wait_until(
         lambda: (
             swa_mesh.admin_state("kvstore")["kvstore"].get("writing", 0) == 0

@@ -16,13 +16,23 @@ request back at the queue's front, holding its blocks: its next admission counts
 hit (`resumed_tokens`). A failed or refused load frees the blocks, forces its keys to misses and
 requeues the request, which then recomputes what the tier could not give.
 
-Stores: every plan offers, per scheduled request, the full blocks its computed tokens reach
+A hit is loaded only when the load is expected to beat recomputing it (`load_cost`: the tier's
+bandwidth and the prefill rate, learned from the worker's own timings); a request whose whole
+possible hit could not win is not even looked up (no probe, no defer). A request whose next
+block is being loaded by another request is held (`HOLD`: set aside for this step, keeping its
+place) until that load is answered, and then takes those blocks as a local prefix hit: a burst
+of requests sharing a prefix reads it from the tier once (bounded by `max_holds`).
+
+Stores: every plan considers, per scheduled request, the full blocks its computed tokens reach
 after the step (prompt and sampled tokens only: `num_computed_tokens` never counts a
 speculative draft here), each block once per request, keyed by block hash per prefix-cacheable
-group. The edge asks the kvstore which to write and trims `kv_stores` before publishing. A
-sliding-window group offers only the chunks a hit at the end of the offer would need (its window
-coverage, widened by the tokens retained for speculation: the store mask of
-services.scheduler.offload.window_scan); null blocks (dropped out of the window) are never offered.
+group. The store admission policy (`store_admission`) says which are written (a transfer in
+`kv_stores`), which are only reported to the kvstore for recency (in the tier already), and
+which are skipped (not likely to be read again). The edge reports each plan's offers to the
+kvstore without holding the plan back. A sliding-window group offers only the chunks a hit at
+the end of the offer would need (its window coverage, widened by the tokens retained for
+speculation: the store mask of services.scheduler.offload.window_scan); null blocks (dropped out
+of the window) are never offered.
 
 Blocks under a load the worker has not answered are never freed: a request finishing (abort)
 meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
@@ -42,10 +52,13 @@ from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.load_allocation import allocate_for_load
+from services.scheduler.offload.load_cost import LoadCostModel
 from services.scheduler.offload.request_state import LoadJob, OffloadRequestState
+from services.scheduler.offload.store_admission import StoreAdmission, StoreDecision
 from services.scheduler.offload.window_hit import GroupWindow, window_hit
 from services.scheduler.offload.window_scan import Verdict
 from services.scheduler.request import Request
+from shared.kv.block_hash import BlockHash
 from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol.kv_transfer import KVTransfer
 
@@ -54,13 +67,14 @@ Chunk = tuple[OffloadKey, int]  # (key, end position)
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    action: Literal["compute", "defer", "load"]
+    action: Literal["compute", "defer", "load", "hold"]
     hit_blocks: KVCacheBlocks | None = None  # for "compute"; None for a resumed request
     num_hit_tokens: int = 0
 
 
 DEFER = Admission("defer")
 LOADING = Admission("load")
+HOLD = Admission("hold")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +95,24 @@ class OffloadStats:
     loads_started: int = 0
     loads_failed: int = 0
     defers: int = 0
+    holds: int = 0  # steps a request waited for another request's load of its next block
+    lookups_skipped: int = 0  # requests not looked up: even a full hit would not beat recompute
 
 
 @dataclass
 class StoreOffer:
-    """Candidate chunks of one store transfer, aligned with `KVTransfer.keys`."""
+    """One request's chunks reported to the kvstore in one plan: `write` (aligned with the
+    keys of the store transfer `transfer_id`, None when nothing is written) and `record` (in the
+    tier already: reported for the request's recency only)."""
 
     request_id: str
-    chunks: list[Chunk] = field(default_factory=list)
+    transfer_id: str | None = None
+    write: list[Chunk] = field(default_factory=list)
+    record: list[Chunk] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return [*self.write, *self.record]
 
 
 class OffloadConnector:
@@ -100,8 +124,12 @@ class OffloadConnector:
         transfer_prefix: str,
         *,
         max_defers: int = 50,
+        max_holds: int = 200,
         max_loading: int | None = None,
         store: bool = True,
+        store_admission: StoreAdmission | None = None,
+        cost: LoadCostModel | None = None,
+        chunk_bytes: int = 0,
     ) -> None:
         self.block_size = config.block_size
         # Only prefix-cacheable groups are hashed, stored and looked up ("transferable is not
@@ -120,18 +148,25 @@ class OffloadConnector:
         self.space = space
         self.lookup = lookup
         self.max_defers = max_defers
+        self.max_holds = max_holds
         self.max_loading = max_loading or config.max_num_seqs
         # False for a decode-role scheduler (services/scheduler/pd): a KV consumer, it loads
         # what prefill groups stored and offers nothing (vLLM's kv_consumer).
         self.store = store
+        self.admission = store_admission or StoreAdmission()
+        self.cost = cost or LoadCostModel()
+        self.chunk_bytes = chunk_bytes  # payload bytes of one chunk (0: unknown, bytes not costed)
         self._ids = (f"{transfer_prefix}:{n}" for n in itertools.count())
         self.states: dict[str, OffloadRequestState] = {}
         self.requests: dict[str, Request] = {}
         self.loading: dict[str, Request] = {}  # transfer id -> request being loaded
+        # Block hashes an in-flight load is filling -> its transfer id: a request whose next
+        # block is among them waits for that load instead of reading (or computing) it again.
+        self.producing: dict[BlockHash, str] = {}
         self.orphans: dict[str, tuple[Request, LoadJob]] = {}  # finished under a load
         self.pending_loads: list[KVTransfer] = []  # for the next plan
-        self.store_offers: dict[str, StoreOffer] = {}  # transfer id -> chunks (the edge pops)
-        # Offers gathered for the plan being built: request id -> (chunks, groups, block ids).
+        self.store_offers: list[StoreOffer] = []  # the plans' offers, for the kvstore (edge pops)
+        # Offers gathered for the plan being built: request id -> (offer, groups, block ids).
         self._open_offers: dict[str, tuple[StoreOffer, list[int], list[int]]] = {}
         self.finished_ids: list[str] = []  # for the kvstore's request_finished (the edge pops)
         self.stats = OffloadStats()
@@ -144,6 +179,10 @@ class OffloadConnector:
         state = self.states.setdefault(request.request_id, OffloadRequestState(request.request_id))
         self.requests[request.request_id] = request
         cap = self._max_hit_blocks(request)
+        if not self._worth_looking_up(state.keys_looked_up, cap):
+            if state.keys_looked_up == 0 and cap > 0:
+                self.stats.lookups_skipped += 1
+            return
         for i in range(state.keys_looked_up, cap):
             for g in self.groups:
                 self.lookup.lookup(request.request_id, OffloadKey(request.block_hashes[i], g))
@@ -164,6 +203,7 @@ class OffloadConnector:
         if state is not None and state.load is not None:
             tid = state.load.transfer.transfer_id
             self.loading.pop(tid, None)
+            self._stop_producing(tid)
             if any(t.transfer_id == tid for t in self.pending_loads):
                 self.pending_loads = [t for t in self.pending_loads if t.transfer_id != tid]
                 kv.free(request)  # never sent: nobody writes into its blocks
@@ -190,6 +230,10 @@ class OffloadConnector:
             return Admission("compute", hit_blocks, num_hit)
         first = num_hit // self.block_size
         cap = self._max_hit_blocks(request)
+        if first < cap and self._held(request, state, first):
+            return HOLD
+        if not self._worth_looking_up(first, cap):
+            return Admission("compute", hit_blocks, num_hit)  # even a full hit would not pay
         end = self._hit_end(request, hit_blocks, first, cap, settle=False)
         if end is None:
             if state.defers < self.max_defers:
@@ -202,6 +246,8 @@ class OffloadConnector:
         run = end - first
         if run <= 0 or len(self.loading) >= self.max_loading:
             return Admission("compute", hit_blocks, num_hit)
+        if not self.cost.decide(run * self.block_size, self._load_bytes(run)):
+            return Admission("compute", hit_blocks, num_hit)  # recomputing it is faster
         held = self._held_for_load(kv, hit_blocks, first, end)
         num_load = run * self.block_size
         new_blocks = allocate_for_load(kv, request, held, num_hit, num_load)
@@ -209,6 +255,28 @@ class OffloadConnector:
             return DEFER  # no room for the load: no room to compute it either (FCFS head)
         self._start_load(request, state, first, end, num_hit, new_blocks, kv)
         return LOADING
+
+    def _held(self, request: Request, state: OffloadRequestState, first: int) -> bool:
+        """Whether the request waits for another request's load of its block `first` (the
+        first one it lacks locally). Bounded: after `max_holds` steps it goes its own way."""
+        tid = self.producing.get(request.block_hashes[first])
+        if tid is None or state.holds >= self.max_holds:
+            return False
+        producer = self.loading.get(tid)
+        if producer is None or producer is request:
+            return False
+        state.holds += 1
+        self.stats.holds += 1
+        return True
+
+    def _load_bytes(self, num_chunks: int) -> int:
+        return num_chunks * len(self.groups) * self.chunk_bytes
+
+    def _worth_looking_up(self, first: int, cap: int) -> bool:
+        """Whether a hit of every block in [first, cap) could beat recomputing them: if not,
+        the request is not looked up at all (no probe, and no step deferred for its answer)."""
+        run = cap - first
+        return run > 0 and self.cost.load_wins(run * self.block_size, self._load_bytes(run))
 
     def _max_hit_blocks(self, request: Request) -> int:
         # A hit is capped at num_tokens - 1: the last token is recomputed for its logits.
@@ -287,6 +355,8 @@ class OffloadConnector:
         num_tokens = num_hit + run * self.block_size
         state.load = LoadJob(transfer, chunks, first, run, num_tokens, num_hit)
         self.loading[tid] = request
+        for i in range(first, end):
+            self.producing.setdefault(request.block_hashes[i], tid)
         self.pending_loads.append(transfer)
         self.stats.loads_started += 1
         # The local hit in front of the loaded run is offered for store too: its keys join the
@@ -339,27 +409,42 @@ class OffloadConnector:
                 if block.is_null or i < start:
                     continue  # out of a sliding window: nothing a hit would read
                 key = OffloadKey(request.block_hashes[i], g)
-                store.chunks.append((key, (i + 1) * self.block_size))
+                chunk = (key, (i + 1) * self.block_size)
+                decision = self.admission.decide(key, rid)
+                if decision is StoreDecision.SKIP:
+                    continue  # not likely to be read again: the tier never hears of it
+                state.offered.append(chunk)
+                if decision is StoreDecision.RECORD:
+                    store.record.append(chunk)
+                    continue
+                store.write.append(chunk)
                 groups.append(g)
                 block_ids.append(block.block_id)
-                state.offered.append((key, (i + 1) * self.block_size))
 
     def _take_offer_transfers(self) -> list[KVTransfer]:
         transfers = []
         for rid, (offer, groups, block_ids) in self._open_offers.items():
-            tid = next(self._ids)
-            transfers.append(
-                KVTransfer(
-                    transfer_id=tid,
-                    request_id=rid,
-                    keys=[self.space.payload_key(k) for k, _ in offer.chunks],
-                    groups=groups,
-                    block_ids=block_ids,
+            if offer.write:
+                offer.transfer_id = tid = next(self._ids)
+                transfers.append(
+                    KVTransfer(
+                        transfer_id=tid,
+                        request_id=rid,
+                        keys=[self.space.payload_key(k) for k, _ in offer.write],
+                        groups=groups,
+                        block_ids=block_ids,
+                    )
                 )
-            )
-            self.store_offers[tid] = offer
+            if offer.write or offer.record:
+                self.store_offers.append(offer)
         self._open_offers.clear()
         return transfers
+
+    def take_store_offers(self) -> list[StoreOffer]:
+        """The offers of the plans built since the last call, in plan order (the edge reports
+        them to the kvstore)."""
+        offers, self.store_offers = self.store_offers, []
+        return offers
 
     # ------------------------------------------------------------------- load answers
 
@@ -368,6 +453,7 @@ class OffloadConnector:
     ) -> LoadOutcome | None:
         """The worker answered a load (or the edge could not pin it: `ok=False`, never sent).
         None for a transfer this connector does not know (stale: a reset voided it)."""
+        self._stop_producing(transfer_id)
         orphan = self.orphans.pop(transfer_id, None)
         if orphan is not None:
             request, job = orphan
@@ -386,10 +472,12 @@ class OffloadConnector:
             kv.cache_blocks(request, job.num_tokens)  # computed now: findable by others too
             state.resumed_tokens = job.num_tokens
             state.loaded.extend(job.keys)
+            self.admission.mark_stored(keys)
             self.stats.external_hit_tokens += job.loaded_tokens
             return LoadOutcome(request.request_id, True, job.loaded_tokens, keys, request)
         failed = {self.space.parse(name) for name in failed_keys} or set(keys)
         self.lookup.mark_load_failed(failed)
+        self.admission.mark_missing(failed)
         kv.free(request)
         request.num_computed_tokens = 0
         state.offered_blocks = job.first_block  # the loaded run is computed (and offered) later
@@ -416,9 +504,14 @@ class OffloadConnector:
                 state.resumed_tokens = 0
                 kv.free(self.requests[rid])
         self.loading.clear()
+        self.producing.clear()
         self.orphans.clear()
         self.pending_loads = []
         return requeue
+
+    def _stop_producing(self, transfer_id: str) -> None:
+        for block_hash in [h for h, tid in self.producing.items() if tid == transfer_id]:
+            del self.producing[block_hash]
 
     def take_finished(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []

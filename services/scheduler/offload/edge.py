@@ -1,33 +1,45 @@
 """The scheduler's I/O edge for the KV offload tier: kvstore calls, probes, transfer answers.
 
-Around the pure connector (services/scheduler/offload), per step of the service's loop:
+Nothing here holds a plan back: the step loop never waits for the kvstore (a kvstore call is a
+bus round trip, and a busy kvstore on the same cores made every plan wait behind the reports
+queued before it). Per step of the service's loop:
 - `prepare(core, plan)` (after `schedule()`, before the plan is published): starts this step's
-  lookup probes (one batch, as asyncio tasks; their answers wake the step loop), pins the
-  plan's loads in the kvstore (`load`: a load whose chunks cannot all be pinned is failed at
-  once, never sent), and asks the kvstore which offered chunks to write (`store`: `kv_stores`
-  is trimmed to its `write` answer; present chunks are only recorded for recency);
+  lookup probes (one batch, as asyncio tasks; their answers wake the step loop) and queues the
+  plan's kvstore calls: the pins of its loads (`load`), and each request's store offers
+  (`store`: the chunks its transfer writes, and the chunks in the tier already, reported for the
+  request's recency). The plan goes out at once: a load is read whether or not its pin landed
+  first (a chunk evicted meanwhile fails the load, which recomputes), and a store's chunks are
+  written by the worker while the kvstore admits them;
 - `on_step_result(step_id)` (from the results reader): that step's forward ended, so the
   worker is writing the stores it carried: the kvstore restarts their write deadline
   (`writing`), which then covers the writes only, never the prefill before them (a worker
   reset does the same for every step in flight: they will never report);
 - `on_done(core, msg)` (from the results reader): a KVTransferDone. Loads go to the core
-  (computed, or recompute with forced misses) and release their pins (`loaded`); stores are
-  reported (`stored`, ok or not, per chunk) and their keys re-probed;
+  (computed, or recompute with forced misses), teach the cost model the tier's bandwidth and
+  release their pins (`loaded`); stores are reported (`stored`, ok or not, per chunk) and their
+  keys re-probed;
 - finished requests (stop, abort, error) get the kvstore's `request_finished`, which commits
   the request's recency and releases any pin it still holds.
 
-Reports run one at a time from a queue (`run()`), under the same lock as `prepare`'s calls, so
-the kvstore sees each request's calls in order (its `store` before its `request_finished`).
+Calls run one at a time from one queue (`run()`), so the kvstore sees each request's calls in
+order: its `store` before the `writing` and `stored` of those chunks, its `load` before its
+`loaded`, everything before its `request_finished`.
+
+No payload without its metadata: a written chunk is always reported `stored`, whatever the
+kvstore answered to its `store`. The kvstore makes it ready if it took the chunk, and deletes
+the payload if it did not (no room: refused; or it was evicted meanwhile), so a write that
+raced the kvstore's answer leaves nothing unaccounted for. A chunk the kvstore wants written
+that this scheduler did not write (it believed the tier held it) is reported failed at once.
 
 The kvstore is called over the bus (kvstore_client, shared.rpc): `start()` opens the edge's
 reply stream before the first call.
 
 Failure policy: a kvstore that errs or times out (or is not on the bus at all) is skipped
-(probes answer "miss", stores are dropped, loads are not started), counted in
+(probes answer "miss", stores are dropped from the plans, loads are not started), counted in
 `meshllm:kv_offload_errors_total{op}` and logged; requests then simply recompute. Nothing here
 ever fails a request. The skip lasts until a ping answers: the first one `kvstore_retry_s`
 after the failure, then one per `kvstore_retry_s`, in the background. So a dead kvstore costs
-the step loop one timeout, not one per retry period.
+the queue one timeout, not one per retry period.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from prometheus_client import Counter
@@ -46,13 +59,16 @@ from services.scheduler.offload.kvstore_client import (
     KVStoreClient,
     KVStoreError,
     KVStoreRefused,
+    StoreReply,
 )
+from services.scheduler.offload.load_cost import LoadCostModel
+from services.scheduler.offload.store_admission import StoreAdmission
 from services.scheduler.scheduler import Scheduler
 from shared.bus import Bus
 from shared.config import SchedulerSettings
 from shared.kv.offload_key import LAYOUT_VERSION, KeySpace, OffloadKey
 from shared.metrics import metric_name
-from shared.protocol import KVTransfer, KVTransferDone, StepPlan, WorkerReady
+from shared.protocol import KVTransferDone, StepPlan, WorkerReady
 from shared.rpc import RpcClient
 from shared.streams import Streams
 
@@ -77,7 +93,35 @@ STORED_BYTES = Counter(metric_name("kv_offload_stored_bytes"), "KV bytes stored 
 TRANSFERS = Counter(
     metric_name("kv_offload_transfers"), "KV transfers answered by the worker", ["kind", "result"]
 )
+LOADS = Counter(
+    metric_name("kv_offload_loads"),
+    "Load decisions: a hit loaded (load) or recomputed because its load would be slower "
+    "(compute), or a request not looked up because even a full hit would be (no_lookup)",
+    ["decision"],
+)
+STORE_OFFERS = Counter(
+    metric_name("kv_offload_store_offers"),
+    "Chunks offered for store by the store policy's decision: written, recorded (in the tier "
+    "already) or skipped (not likely to be read again)",
+    ["decision"],
+)
+DROPPED_STORES = Counter(
+    metric_name("kv_offload_dropped_stores"),
+    "Chunks whose store was dropped (the worker's staging or Redis backlog was full, or the "
+    "kvstore was unavailable); the step loop never waits for a store",
+)
 MAX_PENDING_STORES = 100_000  # store transfers awaiting their answer (a dead worker never answers)
+MAX_QUEUED_CALLS = 10_000  # past this, new store offers are dropped (a kvstore that lags)
+
+
+@dataclass
+class _Store:
+    """A store transfer in flight: its request, the chunks the worker writes (with their
+    nbytes) and, once the kvstore answered the offer, its answer."""
+
+    request_id: str
+    chunks: list[tuple[OffloadKey, int, int]]
+    reply: StoreReply | None = None
 
 
 class OffloadEdge:
@@ -89,13 +133,14 @@ class OffloadEdge:
         self.client: KVStoreClient | None = None
         self.lookup: AsyncLookup | None = None
         self.connector: OffloadConnector | None = None
-        self._lock = asyncio.Lock()
-        # (op, call, then): `then` runs once the call was made or skipped
-        self._reports: asyncio.Queue[
-            tuple[str, Callable[[], Awaitable[Any]], Callable[[], None] | None]
-        ] = asyncio.Queue()
-        # store transfer id -> (request id, chunks written: (key, end, nbytes)), until answered
-        self._stores: dict[str, tuple[str, list[tuple[OffloadKey, int, int]]]] = {}
+        # The policy and the cost model outlive a core (a worker of another shape).
+        self.admission = StoreAdmission(
+            "always" if settings.role == "prefill" else settings.kv_store_policy
+        )
+        self.cost = LoadCostModel(load_bytes_per_s=settings.kv_load_bytes_per_s)
+        self._calls: asyncio.Queue[tuple[str, Callable[[], Awaitable[None]]]] = asyncio.Queue()
+        # store transfer id -> what it writes, until the worker answers it
+        self._stores: dict[str, _Store] = {}
         # request id -> its `stored` reports queued or in progress: until the kvstore has them,
         # its chunks still read "writing" there (a P/D handoff waits for them).
         self._stored_reports: dict[str, int] = {}
@@ -106,7 +151,7 @@ class OffloadEdge:
         self._next_ping = 0.0  # monotonic time of the next ping while down
         self._ping: asyncio.Task[None] | None = None
         self.chunk_bytes = 0  # bytes per chunk: WorkerReady.kv_chunk_bytes, or store answers
-        self._queries_seen = 0
+        self._counted: dict[str, int] = {}  # metric name -> the connector count exported
         self.errors = 0
 
     # --- wiring ----------------------------------------------------------------------------
@@ -134,29 +179,27 @@ class OffloadEdge:
             )
         self.lookup = AsyncLookup(self._probe)
         space = KeySpace(self.settings.cluster, ready.model, LAYOUT_VERSION)
+        if ready.kv_chunk_bytes:  # else learnt from the first store's answer
+            self.chunk_bytes = ready.kv_chunk_bytes
         self.connector = OffloadConnector(
             core.config,
             space,
             self.lookup,
             f"{self.settings.instance_id}-{incarnation}",
             store=self.settings.role != "decode",
+            store_admission=self.admission,
+            cost=self.cost,
+            chunk_bytes=self.chunk_bytes,
         )
         core.offload = self.connector
-        self._queries_seen = 0
+        self._counted.clear()
         self._stores_in_step.clear()  # a new core numbers its steps from 0
-        if ready.kv_chunk_bytes:  # else learnt from the first store's answer
-            self.chunk_bytes = ready.kv_chunk_bytes
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Send queued reports, one at a time, until stopped."""
+        """Make the queued kvstore calls, one at a time, in order, until stopped."""
         while not stopping.is_set():
-            op, call, then = await self._reports.get()
-            try:
-                async with self._lock:
-                    await self._call(op, call)
-            finally:
-                if then is not None:
-                    then()
+            _, call = await self._calls.get()
+            await call()
 
     async def close(self) -> None:
         if self.lookup is not None:
@@ -174,8 +217,12 @@ class OffloadEdge:
             "errors": self.errors,
             "chunk_bytes": self.chunk_bytes,
             "pending_stores": len(self._stores),
+            "queued_calls": self._calls.qsize(),
             "loading": len(c.loading) if c else 0,
             "stats": vars(c.stats) if c else {},
+            "store_policy": self.admission.policy,
+            "store_decisions": vars(self.admission.stats),
+            "load_cost": {**self.cost.state(), **vars(self.cost.stats)},
             "lookup": self.lookup.counts() if self.lookup else {},
         }
 
@@ -184,7 +231,7 @@ class OffloadEdge:
         request is handed off once none does)."""
         if self._stored_reports.get(request_id):
             return True
-        return any(rid == request_id for rid, _ in self._stores.values())
+        return any(store.request_id == request_id for store in self._stores.values())
 
     # --- kvstore calls ---------------------------------------------------------------------
 
@@ -238,21 +285,46 @@ class OffloadEdge:
             )
             return None
 
-    def _report(
-        self, op: str, call: Callable[[], Awaitable[Any]], then: Callable[[], None] | None = None
+    def _queue(self, op: str, call: Callable[[], Awaitable[Any]]) -> None:
+        """Queue a call whose answer nobody waits for."""
+
+        async def run() -> None:
+            await self._call(op, call)
+
+        self._calls.put_nowait((op, run))
+
+    def _queue_stored(
+        self,
+        request_id: str,
+        chunks: list[tuple[OffloadKey, int, int]],
+        ok: bool,
+        store: _Store | None = None,
     ) -> None:
-        self._reports.put_nowait((op, call, then))
-
-    def _report_stored(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> None:
+        """Report `chunks` written (ok) or failed. A failure is reported only for the chunks the
+        kvstore reserved for this store (per its answer to `store`, which is known when this
+        runs: the calls are queued in order); another writer's reservation is not this one's."""
         self._stored_reports[request_id] = self._stored_reports.get(request_id, 0) + 1
+        client = self.client
+        assert client is not None
 
-        def reported() -> None:
-            left = self._stored_reports.pop(request_id) - 1
-            if left:
-                self._stored_reports[request_id] = left
-            self.wake()
+        async def run() -> None:
+            try:
+                report = chunks
+                reply = store.reply if store is not None else None
+                if not ok:
+                    reserved = set(reply.write) if reply is not None else set()
+                    report = [c for c in chunks if c[0] in reserved]
+                elif reply is not None and reply.refused:  # written, but deleted now
+                    self.admission.mark_missing(reply.refused)
+                if report:
+                    await self._call("stored", lambda: client.stored(report, ok))
+            finally:
+                left = self._stored_reports.pop(request_id) - 1
+                if left:
+                    self._stored_reports[request_id] = left
+                self.wake()
 
-        self._report("stored", call, reported)
+        self._calls.put_nowait(("stored", run))
 
     async def _probe(self, keys: list[Any]) -> Collection[Any]:
         client = self.client
@@ -264,6 +336,8 @@ class OffloadEdge:
     # --- per step --------------------------------------------------------------------------
 
     async def prepare(self, core: Scheduler, plan: StepPlan | None) -> None:
+        """Queue the kvstore calls of `plan` and start the step's probes; never waits for the
+        kvstore (see the module docstring)."""
         connector, client = self.connector, self.client
         if connector is None or client is None or core.offload is not connector:
             return
@@ -273,90 +347,97 @@ class OffloadEdge:
             self._worker_incarnation = core.worker_incarnation
             if self._stores_in_step:
                 self.on_step_result(max(self._stores_in_step))
+        connector.chunk_bytes = self.chunk_bytes
+        offers = connector.take_store_offers()  # before the finishes: a request's order
+        if plan is not None:
+            self._offer_stores(plan, offers)
+            for transfer in plan.kv_loads:
+                state = connector.states.get(transfer.request_id)
+                if state is not None and state.load is not None:
+                    rid, reads = transfer.request_id, state.load.keys
+                    self._queue("load", lambda rid=rid, reads=reads: client.load(rid, reads))
         for rid in connector.take_finished():
-            self._report("request_finished", lambda rid=rid: client.request_finished(rid))
+            self._queue("request_finished", lambda rid=rid: client.request_finished(rid))
         assert self.lookup is not None
         for task in self.lookup.flush():
             task.add_done_callback(lambda _: self.wake())
-        queried = connector.stats.external_query_tokens
-        QUERY_TOKENS.inc(max(0, queried - self._queries_seen))
-        self._queries_seen = queried
-        if plan is None or not (plan.kv_loads or plan.kv_stores):
-            return
-        async with self._lock:
-            if plan.kv_loads:
-                plan.kv_loads = await self._pin_loads(core, connector, client, plan.kv_loads)
-            if plan.kv_stores:
-                plan.kv_stores = await self._admit_stores(connector, client, plan.kv_stores)
-                if plan.kv_stores:
-                    self._stores_in_step[plan.step_id] = [t.transfer_id for t in plan.kv_stores]
+        self._export_counts(connector)
 
-    async def _pin_loads(
-        self,
-        core: Scheduler,
-        connector: OffloadConnector,
-        client: KVStoreClient,
-        loads: list[KVTransfer],
-    ) -> list[KVTransfer]:
-        sent = []
-        for transfer in loads:
-            request = connector.loading.get(transfer.transfer_id)
-            state = connector.states.get(transfer.request_id)
-            if request is None or state is None or state.load is None:
-                continue  # finished (aborted) since it was planned: never sent
-            reads = state.load.keys
-            rid = transfer.request_id
-            pinned = await self._call("load", lambda rid=rid, reads=reads: client.load(rid, reads))
-            pinned_set = set(pinned or ())
-            missing = [k for k, _ in reads if k not in pinned_set]
-            if not missing:
-                sent.append(transfer)
+    def _offer_stores(self, plan: StepPlan, offers: list[StoreOffer]) -> None:
+        """Queue each offer's `store` call; keep the plan's store transfers only while the
+        kvstore is usable and not lagging (else they are dropped: nothing is written that the
+        kvstore could not account for)."""
+        admit = self.usable() and self._calls.qsize() < MAX_QUEUED_CALLS
+        by_id = {t.transfer_id: t for t in plan.kv_stores}
+        kept = []
+        for offer in offers:
+            transfer = by_id.get(offer.transfer_id or "")
+            if not admit:
+                if transfer is not None:
+                    DROPPED_STORES.inc(len(offer.write))
+                self.admission.mark_missing(k for k, _ in offer.write)
                 continue
-            # Evicted since the probe (or the kvstore is down): fail it before sending; the
-            # request recomputes what the tier cannot give.
-            if pinned:
-                self._report("loaded", lambda rid=rid, keys=pinned: client.loaded(rid, keys))
-            space = connector.space
-            core.kv_load_done(transfer.transfer_id, False, [space.payload_key(k) for k in missing])
-            TRANSFERS.labels(kind="load", result="unpinned").inc()
-        return sent
-
-    async def _admit_stores(
-        self, connector: OffloadConnector, client: KVStoreClient, stores: list[KVTransfer]
-    ) -> list[KVTransfer]:
-        sent = []
-        for transfer in stores:
-            offer = connector.store_offers.pop(transfer.transfer_id, None)
-            if offer is None:
-                continue
-            kept = await self._store_answer(client, offer, transfer)
-            if kept is not None:
-                sent.append(kept)
+            written = [(key, end, self.chunk_bytes) for key, end in offer.write]
+            store = None
+            if transfer is not None:
+                store = self._stores[transfer.transfer_id] = _Store(offer.request_id, written)
+                kept.append(transfer)
+            self._queue_store(offer, written, store)
+        plan.kv_stores = kept
+        if kept:
+            self._stores_in_step[plan.step_id] = [t.transfer_id for t in kept]
         if len(self._stores) > MAX_PENDING_STORES:  # answers that never came (the kvstore
             for tid in list(self._stores)[: len(self._stores) // 2]:  # expires those writes)
                 del self._stores[tid]
             for step in list(self._stores_in_step)[: len(self._stores_in_step) // 2]:
                 del self._stores_in_step[step]
-        return sent
 
-    async def _store_answer(
-        self, client: KVStoreClient, offer: StoreOffer, transfer: KVTransfer
-    ) -> KVTransfer | None:
-        offers = [(key, end, self.chunk_bytes) for key, end in offer.chunks]
+    def _queue_store(
+        self, offer: StoreOffer, written: list[tuple[OffloadKey, int, int]], store: _Store | None
+    ) -> None:
+        client = self.client
+        assert client is not None
+        recorded = [(key, end, self.chunk_bytes) for key, end in offer.record]
         rid = offer.request_id
-        reply = await self._call("store", lambda: client.store(rid, offers))
-        if reply is None or not reply.write:
-            return None
-        write = set(reply.write)
-        keep = [i for i, (key, _) in enumerate(offer.chunks) if key in write]
-        self._stores[transfer.transfer_id] = (rid, [offers[i] for i in keep])
-        return KVTransfer(
-            transfer_id=transfer.transfer_id,
-            request_id=rid,
-            keys=[transfer.keys[i] for i in keep],
-            groups=[transfer.groups[i] for i in keep],
-            block_ids=[transfer.block_ids[i] for i in keep],
-        )
+
+        async def run() -> None:
+            reply = await self._call("store", lambda: client.store(rid, [*written, *recorded]))
+            if store is not None:
+                store.reply = reply
+            if reply is None:
+                return
+            # Recorded chunks the kvstore does not have (evicted since): it reserved them for a
+            # write nobody makes. Fail them now, and write them at their next offer.
+            lost = {key for key, _ in offer.record} & set(reply.write)
+            if lost:
+                self.admission.mark_missing(lost)
+                missing = [c for c in recorded if c[0] in lost]
+                await self._call("stored", lambda: client.stored(missing, False))
+
+        self._calls.put_nowait(("store", run))
+
+    def _export_counts(self, connector: OffloadConnector) -> None:
+        """Move the pure parts' counts into their Prometheus counters."""
+        counts = {
+            "query_tokens": connector.stats.external_query_tokens,
+            "load": self.cost.stats.loads,
+            "compute": self.cost.stats.computes,
+            "no_lookup": connector.stats.lookups_skipped,
+            "write": self.admission.stats.write,
+            "record": self.admission.stats.record,
+            "skip": self.admission.stats.skip,
+        }
+        for name, total in counts.items():
+            new = total - self._counted.get(name, 0)
+            if new <= 0:
+                continue
+            self._counted[name] = total
+            if name == "query_tokens":
+                QUERY_TOKENS.inc(new)
+            elif name in ("load", "compute", "no_lookup"):
+                LOADS.labels(decision=name).inc(new)
+            else:
+                STORE_OFFERS.labels(decision=name).inc(new)
 
     # --- answers from the worker -----------------------------------------------------------
 
@@ -370,10 +451,10 @@ class OffloadEdge:
             for step in steps
             for tid in self._stores_in_step.pop(step)
             if tid in self._stores  # not answered already
-            for key, _, _ in self._stores[tid][1]
+            for key, _, _ in self._stores[tid].chunks
         ]
         if client is not None and keys:
-            self._report("writing", lambda: client.writing(keys))
+            self._queue("writing", lambda: client.writing(keys))
 
     def on_done(self, core: Scheduler, msg: KVTransferDone) -> None:
         client = self.client
@@ -388,26 +469,37 @@ class OffloadEdge:
             if outcome.ok:
                 LOADED_BYTES.inc(msg.num_bytes)
                 HIT_TOKENS.inc(outcome.loaded_tokens)
+                self.cost.observe_load(msg.num_bytes, msg.seconds)
             rid, keys = outcome.request_id, outcome.keys
-            self._report("loaded", lambda: client.loaded(rid, keys))
+            self._queue("loaded", lambda: client.loaded(rid, keys))
         else:
-            entry = self._stores.pop(msg.transfer_id, None)
-            if entry is None:
+            store = self._stores.pop(msg.transfer_id, None)
+            if store is None:
                 return
             TRANSFERS.labels(kind="store", result=result).inc()
-            rid, chunks = entry
-            space = self.connector.space
-            failed = {space.parse(name) for name in msg.failed_keys} if msg.ok else None
-            ok = [c for c in chunks if failed is not None and c[0] not in failed]
-            bad = [c for c in chunks if failed is None or c[0] in failed]
-            if ok:
-                STORED_BYTES.inc(msg.num_bytes)
-                if msg.num_bytes:  # the worker's bytes per chunk: offers carry it from now on
-                    self.chunk_bytes = msg.num_bytes // len(ok)
-                    ok = [(key, end, self.chunk_bytes) for key, end, _ in ok]
-                self._report_stored(rid, lambda: client.stored(ok, True))
-                assert self.lookup is not None
-                self.lookup.invalidate([c[0] for c in ok])  # present now: ask again
-            if bad:
-                self._report_stored(rid, lambda: client.stored(bad, False))
+            self._on_store_done(store, msg)
         self.wake()
+
+    def _on_store_done(self, store: _Store, msg: KVTransferDone) -> None:
+        """Report the written chunks `stored` (all of them: see the module docstring) and the
+        failed ones the kvstore was writing; count what the worker dropped."""
+        space = self.connector.space  # type: ignore[union-attr]
+        # A failed store names its failed chunks (dropped for staging, or not written); the
+        # others were written (a store larger than staging writes its head) and are kept.
+        named = msg.ok or bool(msg.failed_keys)
+        failed = {space.parse(name) for name in msg.failed_keys} if named else None
+        ok = [c for c in store.chunks if failed is not None and c[0] not in failed]
+        bad = [c for c in store.chunks if failed is None or c[0] in failed]
+        if msg.error and msg.error.startswith("dropped"):
+            DROPPED_STORES.inc(len(bad))
+        if ok:
+            STORED_BYTES.inc(msg.num_bytes)
+            if msg.num_bytes:  # the worker's bytes per chunk: offers carry it from now on
+                self.chunk_bytes = msg.num_bytes // len(ok)
+                ok = [(key, end, self.chunk_bytes) for key, end, _ in ok]
+            self._queue_stored(store.request_id, ok, True, store)
+            assert self.lookup is not None
+            self.lookup.invalidate([c[0] for c in ok])  # present now: ask again
+        if bad:
+            self.admission.mark_missing(c[0] for c in bad)
+            self._queue_stored(store.request_id, bad, False, store)

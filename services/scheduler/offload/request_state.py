@@ -43,6 +43,7 @@ class OffloadRequestState:
     # its blocks meanwhile, with `num_computed_tokens` kept at 0 so admission counts them once).
     resumed_tokens: int = 0
     defers: int = 0
+    holds: int = 0  # steps it waited for another request's load of its next block
     loaded: list[tuple[OffloadKey, int]] = field(default_factory=list)
     offered: list[tuple[OffloadKey, int]] = field(default_factory=list)
 

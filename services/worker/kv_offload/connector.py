@@ -5,7 +5,8 @@
   plan's `kv_loads` to the load thread;
 - `after_forward(plan)`: copies the plan's `kv_stores` blocks into host staging before
   returning (the scheduler may reuse the blocks from the next plan on), and hands them to the
-  store thread;
+  store thread. It never waits: chunks that find no free staging slot are dropped (their store
+  answers them failed, "dropped: staging full"; `dropped_chunks` counts them);
 - `drain_done()`: the `KVTransferDone` messages ready to publish (the service publishes them,
   also between steps: `notify` is called whenever there is something to drain or to apply,
   and `apply_ready_loads()` runs a finished load while the worker idles).
@@ -39,6 +40,7 @@ from shared.kv.offload_key import KeySpace
 from shared.protocol import KVTransfer, KVTransferDone, StepPlan
 
 Chunk = tuple[str, int, int]  # (payload key, group, block id)
+DROPPED_STAGING_FULL = "dropped: staging full"  # the scheduler counts errors "dropped: ..."
 
 
 class KVConnector:
@@ -52,7 +54,6 @@ class KVConnector:
         worker_incarnation: str = "",
         layer_groups: list[list[int]] | None = None,
         staging_bytes: int = 64 * 2**20,
-        staging_wait_s: float = 5.0,
         notify: Callable[[], None] | None = None,
     ) -> None:
         if key_space.layout_version != LAYOUT_VERSION:
@@ -77,10 +78,9 @@ class KVConnector:
         ]
         pinned = self.device.type == "cuda"
         self.pools = [
-            StagingPool.sized(h.shape, h.dtype, staging_bytes // len(groups), pinned)
-            for h in self.headers
+            StagingPool.sized(h, staging_bytes // len(groups), pinned) for h in self.headers
         ]
-        self.staging_wait_s = staging_wait_s
+        self.dropped_chunks = 0  # store chunks that found no staging slot
         self._lock = threading.Lock()
         self._generation = 0
         self._ready: list[TransferOutcome] = []  # loads read and staged, not yet copied in
@@ -132,7 +132,7 @@ class KVConnector:
     def chunk_bytes(self) -> int:
         """Payload bytes of one chunk (header + body; the largest group's): what the scheduler
         offers the kvstore per chunk before any store has answered (WorkerReady)."""
-        return max(len(h.encode()) + h.body_bytes for h in self.headers)
+        return max(pool.payload_bytes for pool in self.pools)
 
     def has_ready_loads(self) -> bool:
         return bool(self._ready)
@@ -193,8 +193,8 @@ class KVConnector:
         self.engine.submit(job)
 
     def _submit_store(self, transfer: KVTransfer) -> None:
-        """Stage the transfer's blocks before returning (the next plan may reuse them), piece
-        by piece through the bounded staging slots (see store_job)."""
+        """Stage the transfer's blocks before returning (the next plan may reuse them): per
+        group, its head chunks into the free slots, the rest dropped (see store_job)."""
         started = time.perf_counter()
         chunks, failed, reason = self._chunks(transfer)
         job = StoreJob(transfer, started)
@@ -205,26 +205,27 @@ class KVConnector:
             by_group.setdefault(chunk[1], []).append(chunk)
         for group, group_chunks in by_group.items():
             pool = self.pools[group]
-            for begin in range(0, len(group_chunks), pool.num_slots):
-                piece = group_chunks[begin : begin + pool.num_slots]
-                slots = pool.acquire_wait(len(piece), self.staging_wait_s)
-                if slots is None:  # the store side is stuck: the rest of this group is lost
-                    job.reject([key for key, _, _ in group_chunks[begin:]], "staging full")
-                    break
-                fence = gather_blocks(
-                    self.group_layers[group], [block for _, _, block in piece], pool, slots
+            slots = pool.acquire(len(group_chunks))
+            if len(slots) < len(group_chunks):  # the store side is behind: drop, never wait
+                dropped = [key for key, _, _ in group_chunks[len(slots) :]]
+                self.dropped_chunks += len(dropped)
+                job.reject(dropped, DROPPED_STAGING_FULL)
+            if not slots:
+                continue
+            staged = group_chunks[: len(slots)]
+            fence = gather_blocks(
+                self.group_layers[group], [block for _, _, block in staged], pool, slots
+            )
+            job.add_piece()
+            self.engine.submit(
+                StorePiece(
+                    job,
+                    [key for key, _, _ in staged],
+                    [pool.payload(slot) for slot in slots],
+                    fence,
+                    partial(pool.release, slots),
                 )
-                job.add_piece()
-                self.engine.submit(
-                    StorePiece(
-                        job,
-                        [key for key, _, _ in piece],
-                        [self.headers[group]] * len(piece),
-                        [pool.buffer[slot] for slot in slots],
-                        fence,
-                        partial(pool.release, slots),
-                    )
-                )
+            )
         self.engine.seal(job)
 
     # -- completion -------------------------------------------------------------------------

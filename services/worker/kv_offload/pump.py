@@ -39,6 +39,11 @@ KV_TRANSFER_BYTES = Counter(
     "Payload bytes moved by successful KV offload transfers",
     ["kind"],
 )
+KV_DROPPED_STORES = Counter(
+    metric_name("worker_kv_dropped_stores_total"),
+    "Store chunks dropped because staging was full (the store thread is behind, e.g. a slow "
+    "Redis): a step never waits for a store",
+)
 KV_TRANSFER_SECONDS = Counter(
     metric_name("worker_kv_transfer_seconds_total"),
     "Wall time of successful KV offload transfers (submitted to answered): bytes/s is the ratio",
@@ -62,6 +67,7 @@ class KVTransferPump:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._unsent: list[KVTransferDone] = []
+        self._dropped_counted = 0
 
     def wake(self) -> None:
         """Called from any thread when there is a load to apply or a message to publish."""
@@ -88,6 +94,9 @@ class KVTransferPump:
 
     async def publish(self) -> None:
         assert self.connector is not None
+        dropped = self.connector.dropped_chunks  # counted when dropped, not when answered
+        KV_DROPPED_STORES.inc(dropped - self._dropped_counted)
+        self._dropped_counted = dropped
         self._unsent += self.connector.drain_done()
         if not self._unsent:
             return
@@ -100,7 +109,7 @@ class KVTransferPump:
             return
         for done in batch:
             KV_TRANSFERS.labels(done.kind, "ok" if done.ok else "failed").inc()
-            if done.ok:
+            if done.num_bytes:  # a store that dropped its tail still wrote its head
                 KV_TRANSFER_BYTES.labels(done.kind).inc(done.num_bytes)
                 KV_TRANSFER_SECONDS.labels(done.kind).inc(done.seconds)
 

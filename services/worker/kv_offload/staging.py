@@ -1,14 +1,21 @@
-"""Host staging for KV offload: preallocated slots for stores, and the two block copies.
+"""Host staging for KV offload: preallocated payload slots for stores, and the two block copies.
 
 Stores (device -> host) must leave the KV cache before the next plan runs, because from then on
-the scheduler may hand the blocks to another request; serialising and writing to Redis can take
-far longer than a step. So the step thread only copies the blocks into a staging slot (on CUDA:
-an asynchronous copy into pinned memory, fenced by an event; on CPU a plain tensor copy), and
-the store thread serialises from the slot once the fence has passed, then gives the slot back.
-The slots are allocated once (pinned allocation is slow and fragments) and reused. A store
-larger than the free slots is staged in pieces (`store_job`): the step thread waits for slots,
-which the store side frees as soon as it has copied a piece's bytes out (memcpy, not Redis), so
-a slow Redis never stalls a step; only a wait past a deadline refuses the rest of a store.
+the scheduler may hand the blocks to another request; writing to Redis can take far longer than
+a step. So the step thread only copies the blocks into staging slots (on CUDA: an asynchronous
+copy into pinned memory, fenced by an event; on CPU a plain tensor copy), and the store thread
+sends each slot to Redis once the fence has passed, then gives the slot back.
+
+A slot holds a chunk's whole payload (services/worker/kv_offload/payload.py): its header, written
+once when the pool is made (every chunk of a group has the same header), then its body, which
+`gather_blocks` fills in the model's dtype. The store thread sends the slot's bytes straight
+from this memory (a memoryview: no serialising, no copy on the way to the socket), so a store
+costs one copy out of the cache and nothing else in this process. The body starts on an aligned
+address (the header is preceded by padding), so the typed view of it is a plain tensor view.
+
+The slots are allocated once (pinned allocation is slow and fragments) and reused. They bound
+the store path: a store that finds too few free slots stages its head chunks and drops the rest
+(the step never waits for slots, and so never for Redis).
 
 Loads (host -> device) go through the one staged-pinned copy helper
 (`kernels.runtime.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then copies
@@ -23,36 +30,40 @@ import threading
 import torch
 
 from kernels.runtime.staged_copy import CopyFence
+from services.worker.kv_offload.payload import PayloadHeader
 
-ChunkShape = tuple[int, int, int, int, int]  # [layers, 2, block_size, kv_heads, head_dim]
+ALIGN = 64  # bytes: where each slot and each body starts
 
 
 class StagingPool:
-    """`num_slots` host tensors of one chunk each, handed out all-or-nothing.
+    """`num_slots` payload slots of one KV cache group, handed out at most as many as are free.
 
-    Invariant: a slot is owned by at most one store job between `acquire` and `release`.
+    Invariant: a slot is owned by at most one store between `acquire` and `release`, and its
+    header bytes never change.
     """
 
-    def __init__(
-        self, chunk_shape: ChunkShape, dtype: torch.dtype, num_slots: int, pinned: bool
-    ) -> None:
+    def __init__(self, header: PayloadHeader, num_slots: int, pinned: bool) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.chunk_shape = chunk_shape
-        self.buffer = torch.empty((num_slots, *chunk_shape), dtype=dtype, pin_memory=pinned)
+        self.header = header
+        encoded = header.encode()
+        pad = -len(encoded) % ALIGN
+        body_start = pad + len(encoded)
+        self._payload = slice(pad, body_start + header.body_bytes)
+        slot_bytes = -(-self._payload.stop // ALIGN) * ALIGN
+        self.buffer = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
+        self.buffer[:, pad:body_start] = torch.tensor(list(encoded), dtype=torch.uint8)
+        body = self.buffer[:, body_start : body_start + header.body_bytes]
+        # [slots, layers, 2, block_size, kv_heads, head_dim]: a view into the slots' bodies.
+        self.bodies = body.view(header.dtype).view(num_slots, *header.shape)
         self._free = list(range(num_slots))
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
 
     @classmethod
-    def sized(
-        cls, chunk_shape: ChunkShape, dtype: torch.dtype, budget_bytes: int, pinned: bool
-    ) -> StagingPool:
+    def sized(cls, header: PayloadHeader, budget_bytes: int, pinned: bool) -> StagingPool:
         """As many slots as `budget_bytes` holds, at least one."""
-        numel = 1
-        for dim in chunk_shape:
-            numel *= dim
-        chunk_bytes = numel * torch.empty((), dtype=dtype).element_size()
-        return cls(chunk_shape, dtype, max(1, budget_bytes // chunk_bytes), pinned)
+        slot_bytes = len(header.encode()) + header.body_bytes + ALIGN
+        return cls(header, max(1, budget_bytes // slot_bytes), pinned)
 
     @property
     def num_slots(self) -> int:
@@ -62,29 +73,23 @@ class StagingPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, n: int) -> list[int] | None:
-        """`n` free slots, or None (nothing taken) when fewer are free."""
-        with self._lock:
-            if n > len(self._free):
-                return None
-            taken, self._free = self._free[:n], self._free[n:]
-            return taken
+    @property
+    def payload_bytes(self) -> int:
+        return self._payload.stop - self._payload.start
 
-    def acquire_wait(self, n: int, timeout_s: float) -> list[int] | None:
-        """`n` free slots, waiting up to `timeout_s` for releases; None (nothing taken) when
-        they did not come or `n` exceeds the pool."""
+    def acquire(self, n: int) -> list[int]:
+        """Up to `n` free slots (fewer, or none, when fewer are free); never waits."""
         with self._lock:
-            if n > self.num_slots or not self._lock.wait_for(
-                lambda: len(self._free) >= n, timeout_s
-            ):
-                return None
             taken, self._free = self._free[:n], self._free[n:]
             return taken
 
     def release(self, slots: list[int]) -> None:
         with self._lock:
             self._free.extend(slots)
-            self._lock.notify_all()
+
+    def payload(self, slot: int) -> memoryview:
+        """The slot's payload bytes (header + body), for the writer to send as they are."""
+        return memoryview(self.buffer[slot].numpy())[self._payload]
 
 
 def _fence(device: torch.device) -> CopyFence | None:
@@ -98,20 +103,20 @@ def _fence(device: torch.device) -> CopyFence | None:
 def gather_blocks(
     layers: list[torch.Tensor], block_ids: list[int], pool: StagingPool, slots: list[int]
 ) -> CopyFence | None:
-    """Copy block `block_ids[j]` of every layer in `layers` into slot `slots[j]`, laid out as
-    a payload body [layers, 2, block_size, kv_heads, head_dim]. Returns the fence the reader of
-    the slots must wait for (None when the copy is already complete, i.e. on CPU)."""
+    """Copy block `block_ids[j]` of every layer in `layers` into the body of slot `slots[j]`,
+    laid out as [layers, 2, block_size, kv_heads, head_dim]. Returns the fence the reader of the
+    slots must wait for (None when the copy is already complete, i.e. on CPU)."""
     device = layers[0].device
     blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
     if device.type == "cpu":
         index = torch.tensor(slots, dtype=torch.int64)
         for i, layer in enumerate(layers):
-            pool.buffer[index, i] = layer[:, blocks].transpose(0, 1)
+            pool.bodies[index, i] = layer[:, blocks].transpose(0, 1)
         return None
     # On the device: gather into one contiguous tensor, then one DMA per chunk into pinned slots.
     gathered = torch.stack([layer[:, blocks].transpose(0, 1) for layer in layers], dim=1)
     for j, slot in enumerate(slots):
-        pool.buffer[slot].copy_(gathered[j], non_blocking=True)
+        pool.bodies[slot].copy_(gathered[j], non_blocking=True)
     return _fence(device)
 
 

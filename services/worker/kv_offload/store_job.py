@@ -1,10 +1,10 @@
 """One store transfer as it moves through the worker: staged in pieces, answered once.
 
-Staging is bounded, and a single store can be larger than all of it (one ~1,500-token fp32
-SmolLM2 prefill is ~68 MB), so the step thread stages a big store piece by piece: each
-`StorePiece` holds as many chunks as the staging slots it got, and the packer thread frees its
-slots as soon as it has copied the bytes out (a memcpy, never a Redis wait), which is what lets
-the next piece in. The writer thread then SETs each piece's payloads.
+Staging is bounded and the step thread never waits for it: a store stages as many of its
+chunks (head first, per KV cache group) as there are free slots, one `StorePiece` per group,
+and drops the rest (`reject`: a suffix is worthless without its head, a head without its suffix
+is still a hit). The writer thread SETs each piece's payloads straight from its slots and then
+gives them back.
 
 The transfer is answered exactly once (one KVTransferDone), when it is `seal`ed (every piece
 submitted) and every piece's fate is known (written, failed, or dropped at shutdown), whichever
@@ -17,10 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from kernels.runtime.staged_copy import CopyFence
-from services.worker.kv_offload.payload import PayloadHeader
 from shared.protocol import KVTransfer
 
 
@@ -68,23 +65,14 @@ class StoreJob:
 
 @dataclass
 class StorePiece:
-    """Staged chunks of one store: `bodies[j]` (a staging slot) goes to `keys[j]`."""
+    """Staged chunks of one store: `payloads[j]` (a staging slot's bytes) goes to `keys[j]`."""
 
     job: StoreJob
     keys: list[str]
-    headers: list[PayloadHeader]
-    bodies: list[torch.Tensor]
+    payloads: list[memoryview]
     fence: CopyFence | None
     release: Callable[[], None]  # gives the staging slots back
 
-
-@dataclass
-class PackedPiece:
-    """A piece copied out of staging: the payloads the writer SETs."""
-
-    job: StoreJob
-    items: list[tuple[str, bytes]]
-
     @property
     def nbytes(self) -> int:
-        return sum(len(payload) for _, payload in self.items)
+        return sum(p.nbytes for p in self.payloads)

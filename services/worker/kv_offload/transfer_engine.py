@@ -1,16 +1,22 @@
-"""The background half of KV offload: store threads and a load thread, each with a queue, the
-Redis ones with their own synchronous redis-py connection, and the host tier in front of Redis.
+"""The background half of KV offload: a store thread and a load thread, each with a queue and
+its own synchronous redis-py connection, and the host tier in front of Redis.
 
 Why threads with a sync client rather than an asyncio task on the worker's loop: each job
-does megabytes of memcpy (serialising staged blocks, assembling read payloads), waits on CUDA
-events and uploads through pinned memory; on the event loop that work would stall the step
-reader, the heartbeats and the admin app. In a thread it overlaps them: redis-py's socket I/O
-and torch's copies release the GIL. One thread per direction, so a load (which a request waits
-on) never queues behind a long store. Stores take two threads: the packer copies each staged
-piece out of its slots and frees them at once, the writer SETs the packed payloads; so the step
-thread, which waits for free slots when a store is larger than staging, waits on memcpy only,
-never on Redis. Packed bytes waiting for the writer are bounded (`max_backlog_bytes`): past it a
-piece fails at once instead of queuing (a slow Redis costs stores, never worker memory).
+moves megabytes, waits on CUDA events and uploads through pinned memory; on the event loop that
+work would stall the step reader, the heartbeats and the admin app. In a thread it overlaps
+them: socket I/O and torch's copies release the GIL. One thread per direction, so a load (which
+a request waits on) never queues behind a long store.
+
+The store thread is built to take as little from the model's threads as possible (on a 2-core
+CPU machine every cycle it takes is a cycle the forward loses):
+- no serialising: a piece's payloads are memoryviews of its staging slots (header included),
+  sent to the socket as they are (redis-py's pure-Python command packer passes memoryviews
+  through; the hiredis one would copy each payload twice, holding the GIL);
+- batching: every piece waiting when the thread wakes goes into one pipelined round trip;
+- a bounded busy share (`max_busy_share`): after each round trip the thread rests in
+  proportion to the time it took, so stores never take more than that share of wall time,
+  whatever the backlog. Stores then wait in their staging slots; when those are all taken,
+  new stores are dropped by the step thread (never queued in memory, never waited for).
 The core (`KVConnector`) never sees Redis: it submits jobs and receives `TransferOutcome`s
 through a callback.
 
@@ -29,18 +35,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 import torch
+from redis._parsers.encoders import Encoder
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.kv_offload.host_tier import HostTier
-from services.worker.kv_offload.payload import (
-    PayloadError,
-    PayloadHeader,
-    check_payload,
-    pack_payload,
-)
-from services.worker.kv_offload.store_job import PackedPiece, StoreJob, StorePiece
+from services.worker.kv_offload.payload import PayloadError, PayloadHeader, check_payload
+from services.worker.kv_offload.store_job import StoreJob, StorePiece
 from shared.protocol import KVTransfer
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ log = logging.getLogger(__name__)
 PIPELINE_BYTES = 16 * 2**20
 """A pipeline is flushed once it carries this many payload bytes: large transfers stream
 instead of building one giant request (and one giant reply) in memory."""
+BUFFER_CUTOFF = 6000  # redis-py's default: arguments longer than this are sent unjoined
 
 
 @dataclass
@@ -91,36 +95,42 @@ class TransferEngine:
         host_tier: HostTier,
         *,
         timeout_s: float = 5.0,
-        max_backlog_bytes: int = 256 * 2**20,
+        max_busy_share: float = 1.0,
     ) -> None:
+        if not 0 < max_busy_share <= 1:
+            raise ValueError(f"max_busy_share must be in (0, 1], got {max_busy_share}")
         self.redis_url = redis_url
         self.host_tier = host_tier
         self.timeout_s = timeout_s
-        self.max_backlog_bytes = max_backlog_bytes
+        self.max_busy_share = max_busy_share
         self._pieces: queue.Queue[StorePiece | None] = queue.Queue()
-        self._packed: queue.Queue[PackedPiece | None] = queue.Queue()
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self._on_outcome: Callable[[TransferOutcome], None] | None = None
         self._closed = False
+        self._closing = threading.Event()  # ends the store thread's rest: close() drains
         self._submit_lock = threading.Lock()
-        self._backlog_lock = threading.Lock()
-        self.backlog_bytes = 0  # packed payload bytes queued for the writer
+        self.busy_s = 0.0  # time the store thread spent writing (its share is bounded)
+        self.rested_s = 0.0  # time it rested to keep that share
 
-    def _client(self) -> redis.Redis:
+    def _client(self, *, zero_copy: bool = False) -> redis.Redis:
         # No retries: a failed transfer is reported and the scheduler recomputes; retrying
         # would only hold a staging slot (or a waiting request) longer.
+        options: dict[str, object] = {}
+        if zero_copy:  # memoryview payloads go to the socket as they are
+            encode = Encoder("utf-8", "strict", False).encode
+            options["command_packer"] = PythonRespSerializer(BUFFER_CUTOFF, encode)
         return redis.Redis.from_url(
             self.redis_url,
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0),
+            **options,  # type: ignore[arg-type]
         )
 
     def start(self, on_outcome: Callable[[TransferOutcome], None]) -> None:
         self._on_outcome = on_outcome
         for name, target in (
-            ("kv-offload-pack", self._pack_pieces),
             ("kv-offload-store", self._write_pieces),
             ("kv-offload-load", self._serve_loads),
         ):
@@ -153,7 +163,8 @@ class TransferEngine:
         """Finish the queued jobs, then stop the threads."""
         with self._submit_lock:
             self._closed = True
-            self._pieces.put(None)  # the packer passes it on to the writer
+            self._closing.set()
+            self._pieces.put(None)
             self._loads.put(None)
         for thread in self._threads:
             thread.join(timeout_s)
@@ -186,60 +197,76 @@ class TransferEngine:
 
     # -- stores -----------------------------------------------------------------------------
 
-    def _pack_pieces(self) -> None:
-        """Staging -> payload bytes, slots freed at once; then on to the writer, unless the
-        writer's backlog is full (then the piece fails now: memory stays bounded)."""
-        while (piece := self._pieces.get()) is not None:
-            try:
-                if piece.fence is not None:
-                    piece.fence.synchronize()
-                items = [
-                    (key, pack_payload(h, b))
-                    for key, h, b in zip(piece.keys, piece.headers, piece.bodies, strict=True)
-                ]
-            except Exception as exc:
-                log.exception("packing KV store %s failed", piece.job.transfer.transfer_id)
-                self._piece_done(piece.job, list(piece.keys), 0, f"{type(exc).__name__}: {exc}")
-                continue
-            finally:
-                piece.release()  # the bytes are copied out: the slots may take the next piece
-            packed = PackedPiece(piece.job, items)
-            with self._backlog_lock:
-                admitted = (
-                    self.backlog_bytes == 0
-                    or self.backlog_bytes + packed.nbytes <= self.max_backlog_bytes
-                )
-                if admitted:
-                    self.backlog_bytes += packed.nbytes
-            if admitted:
-                self._packed.put(packed)
-            else:
-                self._piece_done(piece.job, list(piece.keys), 0, "store backlog full")
-        self._packed.put(None)
-
     def _write_pieces(self) -> None:
-        client = self._client()
+        """Write every piece waiting (one pipelined round trip for all of them), give their
+        slots back, rest to keep the busy share; until the stop sentinel."""
+        client = self._client(zero_copy=True)
         try:
-            while (packed := self._packed.get()) is not None:
-                try:
-                    failed, written, error = self._store(client, packed.items)
-                except Exception as exc:  # never lose a piece: it ends as failed
-                    log.exception("KV store of transfer %s failed", packed.job.transfer.transfer_id)
-                    failed, written = [key for key, _ in packed.items], 0
-                    error = f"{type(exc).__name__}: {exc}"
-                with self._backlog_lock:
-                    self.backlog_bytes -= packed.nbytes
-                self._piece_done(packed.job, failed, written, error)
+            stopping = False
+            while not stopping:
+                piece = self._pieces.get()
+                if piece is None:
+                    break
+                batch = [piece]
+                size = piece.nbytes
+                while size < PIPELINE_BYTES:
+                    try:
+                        more = self._pieces.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        stopping = True
+                        break
+                    batch.append(more)
+                    size += more.nbytes
+                started = time.perf_counter()
+                self._write_batch(client, batch)
+                busy = time.perf_counter() - started
+                self.busy_s += busy
+                if self.max_busy_share < 1 and not stopping and not self._closing.is_set():
+                    rest = busy * (1 / self.max_busy_share - 1)
+                    self.rested_s += rest
+                    self._closing.wait(rest)
         finally:
             client.close()
 
+    def _write_batch(self, client: redis.Redis, batch: list[StorePiece]) -> None:
+        """Every piece of `batch` ends exactly once (written, failed), its slots released."""
+        results: list[tuple[list[str], int, str | None]] = []
+        try:
+            for piece in batch:
+                if piece.fence is not None:
+                    piece.fence.synchronize()
+            items = [
+                (key, payload)
+                for piece in batch
+                for key, payload in zip(piece.keys, piece.payloads, strict=True)
+            ]
+            failed, error = self._store(client, items)
+            for piece in batch:
+                lost = [key for key in piece.keys if key in failed]
+                written = sum(
+                    p.nbytes for key, p in zip(piece.keys, piece.payloads, strict=True)
+                    if key not in failed
+                )  # fmt: skip
+                results.append((lost, written, error if lost else None))
+        except Exception as exc:  # never lose a piece: it ends as failed
+            log.exception("KV store of %d piece(s) failed", len(batch))
+            error = f"{type(exc).__name__}: {exc}"
+            results = [(list(piece.keys), 0, error) for piece in batch]
+        finally:
+            for piece in batch:
+                piece.release()  # the bytes are in Redis (or lost): the slots take new chunks
+        for piece, (lost, written, err) in zip(batch, results, strict=True):
+            self._piece_done(piece.job, lost, written, err)
+
     def _store(
-        self, client: redis.Redis, items: list[tuple[str, bytes]]
-    ) -> tuple[list[str], int, str | None]:
-        """One SET per chunk, pipelined; returns the failed keys, bytes written, an error."""
-        failed: list[str] = []
+        self, client: redis.Redis, items: list[tuple[str, memoryview]]
+    ) -> tuple[set[str], str | None]:
+        """One SET per chunk, pipelined; returns the failed keys and an error. Written payloads
+        also go to the host tier (a copy: the slot is reused)."""
+        failed: set[str] = set()
         error: str | None = None
-        written = 0
         for batch in _batches(items):
             try:
                 pipe = client.pipeline(transaction=False)
@@ -248,16 +275,15 @@ class TransferEngine:
                 replies = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-                failed.extend(key for key, _ in batch)
+                failed.update(key for key, _ in batch)
                 continue
             for (key, payload), reply in zip(batch, replies, strict=True):
                 if isinstance(reply, Exception):
                     error = f"{type(reply).__name__}: {reply}"
-                    failed.append(key)
-                else:
-                    written += len(payload)
-                    self.host_tier.put(key, payload)
-        return failed, written, error
+                    failed.add(key)
+                elif self.host_tier.capacity_bytes:
+                    self.host_tier.put(key, bytes(payload))
+        return failed, error
 
     # -- loads ------------------------------------------------------------------------------
 
@@ -329,15 +355,15 @@ class TransferEngine:
         return found, from_redis, None
 
 
-def _batches(items: list[tuple[str, bytes]]) -> list[list[tuple[str, bytes]]]:
-    batches: list[list[tuple[str, bytes]]] = [[]]
+def _batches(items: list[tuple[str, memoryview]]) -> list[list[tuple[str, memoryview]]]:
+    batches: list[list[tuple[str, memoryview]]] = [[]]
     size = 0
     for item in items:
-        if batches[-1] and size + len(item[1]) > PIPELINE_BYTES:
+        if batches[-1] and size + item[1].nbytes > PIPELINE_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(item)
-        size += len(item[1])
+        size += item[1].nbytes
     return batches
 
 

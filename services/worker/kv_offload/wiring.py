@@ -40,8 +40,7 @@ def build_connector(
         settings.redis_url,
         HostTier(settings.kv_host_tier_bytes),
         timeout_s=settings.kv_offload_timeout_s,
-        # Packed payloads waiting for Redis: a few staging areas' worth, then stores fail.
-        max_backlog_bytes=4 * settings.kv_staging_bytes,
+        max_busy_share=settings.kv_store_max_busy_share,
     )
     return KVConnector(
         kv_cache,
@@ -51,6 +50,5 @@ def build_connector(
         worker_incarnation=worker_incarnation,
         layer_groups=layer_groups(config),
         staging_bytes=settings.kv_staging_bytes,
-        staging_wait_s=settings.kv_offload_timeout_s,
         notify=notify,
     )

@@ -14,8 +14,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.connector import OffloadConnector
+from services.scheduler.offload.store_admission import StoreAdmission, StorePolicyName
 from services.scheduler.scheduler import Scheduler
 from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol import KVTransferDone, StepPlan
@@ -94,12 +96,18 @@ class OffloadRig:
     plans: list[StepPlan] = field(default_factory=list)
 
     @classmethod
-    def build(cls, tier: Tier | None = None, **kw: object) -> OffloadRig:
+    def build(
+        cls, tier: Tier | None = None, store_policy: StorePolicyName = "always", **kw: object
+    ) -> OffloadRig:
+        """The mechanics of loads and stores are tested with every block stored ("always");
+        the store policy's own tests pass "reuse"."""
         tier = tier or Tier()
         cfg = config(**kw)
         scheduler = Scheduler(cfg, "s")
         lookup = AsyncLookup(tier.existing)
-        scheduler.offload = OffloadConnector(cfg, SPACE, lookup, "t")
+        scheduler.offload = OffloadConnector(
+            cfg, SPACE, lookup, "t", store_admission=StoreAdmission(store_policy)
+        )
         worker = WorkerDouble(BLOCK)
         return cls(scheduler, tier, worker, TransferDouble(worker, tier), lookup)
 
@@ -139,3 +147,22 @@ class OffloadRig:
             elif not self.scheduler.has_work():
                 return
         raise AssertionError("not done")
+
+
+class CheckedAllocations:
+    """Records (estimate, blocks taken) for every `allocate_slots` of `kv` that succeeds: the
+    admission contract is that the two are equal."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.pairs: list[tuple[int, int]] = []
+        real = kv.allocate_slots
+
+        def checked(request, num_new, hit=None, num_hit=None):  # type: ignore[no-untyped-def]
+            estimate = kv.estimate_blocks_to_allocate(request, num_new, hit, num_hit)
+            before = kv.num_free_blocks
+            result = real(request, num_new, hit, num_hit)
+            if result is not None:
+                self.pairs.append((estimate, before - kv.num_free_blocks))
+            return result
+
+        kv.allocate_slots = checked  # type: ignore[method-assign]

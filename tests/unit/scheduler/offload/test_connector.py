@@ -165,12 +165,15 @@ async def test_recorded_keys_order_the_request_tail_first_head_last() -> None:
     await rig.run()  # block 0 is now a LOCAL hit (cached, free)
     rig.scheduler.add_request(submit("b", [*PROMPT, *range(500, 508)], max_tokens=4))
     await rig.probe()
+    rig.connector.take_store_offers()  # a's
     load_plan = rig.step()
     assert load_plan is not None
     (load,) = load_plan.kv_loads
     assert load.keys == keys_of(rig, "b", range(1, 6))  # after the local hit
-    (offer,) = load_plan.kv_stores  # the local hit is offered with the load: it is recorded
-    assert offer.keys == keys_of(rig, "b", range(0, 1))
+    # The local hit is offered with the load: a wrote it, so it is only recorded (not written).
+    (offer,) = rig.connector.take_store_offers()
+    assert not load_plan.kv_stores and not offer.write
+    assert [SPACE.payload_key(k) for k, _ in offer.record] == keys_of(rig, "b", range(0, 1))
     rig.answer_loads(load_plan)
     assert rig.step() is not None  # computes 24..34: blocks 6 and 7 complete
     record = RequestRecord("b")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from services.scheduler.offload.connector import OffloadConnector
+from services.scheduler.offload.store_admission import StoreAdmission
 from services.scheduler.pd import HandoffBook, PrefillPolicy, prefilled_in_step
 from services.scheduler.pd.edge import lookahead_of
 from services.scheduler.request import RequestStatus
@@ -125,7 +126,9 @@ async def test_store_offers_never_include_draft_positions() -> None:
     plan's store offers stop at its known (verified) tokens' full blocks."""
     rig = OffloadRig.build()
     rig.scheduler = type(rig.scheduler)(config(num_spec_tokens=3), "s")
-    rig.scheduler.offload = OffloadConnector(rig.scheduler.config, SPACE, rig.lookup, "t")
+    rig.scheduler.offload = OffloadConnector(
+        rig.scheduler.config, SPACE, rig.lookup, "t", store_admission=StoreAdmission("always")
+    )
     rig.scheduler.add_request(submit("a", list(range(100, 108)), max_tokens=10))
     await rig.probe()  # an empty tier: misses, so the request computes
     prefill = rig.scheduler.schedule()

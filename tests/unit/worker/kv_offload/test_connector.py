@@ -4,7 +4,8 @@ real connector, transfer threads and a real redis-server.
 Blocks stored after a prefill and loaded back into different block ids after the cache was
 wiped give the same next logits as the uninterrupted run; a missing key, another model's or
 another layout's payload fail the load (and leave the blocks alone); a frozen or stopped Redis
-never holds up a step.
+never holds up a step: stores that find staging full are dropped and counted; the store thread
+keeps its busy share.
 """
 
 from __future__ import annotations
@@ -81,10 +82,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def attach(
-    runner: ModelRunner, url: str, staging_bytes: int = 2**20, timeout_s: float = TIMEOUT_S
+    runner: ModelRunner,
+    url: str,
+    staging_bytes: int = 2**20,
+    timeout_s: float = TIMEOUT_S,
+    max_busy_share: float = 1.0,
 ) -> Waiter:
     waiter = Waiter()
-    engine = TransferEngine(url, HostTier(2**20), timeout_s=timeout_s)
+    engine = TransferEngine(
+        url, HostTier(2**20), timeout_s=timeout_s, max_busy_share=max_busy_share
+    )
     connector = KVConnector(
         runner.kv_cache,
         engine,
@@ -335,66 +342,100 @@ def test_stores_never_wait_for_redis(tiny_dir: Path, own_redis: RedisServer) -> 
         connector.close()
 
 
-def test_a_store_larger_than_staging_streams_through_it(tiny_dir: Path, redis_url: str) -> None:
+def test_a_store_larger_than_staging_keeps_its_head_and_drops_the_rest(
+    tiny_dir: Path, redis_url: str
+) -> None:
     runner = tiny_runner(tiny_dir)
-    waiter = attach(runner, redis_url, staging_bytes=1)  # one slot: 3 chunks go one at a time
+    waiter = attach(runner, redis_url, staging_bytes=1)  # one slot for 3 chunks
     connector = runner.kv_connector
     assert connector is not None and connector.pools[0].num_slots == 1
     try:
         chunk_keys = keys("big")
-        prefill_and_store(runner, waiter, chunk_keys)
+        prefill_and_store(runner, waiter, chunk_keys)  # returns without waiting for a slot
         done = waiter.transfer("store-a")
-        assert done.ok and done.num_bytes == 3 * connector.chunk_bytes
-        stored = redis.Redis.from_url(redis_url).mget(chunk_keys)
-        for key, block, payload in zip(chunk_keys, [1, 2, 3], stored, strict=True):
-            assert payload is not None, key
-            body = torch.stack([layer[:, block] for layer in runner.kv_cache.layers])
-            assert payload == pack_payload(connector.headers[0], body.contiguous())
-        assert connector.pools[0].num_free == 1
+        assert not done.ok and done.error == "dropped: staging full"
+        assert done.failed_keys == chunk_keys[1:] and connector.dropped_chunks == 2
+        assert done.num_bytes == connector.chunk_bytes  # the head chunk was written
+        head, *rest = redis.Redis.from_url(redis_url).mget(chunk_keys)
+        assert rest == [None, None]
+        body = torch.stack([layer[:, 1] for layer in runner.kv_cache.layers])
+        assert head == pack_payload(connector.headers[0], body.contiguous())
+        assert connector.pools[0].num_free == 1  # given back once written
     finally:
         connector.close()
 
 
-def test_stuck_staging_refuses_the_rest_of_a_store(tiny_dir: Path, redis_url: str) -> None:
-    runner = tiny_runner(tiny_dir)
-    waiter = attach(runner, redis_url, staging_bytes=1)
-    connector = runner.kv_connector
-    assert connector is not None
-    connector.staging_wait_s = 0.01
-    held = connector.pools[0].acquire(1)  # as if the packer never gave its slot back
-    assert held is not None
-    try:
-        prefill_and_store(runner, waiter, keys("stuck"))
-        waiter.collect()  # answered during the step itself: nothing was staged
-        done = waiter.done["store-a"]
-        assert not done.ok and done.error == "staging full" and done.failed_keys == keys("stuck")
-    finally:
-        connector.pools[0].release(held)
-        connector.close()
-
-
-def test_a_full_write_backlog_fails_pieces_instead_of_queuing(
+def test_a_frozen_redis_drops_stores_and_never_slows_the_steps(
     tiny_dir: Path, own_redis: RedisServer
 ) -> None:
-    """Redis frozen: the first piece waits in the writer; the next ones find the backlog full
-    (bounded memory) and fail at once; after the thaw the first is written."""
+    """Redis frozen (SIGSTOP) with a store stuck in it holding the only staging slots: every
+    following step still runs and samples, its stores are dropped at once and counted; after
+    the thaw the stuck store completes."""
     runner = tiny_runner(tiny_dir)
-    waiter = attach(runner, own_redis.url, staging_bytes=1)
+    waiter = attach(runner, own_redis.url, staging_bytes=1)  # one slot
     connector = runner.kv_connector
     assert connector is not None and own_redis.proc is not None
-    connector.engine.max_backlog_bytes = 1
-    chunk_keys = keys("backlog")
+    chunk_keys = keys("frozen", 1)
     try:
         own_redis.proc.send_signal(signal.SIGSTOP)
         try:
-            prefill_and_store(runner, waiter, chunk_keys)
+            runner.execute(
+                StepPlan(
+                    step_id=0,
+                    scheduler_id="s",
+                    new_requests=[prompt_request("a", [1, 2, 3, 4])],
+                    num_scheduled_tokens={"a": len(PROMPT)},
+                    kv_stores=[transfer("stuck", chunk_keys, [1])],
+                )
+            )
+            sampled = 0
+            for step in range(1, 4):  # decodes, each offering a store of its own
+                result = runner.execute(
+                    StepPlan(
+                        step_id=step,
+                        scheduler_id="s",
+                        cached_requests=[cached("a", 12 + step)],
+                        num_scheduled_tokens={"a": 1},
+                        kv_stores=[transfer(f"drop-{step}", keys(f"d{step}", 2), [2, 3])],
+                    )
+                )
+                assert result.error is None
+                sampled += len(result.sampled)
+            assert sampled == 3  # every step ran while the store sat in Redis
             waiter.collect()
-            assert "store-a" not in waiter.done  # the first piece is still being written
+            assert "stuck" not in waiter.done
+            for step in range(1, 4):
+                done = waiter.done[f"drop-{step}"]  # answered during its own step
+                assert not done.ok and done.error == "dropped: staging full"
+            assert connector.dropped_chunks == 6
         finally:
             own_redis.proc.send_signal(signal.SIGCONT)
-        done = waiter.transfer("store-a")
-        assert not done.ok and done.error == "store backlog full"
-        assert done.failed_keys == chunk_keys[1:]
+        assert waiter.transfer("stuck").ok
         assert redis.Redis.from_url(own_redis.url).exists(*chunk_keys) == 1
+
+        own_redis.stop()
+        runner.execute(
+            StepPlan(
+                step_id=4, scheduler_id="s", kv_stores=[transfer("down", keys("down", 1), [1])]
+            )
+        )
+        done = waiter.transfer("down")
+        assert not done.ok and done.failed_keys == keys("down", 1)
+        assert "Connection" in (done.error or "")
+    finally:
+        connector.close()
+
+
+def test_the_store_thread_rests_to_keep_its_busy_share(tiny_dir: Path, redis_url: str) -> None:
+    runner = tiny_runner(tiny_dir)
+    waiter = attach(runner, redis_url, max_busy_share=0.25)
+    connector = runner.kv_connector
+    assert connector is not None
+    try:
+        prefill_and_store(runner, waiter, keys("share"))
+        assert waiter.transfer("store-a").ok
+        engine = connector.engine
+        # 3x the time writing (1 / 0.25 - 1), so writes never take more than a quarter.
+        assert engine.busy_s > 0 and engine.rested_s == pytest.approx(3 * engine.busy_s)
     finally:
         connector.close()
