@@ -13,8 +13,9 @@ follower, which makes the same call on its own runner; the forward's collectives
 the same order on every rank. A pipe, not a torch.distributed broadcast: a follower waits on
 it without a timeout while the group is idle (a gloo/NCCL broadcast would time out, or need
 heartbeats), sees EOF when rank 0 is gone, and a plan (a few KB) costs far less to send than
-a Redis round trip (bench/RESULTS.md). Having every rank read the steps stream instead would put N Redis
-readers on one stream and make each rank repeat rank 0's incarnation and duplicate filtering.
+a Redis round trip (bench/RESULTS.md). Having every rank read the steps stream instead would
+put N Redis readers on one stream and make each rank repeat rank 0's incarnation and duplicate
+filtering.
 
 The followers sample too, from the same gathered logits with the same seeded counter RNG, so
 their batches stay identical to rank 0's without the tokens being sent back (tested:
