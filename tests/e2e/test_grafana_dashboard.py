@@ -94,6 +94,8 @@ def test_exposition_parsing_bites() -> None:
     )
     names = exposition_names(text)
     assert {"meshllm:x_seconds_bucket", "meshllm:x_seconds_count", "meshllm:y_total"} <= names
+    # A labelled counter with no sample yet, as prometheus-client 0.26 declares it.
+    assert "meshllm:w_total" in exposition_names("# TYPE meshllm:w_total counter\n")
     assert "meshllm:z" not in names
     query = 'histogram_quantile(0.9, sum by (le) (rate(meshllm:x_seconds_bucket{a="b"}[5m])))'
     assert query_names(query) == {"meshllm:x_seconds_bucket"}

@@ -28,6 +28,10 @@ def series_names(families: dict[str, str]) -> set[str]:
     """family name -> type, to every series name those families expose."""
     out: set[str] = set()
     for name, kind in families.items():
+        if kind == "counter" and name.endswith("_total"):
+            # prometheus-client 0.26 declares a labelled counter with no sample yet under its
+            # series name (`# TYPE x_total counter`), not its family name.
+            name = name.removesuffix("_total")
         out.update(name + suffix for suffix in SUFFIXES.get(kind, ("",)))
     return out
 
