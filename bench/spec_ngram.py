@@ -1,4 +1,4 @@
-"""n-gram (prompt lookup) speculative decoding vs plain decoding at batch 1, SmolLM2 on CPU.
+"""n-gram (prompt lookup) speculative decoding vs plain decoding, SmolLM2, CPU or CUDA.
 
 Copy-heavy chat tasks (editing a given code snippet, answering with quotes from a given text)
 are where prompt lookup pays: the answer repeats long spans of the prompt. Each task runs
@@ -6,9 +6,13 @@ greedy through the real scheduler core and model runner (no bus), alternating pl
 speculative runs so both see the same machine load; every speculative output is checked
 token-for-token against the plain one. Reported: tokens/s of each, the speed-up (median of
 the per-pair ratios), mean tokens per verification step, and acceptance per draft position.
+`--batch B` runs B requests of a task at once (each prompt opens with its own number, so they
+are B different prompts). On CUDA (`--device cuda`, bf16) the runner is set up as the worker's
+(bootstrap.py): warmed up, decode steps replayed from CUDA graphs; steps that verify drafts run
+eagerly, as they do in the worker.
 
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
-                               [--threads 1] [--json]
+                               [--threads 1] [--device cpu|cuda] [--batch 1] [--json]
 """
 
 from __future__ import annotations
@@ -63,14 +67,22 @@ TASKS = {
 class Engine:
     """Scheduler core + model runner, stepped in one process (the mesh's loop minus Redis)."""
 
-    def __init__(self, model: Any, config: Any, spec: SpeculativeConfig | None) -> None:
+    def __init__(
+        self, model: Any, config: Any, spec: SpeculativeConfig | None, device: str = "cpu"
+    ) -> None:
         max_len = min(config.max_position_embeddings, 4096)
-        kv = KVCache.allocate(config, 512, 16, torch.float32, "cpu")
-        self.runner = ModelRunner(model, config, kv, "cpu", max_model_len=max_len, speculative=spec)
+        dtype = next(model.parameters()).dtype
+        kv = KVCache.allocate(config, 2048, 16, dtype, device)
+        self.runner = ModelRunner(
+            model, config, kv, device, max_model_len=max_len, speculative=spec
+        )
+        if device == "cuda":  # as the worker sets it up (bootstrap.py)
+            self.runner.warmup()
+            self.runner.capture_cuda_graphs()
         k = spec.num_spec_tokens if spec else 0
         self.scheduler = Scheduler(
             SchedulerConfig(
-                num_gpu_blocks=512,
+                num_gpu_blocks=2048,
                 max_model_len=max_len,
                 eos_token_ids=list(config.eos_token_ids),
                 num_spec_tokens=k,
@@ -78,13 +90,17 @@ class Engine:
             "bench",
         )
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
-        self.scheduler.add_request(
-            SubmitRequest(
-                request_id="r", prompt_token_ids=prompt, sampling=params, reply_stream="r"
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> tuple[list[list[int]], int]:
+        """Every prompt's output tokens (in order) and the steps they took, all at once."""
+        for i, prompt in enumerate(prompts):
+            self.scheduler.add_request(
+                SubmitRequest(
+                    request_id=f"r{i}", prompt_token_ids=prompt, sampling=params, reply_stream="r"
+                )
             )
-        )
-        tokens: list[int] = []
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         steps = 0
         while self.scheduler.has_work():
             plan = self.scheduler.schedule()
@@ -93,8 +109,8 @@ class Engine:
             steps += 1
             for deltas in out.deltas.values():
                 for delta in deltas:
-                    tokens += delta.token_ids
-        return tokens, steps
+                    tokens[delta.request_id] += delta.token_ids
+        return [tokens[f"r{i}"] for i in range(len(prompts))], steps
 
 
 def main() -> None:
@@ -105,12 +121,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     source = resolve_model("", ModelSettings().model_cache_dir)
-    model, config = load_model(source.hf_dir, torch.float32, "cpu")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model, config = load_model(source.hf_dir, dtype, args.device)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(Path(source.hf_dir))
@@ -121,30 +140,35 @@ def main() -> None:
         prompt_lookup_min=args.min_n,
         prompt_lookup_max=args.max_n,
     )
-    Engine(model, config, None).generate([1, 2, 3], SamplingParams(max_tokens=4))  # warm-up
+    Engine(model, config, None, args.device).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
 
     rows: list[dict[str, Any]] = []
     accepted_per_pos = [0] * args.k
     num_drafts = 0
     for name, text in TASKS.items():
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        prompt = tokenizer(chat, add_special_tokens=False)["input_ids"]
+        prompts = []
+        for i in range(args.batch):
+            numbered = f"Request {i + 1}.\n{text}" if args.batch > 1 else text
+            chat = tokenizer.apply_chat_template(
+                [{"role": "user", "content": numbered}], add_generation_prompt=True, tokenize=False
+            )
+            prompts.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
         ratios, plain_tps, spec_tps = [], [], []
         for _ in range(args.repeats):
+            plain = Engine(model, config, None, args.device)
             t0 = time.perf_counter()
-            plain_tokens, _ = Engine(model, config, None).generate(prompt, params)
+            plain_tokens, _ = plain.generate(prompts, params)
             t_plain = time.perf_counter() - t0
-            engine = Engine(model, config, spec)
+            engine = Engine(model, config, spec, args.device)
             t0 = time.perf_counter()
-            spec_tokens, steps = engine.generate(prompt, params)
+            spec_tokens, steps = engine.generate(prompts, params)
             t_spec = time.perf_counter() - t0
             if spec_tokens != plain_tokens:
                 raise SystemExit(f"{name}: speculative output differs from plain greedy")
+            total = sum(len(t) for t in spec_tokens)
             ratios.append(t_plain / t_spec)
-            plain_tps.append(len(plain_tokens) / t_plain)
-            spec_tps.append(len(spec_tokens) / t_spec)
+            plain_tps.append(total / t_plain)
+            spec_tps.append(total / t_spec)
         stats = engine.scheduler.spec.stats
         num_drafts += stats.num_drafts
         for i, n in enumerate(stats.accepted_per_pos[: args.k]):
@@ -152,13 +176,13 @@ def main() -> None:
         rows.append(
             {
                 "task": name,
-                "prompt_tokens": len(prompt),
-                "output_tokens": len(spec_tokens),
+                "prompt_tokens": len(prompts[0]),
+                "output_tokens": total,
                 "plain_tok_s": round(statistics.median(plain_tps), 2),
                 "spec_tok_s": round(statistics.median(spec_tps), 2),
                 "speedup": round(statistics.median(ratios), 2),
                 "steps": steps,
-                "tokens_per_step": round(len(spec_tokens) / steps, 2),
+                "tokens_per_step": round(total / steps / args.batch, 2),
                 "acceptance_rate": round(stats.acceptance_rate, 3),
             }
         )
@@ -166,6 +190,8 @@ def main() -> None:
         "k": args.k,
         "n": [args.min_n, args.max_n],
         "threads": args.threads,
+        "device": args.device,
+        "batch": args.batch,
         "speedup_median": round(statistics.median(r["speedup"] for r in rows), 2),
         "acceptance_per_position": [round(n / max(num_drafts, 1), 3) for n in accepted_per_pos],
         "tasks": rows,
