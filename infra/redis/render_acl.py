@@ -72,6 +72,7 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         "~meshllm:*:replies:*",  # its own reply stream: read, group ops, trim on exit
         "%R~meshllm:*:grammar:*",  # compiled-grammar cache
         "%R~meshllm:*:heartbeats",  # which worker groups are ready (the mesh view)
+        "%R~meshllm:*:kvevents",  # prefix blocks each group holds (KV-aware routing)
         "%W~meshllm:*:calls:grammar",  # CompileGrammar calls (shared.rpc)
         "%R~meshllm:*:rpc:gateway:*",  # their answers (servers write and expire it)
     ),
@@ -87,6 +88,7 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         "%R~meshllm:*:grammar:*",  # compiled grammars, deserialized in-process
         "~meshllm:*:kvmeta:*",  # offload block metadata
         "%R~meshllm:*:heartbeats",  # worker liveness and incarnation (restart detection)
+        "%W~meshllm:*:kvevents",  # KVEvents: prefix blocks stored/removed, for the gateways
         "%W~meshllm:*:calls:kvstore",  # offload tier calls (shared.rpc)
         "%R~meshllm:*:rpc:scheduler:*",  # their answers
     ),
