@@ -30,12 +30,18 @@ class Mesh:
         services: tuple[str, ...] = ("gateway", "scheduler", "worker"),
         env: dict[str, str] | None = None,
         redis: RedisServer | None = None,
+        groups: int = 1,
     ) -> None:
-        self.services = services
+        """`groups` > 1: worker groups 1.. besides group 0, each a `scheduler-g<i>` and a
+        `worker-g<i>` (with MESHLLM_GROUP=i), started after the named services."""
+        extra = [(f"{m}-g{i}", m, i) for i in range(1, groups) for m in ("scheduler", "worker")]
+        self.services = (*services, *(name for name, _, _ in extra))
+        self.modules = {name: module for name, module, _ in extra}
+        self.group_env = {name: {"MESHLLM_GROUP": str(i)} for name, _, i in extra}
         self.redis = redis or RedisServer()
         self.owns_redis = redis is None
         self.logdir = Path(tempfile.mkdtemp(prefix="meshllm-e2e-"))
-        self.ports = {name: free_port() for name in SERVICES}
+        self.ports = {name: free_port() for name in (*SERVICES, *self.modules)}
         self.cluster = f"t{os.getpid()}"
         self.extra_env = dict(env or {})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -82,7 +88,11 @@ class Mesh:
         return self
 
     def start_service(self, name: str, overrides: dict[str, str] | None = None) -> None:
-        self.spawn(name, name, overrides)
+        self.spawn(
+            name,
+            self.modules.get(name, name),
+            {**self.group_env.get(name, {}), **(overrides or {})},
+        )
 
     def spawn(self, name: str, module: str, overrides: dict[str, str] | None = None) -> None:
         """Start `python -m services.<module>` as service `name`: its port, env and a log file
