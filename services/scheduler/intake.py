@@ -1,11 +1,18 @@
 """The scheduler's request side of the bus: the requests it holds, from their entry to its ack.
 
-Requests come from the shared `requests` stream through the consumer group `schedulers` (or,
-for a decode scheduler, the `handoff` stream and group `decoders`). An entry is acknowledged
-only when its request finished, so a scheduler that dies leaves its requests pending: its restart
-(same consumer name, shared.service.consumer_name) re-reads them at once with `own_pending`, or
-another replica claims them once idle. While a request lives here, its entry is re-claimed to
-this consumer every few seconds so a long generation is never mistaken for a dead consumer's.
+Requests come from the shared `requests` stream and the group's own one (where gateways route
+them, Streams.group_requests) through the consumer group `schedulers` (or, for a decode
+scheduler, the `handoff` stream and group `decoders`). Streams of groups that cannot run their
+requests are looked after too (peer_groups.py): new entries of a silent or workerless group are
+read here, and idle entries of any group are claimed; a scheduler whose worker has been gone
+`claim_idle_ms` releases what it holds (`release_all`) so that another group runs it. A request
+moves so at most `max_deliveries` times; past that it is failed (submit_check).
+
+An entry is acknowledged only when its request finished, so a scheduler that dies leaves its
+requests pending: its restart (same consumer name, shared.service.consumer_name) re-reads them
+at once with `own_pending`, or another replica claims them once idle. While a request lives
+here, its entry is re-claimed to this consumer every few seconds so a long generation is never
+mistaken for a dead consumer's.
 
 Poison entries never stop intake. An entry that does not decode is dead-lettered by the bus
 (and its client told when the envelope still names it: submit_check.salvage_submit); one that

@@ -1,11 +1,12 @@
 """The scheduler service: the bus edge around the scheduler core.
 
 Tasks, all in one event loop:
-- intake (intake.py): SubmitRequests from the shared `requests` stream through the consumer
-  group `schedulers` (data-parallel scheduler replicas split them), read only while the group's
+- intake (intake.py): SubmitRequests from the shared `requests` stream and the group's own
+  (routed by gateways) through the consumer group `schedulers`, read only while the group's
   worker is alive (a group still loading its model takes nothing), acked only when finished;
   claims of a dead scheduler's entries; aborts, and the requests of gateways gone silent;
-  poison entries dead-lettered without stopping anything.
+  poison entries dead-lettered without stopping anything. KVEvents (kv_report.py) and the
+  load in each heartbeat (`group_load`) tell gateways where to route.
 - worker watch: WorkerReady announcements on the group's `control` stream. A new incarnation
   means the worker restarted empty: every running request is recomputed. Silence longer than
   `worker_timeout_s` means it died (or Redis is away, which looks the same from here): the
