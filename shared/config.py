@@ -131,7 +131,7 @@ class GatewaySettings(CommonSettings, ModelSettings):
     # prefix of the prompt against its load, "least_load" takes the least loaded group,
     # "round_robin" takes them in turn.
     router_policy: Literal["kv", "least_load", "round_robin"] = "kv"
-    # kv: what a whole prompt's cache hit is worth against load, in full running batches
+    # kv: what a whole prompt's cache hit is worth against load, in requests running or queued
     # (Dynamo's --kv-overlap-score-weight); 0 = load only. See services/gateway/route/router.py.
     kv_overlap_score_weight: float = Field(1.0, ge=0)
     # Load shedding: a group with this many requests queued (waiting, by its last beat, plus

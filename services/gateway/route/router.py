@@ -7,12 +7,16 @@ it since that beat (the beat cannot know those yet); its queue = waiting + route
 gateways' routing since the beat is unknown here, which every gateway's next beat corrects.
 
 Policies (GatewaySettings.router_policy):
-- `kv` (default): the lowest cost  w * (1 - overlap / prompt blocks) + load / max_num_seqs,
+- `kv` (default): the lowest cost  w * (1 - overlap / prompt blocks) + load, load in requests,
   w = `kv_overlap_score_weight` (Dynamo's --kv-overlap-score-weight): a prompt fully cached on
-  a group is worth w full running batches of load elsewhere; w = 0 is least_load;
-- `least_load`: the lowest load / max_num_seqs;
+  a group is worth w requests of load elsewhere. This is Dynamo's cost (w x blocks to prefill
+  + active blocks) divided by the prompt's blocks, with each active request taken to hold as
+  many blocks as this prompt: a prefix every prompt shares (a chat template) then cannot keep
+  a new or idle group out of the traffic. w = 0 is least_load;
+- `least_load`: the lowest load;
 - `round_robin`: the groups in turn, ignoring caches.
-Ties go to the lower load, then in turn (so equal groups share the traffic).
+Ties go to the larger cached prefix, then the lower load, then in turn (so equal groups share
+the traffic).
 
 Shedding: a group whose queue reached `max_queued_per_group` takes nothing more (another group
 takes the request: a full group never starves a request another could run); with every group
@@ -29,7 +33,6 @@ from shared.kv.block_hash import BlockHash, extend_block_hashes
 from shared.protocol.health import GroupLoad
 
 Policy = Literal["kv", "least_load", "round_robin"]
-DEFAULT_BATCH = 64  # a beat that does not state its max_num_seqs (the scheduler's default)
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,9 @@ class Router:
     def queued(self, candidate: Candidate) -> int:
         return candidate.load.num_waiting + self.routed_since_beat(candidate)
 
-    def load(self, candidate: Candidate) -> float:
-        active = candidate.load.num_running + self.queued(candidate)
-        return active / (candidate.load.max_num_seqs or DEFAULT_BATCH)
+    def load(self, candidate: Candidate) -> int:
+        """Requests running or queued on the group, by its beat and our routing since."""
+        return candidate.load.num_running + self.queued(candidate)
 
     def full(self, candidate: Candidate) -> bool:
         bound = self.max_queued_per_group
@@ -130,14 +133,14 @@ class Router:
             return ordered[self._turn % len(ordered)]
 
         def cost(c: Candidate) -> float:
-            load = self.load(c)
+            load = float(self.load(c))
             if self.policy == "least_load":
                 return load
             blocks = len(hashes.get(c.group, []))
             miss = 1.0 - overlaps[c.group] / blocks if blocks else 1.0
             return self.overlap_weight * miss + load
 
-        costs = {c.group: (cost(c), self.load(c)) for c in ordered}
+        costs = {c.group: (cost(c), -overlaps.get(c.group, 0), self.load(c)) for c in ordered}
         best = min(costs.values())
         tied = [c for c in ordered if costs[c.group] == best]
         return tied[self._turn % len(tied)]

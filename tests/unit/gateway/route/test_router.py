@@ -83,7 +83,8 @@ def test_kv_policy_follows_the_cached_prefix() -> None:
     r = router()
     r.index.apply(event("1", stored=hashes(PREFIX_A)))
     for t in range(3):
-        d = r.choose([cand("0"), cand("1")], [*PREFIX_A, t], None, now=1.0 + t)
+        fresh = [cand("0", beat=t + 0.9), cand("1", beat=t + 0.9)]  # earlier ones finished
+        d = r.choose(fresh, [*PREFIX_A, t], None, now=1.0 + t)
         assert d.group == "1"
         assert d.overlap_tokens == len(PREFIX_A)
 
@@ -98,15 +99,25 @@ def test_kv_policy_predicts_the_blocks_it_routed() -> None:
 
 
 def test_kv_policy_gives_way_to_load_past_the_weight() -> None:
-    """w = 1: a full hit is worth one full batch of load; a group busier than that loses."""
-    r = router()
+    """w = 2: a full hit is worth two requests of load; a group busier than that loses."""
+    r = router(weight=2.0)
     r.index.apply(event("1", stored=hashes(PREFIX_A)))
-    busy = cand("1", running=8, waiting=2)  # 10/8 of a batch
+    busy = cand("1", running=2, waiting=1)
     assert r.choose([cand("0"), busy], PREFIX_A, None, now=1.0).group == "0"
-    r = router()  # the first choice predicted PREFIX_A in group 0: start again
+    r = router(weight=2.0)  # the first choice predicted PREFIX_A in group 0: start again
     r.index.apply(event("1", stored=hashes(PREFIX_A)))
-    slightly = cand("1", running=4)  # half a batch: the hit still wins
+    slightly = cand("1", running=1)  # the hit still wins
     assert r.choose([cand("0"), slightly], PREFIX_A, None, now=2.0).group == "1"
+
+
+def test_a_prefix_every_prompt_shares_does_not_starve_an_idle_group() -> None:
+    """Short chat prompts all start with the template: cached on the old group, not on a new
+    one. Load still spreads them (a scale-up takes its share)."""
+    r = router()
+    template = hashes(PREFIX_A[:8])
+    r.index.apply(event("0", stored=template))
+    busy_old = cand("0", running=2)
+    assert r.choose([busy_old, cand("1")], PREFIX_A[:8], None, now=1.0).group == "1"
 
 
 def test_zero_weight_is_least_load() -> None:
@@ -121,7 +132,7 @@ def test_least_load_counts_requests_routed_since_the_last_beat() -> None:
     got = [r.choose(groups, [1, 2, 3], None, now=1.0 + i / 10).group for i in range(6)]
     assert sorted(got) == ["0", "0", "0", "1", "1", "1"]
     # A newer beat of group 0 that counts its three as running: they are not counted twice.
-    assert r.load(cand("0", running=3, beat=2.0)) == pytest.approx(3 / 8)
+    assert r.load(cand("0", running=3, beat=2.0)) == 3
 
 
 def test_round_robin_ignores_the_cache() -> None:
