@@ -54,11 +54,11 @@ cxx:
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y g++)
 
 # PROFILE=gpu / PROFILE=pd: compose profiles (pd: the default group prefills, a decode group
-# decodes; MESHLLM_ROLE defaults to prefill then).
+# decodes; MESHLLM_ROLE defaults to prefill then). REPLICAS=N: N worker groups (ports +100 each).
 PROFILE ?=
 up: venv redis cxx
 	$(if $(filter pd,$(PROFILE)),MESHLLM_ROLE=$${MESHLLM_ROLE:-prefill} )$(VENV_PY) -m infra.launcher \
-		$(foreach p,$(PROFILE),--profile $(p))
+		$(foreach p,$(PROFILE),--profile $(p)) --replicas $(or $(REPLICAS),1)
 
 # A Docker engine can be started here: root, and dockerd present or installable with apt.
 DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \

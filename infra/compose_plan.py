@@ -218,6 +218,40 @@ def plan(
     return result
 
 
+GROUP_SERVICES = ("scheduler", "worker")
+"""The compose services that make up the default worker group, which `replicate` copies."""
+GROUP_PORT_STRIDE = 100
+"""Group i's services listen `i * GROUP_PORT_STRIDE` above group 0's (8101, 8102, ...)."""
+
+
+def replicate(services: list[LocalService], replicas: int) -> list[LocalService]:
+    """`replicas` worker groups instead of one: groups 1.. are copies of the default group's
+    services (`scheduler-<i>`, `worker-<i>`: MESHLLM_GROUP=i, their own instance ids and ports
+    offset by i * GROUP_PORT_STRIDE), placed after the originals."""
+    if replicas < 1:
+        raise ComposeError(f"replicas must be at least 1, got {replicas}")
+    out = list(services)
+    for i in range(1, replicas):
+        for service in services:
+            if service.name not in GROUP_SERVICES:
+                continue
+            port = service.port + i * GROUP_PORT_STRIDE
+            name = f"{service.name}-{i}"
+            env = {**service.env, "MESHLLM_GROUP": str(i), "MESHLLM_PORT": str(port)}
+            env["MESHLLM_INSTANCE_ID"] = name
+            out.append(
+                LocalService(
+                    name=name,
+                    module=service.module,
+                    command=service.command,
+                    env=env,
+                    port=port,
+                    container_port=service.container_port,
+                )
+            )
+    return out
+
+
 def acl_environment(compose: Mapping[str, Any], user_env: Mapping[str, str]) -> dict[str, str]:
     """The password variables the compose `redis-acl` job renders the ACL file from."""
     spec = compose["services"].get(ACL_SERVICE, {})

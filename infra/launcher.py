@@ -17,6 +17,11 @@ the services recreate their consumer groups).
 
     python -m infra.launcher [--compose docker-compose.yml] [--profile gpu] [--services a,b]
                              [--redis-port 6379] [--port-offset 0] [--log-dir DIR]
+                             [--replicas N]
+
+`--replicas N` (`make up REPLICAS=N`) runs N worker groups: groups 1.. are copies of the
+default scheduler + worker (`scheduler-<i>`, `worker-<i>`, MESHLLM_GROUP=i) on ports offset by
+100 per group (8101, 8102, ...), each printed when ready; the gateway routes among them.
 
 Exit status: 0 after a requested stop, 1 when the mesh could not be started (redis-server
 missing, a service module missing, not ready within --ready-timeout).
@@ -39,7 +44,7 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
-from infra.compose_plan import LocalService, acl_environment, load_compose, plan
+from infra.compose_plan import LocalService, acl_environment, load_compose, plan, replicate
 from infra.redis.render_acl import render_acl
 from infra.supervisor import Supervised, Supervisor
 
@@ -233,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--services", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--redis-port", type=int, default=6379)
     parser.add_argument("--port-offset", type=int, default=0, help="added to every HTTP port")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="worker groups (scheduler + worker) to run"
+    )
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", type=Path, help="one log file per service (default: here)")
     args = parser.parse_args(argv)
@@ -245,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         port_offset=args.port_offset,
         profiles=frozenset(args.profile),
     )
+    services = replicate(services, args.replicas)
     if args.services:
         wanted = [s.strip() for s in args.services.split(",") if s.strip()]
         unknown = set(wanted) - {s.name for s in services}

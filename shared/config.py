@@ -130,6 +130,18 @@ class GatewaySettings(CommonSettings, ModelSettings):
     # Processes that parse and tokenize bodies of 4 KiB or more (services/gateway/plan/
     # planning_pool.py), so a large body never blocks the event loop. Each holds a tokenizer.
     planning_processes: int = Field(2, ge=1)
+    # Routing among worker groups (services/gateway/route): "kv" weighs each group's cached
+    # prefix of the prompt against its load, "least_load" takes the least loaded group,
+    # "round_robin" takes them in turn.
+    router_policy: Literal["kv", "least_load", "round_robin"] = "kv"
+    # kv: what a whole prompt's cache hit is worth against load, in requests running or queued
+    # (Dynamo's --kv-overlap-score-weight); 0 = load only. See services/gateway/route/router.py.
+    kv_overlap_score_weight: float = Field(1.0, ge=0)
+    # Load shedding: a group with this many requests queued (waiting, by its last beat, plus
+    # those routed to it since) takes no more; with every group full, or this many queued in
+    # all, a request gets 429 + Retry-After. 0 = no bound.
+    max_queued_per_group: int = Field(256, ge=0)
+    max_queued_total: int = Field(0, ge=0)
 
     @property
     def api_key_list(self) -> list[str]:
@@ -192,6 +204,10 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # Prompt tokens the prefill side leaves to the decode side besides the last one (the one
     # prefill-lookahead number, CONTRACTS.md: the max of this and the drafter's backoff).
     prefill_lookahead_tokens: int = Field(0, ge=0)
+    # KV-aware routing: a full snapshot of the prefix blocks held goes on the kvevents stream
+    # this often (between snapshots, per-step stored/removed batches), so a gateway that
+    # starts or missed events knows the group again within this time.
+    kv_snapshot_interval_s: float = Field(10.0, gt=0)
 
 
 class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):

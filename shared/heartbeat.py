@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from shared.metrics import metric_name
 from shared.protocol import Heartbeat, Message
-from shared.protocol.health import GroupRole, ServiceName
+from shared.protocol.health import GroupLoad, GroupRole, ServiceName
 
 INCARNATION = uuid.uuid4().hex
 """This process's incarnation: fixed at import, so every beat of one process carries it."""
@@ -59,6 +59,7 @@ class Heartbeater:
         is_ready: Callable[[], Awaitable[bool]],
         model: str = "",
         role: GroupRole = "",
+        load: Callable[[], GroupLoad | None] | None = None,
     ) -> None:
         self.publisher = publisher
         self.stream = stream
@@ -69,6 +70,7 @@ class Heartbeater:
         self.is_ready = is_ready
         self.model = model
         self.role = role
+        self.load = load
         self.sent = 0
 
     def beat_message(self, ready: bool) -> Heartbeat:
@@ -82,6 +84,7 @@ class Heartbeater:
             model=self.model,
             role=self.role,
             interval_s=self.interval_s,
+            load=self.load() if self.load is not None else None,
         )
 
     async def beat(self) -> None:

@@ -40,7 +40,7 @@ from shared.model.source import served_model_name
 from shared.streams import Streams
 
 if TYPE_CHECKING:
-    from shared.protocol.health import GroupRole, ServiceName
+    from shared.protocol.health import GroupLoad, GroupRole, ServiceName
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class Service(abc.ABC):
             is_ready=self._ready_flag,
             model=self.served_model(),
             role=self.group_role(),
+            load=self.group_load,
         )
         self._heartbeat_task = asyncio.create_task(
             self.heartbeater.run(self._closed), name=f"{self.name}-heartbeat"
@@ -186,6 +187,10 @@ class Service(abc.ABC):
     def group_role(self) -> GroupRole:
         """A scheduler's role (both / prefill / decode) for its heartbeats; "" otherwise."""
         return self.settings.role if isinstance(self.settings, SchedulerSettings) else ""
+
+    def group_load(self) -> GroupLoad | None:
+        """A scheduler's load for its heartbeats; None for other services."""
+        return None
 
     def state(self) -> dict[str, Any]:
         """For GET /admin/state. Subclasses add their queues under their own keys."""

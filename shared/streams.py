@@ -16,6 +16,17 @@ class Streams:
         """Gateway -> schedulers (one consumer group `schedulers`)."""
         return f"{self.prefix}:requests"
 
+    def group_requests(self, group: str) -> str:
+        """Gateway -> the scheduler of one worker group, chosen by the gateway's router (read
+        through the consumer group `schedulers`, like `requests`; a dead group's entries are
+        adopted by live groups, services/scheduler/peer_groups.py)."""
+        return f"{self.prefix}:{{g{group}}}:requests"
+
+    @property
+    def kv_events(self) -> str:
+        """Schedulers -> every gateway (fan-out): prefix blocks stored and removed (KVEvents)."""
+        return f"{self.prefix}:kvevents"
+
     @property
     def aborts(self) -> str:
         """Gateway -> every scheduler (fan-out: plain XREAD, no group)."""

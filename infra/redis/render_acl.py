@@ -127,6 +127,7 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         # its own reply stream: read, kept alive (EXPIRE; XGROUP CREATE MKSTREAM recreates it)
         grant("meshllm:*:replies:*", FAN_OUT_READ, ("expire", "xgroup|create")),
         grant("meshllm:*:rpc:gateway:*", FAN_OUT_READ),  # grammar answers
+        grant("meshllm:*:kvevents", FAN_OUT_READ),  # prefix blocks each group holds (routing)
         BEATS_AND_MESH_VIEW,  # which worker groups are ready
     ),
     _service(
@@ -140,6 +141,7 @@ SERVICE_USERS: tuple[AclUser, ...] = (
         grant("meshllm:*:{g*}:control", FAN_OUT_READ),  # WorkerReady
         grant("meshllm:*:replies:*", REPLY),  # TokenDelta (EXPIRE NX), NOMKSTREAM notes
         grant("meshllm:*:grammar:*", ("get",)),  # compiled grammars, deserialized in-process
+        grant("meshllm:*:kvevents", APPEND),  # KVEvents: blocks stored/removed, for gateways
         grant("meshllm:*:calls:kvstore", APPEND),  # offload tier calls (shared.rpc)
         grant("meshllm:*:rpc:scheduler:*", FAN_OUT_READ),  # their answers
         BEATS_AND_MESH_VIEW,  # worker incarnations, gateways' liveness

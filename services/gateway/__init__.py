@@ -14,6 +14,9 @@ Reading order, one request top-down:
   backpressure, with `reply_dedup`), `generation` (one request in flight) and per choice
   `choice_assembler` (with `detokenizer`, `stop_strings`);
 - `mesh/`: which worker groups can serve, learned from the heartbeat stream: `groups` (the
-  view: /ready and the 503 while none is ready) fed by `heartbeat_reader`;
+  view: /ready and the 503 while none is ready, each group's load) fed by `heartbeat_reader`;
+- `route/`: which group takes a request: `kv_index` (prefix blocks per group, fed by
+  `kv_events_reader`) and `router` (kv / least_load / round_robin, 429 past the queue bounds),
+  with `metrics`; `frontend.destination` puts mesh and router together;
 - `frontend` holds the parts together for the routes; `metrics`; `service` (wiring).
 """

@@ -20,8 +20,12 @@ from services.gateway.plan.planner import Planner
 from services.gateway.plan.planning_pool import PlanningPool
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.route.metrics import count_decision, export_groups
+from services.gateway.route.router import Candidate, Router
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
+from shared.protocol import SubmitRequest
+from shared.streams import Streams
 
 
 @dataclass
@@ -32,6 +36,8 @@ class Frontend:
     client: GatewayBusClient
     mesh: MeshView
     grammars: GrammarClient
+    router: Router
+    streams: Streams
     auth: ApiKeyAuth = field(init=False)
     accepting: bool = True  # False while draining: new requests get 503
     created: int = field(default_factory=lambda: int(time.time()))
@@ -64,6 +70,33 @@ class Frontend:
                 type_="service_unavailable",
                 headers={"Retry-After": str(retry_after)},
             )
+
+    def destination(self, request: SubmitRequest) -> str:
+        """The stream a request goes to: the routed group's own, or the shared requests stream
+        when no group is routable (prefill/decode groups, schedulers without load reports).
+        429 + Retry-After when every group's queue is full (the router's bounds)."""
+        now = time.time()
+        routable = self.mesh.routable(self.model.name, now)
+        self.router.forget({r.group for r in self.mesh.schedulers(now)})
+        candidates = [Candidate(r.group, r.load, r.last_beat) for r in routable if r.load]
+        export_groups(candidates, self.router)
+        if not candidates:
+            return self.streams.requests
+        decision = self.router.choose(
+            candidates, list(request.prompt_token_ids), request.cache_salt, now
+        )
+        count_decision(decision)
+        if decision.group is None:
+            # A queue moves on at least once per beat; the next beat says by how much.
+            retry_after = max(1, math.ceil(self.settings.heartbeat_interval_s))
+            raise OpenAIError(
+                429,
+                f"the mesh is at capacity ({decision.reason}); retry in {retry_after} s",
+                type_="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(retry_after)},
+            )
+        return self.streams.group_requests(decision.group)
 
     async def plan_completion(self, raw: bytes) -> RequestPlan:
         plan: RequestPlan = await self.planning.run("completion", raw)

@@ -31,9 +31,12 @@ from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
 from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.route.kv_events_reader import HISTORY_S, KVEventsReader
+from services.gateway.route.router import Router
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.config import GatewaySettings
 from shared.model.source import resolve_model
+from shared.protocol import SubmitRequest
 from shared.rpc import RpcClient
 from shared.service import Service
 
@@ -59,6 +62,13 @@ class GatewayService(Service):
         self.mesh = MeshView(settings.heartbeat_interval_s)
         self.mesh_reader: HeartbeatReader | None = None
         self.rpc: RpcClient | None = None
+        self.router = Router(
+            settings.router_policy,
+            overlap_weight=settings.kv_overlap_score_weight,
+            max_queued_per_group=settings.max_queued_per_group,
+            max_queued_total=settings.max_queued_total,
+        )
+        self.kv_reader: KVEventsReader | None = None
 
     async def start(self) -> None:
         await super().start()
@@ -69,6 +79,10 @@ class GatewayService(Service):
             self.bus, self.streams.heartbeats, self.mesh, history_s=history_s
         )
         self.mesh_reader.start()
+        self.kv_reader = KVEventsReader(
+            self.bus, self.streams.kv_events, self.router.index, history_s=HISTORY_S
+        )
+        self.kv_reader.start()
         tokenizer, model = await asyncio.to_thread(self._load_model)
         client = GatewayBusClient(
             self.bus,
@@ -77,6 +91,7 @@ class GatewayService(Service):
             max_pending=s.max_pending_requests,
             reply_stream_ttl_s=s.reply_stream_ttl_s,
             refresh_interval_s=s.heartbeat_interval_s,
+            destination=self._destination,
         )
         await client.start()
         self.rpc = RpcClient(
@@ -86,8 +101,14 @@ class GatewayService(Service):
         )
         await self.rpc.start()
         grammars = GrammarClient(self.rpc, self.streams.calls("grammar"), s.grammar_timeout_s)
-        self.frontend = Frontend(s, tokenizer, model, client, self.mesh, grammars)
+        self.frontend = Frontend(
+            s, tokenizer, model, client, self.mesh, grammars, self.router, self.streams
+        )
         self.frontend.planning.warm_up()
+
+    def _destination(self, request: SubmitRequest) -> str:
+        assert self.frontend is not None  # requests are submitted only through it
+        return self.frontend.destination(request)
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings
@@ -120,6 +141,8 @@ class GatewayService(Service):
             await self.rpc.stop()
         if self.mesh_reader is not None:
             await self.mesh_reader.stop()
+        if self.kv_reader is not None:
+            await self.kv_reader.stop()
         await super().close()
 
     async def check_ready(self) -> tuple[bool, dict[str, Any]]:
@@ -150,5 +173,10 @@ class GatewayService(Service):
         out["mesh"] = {
             "schedulers": [asdict(r) for r in self.mesh.schedulers(time.time())],
             "beats_read": self.mesh_reader.beats_read if self.mesh_reader else 0,
+        }
+        out["router"] = {
+            "policy": self.settings.router_policy,
+            "kv_events_applied": self.router.index.events_applied,
+            "groups": {g: self.router.index.num_blocks(g) for g in self.router.index.groups()},
         }
         return out

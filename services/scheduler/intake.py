@@ -1,11 +1,18 @@
 """The scheduler's request side of the bus: the requests it holds, from their entry to its ack.
 
-Requests come from the shared `requests` stream through the consumer group `schedulers` (or,
-for a decode scheduler, the `handoff` stream and group `decoders`). An entry is acknowledged
-only when its request finished, so a scheduler that dies leaves its requests pending: its restart
-(same consumer name, shared.service.consumer_name) re-reads them at once with `own_pending`, or
-another replica claims them once idle. While a request lives here, its entry is re-claimed to
-this consumer every few seconds so a long generation is never mistaken for a dead consumer's.
+Requests come from the shared `requests` stream and the group's own one (where gateways route
+them, Streams.group_requests) through the consumer group `schedulers` (or, for a decode
+scheduler, the `handoff` stream and group `decoders`). Streams of groups that cannot run their
+requests are looked after too (peer_groups.py): new entries of a silent or workerless group are
+read here, and idle entries of any group are claimed; a scheduler whose worker has been gone
+`claim_idle_ms` releases what it holds (`release_all`) so that another group runs it. A request
+moves so at most `max_deliveries` times; past that it is failed (submit_check).
+
+An entry is acknowledged only when its request finished, so a scheduler that dies leaves its
+requests pending: its restart (same consumer name, shared.service.consumer_name) re-reads them
+at once with `own_pending`, or another replica claims them once idle. While a request lives
+here, its entry is re-claimed to this consumer every few seconds so a long generation is never
+mistaken for a dead consumer's.
 
 Poison entries never stop intake. An entry that does not decode is dead-lettered by the bus
 (and its client told when the envelope still names it: submit_check.salvage_submit); one that
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from services.scheduler.gateway_watch import GatewayWatch
 from services.scheduler.pd.edge import PrefillEdge
+from services.scheduler.peer_groups import PeerGroups
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
 from services.scheduler.submit_check import (
@@ -114,6 +122,16 @@ class Intake:
         decode = settings.role == "decode"
         self.stream = streams.handoff if decode else streams.requests
         self.group = DECODE_GROUP if decode else SCHEDULER_GROUP
+        # A group serving requests whole also reads the stream gateways route to it, and looks
+        # after the streams of groups that cannot run theirs (peer_groups.py).
+        self.routed = settings.role == "both"
+        self.own_streams = [self.stream]
+        if self.routed:
+            self.own_streams.append(streams.group_requests(settings.group))
+        self.peers = PeerGroups(settings.group, settings.heartbeat_interval_s)
+        self._adopted: set[str] = set()  # peer streams whose consumer group we ensured
+        self.worker_gone_since: float | None = None  # monotonic; None while it is alive
+        self.num_released = 0
         # request id -> (its submit message, its bus entry), for acks and rebuilds
         self.inflight: dict[str, tuple[SubmitRequest, Delivery]] = {}
         # Compiled grammars of the structured-output requests in `inflight`, loaded at intake.
@@ -130,8 +148,9 @@ class Intake:
         self.num_orphans_aborted = 0
 
     async def start(self, grammar_loader: GrammarLoader) -> None:
-        await self.bus.ensure_group(self.stream, self.group)
-        self.bus.watch_rejections(self.stream, self._on_undecodable)
+        for stream in self.own_streams:
+            await self.bus.ensure_group(stream, self.group)
+            self.bus.watch_rejections(stream, self._on_undecodable)
         self.grammar_loader = grammar_loader
 
     # --- the loops (SchedulerService.run) ----------------------------------------------------
@@ -141,16 +160,28 @@ class Intake:
         but only while the group's worker is alive: a scheduler whose worker is still loading
         (a group just added by a scale-up) or restarting leaves new requests in the stream for
         the groups that can run them now, instead of holding them for a model load."""
-        own = await self.bus.read_group(self.group, [self.stream], count=1000, own_pending=True)
+        own = await self.bus.read_group(self.group, self.own_streams, count=1000, own_pending=True)
         await self.accept(own)
         while not stopping.is_set():
             if not self.engine.worker_alive():
                 await asyncio.sleep(WORKER_WAIT_S)
                 continue
-            deliveries = await self.bus.read_group(
-                self.group, [self.stream], count=256, block_ms=1000
-            )
+            streams = [*self.own_streams, *await self._adopt(self.peers.not_serving(time.time()))]
+            deliveries = await self.bus.read_group(self.group, streams, count=256, block_ms=1000)
             await self.accept(deliveries)
+
+    async def _adopt(self, groups: list[str]) -> list[str]:
+        """The request streams of `groups` (peers not serving), with our consumer group on
+        each (created at the stream's start: entries routed before anyone read it count)."""
+        if not self.routed:
+            return []
+        streams = [self.streams.group_requests(g) for g in groups]
+        for stream in streams:
+            if stream not in self._adopted:
+                await self.bus.ensure_group(stream, self.group)
+                self.bus.watch_rejections(stream, self._on_undecodable)
+                self._adopted.add(stream)
+        return streams
 
     async def read_aborts(self, stopping: asyncio.Event) -> None:
         last = {self.streams.aborts: "$"}
@@ -166,21 +197,46 @@ class Intake:
         redis = self.bus.redis
         while not stopping.is_set():
             await asyncio.sleep(CLAIM_REFRESH_S)
-            ids: list[Any] = [d.entry_id for _, d in self.inflight.values()]
-            if ids:
+            if not self.engine.worker_alive():
+                # Our entries age while the worker is gone (no refresh), so a live group
+                # claims them once idle past claim_idle_ms; we let go of them then.
+                now = time.monotonic()
+                if self.worker_gone_since is None:
+                    self.worker_gone_since = now
+                elif now - self.worker_gone_since >= self.settings.claim_idle_ms / 1000:
+                    self.release_all()
+                continue
+            self.worker_gone_since = None
+            by_stream: dict[str, list[Any]] = {}
+            for _, delivery in self.inflight.values():
+                by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
+            for stream, ids in by_stream.items():
                 # JUSTID: refreshing the idle time must not count as another delivery.
                 with contextlib.suppress(Exception):
-                    await redis.xclaim(
-                        self.stream, self.group, self.bus.consumer, 0, ids, justid=True
-                    )
-            if not self.engine.worker_alive():
-                continue  # a dead scheduler's requests go to a group that can run them
-            claimed = await self.bus.claim_idle(
-                self.stream, self.group, self.settings.claim_idle_ms
-            )
-            if claimed:
-                log.info("claimed %d requests of a dead scheduler", len(claimed))
-                await self.accept(claimed)
+                    await redis.xclaim(stream, self.group, self.bus.consumer, 0, ids, justid=True)
+            peers = await self._adopt(self.peers.known(time.time()))
+            for stream in [*self.own_streams, *peers]:
+                claimed = await self.bus.claim_idle(stream, self.group, self.settings.claim_idle_ms)
+                if claimed:
+                    log.info("claimed %d abandoned requests from %s", len(claimed), stream)
+                    await self.accept(claimed)
+
+    def release_all(self) -> None:
+        """Let go of every request held, unacked: the worker has been gone claim_idle_ms, so
+        live groups may claim them (from their entries, which record the whole request; the
+        gateway drops output indexes it already passed on). Claimed back here if no group
+        takes them before our worker returns."""
+        if not self.inflight:
+            return
+        core = self.engine.core
+        released = list(self.inflight)
+        for request_id in released:
+            if core is not None and core.get_request(request_id) is not None:
+                core.abort_request(request_id)
+            self.forget(request_id)
+        self.backlog = []
+        self.num_released += len(released)
+        log.warning("worker gone: released %d requests to other groups", len(released))
 
     async def watch_gateways(self, stopping: asyncio.Event) -> None:
         """Abort the requests whose gateway stopped beating (gateway_watch.py)."""
@@ -192,6 +248,7 @@ class Intake:
             for delivery in beats:
                 if isinstance(delivery.message, Heartbeat):
                     self.gateways.beat(delivery.message, now)
+                    self.peers.beat(delivery.message)
             streams = {submit.reply_stream for submit, _ in self.inflight.values()}
             dead = self.gateways.orphaned(streams, now)
             if not dead:

@@ -1,11 +1,12 @@
 """The scheduler service: the bus edge around the scheduler core.
 
 Tasks, all in one event loop:
-- intake (intake.py): SubmitRequests from the shared `requests` stream through the consumer
-  group `schedulers` (data-parallel scheduler replicas split them), read only while the group's
+- intake (intake.py): SubmitRequests from the shared `requests` stream and the group's own
+  (routed by gateways) through the consumer group `schedulers`, read only while the group's
   worker is alive (a group still loading its model takes nothing), acked only when finished;
   claims of a dead scheduler's entries; aborts, and the requests of gateways gone silent;
-  poison entries dead-lettered without stopping anything.
+  poison entries dead-lettered without stopping anything. KVEvents (kv_report.py) and the
+  load in each heartbeat (`group_load`) tell gateways where to route.
 - worker watch: WorkerReady announcements on the group's `control` stream. A new incarnation
   means the worker restarted empty: every running request is recomputed. Silence longer than
   `worker_timeout_s` means it died (or Redis is away, which looks the same from here): the
@@ -41,6 +42,7 @@ from prometheus_client import Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.intake import Intake, ReplyExpiry, send
+from services.scheduler.kv_report import KVReport
 from services.scheduler.offload.edge import OffloadEdge
 from services.scheduler.pd.edge import PrefillEdge
 from services.scheduler.scheduler import Scheduler
@@ -51,7 +53,15 @@ from shared.bus import Delivery
 from shared.config import SchedulerSettings
 from shared.grammar_store import GrammarKeys
 from shared.metrics import metric_name
-from shared.protocol import KVTransferDone, StepPlan, StepResult, TokenDelta, WorkerReady
+from shared.protocol import (
+    KVTransferDone,
+    Message,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+    WorkerReady,
+)
+from shared.protocol.health import GroupLoad
 from shared.service import Service
 
 log = logging.getLogger(__name__)
@@ -111,6 +121,9 @@ class SchedulerService(Service):
         self.pd: PrefillEdge | None = (
             PrefillEdge(settings, self.offload) if settings.role == "prefill" else None
         )
+        self.kv_report = KVReport(
+            settings.group, settings.instance_id, self.incarnation, settings.kv_snapshot_interval_s
+        )
 
     def vocab_size(self) -> int:
         """The worker's vocabulary (0 before it announced itself); intake checks ids by it."""
@@ -168,6 +181,21 @@ class SchedulerService(Service):
         info["checks"]["worker"] = "ok" if worker_ok else "no worker announced"
         return ready and worker_ok, info
 
+    def group_load(self) -> GroupLoad | None:
+        """Queue depth, running batch and KV usage for the heartbeat (the gateway's router
+        and the autoscaling signal). Requests held before a core exists count as waiting."""
+        core = self.core
+        intake: Intake | None = getattr(self, "intake", None)
+        held = len(intake.inflight) if intake else 0
+        if core is None:
+            return GroupLoad(num_waiting=held, max_num_seqs=self.settings.max_num_seqs)
+        return GroupLoad(
+            num_waiting=max(held - len(core.running), 0),
+            num_running=len(core.running),
+            kv_usage=min(max(core.kv.usage, 0.0), 1.0),
+            max_num_seqs=core.config.max_num_seqs,
+        )
+
     def state(self) -> dict[str, Any]:
         core = self.core
         intake: Intake | None = getattr(self, "intake", None)  # made in start()
@@ -184,6 +212,7 @@ class SchedulerService(Service):
             "role": self.settings.role,
             "prefill": self.pd.state() if self.pd else None,
             "steps_run": self.steps_run,
+            "kv_events_sent": self.kv_report.sent,
         }
 
     # --- the worker --------------------------------------------------------------------------
@@ -340,18 +369,27 @@ class SchedulerService(Service):
         future: asyncio.Future[StepResult | None] = asyncio.get_running_loop().create_future()
         self.results[plan.step_id] = future  # registered first: a worker change resolves it
         outbox, self.outbox = self.outbox, []
-        await send(
-            self.bus, [*outbox, (self.streams.steps(self.settings.group), plan)], self.replies
-        )
+        items: list[tuple[str, Message]] = [*outbox, *self._kv_events()]
+        items.append((self.streams.steps(self.settings.group), plan))
+        await send(self.bus, items, self.replies)
         await self._ack_finished()
         return _InFlight(plan, future, time.perf_counter())
 
     async def _flush(self) -> None:
         """Send the outbox alone (no plan follows it now)."""
-        if self.outbox:
-            outbox, self.outbox = self.outbox, []
-            await send(self.bus, outbox, self.replies)
+        items: list[tuple[str, Message]] = [*self.outbox, *self._kv_events()]
+        self.outbox = []
+        if items:
+            await send(self.bus, items, self.replies)
         await self._ack_finished()
+
+    def _kv_events(self) -> list[tuple[str, Message]]:
+        """The KVEvents due now (kv_report.py), for gateways' KV-aware routing."""
+        core = self.core
+        if core is None or self.settings.role != "both":
+            return []  # P/D groups take requests from the shared streams, never routed ones
+        msg = self.kv_report.due(core.kv.pool, core.config.block_size, time.time())
+        return [] if msg is None else [(self.streams.kv_events, msg)]
 
     async def _ack_finished(self) -> None:
         """Ack finished requests once their last deltas are out (an entry is acked only when

@@ -3,6 +3,7 @@
 from shared.protocol.base import MESSAGE_TYPES, Message, Struct, register
 from shared.protocol.grammar import CompileGrammar, GrammarCompiled
 from shared.protocol.health import Heartbeat, WorkerReady
+from shared.protocol.kv_events import KVEvents
 from shared.protocol.kv_transfer import KVTransfer, KVTransferDone
 from shared.protocol.kvstore import (
     KVChunkOffers,
@@ -57,6 +58,7 @@ __all__ = [
     "KVChunks",
     "KVChunksAt",
     "KVCountReply",
+    "KVEvents",
     "KVFinishedReply",
     "KVLoad",
     "KVLoadReply",

@@ -7,12 +7,22 @@ from typing import Literal
 from pydantic import Field
 
 from shared.kv.groups import KVGroupSpec
-from shared.protocol.base import Message, register
+from shared.protocol.base import Message, Struct, register
 
 ServiceName = Literal["gateway", "scheduler", "worker", "grammar", "kvstore"]
 # What a scheduler does with requests (SchedulerSettings.role); "" = not a scheduler, or a beat
 # from before the field existed (such a scheduler serves requests whole).
 GroupRole = Literal["", "both", "prefill", "decode"]
+
+
+class GroupLoad(Struct):
+    """A scheduler's load, in its beats: what the gateway's router balances and sheds by, and
+    the autoscaling signal (queue depth)."""
+
+    num_waiting: int = Field(0, ge=0)  # requests held but not running (queued, preempted)
+    num_running: int = Field(0, ge=0)
+    kv_usage: float = Field(0.0, ge=0, le=1)  # fraction of KV blocks held by requests
+    max_num_seqs: int = Field(0, ge=0)  # the running batch's bound; 0 = not said
 
 
 @register
@@ -36,6 +46,7 @@ class Heartbeat(Message):
     model: str = ""  # the served model name; "" for services without a model
     role: GroupRole = ""
     interval_s: float = Field(0.0, ge=0)  # the sender's beat interval; 0 = not said
+    load: GroupLoad | None = None  # schedulers only (added later: absent in older beats)
 
 
 @register

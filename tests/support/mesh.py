@@ -35,8 +35,14 @@ class Mesh:
         env: dict[str, str] | None = None,
         redis: RedisServer | None = None,
         acl: bool = False,
+        groups: int = 1,
     ) -> None:
-        self.services = services
+        """`groups` > 1: worker groups 1.. besides group 0, each a `scheduler-g<i>` and a
+        `worker-g<i>` (with MESHLLM_GROUP=i), started after the named services."""
+        extra = [(f"{m}-g{i}", m, i) for i in range(1, groups) for m in ("scheduler", "worker")]
+        self.services = (*services, *(name for name, _, _ in extra))
+        self.modules = {name: module for name, module, _ in extra}
+        self.group_env = {name: {"MESHLLM_GROUP": str(i)} for name, _, i in extra}
         self.logdir = Path(tempfile.mkdtemp(prefix="meshllm-e2e-"))
         self.acl_env = {"MESHLLM_REDIS_PASSWORD_ADMIN": "e2e-admin"} if acl else None
         if redis is None and self.acl_env is not None:
@@ -47,7 +53,7 @@ class Mesh:
         else:
             self.owns_redis = redis is None
         self.redis = redis or RedisServer()
-        self.ports = {name: free_port() for name in SERVICES}
+        self.ports = {name: free_port() for name in (*SERVICES, *self.modules)}
         self.cluster = f"t{os.getpid()}"
         self.extra_env = dict(env or {})
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -64,7 +70,7 @@ class Mesh:
     def redis_url(self, name: str) -> str:
         if self.acl_env is None:
             return self.redis.url
-        return redis_url(name, "127.0.0.1", self.redis.port, self.acl_env)
+        return redis_url(self.modules.get(name, name), "127.0.0.1", self.redis.port, self.acl_env)
 
     def admin(self) -> redis_py.Redis:
         """A client of all access: the ACL's admin user, or the default one without ACL."""
@@ -106,7 +112,11 @@ class Mesh:
         return self
 
     def start_service(self, name: str, overrides: dict[str, str] | None = None) -> None:
-        self.spawn(name, name, overrides)
+        self.spawn(
+            name,
+            self.modules.get(name, name),
+            {**self.group_env.get(name, {}), **(overrides or {})},
+        )
 
     def spawn(self, name: str, module: str, overrides: dict[str, str] | None = None) -> None:
         """Start `python -m services.<module>` as service `name`: its port, env and a log file

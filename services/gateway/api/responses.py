@@ -2,9 +2,11 @@
 
 Shapes follow OpenAI exactly (the `openai` client parses them): `text_completion` /
 `chat.completion` bodies, `text_completion` / `chat.completion.chunk` stream chunks, usage
-`{prompt_tokens, completion_tokens, total_tokens}`. meshllm adds `routed_experts` to a choice
-when it was asked for: one entry per returned position (prompt positions from the requested
-start, then one per generated token), each a list over MoE layers of the top-k expert ids.
+`{prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}`
+(OpenAI's and vLLM's field for prompt tokens served from cache). meshllm adds `routed_experts`
+to a choice when it was asked for: one entry per returned position (prompt positions from the
+requested start, then one per generated token), each a list over MoE layers of the top-k expert
+ids.
 
 Logprobs are finite in JSON: -inf (a token the sampler could never pick) becomes -9999.0, as
 vLLM renders it.
@@ -28,16 +30,21 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-def plan_usage(plan: RequestPlan, choices: list[ChoiceAssembler]) -> dict[str, int]:
-    return usage(plan.num_prompt_tokens, sum(c.num_tokens for c in choices))
+def plan_usage(plan: RequestPlan, choices: list[ChoiceAssembler]) -> dict[str, Any]:
+    """Prompt tokens are counted once per prompt (not per choice), and so are the cached ones:
+    those of each prompt's first choice, the one that computed (or found) its prefix, from the
+    group's own cache or the Redis tier alike (the scheduler counts both at admission)."""
+    cached = sum(choices[p * plan.n].num_cached_tokens for p in range(len(plan.prompts)))
+    return usage(plan.num_prompt_tokens, sum(c.num_tokens for c in choices), cached)
 
 
 def _finite(logprob: float) -> float:

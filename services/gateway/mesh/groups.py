@@ -5,7 +5,8 @@ A scheduler reports ready only while its worker is alive (its own `/ready`), so 
 scheduler is one worker group able to serve. From that the view answers whether a request for a
 model can be served now, and if not, why. Pure: fed Heartbeat messages, asked with an explicit
 `now` on the wall clock the beats' `time` is written with (hosts are assumed NTP-synced, as any
-comparison of beat times across hosts does). Later it carries each group's load for routing.
+comparison of beat times across hosts does). Each beat carries its group's load, which the
+router balances by.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.protocol import Heartbeat
-from shared.protocol.health import GroupRole
+from shared.protocol.health import GroupLoad, GroupRole
 
 ALIVE_INTERVALS = 3
 """A scheduler is alive while its last beat is younger than this many of its beat intervals:
@@ -35,6 +36,7 @@ class SchedulerRecord:
     ready: bool
     last_beat: float
     interval_s: float
+    load: GroupLoad | None = None  # None: a scheduler older than load reports
 
     def alive(self, now: float) -> bool:
         return now - self.last_beat < ALIVE_INTERVALS * self.interval_s
@@ -80,6 +82,7 @@ class MeshView:
             ready=beat.ready,
             last_beat=beat.time,
             interval_s=beat.interval_s or self.default_interval_s,
+            load=beat.load,
         )
         self._schedulers[beat.instance_id] = record
         self._forget(beat.time)
@@ -90,6 +93,16 @@ class MeshView:
         return sorted(
             (r for r in self._schedulers.values() if r.alive(now)), key=lambda r: r.instance_id
         )
+
+    def routable(self, model: str, now: float) -> list[SchedulerRecord]:
+        """The alive, ready schedulers serving `model` whole that report their load: the
+        groups a gateway routes requests to (services/gateway/route). Prefill/decode groups
+        and older schedulers read the shared requests stream instead."""
+        return [
+            r
+            for r in self.schedulers(now)
+            if r.serves(model) and r.ready and r.role in ("", "both") and r.load is not None
+        ]
 
     def serving(self, model: str, now: float) -> Serving:
         """A request for `model` is served by a ready group that serves requests whole, or by a

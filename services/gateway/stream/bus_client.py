@@ -6,6 +6,8 @@
 - Each gateway instance has one reply stream, read by one background task (plain XREAD); each
   RequestDelta goes to its request's queue after de-duplication by output index (a restarted
   scheduler regenerates from the start). Replies for unknown ids (finished, aborted) are dropped.
+- Each request goes to the stream `destination` names (the router's group, services/gateway/
+  route), which may refuse it (429 when every group's queue is full) before anything is queued.
 - Backpressure: at most `max_pending` scheduler requests in flight; past that, 429 with
   Retry-After. A sub-request stops counting when its final delta arrives or it is aborted.
 - Aborts (client gone, stop string, timeout) are published from tasks the client owns, so a
@@ -36,7 +38,7 @@ from services.gateway.api.errors import OpenAIError, invalid_request
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.stream.reply_dedup import MalformedDelta, ReplyCursor
 from shared.bus import Bus, BusUnavailable
-from shared.protocol import AbortRequest, RequestDelta, TokenDelta
+from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
 from shared.streams import Streams
 
 log = logging.getLogger(__name__)
@@ -109,13 +111,17 @@ class GatewayBusClient:
         max_pending: int,
         reply_stream_ttl_s: int = 120,
         refresh_interval_s: float = 1.0,
+        destination: Callable[[SubmitRequest], str] | None = None,
     ) -> None:
+        """`destination`: the stream each request goes to (the router's choice; it may raise
+        the OpenAIError that refuses it); default the shared requests stream."""
         self.bus = bus
         self.streams = streams
         self.reply_stream = streams.replies(instance_id)
         self.max_pending = max_pending
         self.reply_stream_ttl_s = reply_stream_ttl_s
         self.refresh_interval_s = refresh_interval_s
+        self.destination = destination or (lambda _request: streams.requests)
         self._subs: dict[str, _SubRequest] = {}
         self._reader: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -169,12 +175,13 @@ class GatewayBusClient:
         seed = plan.seed if plan.seed is not None else secrets.randbits(63)
         handle = RequestHandle(self, plan, seed)
         requests = plan.submit_requests(seed, self.reply_stream, time.time())
+        routed = [(self.destination(r), r) for r in requests]  # may refuse (429): none queued
         # Register before publishing: a reply may be read before publish_many returns.
         for choice, req in enumerate(requests):
             self._subs[req.request_id] = _SubRequest(handle, choice, ReplyCursor(req.request_id))
         self._idle.clear()
         try:
-            await self.bus.publish_many([(self.streams.requests, r) for r in requests])
+            await self.bus.publish_many(routed)  # type: ignore[arg-type]
         except (BusUnavailable, ConnectionError) as exc:
             handle.open.clear()
             for req in requests:

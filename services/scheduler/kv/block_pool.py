@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from services.scheduler.kv.kv_event_log import REPORTED_GROUP, KVEventLog
 from shared.kv.block_hash import BlockHash
 
 CacheKey = tuple[BlockHash, int]
@@ -57,6 +58,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks[1:]
         )
         self.cached: dict[CacheKey, KVCacheBlock] = {}
+        self.events = KVEventLog()  # what `cached` gained and lost, for KV-aware routing
 
     @property
     def num_usable_blocks(self) -> int:
@@ -70,6 +72,10 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of usable blocks held by requests (cached-but-free blocks count as free)."""
         return 1.0 - len(self.free_queue) / self.num_usable_blocks
+
+    def reported_hashes(self) -> list[BlockHash]:
+        """Every prefix hash of the reported KV group held now (a KVEvents snapshot)."""
+        return [h for h, group_id in self.cached if group_id == REPORTED_GROUP]
 
     def get_cached_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
         return self.cached.get((block_hash, group_id))
@@ -136,6 +142,7 @@ class BlockPool:
                 block.block_hash = key
                 cached[key] = block
                 registered.append(block)
+                self.events.stored(block_hash, group_id)
         return registered
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -154,9 +161,11 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.events.clear()
 
     def _evict(self, block: KVCacheBlock) -> None:
         key = block.block_hash
         if key is not None and self.cached.get(key) is block:
             del self.cached[key]
+            self.events.removed(*key)
         block.block_hash = None

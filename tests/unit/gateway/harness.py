@@ -32,6 +32,7 @@ from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
 from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.tokenization import PromptTokenizer
+from services.gateway.route.router import Router
 from services.gateway.stream.bus_client import GatewayBusClient
 from shared.bus import Bus
 from shared.config import GatewaySettings
@@ -162,7 +163,13 @@ async def gateway_harness(
     )
     await rpc.start()
     grammars = GrammarClient(rpc, streams.calls("grammar"), settings.grammar_timeout_s)
-    frontend = Frontend(settings, tokenizer, model, client, mesh, grammars)
+    router = Router(
+        settings.router_policy,
+        overlap_weight=settings.kv_overlap_score_weight,
+        max_queued_per_group=settings.max_queued_per_group,
+        max_queued_total=settings.max_queued_total,
+    )
+    frontend = Frontend(settings, tokenizer, model, client, mesh, grammars, router, streams)
     app = FastAPI()
     app.include_router(openai_router(lambda: frontend))
     server: uvicorn.Server | None = None

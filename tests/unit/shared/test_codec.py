@@ -24,6 +24,7 @@ from shared.protocol import (
     KVChunks,
     KVChunksAt,
     KVCountReply,
+    KVEvents,
     KVFinishedReply,
     KVLoad,
     KVLoaded,
@@ -53,6 +54,7 @@ from shared.protocol import (
     TokenDelta,
     WorkerReady,
 )
+from shared.protocol.health import GroupLoad
 
 INT32_EDGES = [0, 1, -1, 2**31 - 1, -(2**31), 49151]
 
@@ -254,6 +256,17 @@ SAMPLES: dict[str, Message] = {
             model="SmolLM2-135M-Instruct",
             role="prefill",
             interval_s=0.5,
+            load=GroupLoad(num_waiting=3, num_running=5, kv_usage=0.25, max_num_seqs=64),
+        ),
+        KVEvents(
+            group="1",
+            scheduler_id="scheduler-1",
+            incarnation="inc-1",
+            block_size=16,
+            snapshot=True,
+            stored=b"\x01" * 32,
+            removed=b"\x02" * 16,
+            time=12.5,
         ),
         WorkerReady(
             worker_id="worker-0",

@@ -1,0 +1,171 @@
+"""The routing policy: which ready worker group takes a request, or none (shed). Pure: the
+groups' loads come from their heartbeats (services/gateway/mesh), their cached prefixes from
+the KV index, times are passed in.
+
+Load of a group = what its last beat said (waiting + running) plus what this gateway routed to
+it since that beat (the beat cannot know those yet); its queue = waiting + routed since. Other
+gateways' routing since the beat is unknown here, which every gateway's next beat corrects.
+
+Policies (GatewaySettings.router_policy):
+- `kv` (default): the lowest cost  w * (1 - overlap / prompt blocks) + load, load in requests,
+  w = `kv_overlap_score_weight` (Dynamo's --kv-overlap-score-weight): a prompt fully cached on
+  a group is worth w requests of load elsewhere. This is Dynamo's cost (w x blocks to prefill
+  + active blocks) divided by the prompt's blocks, with each active request taken to hold as
+  many blocks as this prompt: a prefix every prompt shares (a chat template) then cannot keep
+  a new or idle group out of the traffic. w = 0 is least_load;
+- `least_load`: the lowest load;
+- `round_robin`: the groups in turn, ignoring caches.
+Ties go to the larger cached prefix, then the lower load, then in turn (so equal groups share
+the traffic).
+
+Shedding: a group whose queue reached `max_queued_per_group` takes nothing more (another group
+takes the request: a full group never starves a request another could run); with every group
+full, or `max_queued_total` queued over all groups, the request is refused (429).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from services.gateway.route.kv_index import KVIndex
+from shared.kv.block_hash import BlockHash, extend_block_hashes
+from shared.protocol.health import GroupLoad
+
+Policy = Literal["kv", "least_load", "round_robin"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A ready group that serves requests whole, as its last beat describes it."""
+
+    group: str
+    load: GroupLoad
+    last_beat: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """`group` None: refused (every group full, or the total bound reached): `reason` says."""
+
+    group: str | None
+    reason: str
+    overlap_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class Router:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        overlap_weight: float,
+        max_queued_per_group: int,
+        max_queued_total: int,
+    ) -> None:
+        self.policy = policy
+        self.overlap_weight = overlap_weight
+        self.max_queued_per_group = max_queued_per_group
+        self.max_queued_total = max_queued_total
+        self.index = KVIndex()
+        self._routed: dict[str, list[float]] = {}  # group -> times routed, since its last beat
+        self._turn = 0
+
+    # --- load ----------------------------------------------------------------------------
+
+    def routed_since_beat(self, candidate: Candidate) -> int:
+        times = [t for t in self._routed.get(candidate.group, ()) if t > candidate.last_beat]
+        self._routed[candidate.group] = times  # older ones are in the beat's counts now
+        return len(times)
+
+    def queued(self, candidate: Candidate) -> int:
+        return candidate.load.num_waiting + self.routed_since_beat(candidate)
+
+    def load(self, candidate: Candidate) -> int:
+        """Requests running or queued on the group, by its beat and our routing since."""
+        return candidate.load.num_running + self.queued(candidate)
+
+    def full(self, candidate: Candidate) -> bool:
+        bound = self.max_queued_per_group
+        return bound > 0 and self.queued(candidate) >= bound
+
+    # --- choosing ------------------------------------------------------------------------
+
+    def choose(
+        self,
+        candidates: list[Candidate],
+        prompt: list[int],
+        cache_salt: str | None,
+        now: float,
+    ) -> Decision:
+        """The group for one request (and, when one is chosen, the bookkeeping of having
+        routed it there: its load, and its prompt's blocks predicted in that group's cache)."""
+        if not candidates:
+            return Decision(None, "no ready group")
+        total = sum(self.queued(c) for c in candidates)
+        if self.max_queued_total and total >= self.max_queued_total:
+            return Decision(None, f"{total} requests queued (bound {self.max_queued_total})")
+        open_ = [c for c in candidates if not self.full(c)]
+        if not open_:
+            return Decision(None, f"every group has {self.max_queued_per_group} requests queued")
+        hashes = self._hashes(open_, prompt, cache_salt)
+        overlaps = {c.group: self.index.overlap(c.group, hashes.get(c.group, [])) for c in open_}
+        chosen = self._pick(open_, overlaps, hashes)
+        block_size = self.index.block_size(chosen.group) or 1
+        self._routed.setdefault(chosen.group, []).append(now)
+        self.index.predict(chosen.group, hashes.get(chosen.group, []))
+        return Decision(
+            chosen.group,
+            self.policy,
+            overlap_tokens=overlaps[chosen.group] * block_size,
+            prompt_tokens=len(prompt),
+        )
+
+    def _pick(
+        self,
+        open_: list[Candidate],
+        overlaps: dict[str, int],
+        hashes: dict[str, list[BlockHash]],
+    ) -> Candidate:
+        ordered = sorted(open_, key=lambda c: c.group)
+        self._turn += 1
+        if self.policy == "round_robin":
+            return ordered[self._turn % len(ordered)]
+
+        def cost(c: Candidate) -> float:
+            load = float(self.load(c))
+            if self.policy == "least_load":
+                return load
+            blocks = len(hashes.get(c.group, []))
+            miss = 1.0 - overlaps[c.group] / blocks if blocks else 1.0
+            return self.overlap_weight * miss + load
+
+        costs = {c.group: (cost(c), -overlaps.get(c.group, 0), self.load(c)) for c in ordered}
+        best = min(costs.values())
+        tied = [c for c in ordered if costs[c.group] == best]
+        return tied[self._turn % len(tied)]
+
+    def _hashes(
+        self, candidates: list[Candidate], prompt: list[int], cache_salt: str | None
+    ) -> dict[str, list[BlockHash]]:
+        """The prompt's block hashes at each group's block size (computed once per size)."""
+        if self.policy != "kv":
+            return {}
+        by_size: dict[int, list[BlockHash]] = {}
+        out: dict[str, list[BlockHash]] = {}
+        for c in candidates:
+            size = self.index.block_size(c.group)
+            if size is None:
+                continue  # no KVEvents from it yet: nothing cached that we know of
+            if size not in by_size:
+                by_size[size] = []
+                extend_block_hashes(by_size[size], prompt, size, cache_salt)
+            out[c.group] = by_size[size]
+        return out
+
+    def forget(self, groups: set[str]) -> None:
+        """Drop what is known of groups that left the mesh."""
+        for group in set(self.index.groups()) | set(self._routed):
+            if group not in groups:
+                self.index.drop(group)
+                self._routed.pop(group, None)

@@ -1,0 +1,45 @@
+"""Which other groups' request streams a scheduler looks after (peer_groups.py)."""
+
+from __future__ import annotations
+
+from services.scheduler.peer_groups import PeerGroups
+from shared.protocol import Heartbeat
+
+
+def beat(group: str, t: float, *, ready=True, role="both", service="scheduler") -> Heartbeat:
+    return Heartbeat(
+        service=service,
+        instance_id=f"{service}-{group}",
+        incarnation="x",
+        group=group,
+        ready=ready,
+        time=t,
+        role=role,
+        interval_s=1.0,
+    )
+
+
+def test_silent_or_unready_peers_are_adopted_live_ones_are_not() -> None:
+    peers = PeerGroups("0", 1.0)
+    for b in (beat("0", 10), beat("1", 10), beat("2", 10, ready=False), beat("3", 5)):
+        peers.beat(b)
+    assert peers.known(10.5) == ["1", "2", "3"]  # never our own
+    assert peers.not_serving(10.5) == ["2", "3"]  # 3 is silent past three intervals
+    peers.beat(beat("3", 10.4))
+    assert peers.not_serving(10.5) == ["2"]
+    assert peers.not_serving(14.0) == ["1", "2", "3"]
+
+
+def test_only_whole_schedulers_count() -> None:
+    peers = PeerGroups("0", 1.0)
+    peers.beat(beat("1", 1, role="prefill"))
+    peers.beat(beat("2", 1, service="worker"))
+    peers.beat(beat("3", 1, role=""))  # an older scheduler: serves whole
+    assert peers.known(1.0) == ["3"]
+
+
+def test_an_older_beat_does_not_undo_a_newer_one() -> None:
+    peers = PeerGroups("0", 1.0)
+    peers.beat(beat("1", 10))
+    peers.beat(beat("1", 9, ready=False))
+    assert peers.not_serving(10.1) == []
