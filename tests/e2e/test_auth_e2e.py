@@ -48,7 +48,8 @@ def bearer(token: str) -> dict[str, str]:
 def queued(mesh: Mesh) -> int:
     client = redis.Redis.from_url(mesh.redis.url)
     try:
-        return int(client.xlen(Streams(mesh.cluster).requests))
+        streams = Streams(mesh.cluster)  # the shared stream, and group 0's (routed requests)
+        return sum(int(client.xlen(s)) for s in (streams.requests, streams.group_requests("0")))
     finally:
         client.close()
 

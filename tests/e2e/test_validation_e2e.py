@@ -120,10 +120,12 @@ CASES: list[tuple[str, Any, str | None]] = [
 
 @pytest.fixture(scope="module")
 def requests_stream(mesh: Mesh) -> Iterator[Callable[[], int]]:
-    """XLEN of the requests stream: a refused request must never be queued."""
+    """Entries of the requests streams (the shared one and group 0's, where the router puts
+    them): a refused request must never be queued."""
     client = redis.Redis.from_url(mesh.redis.url)
-    stream = Streams(mesh.cluster).requests
-    yield lambda: int(client.xlen(stream))
+    streams = Streams(mesh.cluster)
+    names = (streams.requests, streams.group_requests("0"))
+    yield lambda: sum(int(client.xlen(name)) for name in names)
     client.close()
 
 
