@@ -52,7 +52,8 @@ def budget_blocks(
     kv_cache_bytes: int = 0,
     memory_fraction: float = 0.3,
 ) -> int:
-    """Blocks the budget holds (see KVCache.from_budget); at least one, or KVCacheSizeError."""
+    """Blocks the budget holds: `kv_cache_bytes` if > 0, else `memory_fraction` of the
+    available memory; at least one, or KVCacheSizeError."""
     device = torch.device(device)
     budget = kv_cache_bytes or int(available_memory_bytes(device) * memory_fraction)
     per_block = bytes_per_block(config, block_size, dtype)
@@ -86,26 +87,6 @@ class KVCache:
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]
         return cls(layers, num_blocks, block_size)
-
-    @classmethod
-    def from_budget(
-        cls,
-        config: ModelConfig,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        kv_cache_bytes: int = 0,
-        memory_fraction: float = 0.3,
-        max_blocks: int = 0,
-    ) -> KVCache:
-        """`kv_cache_bytes` if > 0, else `memory_fraction` of available memory; `max_blocks`
-        (> 0) caps the count (no use holding more blocks than the scheduler can ever fill)."""
-        num_blocks = budget_blocks(
-            config, block_size, dtype, device, kv_cache_bytes, memory_fraction
-        )
-        if max_blocks > 0:
-            num_blocks = min(num_blocks, max_blocks)
-        return cls.allocate(config, num_blocks, block_size, dtype, device)
 
     @property
     def num_slots(self) -> int:
