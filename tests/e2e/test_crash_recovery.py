@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import E2E_ENV
+from tests.support.concurrent_chats import stream_chats
 from tests.support.mesh import Mesh
 
 MAX_TOKENS = 40
@@ -42,35 +43,7 @@ def _client(mesh: Mesh) -> openai.OpenAI:
 
 def _stream_all(mesh: Mesh, progress: list[int]) -> list[str]:
     """Run the four requests concurrently (streaming); progress[i] counts chunks received."""
-    client = _client(mesh)
-    model = client.models.list().data[0].id
-    texts = [""] * len(REQUESTS)
-    errors: list[BaseException] = []
-
-    def one(i: int, prompt: str, params: dict) -> None:
-        try:
-            stream = client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=MAX_TOKENS,
-                stream=True,
-                extra_body={"ignore_eos": True},
-                **params,
-            )
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    texts[i] += chunk.choices[0].delta.content
-                    progress[i] += 1
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(REQUESTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    return texts
+    return stream_chats(_client(mesh), REQUESTS, MAX_TOKENS, progress)
 
 
 def _disturbed(mesh: Mesh, victim: str) -> list[str]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import E2E_ENV
+from tests.support.concurrent_chats import stream_chats
 from tests.support.mesh import Mesh
 from tests.support.tiny_llama import reference_greedy
 
@@ -67,35 +68,7 @@ def test_tp2_greedy_completions_equal_transformers(tp_mesh: Mesh, smollm2_dir: P
 
 
 def _stream_all(mesh: Mesh, progress: list[int]) -> list[str]:
-    client = _client(mesh)
-    model = client.models.list().data[0].id
-    texts = [""] * len(STREAMED)
-    errors: list[BaseException] = []
-
-    def one(i: int, prompt: str, params: dict) -> None:
-        try:
-            stream = client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=MAX_TOKENS,
-                stream=True,
-                extra_body={"ignore_eos": True},
-                **params,
-            )
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    texts[i] += chunk.choices[0].delta.content
-                    progress[i] += 1
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i, p, kw)) for i, (p, kw) in enumerate(STREAMED)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    return texts
+    return stream_chats(_client(mesh), STREAMED, MAX_TOKENS, progress)
 
 
 def test_killed_rank_takes_the_group_down_and_loses_no_request(tp_mesh: Mesh) -> None:
