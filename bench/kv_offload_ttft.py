@@ -1,8 +1,8 @@
 """KV offload tier: time to first token of a prompt loaded from Redis vs computed.
 
 Through the real mesh on CPU (gateway, scheduler, worker, kvstore as processes on a private
-redis-server; fp32 SmolLM2-135M-Instruct; MESHLLM_NUM_THREADS=2 by default; the default store
-policy, "reuse"). Per prompt size:
+redis-server; SmolLM2-135M-Instruct in fp32 unless `--dtype`; MESHLLM_NUM_THREADS=2 by default;
+the default store policy, "reuse"). Per prompt size:
 1. first run: a prompt no cache has seen (a unique topic opens it) is prefilled (the TTFT of
    recompute); seen once, nothing of it is stored;
 2. the same prompt again: a local prefix hit, and its second sight: its blocks are stored to
@@ -17,6 +17,7 @@ TTFT is measured by the client: request sent -> first streamed content chunk (ma
 Store/load MB/s: payload bytes over the transfer's wall time (submitted -> answered).
 
     python -m bench.kv_offload_ttft [--sizes 512 1024 2048] [--threads 2] [--rounds 1]
+    python -m bench.kv_offload_ttft --sizes 2048 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -130,14 +131,17 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="runs per size (median)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     env = {
-        "MESHLLM_DTYPE": "float32",
+        "MESHLLM_DTYPE": args.dtype,
         "MESHLLM_NUM_THREADS": str(args.threads),
         "MESHLLM_KV_CACHE_BYTES": str(512 * 2**20),
         "MESHLLM_MAX_MODEL_LEN": "4096",
         "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
         "MESHLLM_KV_OFFLOAD": "true",
+        # A 2k-token fp32 prompt's KV (~92 MB) stored whole: the default staging is 64 MiB.
+        "MESHLLM_KV_STAGING_BYTES": str(256 * 2**20),
     }
     mesh = Mesh(services=SERVICES, env=env)
     rows = []
