@@ -5,7 +5,8 @@ submitted as token ids on the bus (the random-weight model has no tokenizer, so 
     .venv/bin/python -m bench.gpu.mesh_decode --dry-run                      # CPU, tiny model
 
 On the GPU machine bench/gpu/run.sh puts the bundle's packages and redis-server on the paths
-first. Llama-3-8B shape (`random:llama-3-8b`), bf16, prompt 512, output 128 by default.
+first. Llama-3-8B shape (`random:llama-3-8b`), bf16, prompt 512, output 128 by default; TTFT of long
+prompts: `--batches 1 --prompt 8192 --output 64` (the context is sized to the prompt).
 Every run sends prompts of its own (salted by its tag): a warm-up's or an earlier run's blocks
 must not serve its prefill from the prefix cache, since transformers, the baseline, has none.
 
@@ -140,6 +141,7 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
     per_request = [
         (len(t) - 1) / (t[-1] - t[0]) for t in arrivals.values() if len(t) > 1 and t[-1] > t[0]
     ]
+    ttfts = sorted(1000 * (t[0] - started) for t in arrivals.values() if t)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = delta.get("scheduler_step_seconds_count", 0.0)
     step_s = delta.get("scheduler_step_seconds_sum", 0.0)
@@ -154,6 +156,10 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
         "decode_tok_s_per_request_median": round(sorted(per_request)[len(per_request) // 2], 1)
         if per_request
         else None,
+        # submitted -> first token, every request of the run (the batch's prompts prefilled
+        # in chunks of MESHLLM_MAX_NUM_BATCHED_TOKENS)
+        "ttft_ms_median": round(ttfts[len(ttfts) // 2], 1) if ttfts else None,
+        "ttft_ms_max": round(ttfts[-1], 1) if ttfts else None,
         "steps": int(steps),
         "step_ms_mean": round(1000 * step_s / steps, 3) if steps else None,
         "overhead_ms_mean": round(1000 * overhead_s / steps, 3) if steps else None,
@@ -205,7 +211,8 @@ def main() -> None:
         "MESHLLM_MODEL": args.model,
         "MESHLLM_DEVICE": "cuda",
         "MESHLLM_DTYPE": "bfloat16",
-        "MESHLLM_MAX_MODEL_LEN": "1024",
+        # Room for the prompt and its output (1024 at least): --prompt 32768 runs 32k contexts.
+        "MESHLLM_MAX_MODEL_LEN": str(max(1024, args.prompt + args.output)),
         "MESHLLM_KV_CACHE_BYTES": str(24 * 2**30),
         "MESHLLM_MAX_NUM_SEQS": str(max(args.batches)),
         "MESHLLM_MAX_NUM_BATCHED_TOKENS": "8192",
