@@ -16,6 +16,12 @@ each on fresh prompts; reported: best and median.
 when that is empty too), or
 `random:<preset>` (services/worker/models/random_init.py: real shapes, random weights, built
 on the device; speed does not depend on the values).
+
+`--static-compile`: transformers' fastest documented mode, a static KV cache
+(`cache_implementation="static"`), with which `generate` compiles the decoding forward itself
+(its `compile_config`: torch.compile with CUDA graphs; on CUDA only); the untimed warm-up of
+each shape then also compiles it. Wrapping the forward in torch.compile by hand instead breaks
+on the static cache's in-place updates under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ FIRST_PLAIN_TOKEN = 200  # below: special tokens in most vocabularies (as bench/
 class TransformersDecode:
     """One model loaded once; `tok_s(prompts, output_len)` times a `generate` over them."""
 
-    def __init__(self, model: str, dtype: str, device: str) -> None:
+    def __init__(self, model: str, dtype: str, device: str, static_compile: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -63,6 +69,7 @@ class TransformersDecode:
             self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype)
             self.model = self.model.to(self.device).eval()
         self.vocab = int(self.model.config.vocab_size)
+        self.static_compile = static_compile
 
     def prompts(self, n: int, input_len: int, seed: int) -> list[list[int]]:
         rng = random.Random(seed)
@@ -81,6 +88,8 @@ class TransformersDecode:
             pad_token_id=0,
             attention_mask=torch.ones_like(ids),
         )
+        if self.static_compile:
+            kwargs["cache_implementation"] = "static"
         with torch.inference_mode():
             self._sync()
             started = time.perf_counter()
@@ -122,6 +131,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per batch (best-of-N)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = default")
     p.add_argument("--out", default="", help="also write the JSON result here")
+    p.add_argument(
+        "--static-compile", action="store_true", help="static KV cache + torch.compile (see above)"
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,13 +141,14 @@ def main() -> None:
         from shared.config import ModelSettings
 
         args.model = ModelSettings().model
-    engine = TransformersDecode(args.model, args.dtype, args.device)
+    engine = TransformersDecode(args.model, args.dtype, args.device, args.static_compile)
     rows = []
     for batch in args.batch:
         rows.append(measure(engine, batch, args.input_len, args.output_len, args.repeats))
         print(json.dumps(rows[-1]), flush=True)
     result = {
-        "engine": "transformers generate",
+        "engine": "transformers generate"
+        + (", static cache + compile" if args.static_compile else ""),
         "model": args.model or "SmolLM2-135M-Instruct",
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "dtype": args.dtype,
