@@ -330,9 +330,10 @@ class Intake:
                 batch.done.append(delivery)
                 return
             msg = job
-        if delivery.deliveries > 1 and self.progress.enabled:
+        if delivery.deliveries > 1 and self.routed:
             # Delivered before: a dead group's or our own previous process's. It continues
-            # from its checkpoint when there is one that fits (resume.py).
+            # from its checkpoint when there is one that fits (resume.py; None when they are
+            # off), else from its prompt (counted either way).
             checkpoint = await self.progress.read(delivery)
             if msg.request_id in self.inflight:
                 return  # taken by a concurrent intake (a claim) while it read
