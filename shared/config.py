@@ -208,6 +208,10 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # this often (between snapshots, per-step stored/removed batches), so a gateway that
     # starts or missed events knows the group again within this time.
     kv_snapshot_interval_s: float = Field(10.0, gt=0)
+    # Request migration: the output tokens of running requests are checkpointed this often
+    # (services/scheduler/progress_book.py), so a scheduler taking a request over after a
+    # fault continues from them instead of its prompt (resume.py). 0 = off (from the prompt).
+    progress_checkpoint_s: float = Field(1.0, ge=0)
 
 
 class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):

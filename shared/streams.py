@@ -22,6 +22,14 @@ class Streams:
         adopted by live groups, services/scheduler/peer_groups.py)."""
         return f"{self.prefix}:{{g{group}}}:requests"
 
+    def progress(self, request_stream: str) -> str:
+        """The progress checkpoints (a hash: request id -> ProgressCheckpoint) of the requests
+        read from `request_stream` (`requests`, or one group's `group_requests`, keeping its
+        hash tag). Keyed by the entry's stream, not by the group running it, because a
+        scheduler adopting an entry knows only where the entry is: whoever runs a request
+        writes its checkpoints there, and whoever takes the entry over reads them there."""
+        return f"{request_stream}:progress"
+
     @property
     def kv_events(self) -> str:
         """Schedulers -> every gateway (fan-out): prefix blocks stored and removed (KVEvents)."""

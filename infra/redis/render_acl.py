@@ -21,7 +21,8 @@ The commands are the ones the code runs (grep for them before adding one):
 - the gateway keeps its reply stream alive: EXPIRE, XGROUP CREATE MKSTREAM when it is gone.
 - key-value: the grammar service GET/SET/EXISTS/EXPIREs compiled grammars, the scheduler GETs
   them; the worker SET/GETs KV payloads; the kvstore HSET/HGETALL/EXISTS/UNLINKs their
-  metadata, EXISTS/UNLINKs payloads (evicts them) but never writes one, and SCANs metadata.
+  metadata, EXISTS/UNLINKs payloads (evicts them) but never writes one, and SCANs metadata;
+  the scheduler HSET/HDEL/HGETs request progress checkpoints (a hash per requests stream).
 
 What no service user can do: list the keyspace (KEYS, RANDOMKEY, DBSIZE, INFO's keyspace
 counts; SCAN, except the kvstore below), run anything server-wide (FLUSHALL/FLUSHDB,
@@ -133,6 +134,9 @@ SERVICE_USERS: tuple[AclUser, ...] = (
     _service(
         "scheduler",
         grant("meshllm:*:requests", GROUP_CONSUME, ("xclaim",)),  # group `schedulers`
+        # progress checkpoints of the requests read from any requests stream (its own group's,
+        # an adopted one's, the shared one): written while running, read when taken over
+        grant("meshllm:*:requests:progress", ("hset", "hdel", "hget")),
         # P/D: prefill schedulers append, decode ones consume (group `decoders`)
         grant("meshllm:*:handoff", APPEND, GROUP_CONSUME, ("xclaim",)),
         grant("meshllm:*:aborts", FAN_OUT_READ),

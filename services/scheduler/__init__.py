@@ -11,9 +11,19 @@ Reading order:
   kvstore client), `pd/` (prefill/decode disaggregation, pure core and `edge`);
 - `submit_check` (what a SubmitRequest may not carry), `gateway_watch` (whose gateway is
   gone), `peer_groups` (which other groups' request streams to look after), `kv_report` (the
-  KVEvents gateways route by, from the block pool's `kv/kv_event_log`), all pure;
-  `intake` (the requests held, from bus entry to ack, poison dead-lettered)
-  and `service` (the worker and the step loop): the bus edge around all of it. Only `service`,
-  `intake`, `offload/edge`, `pd/edge`, `offload/kvstore_client` and
-  `structured_output/grammar_loader` do I/O.
+  KVEvents gateways route by, from the block pool's `kv/kv_event_log`), `progress_book`
+  (which progress checkpoints to write: a running request's output tokens) and `resume`
+  (whether a request taken over after a fault continues from its checkpoint), all pure;
+  `intake` (the requests held, from bus entry to ack, poison dead-lettered), `progress_edge`
+  (the checkpoints' Redis hash) and `service` (the worker and the step loop): the bus edge
+  around all of it. Only `service`, `intake`, `progress_edge`, `offload/edge`, `pd/edge`,
+  `offload/kvstore_client` and `structured_output/grammar_loader` do I/O.
+
+Request migration: a request whose group died (or whose scheduler restarted) is taken over
+from its bus entry by another scheduler (intake, peer_groups) and continues from the output
+tokens its previous runner checkpointed (at most `progress_checkpoint_s` old; the few tokens
+after it are regenerated identically and dropped by the gateway), so the client's stream goes
+on with nothing lost or repeated. Metrics: `meshllm:scheduler_requests_resumed_total{from=
+"checkpoint"|"prompt"}` and `meshllm:scheduler_resumed_skipped_tokens` (tokens not generated
+again). A request moves at most `max_deliveries` times; past that it fails with an error.
 """

@@ -6,7 +6,9 @@ scheduler, the `handoff` stream and group `decoders`). Streams of groups that ca
 requests are looked after too (peer_groups.py): new entries of a silent or workerless group are
 read here, and idle entries of any group are claimed; a scheduler whose worker has been gone
 `claim_idle_ms` releases what it holds (`release_all`) so that another group runs it. A request
-moves so at most `max_deliveries` times; past that it is failed (submit_check).
+moves so at most `max_deliveries` times; past that it is failed (submit_check). An entry
+delivered before (a claim, or our own pending ones after a restart) continues from its
+progress checkpoint (progress_edge.py, resume.py) when its previous runner wrote one.
 
 An entry is acknowledged only when its request finished, so a scheduler that dies leaves its
 requests pending: its restart (same consumer name, shared.service.consumer_name) re-reads them
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from services.scheduler.gateway_watch import GatewayWatch
 from services.scheduler.pd.edge import PrefillEdge
 from services.scheduler.peer_groups import PeerGroups
+from services.scheduler.progress_edge import ProgressEdge
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.structured_output.grammar_loader import GrammarLoader, GrammarUnavailable
 from services.scheduler.submit_check import (
@@ -57,6 +60,7 @@ from shared.protocol import (
     AbortRequest,
     Heartbeat,
     Message,
+    ProgressCheckpoint,
     RequestDelta,
     StepPlan,
     SubmitRequest,
@@ -112,6 +116,7 @@ class Intake:
         settings: SchedulerSettings,
         engine: Engine,
         pd: PrefillEdge | None,
+        incarnation: str = "",
     ) -> None:
         self.bus = bus
         self.streams = streams
@@ -137,6 +142,11 @@ class Intake:
         # Compiled grammars of the structured-output requests in `inflight`, loaded at intake.
         self.grammars: dict[str, CompiledGrammar] = {}
         self.grammar_loader: GrammarLoader | None = None
+        # Progress checkpoints: written for the requests held, read for entries taken over.
+        self.progress = ProgressEdge(bus.redis, streams, settings, incarnation)
+        # Requests taken over after a fault (entries delivered before) and their checkpoint
+        # (None: none was found), until the core has them (add_to_core).
+        self.taken_over: dict[str, ProgressCheckpoint | None] = {}
         self.backlog: list[SubmitRequest] = []  # arrived before any worker announced itself
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.gateways = GatewayWatch(
@@ -233,7 +243,7 @@ class Intake:
         for request_id in released:
             if core is not None and core.get_request(request_id) is not None:
                 core.abort_request(request_id)
-            self.forget(request_id)
+            self.forget(request_id, released=True)
         self.backlog = []
         self.num_released += len(released)
         log.warning("worker gone: released %d requests to other groups", len(released))
@@ -320,6 +330,18 @@ class Intake:
                 batch.done.append(delivery)
                 return
             msg = job
+        if delivery.deliveries > 1 and self.routed:
+            # Delivered before: a dead group's or our own previous process's. It continues
+            # from its checkpoint when there is one that fits (resume.py; None when they are
+            # off), else from its prompt (counted either way).
+            checkpoint = await self.progress.read(delivery)
+            if msg.request_id in self.inflight:
+                return  # taken by a concurrent intake (a claim) while it read
+            if msg.request_id in self.aborted:  # aborted while it read
+                self.aborted.pop(msg.request_id)
+                batch.done.append(delivery)
+                return
+            self.taken_over[msg.request_id] = checkpoint
         if msg.grammar is not None:
             error = await self._load_grammar(msg)
             if msg.request_id in self.inflight:
@@ -327,9 +349,11 @@ class Intake:
             if msg.request_id in self.aborted:  # aborted while it loaded
                 self.aborted.pop(msg.request_id)
                 self.grammars.pop(msg.request_id, None)
+                self.taken_over.pop(msg.request_id, None)
                 batch.done.append(delivery)
                 return
             if error is not None:
+                self.taken_over.pop(msg.request_id, None)
                 batch.rejected.append((msg.reply_stream, error))
                 batch.done.append(delivery)
                 return
@@ -338,10 +362,23 @@ class Intake:
         if core is None:
             self.backlog.append(msg)
             return
-        delta = core.add_request(msg, self.grammars.get(msg.request_id))
+        delta = self.add_to_core(core, msg, delivery)
         if delta is not None:
             batch.rejected.append((msg.reply_stream, delta))
             batch.done.append(self.forget(msg.request_id)[1])
+
+    def add_to_core(
+        self, core: Scheduler, msg: SubmitRequest, delivery: Delivery
+    ) -> RequestDelta | None:
+        """Queue a held request in the core (Scheduler.add_request): with its grammar, and,
+        when it was taken over after a fault, its progress checkpoint."""
+        rid = msg.request_id
+        taken_over = rid in self.taken_over
+        checkpoint = self.taken_over.pop(rid, None)
+        delta = core.add_request(msg, self.grammars.get(rid), checkpoint)
+        if taken_over and delta is None:
+            self.progress.note_added(core, delivery, checkpoint)
+        return delta
 
     async def _load_grammar(self, msg: SubmitRequest) -> RequestDelta | None:
         """Load the request's compiled grammar before the core sees it (the core never waits
@@ -374,6 +411,7 @@ class Intake:
             self.backlog = [m for m in self.backlog if m.request_id != msg.request_id]
             self.forget(msg.request_id)
         self.grammars.pop(msg.request_id, None)
+        self.taken_over.pop(msg.request_id, None)
 
     def _on_undecodable(self, bad: Rejected) -> None:
         """A submit entry that did not decode was dead-lettered by the bus: tell its client,
@@ -392,9 +430,15 @@ class Intake:
 
     # --- letting requests go -----------------------------------------------------------------
 
-    def forget(self, request_id: str) -> tuple[SubmitRequest, Delivery]:
-        """Drop a request we no longer hold (finished, rejected, aborted)."""
+    def forget(self, request_id: str, released: bool = False) -> tuple[SubmitRequest, Delivery]:
+        """Drop a request we no longer hold (finished, rejected, aborted; or `released` to
+        another group unfinished, which keeps its progress checkpoint)."""
         self.grammars.pop(request_id, None)
+        self.taken_over.pop(request_id, None)
+        if released:
+            self.progress.book.released(request_id)
+        else:
+            self.progress.book.finished(request_id)
         if self.pd is not None:
             self.pd.forget(request_id)
         return self.inflight.pop(request_id)

@@ -21,6 +21,7 @@ and `preempted_request_ids` before adding `new_requests`.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from services.scheduler.kv.block_pool import KVCacheBlock
 from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.connector import LoadOutcome, OffloadConnector
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.resume import resume_error
 from services.scheduler.routed_experts import planned_end, prompt_start_error
 from services.scheduler.scheduler_output import SchedulerOutput, SchedulerSnapshot
 from services.scheduler.spec import SpecDecoding
@@ -40,6 +42,7 @@ from shared.protocol import (
     CachedRequestData,
     FinishReason,
     NewRequestData,
+    ProgressCheckpoint,
     RequestDelta,
     SampledTokens,
     StepPlan,
@@ -49,6 +52,8 @@ from shared.protocol import (
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
+
+log = logging.getLogger(__name__)
 
 RUNNING = RequestStatus.RUNNING
 _new_request_data = TrustedBuilder(NewRequestData)
@@ -98,11 +103,17 @@ class Scheduler:
     # ----------------------------------------------------------------- requests in and out
 
     def add_request(
-        self, msg: SubmitRequest, grammar: CompiledGrammar | None = None
+        self,
+        msg: SubmitRequest,
+        grammar: CompiledGrammar | None = None,
+        checkpoint: ProgressCheckpoint | None = None,
     ) -> RequestDelta | None:
         """Queue a request. Returns None when accepted (or already known: redelivery of the
         same request id is idempotent), or a finished "error" delta explaining the rejection.
-        A structured-output request comes with its compiled grammar, loaded by the caller."""
+        A structured-output request comes with its compiled grammar, loaded by the caller.
+        `checkpoint`: the progress of a request taken over after a fault; when it fits
+        (resume.py) the request continues after its tokens, else it starts from the prompt
+        (`get_request(...).num_output_tokens` tells which)."""
         if msg.request_id in self.requests:
             return None
         error = self._admission_error(msg)
@@ -113,11 +124,49 @@ class Scheduler:
         request = Request.from_submit(msg, self.config.block_size)
         if grammar is not None:
             self.structured.add(request.request_id, grammar)
+        if checkpoint is not None:
+            self._resume(request, msg, checkpoint, grammar)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.offload is not None:
             self.offload.on_request_added(request)
         return None
+
+    def _resume(
+        self,
+        request: Request,
+        msg: SubmitRequest,
+        checkpoint: ProgressCheckpoint,
+        grammar: CompiledGrammar | None,
+    ) -> None:
+        """Give the fresh `request` the checkpoint's tokens as outputs already generated (and
+        delivered: its first delta went out then), its grammar matcher replayed over them;
+        leave it from-the-prompt when the checkpoint does not fit. Stop checks run as if the
+        tokens were sampled, so a checkpoint that would end the request (a running request's
+        never does) is void."""
+        tokens = checkpoint.output_token_ids
+        reason = resume_error(checkpoint, msg, self.config.vocab_size, self.config.max_model_len)
+        if reason is None:
+            trial = Request.from_submit(msg, self.config.block_size)
+            for token in tokens:
+                trial.append_output_token(token)
+                if check_stop(trial, self._eos, self.config.max_model_len) is not None:
+                    reason = "its tokens finish the request"
+                    break
+        if reason is None and grammar is not None:
+            replay = self.structured.accept(request.request_id, request.all_token_ids, tokens)
+            if replay is None or replay.num_tokens != len(tokens) or replay.finish_reason:
+                reason = "the grammar does not accept its tokens"
+                self.structured.add(request.request_id, grammar)  # a fresh matcher again
+        if reason is not None:
+            log.info(
+                "request %s starts from its prompt: checkpoint void (%s)", msg.request_id, reason,
+                extra={"request_id": msg.request_id},
+            )  # fmt: skip
+            return
+        for token in tokens:
+            request.append_output_token(token)
+        request.first_delta_sent = True
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
         """Finish a live request with "abort", freeing its blocks now. None if unknown."""

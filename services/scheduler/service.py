@@ -137,7 +137,9 @@ class SchedulerService(Service):
 
     async def start(self) -> None:
         await super().start()
-        self.intake = Intake(self.bus, self.streams, self.settings, self, self.pd)
+        self.intake = Intake(
+            self.bus, self.streams, self.settings, self, self.pd, incarnation=self.incarnation
+        )
         self.replies = ReplyExpiry.of(self.streams, self.settings)
         await self.intake.start(GrammarLoader(self.bus.redis, GrammarKeys(self.settings.cluster)))
         if self.offload is not None:
@@ -213,6 +215,7 @@ class SchedulerService(Service):
             "prefill": self.pd.state() if self.pd else None,
             "steps_run": self.steps_run,
             "kv_events_sent": self.kv_report.sent,
+            "progress": intake.progress.state() if intake else None,
         }
 
     # --- the worker --------------------------------------------------------------------------
@@ -274,8 +277,8 @@ class SchedulerService(Service):
         if self.offload is not None and self.worker is not None:
             self.offload.attach(self.core, self.worker, self.incarnation)
         self.intake.backlog = []
-        for submit, _ in list(self.intake.inflight.values()):
-            delta = self.core.add_request(submit, self.intake.grammars.get(submit.request_id))
+        for submit, delivery in list(self.intake.inflight.values()):
+            delta = self.intake.add_to_core(self.core, submit, delivery)
             if delta is not None:  # refused by the new core (e.g. a token id past its vocab)
                 self.outbox.append((submit.reply_stream, self.intake.token_delta([delta])))
                 self.finished.append(self.intake.forget(submit.request_id)[1])
@@ -373,6 +376,7 @@ class SchedulerService(Service):
         items.append((self.streams.steps(self.settings.group), plan))
         await send(self.bus, items, self.replies)
         await self._ack_finished()
+        await self._checkpoint()
         return _InFlight(plan, future, time.perf_counter())
 
     async def _flush(self) -> None:
@@ -382,6 +386,12 @@ class SchedulerService(Service):
         if items:
             await send(self.bus, items, self.replies)
         await self._ack_finished()
+        await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        """The progress checkpoints, when due (services/scheduler/progress_edge.py). Only ever
+        right after the outbox went out: every output token the core holds was published."""
+        await self.intake.progress.sync(self.core, self.intake.inflight, time.monotonic())
 
     def _kv_events(self) -> list[tuple[str, Message]]:
         """The KVEvents due now (kv_report.py), for gateways' KV-aware routing."""

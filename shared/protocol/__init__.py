@@ -25,6 +25,7 @@ from shared.protocol.kvstore import (
     KVWriting,
 )
 from shared.protocol.packed import Blob, PackedFloat32, PackedInt32, PackedInt64, PackedUInt8
+from shared.protocol.progress import ProgressCheckpoint
 from shared.protocol.replies import FinishReason, RequestDelta, TokenDelta
 from shared.protocol.requests import (
     AbortRequest,
@@ -82,6 +83,7 @@ __all__ = [
     "PackedUInt8",
     "Ping",
     "Pong",
+    "ProgressCheckpoint",
     "RequestDelta",
     "RpcErrorReply",
     "RpcReply",

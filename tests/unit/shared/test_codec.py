@@ -44,6 +44,7 @@ from shared.protocol import (
     NewRequestData,
     Ping,
     Pong,
+    ProgressCheckpoint,
     RequestDelta,
     RpcErrorReply,
     SampledTokens,
@@ -245,6 +246,13 @@ SAMPLES: dict[str, Message] = {
                     error_type="invalid_request_error",
                 )
             ],
+        ),
+        ProgressCheckpoint(
+            request_id="req-1",
+            num_prompt_tokens=6,
+            output_token_ids=[42, 7, 9],
+            scheduler_id="sched-1",
+            incarnation="inc-1",
         ),
         Heartbeat(
             service="worker",
