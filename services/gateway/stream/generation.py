@@ -148,21 +148,14 @@ class Generation:
         """SSE events: per choice a first chunk (chat: the role; completions with echo: the
         prompt), content chunks, a chunk with the finish reason; the usage chunk when asked
         for; then `data: [DONE]`. A failure mid-stream (the engine's, a timeout, the gateway
-        shutting down) is an error event, then [DONE]."""
+        shutting down) is an error event, then [DONE].
+
+        A choice's first chunk goes out with its first update from the engine (its first
+        token, or its end), as vLLM's does: sent at once, it would tell a client that measures
+        time to first token (`vllm bench serve`, AIPerf) that the prefill took no time."""
         plan = self.plan
         offsets = [0] * plan.num_choices
-        for choice in self.choices:
-            if plan.kind == "chat":
-                yield sse(chat_role_chunk(plan, choice.index))
-            elif plan.echo:
-                chunk, offsets[choice.index] = update_chunk(
-                    plan,
-                    choice.index,
-                    ChoiceUpdate(),
-                    self.tok,
-                    prefix=plan.prompt_of(choice.index).text,
-                )
-                yield sse(chunk)
+        opened = [False] * plan.num_choices
         try:
             async for index, update in self.updates():
                 if update.error is not None:
@@ -170,6 +163,11 @@ class Generation:
                     yield error_event(update.error, type_, status)
                     yield DONE
                     return
+                if not opened[index]:
+                    opened[index] = True
+                    first, offsets[index] = self._first_chunk(index)
+                    if first is not None:
+                        yield sse(first)
                 if not (
                     update.text or update.logprobs or update.routed_rows or update.finish_reason
                 ):
@@ -189,6 +187,18 @@ class Generation:
         if plan.include_usage:
             yield sse(usage_chunk(plan, self.choices))
         yield DONE
+
+    def _first_chunk(self, index: int) -> tuple[dict[str, Any] | None, int]:
+        """A choice's opening chunk (chat: the role; completions with echo: the prompt) and
+        the text offset after it; None for a completion without echo."""
+        plan = self.plan
+        if plan.kind == "chat":
+            return chat_role_chunk(plan, index), 0
+        if plan.echo:
+            return update_chunk(
+                plan, index, ChoiceUpdate(), self.tok, prefix=plan.prompt_of(index).text
+            )
+        return None, 0
 
 
 def engine_error_status(update: ChoiceUpdate) -> tuple[int, str]:

@@ -8,6 +8,7 @@ usage), not an echo of canned text.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,33 @@ async def test_chat_streaming_chunks_and_usage(
     assert all(c.usage is None for c in chunks[:-1])
     # One token per delta: every token after the first has a gap; repeats add none.
     assert itl_count() == itl_before + len(ids) - 1
+
+
+async def test_the_role_chunk_waits_for_the_first_token(
+    gateway: GatewayHarness, tokenizer: PromptTokenizer
+) -> None:
+    """Nothing is streamed before the engine's first token: a client that times its first
+    chunk (vllm bench serve, AIPerf) measures the prefill, not the gateway's accept."""
+    ids = [*tokenizer.encode(" Paris.", add_special_tokens=False), EOS]
+    body = {**CHAT, "max_tokens": 20, "stream": True}
+    async with gateway.http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        sub = await gateway.next_submit()
+        early = asyncio.ensure_future(anext(lines))
+        await asyncio.sleep(0.5)  # the request is accepted and waiting for its prefill
+        assert not early.done(), f"streamed before any token: {early.result()!r}"
+        await gateway.reply(
+            *pieces(sub.request_id, ids, 1, finish_reason="stop", stop_token_id=EOS)
+        )
+        first = await early
+        rest = [line async for line in lines]
+    events = [
+        json.loads(x.removeprefix("data: ")) for x in [first, *rest] if x.startswith("data: {")
+    ]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:])
+    assert text == tokenizer.decode(ids[:-1])
 
 
 async def test_completion_stream_stop_string_across_deltas_is_cut_and_aborted(
