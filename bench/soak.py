@@ -13,7 +13,7 @@ growth between, and the slope of a least-squares line over the samples after war
 hour), plus request counts by outcome. A service that leaks shows a steady slope; one that
 settles shows the warm-up growth and a flat line after it.
 
-    python -m bench.soak --minutes 60 --concurrency 4 [--csv rss.csv]
+    python -m bench.soak --minutes 60 --concurrency 4 [--csv rss.csv] [--env KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -192,6 +192,9 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=30)
     parser.add_argument("--warmup-min", type=float, default=10)
     parser.add_argument("--csv", default="")
+    parser.add_argument(
+        "--env", nargs="*", default=[], help="KEY=VALUE settings of every service (override)"
+    )
     args = parser.parse_args()
     env = {
         "MESHLLM_DTYPE": "bfloat16",
@@ -200,6 +203,7 @@ def main() -> None:
         # A KV cache the warm-up touches whole: a larger one's pages are first written over
         # the hour, which reads as RSS growth without being one.
         "MESHLLM_KV_CACHE_BYTES": str(512 * 2**20),
+        **dict(item.split("=", 1) for item in args.env),
     }
     csv: list[str] = []
     with Mesh(services=SERVICES, env=env, acl=True) as mesh:
