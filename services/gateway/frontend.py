@@ -83,7 +83,11 @@ class Frontend:
         if not candidates:
             return self.streams.requests
         decision = self.router.choose(
-            candidates, list(request.prompt_token_ids), request.cache_salt, now
+            candidates,
+            list(request.prompt_token_ids),
+            request.cache_salt,
+            now,
+            request_id=request.request_id,
         )
         count_decision(decision)
         if decision.group is None:
@@ -97,6 +101,11 @@ class Frontend:
                 headers={"Retry-After": str(retry_after)},
             )
         return self.streams.group_requests(decision.group)
+
+    def released(self, request_id: str) -> None:
+        """A request ended on this gateway (last reply, abort, failure): its group's load no
+        longer counts it."""
+        self.router.finished(request_id, time.time())
 
     async def plan_completion(self, raw: bytes) -> RequestPlan:
         plan: RequestPlan = await self.planning.run("completion", raw)

@@ -92,6 +92,7 @@ class GatewayService(Service):
             reply_stream_ttl_s=s.reply_stream_ttl_s,
             refresh_interval_s=s.heartbeat_interval_s,
             destination=self._destination,
+            released=self._released,
         )
         await client.start()
         self.rpc = RpcClient(
@@ -109,6 +110,10 @@ class GatewayService(Service):
     def _destination(self, request: SubmitRequest) -> str:
         assert self.frontend is not None  # requests are submitted only through it
         return self.frontend.destination(request)
+
+    def _released(self, request_id: str) -> None:
+        if self.frontend is not None:
+            self.frontend.released(request_id)
 
     def _load_model(self) -> tuple[PromptTokenizer, ModelInfo]:
         s = self.settings

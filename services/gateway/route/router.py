@@ -2,9 +2,13 @@
 groups' loads come from their heartbeats (services/gateway/mesh), their cached prefixes from
 the KV index, times are passed in.
 
-Load of a group = what its last beat said (waiting + running) plus what this gateway routed to
-it since that beat (the beat cannot know those yet); its queue = waiting + routed since. Other
-gateways' routing since the beat is unknown here, which every gateway's next beat corrects.
+Load of a group = what its last beat said (waiting + running), plus what this gateway routed to
+it since that beat and is still in flight (the beat cannot know those yet), minus what this
+gateway routed before the beat and has seen finish since (the beat still counts those): a
+sequence of short requests does not see the group that just served one as busy until its next
+beat, which would send a cached prefix to a cold group. Its queue = waiting + routed since and
+in flight. Other gateways' routing since the beat is unknown here, which every gateway's next
+beat corrects.
 
 Policies (GatewaySettings.router_policy):
 - `kv` (default): the lowest cost  w * (1 - overlap / prompt blocks) + load, load in requests,
@@ -25,7 +29,7 @@ full, or `max_queued_total` queued over all groups, the request is refused (429)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from services.gateway.route.kv_index import KVIndex
@@ -54,6 +58,15 @@ class Decision:
     prompt_tokens: int = 0
 
 
+@dataclass
+class Routed:
+    """One request this gateway routed: when, and when it finished (None: in flight)."""
+
+    request_id: str  # "" when the caller does not report its end (`finished`)
+    at: float
+    finished_at: float | None = field(default=None)
+
+
 class Router:
     def __init__(
         self,
@@ -68,22 +81,49 @@ class Router:
         self.max_queued_per_group = max_queued_per_group
         self.max_queued_total = max_queued_total
         self.index = KVIndex()
-        self._routed: dict[str, list[float]] = {}  # group -> times routed, since its last beat
+        self._routed: dict[str, list[Routed]] = {}  # group -> requests this gateway routed
+        self._by_id: dict[str, Routed] = {}  # the ones in flight, by request id
         self._turn = 0
 
     # --- load ----------------------------------------------------------------------------
 
+    def _since_beat(self, candidate: Candidate) -> list[Routed]:
+        """The group's routed requests the beat does not describe as they are now."""
+        beat = candidate.last_beat
+
+        def stale(r: Routed) -> bool:  # the beat's counts are right about it
+            if r.finished_at is not None:
+                return r.finished_at <= beat
+            return not r.request_id and r.at <= beat  # an end never reported: trust the beat
+
+        kept = [r for r in self._routed.get(candidate.group, ()) if not stale(r)]
+        self._routed[candidate.group] = kept
+        return kept
+
     def routed_since_beat(self, candidate: Candidate) -> int:
-        times = [t for t in self._routed.get(candidate.group, ()) if t > candidate.last_beat]
-        self._routed[candidate.group] = times  # older ones are in the beat's counts now
-        return len(times)
+        """Requests routed to the group after its last beat and still in flight."""
+        beat = candidate.last_beat
+        return sum(r.at > beat and r.finished_at is None for r in self._since_beat(candidate))
+
+    def finished_since_beat(self, candidate: Candidate) -> int:
+        """Requests the beat counts that have finished since (routed before it, ended after)."""
+        beat = candidate.last_beat
+        return sum(r.at <= beat and r.finished_at is not None for r in self._since_beat(candidate))
 
     def queued(self, candidate: Candidate) -> int:
         return candidate.load.num_waiting + self.routed_since_beat(candidate)
 
     def load(self, candidate: Candidate) -> int:
         """Requests running or queued on the group, by its beat and our routing since."""
-        return candidate.load.num_running + self.queued(candidate)
+        beat_load = candidate.load.num_running + candidate.load.num_waiting
+        since = self.routed_since_beat(candidate) - self.finished_since_beat(candidate)
+        return max(0, beat_load + since)
+
+    def finished(self, request_id: str, now: float) -> None:
+        """A request routed with this id ended (its last reply, an abort, a failure)."""
+        routed = self._by_id.pop(request_id, None)
+        if routed is not None:
+            routed.finished_at = now
 
     def full(self, candidate: Candidate) -> bool:
         bound = self.max_queued_per_group
@@ -97,9 +137,11 @@ class Router:
         prompt: list[int],
         cache_salt: str | None,
         now: float,
+        request_id: str = "",
     ) -> Decision:
         """The group for one request (and, when one is chosen, the bookkeeping of having
-        routed it there: its load, and its prompt's blocks predicted in that group's cache)."""
+        routed it there: its load, and its prompt's blocks predicted in that group's cache).
+        A `request_id` given here must be reported `finished` when the request ends."""
         if not candidates:
             return Decision(None, "no ready group")
         total = sum(self.queued(c) for c in candidates)
@@ -112,7 +154,10 @@ class Router:
         overlaps = {c.group: self.index.overlap(c.group, hashes.get(c.group, [])) for c in open_}
         chosen = self._pick(open_, overlaps, hashes)
         block_size = self.index.block_size(chosen.group) or 1
-        self._routed.setdefault(chosen.group, []).append(now)
+        routed = Routed(request_id, now)
+        self._routed.setdefault(chosen.group, []).append(routed)
+        if request_id:
+            self._by_id[request_id] = routed
         self.index.predict(chosen.group, hashes.get(chosen.group, []))
         return Decision(
             chosen.group,
@@ -168,4 +213,5 @@ class Router:
         for group in set(self.index.groups()) | set(self._routed):
             if group not in groups:
                 self.index.drop(group)
-                self._routed.pop(group, None)
+                for routed in self._routed.pop(group, ()):
+                    self._by_id.pop(routed.request_id, None)

@@ -112,9 +112,11 @@ class GatewayBusClient:
         reply_stream_ttl_s: int = 120,
         refresh_interval_s: float = 1.0,
         destination: Callable[[SubmitRequest], str] | None = None,
+        released: Callable[[str], None] | None = None,
     ) -> None:
         """`destination`: the stream each request goes to (the router's choice; it may raise
-        the OpenAIError that refuses it); default the shared requests stream."""
+        the OpenAIError that refuses it); default the shared requests stream. `released`: told
+        the id of every request that ends here (the router's load accounting)."""
         self.bus = bus
         self.streams = streams
         self.reply_stream = streams.replies(instance_id)
@@ -122,6 +124,7 @@ class GatewayBusClient:
         self.reply_stream_ttl_s = reply_stream_ttl_s
         self.refresh_interval_s = refresh_interval_s
         self.destination = destination or (lambda _request: streams.requests)
+        self.released = released or (lambda _request_id: None)
         self._subs: dict[str, _SubRequest] = {}
         self._reader: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
@@ -175,7 +178,14 @@ class GatewayBusClient:
         seed = plan.seed if plan.seed is not None else secrets.randbits(63)
         handle = RequestHandle(self, plan, seed)
         requests = plan.submit_requests(seed, self.reply_stream, time.time())
-        routed = [(self.destination(r), r) for r in requests]  # may refuse (429): none queued
+        routed: list[tuple[str, SubmitRequest]] = []
+        try:
+            for req in requests:
+                routed.append((self.destination(req), req))
+        except OpenAIError:  # refused (429): none queued, and the routed ones end here
+            for _stream, req in routed:
+                self.released(req.request_id)
+            raise
         # Register before publishing: a reply may be read before publish_many returns.
         for choice, req in enumerate(requests):
             self._subs[req.request_id] = _SubRequest(handle, choice, ReplyCursor(req.request_id))
@@ -222,7 +232,8 @@ class GatewayBusClient:
             log.exception("could not publish the abort of %s", ", ".join(request_ids))
 
     def _release(self, request_id: str) -> None:
-        self._subs.pop(request_id, None)
+        if self._subs.pop(request_id, None) is not None:
+            self.released(request_id)
         if not self._subs:
             self._idle.set()
 

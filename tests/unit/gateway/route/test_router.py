@@ -135,6 +135,31 @@ def test_least_load_counts_requests_routed_since_the_last_beat() -> None:
     assert r.load(cand("0", running=3, beat=2.0)) == 3
 
 
+def test_a_finished_request_stops_counting_before_the_next_beat() -> None:
+    """One short request after another: the beat taken while the first ran still says
+    `running=1` when the second arrives, but the gateway has seen the first end. The group
+    holding the prefix is idle, so the prefix goes back to it (w = 1: one request of load
+    would have sent it to the cold group)."""
+    r = router(weight=1.0)
+    r.index.apply(event("1", stored=hashes(PREFIX_A)))
+    assert r.choose([cand("0"), cand("1")], PREFIX_A, None, now=1.0, request_id="a").group == "1"
+    r.finished("a", now=1.3)
+    stale_beat = [cand("0", beat=1.2), cand("1", running=1, beat=1.2)]  # taken while "a" ran
+    assert r.load(stale_beat[1]) == 0
+    d = r.choose(stale_beat, [*PREFIX_A, 1], None, now=1.4, request_id="b")
+    assert d.group == "1"
+    # Still in flight, "b" counts until a beat does; then the beat alone counts.
+    assert r.load(stale_beat[1]) == 1
+    assert r.load(cand("1", running=1, beat=1.5)) == 1
+    r.finished("b", now=1.6)
+    assert r.load(cand("1", running=1, beat=1.5)) == 0
+    assert r.load(cand("1", running=0, beat=1.7)) == 0  # the next beat agrees
+    # A request routed and finished between two beats never counted in either.
+    r.choose([cand("0", beat=1.7), cand("1", beat=1.7)], PREFIX_A, None, 1.8, request_id="c")
+    r.finished("c", now=1.9)
+    assert r.load(cand("1", beat=1.7)) == 0 and r.load(cand("1", beat=2.0)) == 0
+
+
 def test_round_robin_ignores_the_cache() -> None:
     r = router("round_robin")
     r.index.apply(event("1", stored=hashes(PREFIX_A)))
