@@ -10,7 +10,9 @@ planning processes) and of redis-server.
 
 Prints a table per service: RSS at the end of the warm-up (`--warmup-min`), at the end, the
 growth between, and the slope of a least-squares line over the samples after warm-up (MiB per
-hour), plus request counts by outcome. A service that leaks shows a steady slope; one that
+hour), plus request counts by outcome. Two more rows split the worker's RSS: the payload bytes
+its host-memory KV tier holds (`meshllm:worker_kv_host_tier_bytes`, an LRU that grows to
+`MESHLLM_KV_HOST_TIER_BYTES`), and the rest. A service that leaks shows a steady slope; one that
 settles shows the warm-up growth and a flat line after it.
 
     python -m bench.soak --minutes 60 --concurrency 4 [--csv rss.csv] [--env KEY=VALUE ...]
@@ -128,6 +130,14 @@ async def one_request(
     return "completed"
 
 
+def host_tier_mib(mesh: Mesh) -> float:
+    """Payload bytes the worker's host-memory KV tier holds, MiB (0 when it cannot say)."""
+    try:
+        return mesh.metric("worker", "meshllm:worker_kv_host_tier_bytes") / 2**20
+    except Exception:  # the worker is restarting: the next sample has it
+        return 0.0
+
+
 async def drive(mesh: Mesh, args: argparse.Namespace, csv: list[str]) -> dict[str, int]:
     client = openai.AsyncOpenAI(base_url=mesh.api, api_key="x", timeout=300, max_retries=0)
     http = httpx.AsyncClient(base_url=mesh.url("gateway"), timeout=60)
@@ -148,8 +158,13 @@ async def drive(mesh: Mesh, args: argparse.Namespace, csv: list[str]) -> dict[st
         start = time.monotonic()
         while time.monotonic() < end:
             t = time.monotonic() - start
-            for name, pid in processes(mesh).items():
-                csv.append(f"{t:.0f},{name},{pid},{rss_mib(pid):.1f}")
+            rss = {name: (pid, rss_mib(pid)) for name, pid in processes(mesh).items()}
+            for name, (pid, mib) in rss.items():
+                csv.append(f"{t:.0f},{name},{pid},{mib:.1f}")
+            if "worker" in rss:  # its host tier fills to its bound: RSS that is not a leak
+                tier = await asyncio.to_thread(host_tier_mib, mesh)
+                csv.append(f"{t:.0f},(worker host tier),-,{tier:.1f}")
+                csv.append(f"{t:.0f},(worker - host tier),-,{rss['worker'][1] - tier:.1f}")
             await asyncio.sleep(args.sample_s)
 
     await asyncio.gather(sampler(), *(client_loop() for _ in range(args.concurrency)))

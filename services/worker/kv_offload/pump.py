@@ -16,7 +16,7 @@ import contextlib
 import logging
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from services.worker.kv_offload.connector import KVConnector
 from services.worker.kv_offload.wiring import build_connector
@@ -48,6 +48,12 @@ KV_TRANSFER_SECONDS = Counter(
     metric_name("worker_kv_transfer_seconds_total"),
     "Wall time of successful KV offload transfers (submitted to answered): bytes/s is the ratio",
     ["kind"],
+)
+
+KV_HOST_TIER_BYTES = Gauge(
+    metric_name("worker_kv_host_tier_bytes"),
+    "Payload bytes held by the worker's host-memory tier in front of Redis (an LRU bounded by "
+    "MESHLLM_KV_HOST_TIER_BYTES): the worker's RSS grows by this much as it fills",
 )
 
 
@@ -136,4 +142,6 @@ def attach_kv_offload(
     `kv_connector` to `pump.connector` and runs `pump.run`."""
     pump = KVTransferPump(bus, results_stream, step_lock, step_thread)
     pump.connector = build_connector(settings, kv_cache, config, model_name, incarnation, pump.wake)
+    host_tier = pump.connector.engine.host_tier
+    KV_HOST_TIER_BYTES.set_function(lambda: host_tier.nbytes)
     return pump

@@ -86,6 +86,8 @@ async def test_store_then_idle_load_through_the_service(tmp_path: Path, redis_ur
         assert stored.ok and stored.kind == "store" and stored.worker_id == "w-kv"
         assert stored.worker_incarnation == ready.incarnation
         assert stored.num_bytes == 3 * ready.kv_chunk_bytes > 0  # announced size is the real one
+        # the host tier keeps a copy of what it wrote, and its gauge says how much
+        assert REGISTRY.get_sample_value("meshllm:worker_kv_host_tier_bytes") == stored.num_bytes
 
         assert service.runner is not None
         layers = service.runner.kv_cache.layers
