@@ -11,8 +11,8 @@ in; run the benchmark with `--disable-shuffle` to keep it.
 
     python -m bench.multi_turn --out /tmp/mt.jsonl
     vllm bench serve --backend openai --endpoint /v1/completions --dataset-name custom \
-        --dataset-path /tmp/mt.jsonl --disable-shuffle --custom-skip-chat-template \
-        --num-prompts 64 --max-concurrency 4 --model M --tokenizer T --base-url URL
+        --dataset-path /tmp/mt.jsonl --disable-shuffle --skip-chat-template \
+        --custom-output-len -1 --num-prompts 64 --max-concurrency 4 --model M --tokenizer T --base-url URL
 
 What it measures on the mesh: how often a turn lands on the group that holds its conversation
 (KV-aware routing) and what that saves in time to first token.

@@ -90,6 +90,10 @@ class Engine(Protocol):
 
     def worker_alive(self) -> bool: ...
 
+    def requests_added(self) -> None:
+        """Requests were just added to the core (their offload lookups can start now)."""
+        ...
+
 
 @dataclass
 class _Batch:
@@ -292,6 +296,7 @@ class Intake:
             await self.bus.dead_letter(self.group, batch.failed)
         if batch.done:
             await self.bus.ack(self.group, batch.done)
+        self.engine.requests_added()
         self.engine.wakeup.set()
 
     async def _accept_one(self, delivery: Delivery, batch: _Batch) -> None:

@@ -226,6 +226,10 @@ class SchedulerService(Service):
             and time.monotonic() - self.worker_seen_at < self.worker_timeout_s
         )
 
+    def requests_added(self) -> None:
+        if self.offload is not None:
+            self.offload.start_probes()
+
     async def _watch_worker(self) -> None:
         last = {self.streams.control(self.settings.group): "$"}
         while not self.stopping.is_set():

@@ -358,10 +358,17 @@ class OffloadEdge:
                     self._queue("load", lambda rid=rid, reads=reads: client.load(rid, reads))
         for rid in connector.take_finished():
             self._queue("request_finished", lambda rid=rid: client.request_finished(rid))
-        assert self.lookup is not None
+        self.start_probes()
+        self._export_counts(connector)
+
+    def start_probes(self) -> None:
+        """Probe the keys no probe has asked about yet (one batch). Also called as requests
+        arrive (intake), so a request's answer is usually in before it reaches the head of
+        the queue, instead of deferring it there for a step."""
+        if self.lookup is None or self.client is None:
+            return
         for task in self.lookup.flush():
             task.add_done_callback(lambda _: self.wake())
-        self._export_counts(connector)
 
     def _offer_stores(self, plan: StepPlan, offers: list[StoreOffer]) -> None:
         """Queue each offer's `store` call; keep the plan's store transfers only while the

@@ -177,6 +177,36 @@ async def test_a_dead_kvstore_costs_one_timeout_and_a_ping_brings_the_tier_back(
         assert edge.errors == 1  # one failed call for the whole outage: pings are not calls
 
 
+async def test_a_request_probed_on_arrival_is_admitted_without_deferring(redis_url: str) -> None:
+    """The service starts the probes as requests arrive (intake), not only after a schedule():
+    once the answer is in, the first schedule() admits the request; without the early probe
+    it defers at the head of the queue for a step first."""
+    async with edge_with_core(redis_url) as (edge, core, _kv):
+        assert core.offload is not None and edge.lookup is not None
+        for rid, early, base in (("late", False, 0), ("early", True, 500)):
+            core.add_request(submit(rid, [t + base for t in PROMPT], max_tokens=2))
+            if early:
+                edge.start_probes()
+
+                async def answered() -> bool:
+                    assert edge.lookup is not None
+                    return edge.lookup.counts()["resolved"] == edge.lookup.counts()["keys"]
+
+                await until(answered, "the arrival probe was answered")
+            defers = core.offload.stats.defers
+            plan = core.schedule()
+            await edge.prepare(core, plan)
+            admitted = plan is not None and rid in plan.num_scheduled_tokens
+            assert admitted is early
+            assert core.offload.stats.defers == defers + (0 if early else 1)
+            while not any(r.request_id == rid for r in core.running):  # late: a later step
+                await asyncio.sleep(0.01)
+                step = core.schedule()
+                await edge.prepare(core, step)
+                if step is not None:
+                    core.update_from_output(step, worker_result(step))
+
+
 async def test_plans_go_out_while_the_kvstore_does_not_answer(redis_url: str) -> None:
     """A kvstore on the bus that never answers (its group exists, nobody reads it): every plan
     is prepared at once with its stores, the calls wait in the edge's queue."""
