@@ -136,7 +136,9 @@ class GatewaySettings(CommonSettings, ModelSettings):
     router_policy: Literal["kv", "least_load", "round_robin"] = "kv"
     # kv: what a whole prompt's cache hit is worth against load, in requests running or queued
     # (Dynamo's --kv-overlap-score-weight); 0 = load only. See services/gateway/route/router.py.
-    kv_overlap_score_weight: float = Field(1.0, ge=0)
+    # 4: at 1 (Dynamo's default) one request of load outweighs a whole cached prompt, and on
+    # prefix-heavy traffic the router then did no better than round robin (bench/RESULTS.md).
+    kv_overlap_score_weight: float = Field(4.0, ge=0)
     # Load shedding: a group with this many requests queued (waiting, by its last beat, plus
     # those routed to it since) takes no more; with every group full, or this many queued in
     # all, a request gets 429 + Retry-After. 0 = no bound.
