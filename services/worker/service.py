@@ -119,7 +119,7 @@ class WorkerService(Service):
         mode = self.settings.overlap_steps
         self._overlap = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
         if self.settings.kv_offload:
-            pump = attach_kv_offload(
+            pump = await attach_kv_offload(
                 self.settings,
                 runner.kv_cache,
                 runner.config,

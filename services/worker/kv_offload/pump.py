@@ -127,7 +127,7 @@ class KVTransferPump:
             await self.publish()
 
 
-def attach_kv_offload(
+async def attach_kv_offload(
     settings: WorkerSettings,
     kv_cache: KVCache,
     config: Any,
@@ -139,9 +139,17 @@ def attach_kv_offload(
     step_thread: StepThread | None = None,
 ) -> KVTransferPump:
     """A pump with its connector (call on the event loop); the caller sets the runner's
-    `kv_connector` to `pump.connector` and runs `pump.run`."""
+    `kv_connector` to `pump.connector` and runs `pump.run`.
+
+    The connector is built on the step thread: its staging buffer is filled by torch ops that
+    run in parallel, and a parallel op on any other thread gives that thread an OpenMP team of
+    its own. With two teams in the process the OpenMP runtime stops spinning at barriers
+    (more threads than cores), and every forward on a 2-core machine ran 1.5-2.5x slower with
+    the tier on (runner/step_thread.py says why one team)."""
     pump = KVTransferPump(bus, results_stream, step_lock, step_thread)
-    pump.connector = build_connector(settings, kv_cache, config, model_name, incarnation, pump.wake)
+    pump.connector = await pump.step_thread.run(
+        build_connector, settings, kv_cache, config, model_name, incarnation, pump.wake
+    )
     host_tier = pump.connector.engine.host_tier
     KV_HOST_TIER_BYTES.set_function(lambda: host_tier.nbytes)
     return pump
