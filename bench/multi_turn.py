@@ -12,7 +12,8 @@ in; run the benchmark with `--disable-shuffle` to keep it.
     python -m bench.multi_turn --out /tmp/mt.jsonl
     vllm bench serve --backend openai --endpoint /v1/completions --dataset-name custom \
         --dataset-path /tmp/mt.jsonl --disable-shuffle --skip-chat-template \
-        --custom-output-len -1 --num-prompts 64 --max-concurrency 4 --model M --tokenizer T --base-url URL
+        --custom-output-len -1 --num-prompts 64 --max-concurrency 4 \
+        --model M --tokenizer T --base-url URL
 
 What it measures on the mesh: how often a turn lands on the group that holds its conversation
 (KV-aware routing) and what that saves in time to first token.
@@ -25,15 +26,15 @@ import json
 import random
 from pathlib import Path
 
-WORDS = (
-    "river stone lantern orchard harbor meadow signal copper timber canyon glacier prairie "
-    "compass ledger violet ember thistle falcon granite willow beacon quarry saffron tundra "
-    "marble cinder hollow juniper pewter sparrow garnet fennel basalt cobalt heron linden"
-).split()
+WORDS = "river stone lantern orchard harbor meadow signal copper timber canyon glacier prairie"
+WORDS += " compass ledger violet ember thistle falcon granite willow beacon quarry saffron"
+WORDS += " tundra marble cinder hollow juniper pewter sparrow garnet fennel basalt cobalt"
+WORDS += " heron linden"
+VOCAB = WORDS.split(" ")
 
 
 def sentence(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+    return " ".join(rng.choice(VOCAB) for _ in range(words)).capitalize() + "."
 
 
 def paragraph(rng: random.Random, words: int) -> str:
