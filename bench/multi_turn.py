@@ -7,7 +7,8 @@ prompt, every earlier user message and assistant reply, then the new user messag
 fixed synthetic text (not the model's own output), so every engine gets the same prompts and
 a turn's prompt extends the previous turn's exactly, as a chat client's does. Lines are written
 turn by turn (turn 1 of every conversation, then turn 2, ...), the order conversations advance
-in; run the benchmark with `--disable-shuffle` to keep it.
+in; run the benchmark with `--disable-shuffle` to keep it (vLLM's custom dataset reads the
+file with pandas: install it beside vLLM).
 
     python -m bench.multi_turn --out /tmp/mt.jsonl
     vllm bench serve --backend openai --endpoint /v1/completions --dataset-name custom \

@@ -87,37 +87,35 @@ class Router:
 
     # --- load ----------------------------------------------------------------------------
 
-    def _since_beat(self, candidate: Candidate) -> list[Routed]:
-        """The group's routed requests the beat does not describe as they are now."""
+    def since_beat(self, candidate: Candidate) -> tuple[int, int]:
+        """(requests routed to the group after its last beat and still in flight, requests the
+        beat counts that have finished since), in one pass that also drops what the beat
+        describes rightly now (finished before it, or routed before it with no end reported)."""
         beat = candidate.last_beat
-
-        def stale(r: Routed) -> bool:  # the beat's counts are right about it
-            if r.finished_at is not None:
-                return r.finished_at <= beat
-            return not r.request_id and r.at <= beat  # an end never reported: trust the beat
-
-        kept = [r for r in self._routed.get(candidate.group, ()) if not stale(r)]
+        kept: list[Routed] = []
+        routed = finished = 0
+        for r in self._routed.get(candidate.group, ()):
+            if r.finished_at is None:
+                if r.at > beat:
+                    routed += 1
+                elif not r.request_id:
+                    continue  # an end never reported: trust the beat
+            elif r.finished_at <= beat:
+                continue
+            elif r.at <= beat:
+                finished += 1
+            kept.append(r)
         self._routed[candidate.group] = kept
-        return kept
-
-    def routed_since_beat(self, candidate: Candidate) -> int:
-        """Requests routed to the group after its last beat and still in flight."""
-        beat = candidate.last_beat
-        return sum(r.at > beat and r.finished_at is None for r in self._since_beat(candidate))
-
-    def finished_since_beat(self, candidate: Candidate) -> int:
-        """Requests the beat counts that have finished since (routed before it, ended after)."""
-        beat = candidate.last_beat
-        return sum(r.at <= beat and r.finished_at is not None for r in self._since_beat(candidate))
+        return routed, finished
 
     def queued(self, candidate: Candidate) -> int:
-        return candidate.load.num_waiting + self.routed_since_beat(candidate)
+        return candidate.load.num_waiting + self.since_beat(candidate)[0]
 
     def load(self, candidate: Candidate) -> int:
         """Requests running or queued on the group, by its beat and our routing since."""
+        routed, finished = self.since_beat(candidate)
         beat_load = candidate.load.num_running + candidate.load.num_waiting
-        since = self.routed_since_beat(candidate) - self.finished_since_beat(candidate)
-        return max(0, beat_load + since)
+        return max(0, beat_load + routed - finished)
 
     def finished(self, request_id: str, now: float) -> None:
         """A request routed with this id ended (its last reply, an abort, a failure)."""
