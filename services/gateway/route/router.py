@@ -19,8 +19,10 @@ Policies (GatewaySettings.router_policy):
   a new or idle group out of the traffic. w = 0 is least_load;
 - `least_load`: the lowest load;
 - `round_robin`: the groups in turn, ignoring caches.
-Ties go to the larger cached prefix, then the lower load, then in turn (so equal groups share
-the traffic).
+Ties go to the lower load, then the larger cached prefix, then in turn (so equal groups share
+the traffic). Lower load first: at w = 4 a short chat prompt whose first half is the template,
+cached on the old group only, costs the same there with two requests running as on a new idle
+group, and a scale-up under light load must still take its share (tests/swarm).
 
 Shedding: a group whose queue reached `max_queued_per_group` takes nothing more (another group
 takes the request: a full group never starves a request another could run); with every group
@@ -183,7 +185,9 @@ class Router:
             miss = 1.0 - overlaps[c.group] / blocks if blocks else 1.0
             return self.overlap_weight * miss + load
 
-        costs = {c.group: (cost(c), -overlaps.get(c.group, 0), self.load(c)) for c in ordered}
+        costs = {
+            c.group: (round(cost(c), 9), self.load(c), -overlaps.get(c.group, 0)) for c in ordered
+        }
         best = min(costs.values())
         tied = [c for c in ordered if costs[c.group] == best]
         return tied[self._turn % len(tied)]

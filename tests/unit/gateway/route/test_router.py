@@ -7,6 +7,7 @@ import pytest
 
 from services.gateway.route.kv_index import KVIndex
 from services.gateway.route.router import Candidate, Router
+from shared.config import GatewaySettings
 from shared.kv.block_hash import extend_block_hashes
 from shared.protocol import KVEvents
 from shared.protocol.health import GroupLoad
@@ -90,8 +91,10 @@ def test_kv_policy_follows_the_cached_prefix() -> None:
 
 
 def test_kv_policy_predicts_the_blocks_it_routed() -> None:
-    """A burst sharing a new prefix follows the first request before any event says so."""
-    r = router()
+    """A burst sharing a new prefix follows the first request before any event says so (at
+    the default weight: at w = 1 a full hit against one request routed there is a tie, which
+    goes to the lower load)."""
+    r = router(weight=GatewaySettings().kv_overlap_score_weight)
     first = r.choose([cand("0"), cand("1")], [*PREFIX_B, 1], None, now=1.0)
     assert first.overlap_tokens == 0
     second = r.choose([cand("0"), cand("1")], [*PREFIX_B, 2], None, now=1.1)
@@ -118,6 +121,26 @@ def test_a_prefix_every_prompt_shares_does_not_starve_an_idle_group() -> None:
     r.index.apply(event("0", stored=template))
     busy_old = cand("0", running=2)
     assert r.choose([busy_old, cand("1")], PREFIX_A[:8], None, now=1.0).group == "1"
+
+
+def test_a_new_group_takes_light_chat_traffic_at_the_default_weight() -> None:
+    """The swarm scale-up: three clients send short chat prompts whose first half is the
+    template, cached on the old group; the new group has sent no KV events yet. With two
+    requests running on the old group, the new idle one takes the next."""
+    prompt = [*PREFIX_A[:4], 7, 8, 9, 10]
+
+    def route(running_on_old: int) -> str | None:
+        r = Router(
+            "kv",
+            overlap_weight=GatewaySettings().kv_overlap_score_weight,
+            max_queued_per_group=0,
+            max_queued_total=0,
+        )
+        r.index.apply(event("0", stored=hashes(PREFIX_A[:4]), snapshot=True))
+        return r.choose([cand("0", running=running_on_old), cand("1")], prompt, None, 1.0).group
+
+    assert route(running_on_old=1) == "0"
+    assert route(running_on_old=2) == "1"
 
 
 def test_zero_weight_is_least_load() -> None:
