@@ -10,10 +10,12 @@ planning processes) and of redis-server.
 
 Prints a table per service: RSS at the end of the warm-up (`--warmup-min`), at the end, the
 growth between, and the slope of a least-squares line over the samples after warm-up (MiB per
-hour), plus request counts by outcome. Two more rows split the worker's RSS: the payload bytes
-its host-memory KV tier holds (`meshllm:worker_kv_host_tier_bytes`, an LRU that grows to
-`MESHLLM_KV_HOST_TIER_BYTES`), and the rest. A service that leaks shows a steady slope; one that
-settles shows the warm-up growth and a flat line after it.
+hour), plus request counts by outcome. Rows `(redis used_memory)` and `(redis used_memory_rss)`
+are redis-server's own accounting (data against RSS: fragmentation shows as the gap), and at
+the end the largest key patterns by MEMORY USAGE. Two more rows split the worker's RSS: the
+payload bytes its host-memory KV tier holds (`meshllm:worker_kv_host_tier_bytes`, an LRU that
+grows to `MESHLLM_KV_HOST_TIER_BYTES`), and the rest. A service that leaks shows a steady
+slope; one that settles shows the warm-up growth and a flat line after it.
 
     python -m bench.soak --minutes 60 --concurrency 4 [--csv rss.csv] [--env KEY=VALUE ...]
 """
@@ -26,6 +28,7 @@ import collections
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -130,6 +133,28 @@ async def one_request(
     return "completed"
 
 
+def redis_memory_mib(mesh: Mesh) -> dict[str, float]:
+    """redis-server's own accounting: bytes its data holds (`used_memory`) against its RSS."""
+    info = mesh.admin().info("memory")
+    return {key: info[key] / 2**20 for key in ("used_memory", "used_memory_rss")}
+
+
+def redis_keyspace(mesh: Mesh, top: int = 12) -> list[tuple[str, str, int, int]]:
+    """(key pattern, type, keys, bytes by MEMORY USAGE) for the largest patterns: a key's name
+    with its ids (hex, digits) replaced by `*`."""
+    admin = mesh.admin()
+    sizes: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0])
+    for key in admin.scan_iter(count=1000):
+        name = key.decode(errors="replace")
+        pattern = re.sub(r"[0-9a-f]{8,}|\d+", "*", name)
+        kind = admin.type(key).decode()
+        entry = sizes[(pattern, kind)]
+        entry[0] += 1
+        entry[1] += admin.memory_usage(key) or 0
+    ranked = sorted(sizes.items(), key=lambda item: -item[1][1])[:top]
+    return [(pattern, kind, n, size) for (pattern, kind), (n, size) in ranked]
+
+
 def host_tier_mib(mesh: Mesh) -> float:
     """Payload bytes the worker's host-memory KV tier holds, MiB (0 when it cannot say)."""
     try:
@@ -165,6 +190,8 @@ async def drive(mesh: Mesh, args: argparse.Namespace, csv: list[str]) -> dict[st
                 tier = await asyncio.to_thread(host_tier_mib, mesh)
                 csv.append(f"{t:.0f},(worker host tier),-,{tier:.1f}")
                 csv.append(f"{t:.0f},(worker - host tier),-,{rss['worker'][1] - tier:.1f}")
+            for key, mib in (await asyncio.to_thread(redis_memory_mib, mesh)).items():
+                csv.append(f"{t:.0f},(redis {key}),-,{mib:.1f}")
             await asyncio.sleep(args.sample_s)
 
     await asyncio.gather(sampler(), *(client_loop() for _ in range(args.concurrency)))
@@ -226,11 +253,15 @@ def main() -> None:
         outcomes = asyncio.run(drive(mesh, args, csv))
         elapsed = time.monotonic() - started
         alive = {name: proc.poll() is None for name, proc in mesh.procs.items()}
+        keyspace = redis_keyspace(mesh)
     if args.csv:
         Path(args.csv).write_text("t_s,process,pid,rss_mib\n" + "\n".join(csv) + "\n")
     print(f"{elapsed / 60:.1f} min, outcomes: {json.dumps(outcomes, sort_keys=True)}")
     print(f"alive at the end: {alive}")
     report(csv, args.warmup_min * 60)
+    print("\nRedis keys at the end, largest first (pattern, type, keys, MiB):")
+    for pattern, kind, n, size in keyspace:
+        print(f"  {pattern:<48} {kind:<7} {n:>7} {size / 2**20:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ Delivery is at least once. A retried publish whose first attempt did reach Redis
 connection broke adds the entry twice, and an unacknowledged entry is delivered again (own
 pending entries, or claimed by another consumer); handlers are idempotent by request/step id.
 
+Streams stay bounded: a consumer deletes each entry it acks (XACK + XDEL), and fan-out streams
+keep `retention_s` of history (shared/streams.py `trimmed_by_age`).
+
 Every operation survives a Redis outage of any length: a lost connection is retried with
 exponential backoff (50 ms doubling to 2 s, jittered). Reads, connecting and group creation retry
 for as long as it takes (a consumer has nothing better to do); writes give up with
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -45,6 +49,7 @@ from shared.bus_entry import DEAD_LETTERS, FIELD, Delivery, Rejected, decode_ent
 from shared.bus_retry import BusUnavailable, retry
 from shared.codec import encode
 from shared.protocol import Message
+from shared.streams import trimmed_by_age
 
 __all__ = ["DEAD_LETTERS", "Bus", "BusUnavailable", "Delivery", "PublishRefused"]
 
@@ -72,6 +77,7 @@ class Bus:
         consumer: str,
         *,
         maxlen: int = 100_000,
+        retention_s: float | None = None,
         dead_letter_stream: str | None = None,
         publish_timeout_s: float = 30.0,
         connect_timeout_s: float | None = None,
@@ -80,9 +86,12 @@ class Bus:
         """`consumer` names this process in consumer groups; keep it stable across restarts so
         `read_group(own_pending=True)` finds what it read before. Without `dead_letter_stream`,
         bad entries are only logged and counted. `connect_timeout_s` None: `connect` waits for
-        Redis however long it takes."""
+        Redis however long it takes. Trimming (shared/streams.py `trimmed_by_age`): with
+        `retention_s`, fan-out streams keep that much history (XADD MINID ~); the others keep
+        `maxlen` entries (MAXLEN ~), and their consumers delete what they ack."""
         self.consumer = consumer
         self.maxlen = maxlen
+        self.retention_s = retention_s
         self.dead_letter_stream = dead_letter_stream
         self.publish_timeout_s = publish_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -131,8 +140,7 @@ class Bus:
             return await self.redis.xadd(
                 stream,
                 fields,  # type: ignore[arg-type]
-                maxlen=self.maxlen,
-                approximate=True,
+                **self._trim(stream),
                 nomkstream=not create,
             )
 
@@ -160,7 +168,7 @@ class Bus:
         async def xadds() -> list[Any]:
             pipe = self.redis.pipeline(transaction=False)
             for stream, fields in encoded:
-                pipe.xadd(stream, fields, maxlen=self.maxlen, approximate=True)  # type: ignore[arg-type]
+                pipe.xadd(stream, fields, **self._trim(stream))  # type: ignore[arg-type]
             for stream, ttl_s in expiries.items():
                 pipe.expire(stream, ttl_s, nx=True)
             return (await pipe.execute(raise_on_error=False))[: len(encoded)]
@@ -171,6 +179,13 @@ class Bus:
         if errors:
             raise PublishRefused(ids, errors)
         return ids  # type: ignore[return-value]
+
+    def _trim(self, stream: str) -> dict[str, Any]:
+        """XADD's trimming arguments for `stream`: by age or by length (see __init__)."""
+        if self.retention_s is not None and trimmed_by_age(stream):
+            oldest_ms = max(0, int((time.time() - self.retention_s) * 1000))
+            return {"minid": f"{oldest_ms}-0", "approximate": True}
+        return {"maxlen": self.maxlen, "approximate": True}
 
     async def publish_reply(
         self,
@@ -184,7 +199,7 @@ class Bus:
     ) -> None:
         """One round trip: XADD to a reply stream capped at `maxlen`, renew its expiry to
         `ttl_s` (so the stream of a caller that died goes away: a reply XADD would otherwise
-        recreate it for good), and XACK the entry it answers. Retried up to `limit_s`
+        recreate it for good), and XACK (and delete) the entry it answers. Retried up to `limit_s`
         (default `publish_timeout_s`)."""
         fields = {FIELD: encode(msg)}
 
@@ -194,6 +209,7 @@ class Bus:
             pipe.expire(stream, ttl_s)
             if ack is not None:
                 pipe.xack(ack[1].stream, ack[0], ack[1].entry_id)
+                pipe.xdel(ack[1].stream, ack[1].entry_id)
             await pipe.execute()
 
         await retry("publish_reply", send, self.publish_timeout_s if limit_s is None else limit_s)
@@ -243,8 +259,9 @@ class Bus:
         return await self._with_counts(group, deliveries) if own_pending else deliveries
 
     async def ack(self, group: str, deliveries: Iterable[Delivery]) -> None:
-        """XACK, one command per stream, pipelined. Entries Redis lost (a restart, a DEL of the
-        stream) are ignored."""
+        """XACK and XDEL, one of each per stream, pipelined: an acked entry is done (every
+        stream read through a group has that one group), and deleting it is what keeps the
+        stream short. Entries Redis lost (a restart, a DEL of the stream) are ignored."""
         by_stream: dict[str, list[str]] = {}
         for delivery in deliveries:
             by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
@@ -255,6 +272,7 @@ class Bus:
             pipe = self.redis.pipeline(transaction=False)
             for stream, ids in by_stream.items():
                 pipe.xack(stream, group, *ids)
+                pipe.xdel(stream, *ids)
             await pipe.execute()
 
         try:
@@ -470,6 +488,7 @@ class Bus:
             if group is not None:
                 for stream, entry_id in [(b.stream, b.entry_id) for b in rejected] + trimmed:
                     pipe.xack(stream, group, entry_id)
+                    pipe.xdel(stream, entry_id)
             if len(pipe):
                 await pipe.execute()
 

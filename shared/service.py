@@ -85,6 +85,7 @@ class Service(abc.ABC):
             s.redis_url,
             consumer=consumer_name(self.name, s.group, s.instance_id),
             maxlen=s.stream_maxlen,
+            retention_s=s.stream_retention_s,
             dead_letter_stream=self.streams.deadletter,
             publish_timeout_s=s.publish_timeout_s,
             op_timeout_s=s.redis_timeout_s,

@@ -85,6 +85,21 @@ class Streams:
         return f"{self.prefix}:rpc:"
 
 
+def trimmed_by_age(stream: str) -> bool:
+    """How a stream is kept bounded (shared.bus). Streams read through a consumer group
+    (`requests`, a group's `requests`, `handoff`, `calls:<service>`; one group each) are
+    emptied by their consumers: an entry acked is done, so it is deleted with its XACK, and the
+    stream holds what is unread or pending; MAXLEN only guards against a consumer that never
+    comes. The dead-letter stream, which no service reads, keeps its last MAXLEN entries. Every
+    other stream is fan-out, read by position and never acked (steps, results, control,
+    kvevents, aborts, heartbeats, reply streams): those keep `stream_retention_s` of history
+    (XADD MINID), which bounds them by time at any rate instead of letting each grow to MAXLEN
+    entries (100,000 plans or deltas: hundreds of MiB of Redis memory)."""
+    tail = stream.rsplit(":", 1)[-1]
+    grouped = tail in ("requests", "handoff") or ":calls:" in stream
+    return not grouped and tail != "deadletter"
+
+
 SCHEDULER_GROUP = "schedulers"
 DECODE_GROUP = "decoders"  # decode-role schedulers on the handoff stream
 RPC_GROUP = "servers"  # the callee's replicas on its `calls` stream

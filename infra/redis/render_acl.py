@@ -14,10 +14,11 @@ selector at a time, so keys one command names together (an XREAD of several stre
 of several keys) must share a grant; the services' commands name one key pattern each.
 The commands are the ones the code runs (grep for them before adding one):
 
-- `shared.bus`: XADD (MAXLEN ~; NOMKSTREAM for notes and calls), EXPIRE (NX on reply streams
-  by the scheduler), XREAD + XREVRANGE (fan-out reads; "$" pinned to the newest entry),
-  XGROUP CREATE MKSTREAM, XREADGROUP, XPENDING, XAUTOCLAIM, XACK (consumer groups); the
-  scheduler's intake also XCLAIMs (JUSTID) the requests it holds to keep them from idling.
+- `shared.bus`: XADD (MAXLEN ~ or MINID ~; NOMKSTREAM for notes and calls), EXPIRE (NX on
+  reply streams by the scheduler), XREAD + XREVRANGE (fan-out reads; "$" pinned to the newest
+  entry), XGROUP CREATE MKSTREAM, XREADGROUP, XPENDING, XAUTOCLAIM, XACK and XDEL of what it
+  acked (consumer groups: the consumer empties the stream it reads); the scheduler's intake
+  also XCLAIMs (JUSTID) the requests it holds to keep them from idling.
 - the gateway keeps its reply stream alive: EXPIRE, XGROUP CREATE MKSTREAM when it is gone.
 - key-value: the grammar service GET/SET/EXISTS/EXPIREs compiled grammars, the scheduler GETs
   them; the worker SET/GETs KV payloads; the kvstore HSET/HGETALL/EXISTS/UNLINKs their
@@ -71,7 +72,7 @@ CONNECTION = "-@all +ping +hello +select +client|id +client|setname +client|getn
 # Command sets of shared.bus, by role.
 APPEND = ("xadd",)
 FAN_OUT_READ = ("xread", "xrevrange")
-GROUP_CONSUME = ("xgroup|create", "xreadgroup", "xpending", "xautoclaim", "xack")
+GROUP_CONSUME = ("xgroup|create", "xreadgroup", "xpending", "xautoclaim", "xack", "xdel")
 REPLY = ("xadd", "expire")  # a reply stream's writer renews its expiry
 
 

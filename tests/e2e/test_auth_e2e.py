@@ -20,6 +20,7 @@ import redis
 from shared.streams import Streams
 from tests.e2e.conftest import E2E_ENV
 from tests.support.mesh import Mesh
+from tests.support.stream_counts import entries_added
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +50,8 @@ def queued(mesh: Mesh) -> int:
     client = redis.Redis.from_url(mesh.redis.url)
     try:
         streams = Streams(mesh.cluster)  # the shared stream, and group 0's (routed requests)
-        return sum(int(client.xlen(s)) for s in (streams.requests, streams.group_requests("0")))
+        names = (streams.requests, streams.group_requests("0"))
+        return sum(entries_added(client, s) for s in names)
     finally:
         client.close()
 

@@ -106,6 +106,33 @@ def test_appenders_cannot_delete_trim_or_rewrite(
     assert client.xadd(stream, {"m": b"y"}) > entry  # still appends
 
 
+# (feeder, consumer, a stream the consumer reads through its group)
+CONSUMED = [
+    ("gateway", "scheduler", S.requests),
+    ("gateway", "scheduler", S.group_requests("0")),
+    ("gateway", "grammar", S.calls("grammar")),
+    ("scheduler", "kvstore", S.calls("kvstore")),
+]
+
+
+@pytest.mark.parametrize(
+    ("feeder", "consumer", "stream"), CONSUMED, ids=[f"{c}<-{s}" for _, c, s in CONSUMED]
+)
+def test_consumers_delete_what_they_acked_and_nothing_more(
+    acl_redis: RedisServer, feeder: str, consumer: str, stream: str
+) -> None:
+    """A consumer keeps the stream it reads short by deleting the entries it acked (shared.bus);
+    it cannot drop the stream or trim what is not read yet."""
+    entry = raw(acl_redis, feeder).xadd(stream, {"m": b"x"})
+    client = raw(acl_redis, consumer)
+    client.xgroup_create(stream, "g", id="0")
+    assert client.xreadgroup("g", "c", {stream: ">"})
+    assert client.xack(stream, "g", entry) == 1
+    assert client.xdel(stream, entry) == 1
+    for command in (("DEL", stream), ("UNLINK", stream), ("XTRIM", stream, "MAXLEN", "0")):
+        refused(client, *command)
+
+
 def test_gateway_writes_no_reply_stream(acl_redis: RedisServer) -> None:
     """Schedulers write a gateway's replies, the grammar service its call answers; a gateway
     writes neither, its own or another gateway's, and beats only by XADD."""

@@ -89,7 +89,7 @@ async def test_finished_request_sends_no_abort(gateway: GatewayHarness) -> None:
         )
         assert (await task).status_code == 200
     await gateway.frontend.client.stop()  # waits for any abort still being published
-    assert await gateway.stream_len(gateway.streams.aborts) == 0
+    assert await gateway.entries_added(gateway.streams.aborts) == 0
 
 
 async def test_timeout_is_a_504_and_aborts(

@@ -63,7 +63,7 @@ async def test_an_invalid_spec_is_a_400_naming_the_field_and_nothing_is_queued(
         )
         assert resp.status_code == 400
         assert resp.json()["error"]["param"] == "response_format.json_schema.schema"
-    assert await gateway.stream_len(gateway.streams.requests) == 0
+    assert await gateway.entries_added(gateway.streams.requests) == 0
 
 
 async def test_a_spec_too_long_for_the_protocol_is_a_400(gateway: GatewayHarness) -> None:
@@ -90,7 +90,7 @@ async def test_no_grammar_service_is_a_503_at_once_for_constrained_requests_only
         assert "grammar service" in resp.json()["error"]["message"]
         # Nobody ever served the stream: refused at once, not after the call's timeout.
         assert time.monotonic() - started < timeout_s / 2
-        assert await gateway.stream_len(gateway.streams.requests) == 0
+        assert await gateway.entries_added(gateway.streams.requests) == 0
         await assert_unconstrained_requests_still_go_through(gateway)
 
 
@@ -107,7 +107,7 @@ async def test_a_grammar_service_that_stopped_answering_is_a_503_after_the_timeo
     assert resp.json()["error"]["code"] == "grammar_service_unavailable"
     assert "no answer" in resp.json()["error"]["message"]
     assert time.monotonic() - started >= 0.5  # grammar_timeout_s
-    assert await gateway.stream_len(gateway.streams.requests) == 0
+    assert await gateway.entries_added(gateway.streams.requests) == 0
     await assert_unconstrained_requests_still_go_through(gateway)
 
 

@@ -22,6 +22,7 @@ from shared.heartbeat import Heartbeater
 from shared.protocol import RequestDelta, SubmitRequest, TokenDelta
 from shared.service import bind_socket, serve
 from shared.streams import Streams
+from tests.support.stream_counts import entries_added_async
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -262,7 +263,7 @@ async def test_not_ready_and_refusing_generation_until_a_worker_group_is_ready(
         ids = tokens.json()["tokens"]
         text = await client.post("/detokenize", json={"tokens": ids}, headers=AUTH)
         assert text.status_code == 200 and "hello" in text.json()["prompt"]
-        assert await scheduler.bus.redis.xlen(Streams().requests) == 0  # nothing was queued
+        assert await entries_added_async(scheduler.bus.redis, Streams().requests) == 0
 
         # The worker group comes up: ready, and a request is served.
         scheduler.ready = True

@@ -91,8 +91,12 @@ async def test_publish_read_ack(bus: Bus, redis_url: str) -> None:
     assert {d.stream for d in got} == {STREAM}
     assert pending(redis_url) == 3
 
-    await bus.ack(GROUP, got)
-    assert pending(redis_url) == 0
+    await bus.ack(GROUP, got[:2])
+    assert pending(redis_url) == 1
+    # An acked entry is done: deleted, so the stream holds only what is still pending.
+    assert await bus.redis.xlen(STREAM) == 1
+    await bus.ack(GROUP, got[2:])
+    assert pending(redis_url) == 0 and await bus.redis.xlen(STREAM) == 0
     assert await bus.read_group(GROUP, [STREAM], block_ms=None) == []
 
 
@@ -121,6 +125,32 @@ async def test_maxlen_trims_the_stream(redis_url: str) -> None:
     # Approximate trimming drops whole radix-tree nodes (100 entries each by default), so the
     # stream keeps at least maxlen and less than maxlen plus one node.
     assert 100 <= length < 200
+
+
+async def test_fan_out_streams_keep_their_retention_and_group_streams_their_maxlen(
+    redis_url: str,
+) -> None:
+    """Fan-out streams are trimmed by age (XADD MINID): 300 entries an hour old go, new ones
+    stay; a stream read through a group is never trimmed by age (its pending entries are
+    requests in progress), only by length."""
+    fan_out, grouped = "meshllm:test:{g0}:steps", STREAM
+    old_ms = int((time.time() - 3600) * 1000)
+    bus = Bus(redis_url, "producer", maxlen=1000, retention_s=60)
+    try:
+        for stream in (fan_out, grouped):
+            pipe = bus.redis.pipeline(transaction=False)
+            for i in range(300):
+                pipe.xadd(stream, {"m": encode(abort(i))}, id=f"{old_ms}-{i}")
+            await pipe.execute()
+            await bus.publish_many([(stream, abort(1000 + i)) for i in range(5)])
+        # Approximate trimming drops whole nodes (100 entries): the old ones of the last node
+        # may stay until the next XADD past them.
+        assert await bus.redis.xlen(fan_out) < 105
+        newest = await bus.redis.xrevrange(fan_out, count=5)
+        assert [int(entry_id.split(b"-")[0]) > old_ms for entry_id, _ in newest] == [True] * 5
+        assert await bus.redis.xlen(grouped) == 305
+    finally:
+        await bus.close()
 
 
 async def test_a_live_consumer_claims_what_a_killed_one_left_pending(

@@ -294,7 +294,9 @@ async def test_concurrency_one_serves_in_order_and_more_overlaps(
         first = asyncio.create_task(c.call(CALLS, ask("first"), Echoed, timeout_s=5))
         await first_entered.wait()
         second = asyncio.create_task(c.call(CALLS, ask("second"), Echoed, timeout_s=5))
-        while await r.xlen(CALLS) < 2:  # the second call is queued behind the first
+        # The second call is queued behind the first (concurrency 1: both in the stream, the
+        # first pending), or already served (served calls are deleted with their ack).
+        while not second_started.is_set() and await r.xlen(CALLS) < 2:
             await asyncio.sleep(0.005)
         release.set()
         await asyncio.gather(first, second)

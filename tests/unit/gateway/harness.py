@@ -40,6 +40,7 @@ from shared.heartbeat import Heartbeater
 from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
 from shared.rpc import RpcClient
 from shared.streams import Streams
+from tests.support.stream_counts import entries_added_async
 
 MODEL_NAME = "smollm2"
 WAIT_S = 10.0
@@ -100,8 +101,9 @@ class GatewayHarness:
         async with asyncio.timeout(WAIT_S):
             await self.mesh_reader.wait_for(lambda v: v.serving(model, time.time()).ok == ok)
 
-    async def stream_len(self, stream: str) -> int:
-        return int(await self.scheduler_bus.redis.xlen(stream))
+    async def entries_added(self, stream: str) -> int:
+        """Entries ever added to `stream` (tests/support/stream_counts.py)."""
+        return await entries_added_async(self.scheduler_bus.redis, stream)
 
     async def reply(self, *deltas: RequestDelta) -> None:
         """Publish one TokenDelta on the gateway's reply stream, as a scheduler would."""

@@ -25,7 +25,7 @@ async def test_429_past_the_limit_then_accepted_again(
         assert refused.status_code == 429
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-        assert await gw.stream_len(gw.streams.requests) == 2  # the refused one was not queued
+        assert await gw.entries_added(gw.streams.requests) == 2  # the refused one was not queued
 
         too_big = await gw.http.post("/v1/completions", json={**BODY, "n": 3})
         assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "n"

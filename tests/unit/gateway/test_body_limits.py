@@ -86,7 +86,7 @@ async def refused(gateway: GatewayHarness, path: str, body: bytes | dict[str, An
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error"
-    assert await gateway.stream_len(gateway.streams.requests) == 0
+    assert await gateway.entries_added(gateway.streams.requests) == 0
     return error
 
 
@@ -224,7 +224,7 @@ async def test_a_body_of_exactly_the_limit_passes_one_byte_more_is_a_413(
     assert resp.status_code == 413, resp.text
     error = resp.json()["error"]
     assert error["code"] == "request_too_large" and str(MAX_BYTES) in error["message"]
-    assert await gateway.stream_len(gateway.streams.requests) == 0
+    assert await gateway.entries_added(gateway.streams.requests) == 0
     task = asyncio.create_task(post(gateway, "/v1/completions", padded(COMPLETION, MAX_BYTES)))
     submit = await gateway.next_submit()
     await gateway.reply(

@@ -68,7 +68,7 @@ async def test_out_of_range_start_is_refused_and_never_queued(
     error = resp.json()["error"]
     assert error["param"] == "routed_experts_prompt_start"
     assert f"[0, {prompt_len}]" in error["message"]
-    assert await gateway.stream_len(gateway.streams.requests) == 0
+    assert await gateway.entries_added(gateway.streams.requests) == 0
 
 
 @pytest.mark.parametrize("where", ["end", "start", "middle", "default"])

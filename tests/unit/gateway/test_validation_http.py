@@ -164,7 +164,7 @@ async def test_bad_value_is_a_400_naming_the_field(
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error" and error["code"] is None
     assert error["message"]
-    assert await gateway.stream_len(gateway.streams.requests) == 0
+    assert await gateway.entries_added(gateway.streams.requests) == 0
 
 
 async def test_unknown_model_is_a_404(gateway: GatewayHarness) -> None:
