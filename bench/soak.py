@@ -168,6 +168,7 @@ async def drive(mesh: Mesh, args: argparse.Namespace, csv: list[str]) -> dict[st
     http = httpx.AsyncClient(base_url=mesh.url("gateway"), timeout=60)
     model = (await client.models.list()).data[0].id
     outcomes: collections.Counter[str] = collections.Counter()
+    errors: list[str] = []
     end = time.monotonic() + args.minutes * 60
     counter = iter(range(10**9))
 
@@ -178,6 +179,8 @@ async def drive(mesh: Mesh, args: argparse.Namespace, csv: list[str]) -> dict[st
                 outcomes[await one_request(client, http, model, i)] += 1
             except Exception as exc:  # counted, never fatal: the soak reports them
                 outcomes[f"error {type(exc).__name__}"] += 1
+                if len(errors) < 10:
+                    errors.append(f"request {i} (kind {i % 9}): {exc!r}"[:500])
 
     async def sampler() -> None:
         start = time.monotonic()
@@ -197,6 +200,12 @@ async def drive(mesh: Mesh, args: argparse.Namespace, csv: list[str]) -> dict[st
     await asyncio.gather(sampler(), *(client_loop() for _ in range(args.concurrency)))
     await http.aclose()
     await client.close()
+    for line in errors:
+        print(line)
+    if errors:  # what the services logged about them: error lines of each service's log
+        for name in mesh.procs:
+            lines = [ln for ln in mesh.tail(name, 100_000).splitlines() if '"ERROR"' in ln]
+            print(f"{name}: {len(lines)} error lines", *lines[-5:], sep="\n  ")
     return dict(outcomes)
 
 

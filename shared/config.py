@@ -72,7 +72,9 @@ class CommonSettings(MeshSettings):
     stream_maxlen: int = 100_000  # approximate MAXLEN of streams read through a group
     # History kept in fan-out streams (steps, results, kvevents, heartbeats, replies, ...:
     # shared/streams.py trimmed_by_age): more than any reader lags or replays on start (30 s).
-    stream_retention_s: float = Field(600.0, ge=60)
+    # Their bytes are rate x retention: at 600 s the steps stream alone held 62 MiB on the
+    # 2-core CPU soak (5 KB plans), and a GPU makes ten times the steps.
+    stream_retention_s: float = Field(60.0, ge=60)
     claim_idle_ms: int = 15_000  # pending entries idle this long are claimed from dead consumers
     # An entry delivered more often than this (its consumers kept dying on it) is dead-lettered
     # and its request failed, instead of taking every consumer that reads it down in turn.

@@ -92,7 +92,7 @@ def trimmed_by_age(stream: str) -> bool:
     stream holds what is unread or pending; MAXLEN only guards against a consumer that never
     comes. The dead-letter stream, which no service reads, keeps its last MAXLEN entries. Every
     other stream is fan-out, read by position and never acked (steps, results, control,
-    kvevents, aborts, heartbeats, reply streams): those keep `stream_retention_s` of history
+    kvevents, aborts, heartbeats, reply streams): those keep `stream_retention_s` of history (60 s)
     (XADD MINID), which bounds them by time at any rate instead of letting each grow to MAXLEN
     entries (100,000 plans or deltas: hundreds of MiB of Redis memory)."""
     tail = stream.rsplit(":", 1)[-1]
