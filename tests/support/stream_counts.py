@@ -9,11 +9,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 
+def _no_stream(exc: ResponseError) -> bool:
+    return "no such key" in str(exc)
+
+
 def entries_added(client: redis.Redis, stream: str) -> int:
     try:
         return int(client.xinfo_stream(stream)["entries-added"])
     except ResponseError as exc:
-        if "no such key" in str(exc):
+        if _no_stream(exc):
             return 0
         raise
 
@@ -22,6 +26,6 @@ async def entries_added_async(client: aioredis.Redis, stream: str) -> int:
     try:
         return int((await client.xinfo_stream(stream))["entries-added"])
     except ResponseError as exc:
-        if "no such key" in str(exc):
+        if _no_stream(exc):
             return 0
         raise

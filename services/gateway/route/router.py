@@ -177,17 +177,17 @@ class Router:
         if self.policy == "round_robin":
             return ordered[self._turn % len(ordered)]
 
-        def cost(c: Candidate) -> float:
-            load = float(self.load(c))
+        def cost(c: Candidate) -> tuple[float, int, int]:
+            """(cost, load, -overlap): the load counted once (each count is a pass over the
+            group's routed requests)."""
+            load = self.load(c)
             if self.policy == "least_load":
-                return load
+                return float(load), load, 0
             blocks = len(hashes.get(c.group, []))
             miss = 1.0 - overlaps[c.group] / blocks if blocks else 1.0
-            return self.overlap_weight * miss + load
+            return round(self.overlap_weight * miss + load, 9), load, -overlaps.get(c.group, 0)
 
-        costs = {
-            c.group: (round(cost(c), 9), self.load(c), -overlaps.get(c.group, 0)) for c in ordered
-        }
+        costs = {c.group: cost(c) for c in ordered}
         best = min(costs.values())
         tied = [c for c in ordered if costs[c.group] == best]
         return tied[self._turn % len(tied)]
