@@ -20,7 +20,7 @@ help:
 	@echo "make swarm-test   the same images as a Docker Swarm stack: deploy, scale, roll, remove"
 	@echo "make lint   ruff check + ruff format --check"
 	@echo "make bench  the CPU component benchmarks in BENCH_MODULES (bench/README.md lists the rest)"
-	@echo "make gpu-bundle  .whl/ + .redisbin/ for a GPU machine without network (bench/gpu/run.sh)"
+	@echo "make gpu-bundle  .whl/ + .redisbin/ + .tokenizer/ for a GPU machine without network (bench/gpu/run.sh)"
 	@echo "make venv   create/refresh $(VENV) (re-runs only when pyproject.toml changes)"
 	@echo "make redis  install redis-server with apt when it is missing"
 

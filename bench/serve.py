@@ -14,7 +14,9 @@ Datasets:
 
 Reported: completed/failed requests, request and output throughput, and TTFT, TPOT (time per
 output token after the first), ITL (gap between streamed chunks) and E2E latency, each as
-mean, median, std and the `--percentiles` asked for (p50, p99 by default), in ms.
+mean, median, std and the `--percentiles` asked for (p50, p99 by default), in ms. With
+`--goodput ttft:2000 tpot:50` (ms; keys ttft, tpot, e2el, as vllm bench serve), also
+`request_goodput`: requests per second that met every one of those objectives.
 
     python -m bench.serve --num-prompts 64 --max-concurrency 8 --input-len 256 --output-len 128
     python -m bench.serve --dataset shared-prefix --prefix-len 512 --num-prefixes 4 \
@@ -206,10 +208,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result |= _stats(tpots, "tpot", percentiles)
     result |= _stats([x for r in done for x in r.itl], "itl", percentiles)
     result |= _stats([r.e2el for r in done], "e2el", percentiles)
+    if args.goodput:
+        slo = parse_goodput(args.goodput)
+        good = [r for r in done if meets(r, slo)]
+        result["goodput_slo_ms"] = slo
+        result["request_goodput"] = len(good) / duration
+        result["good_requests"] = len(good)
     errors = [r.error for r in records if not r.ok][:3]
     if errors:
         result["errors"] = errors
     return result
+
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """`["ttft:2000", "tpot:50"]` -> {"ttft": 2000.0, "tpot": 50.0} (milliseconds)."""
+    slo: dict[str, float] = {}
+    for pair in pairs:
+        key, _, value = pair.partition(":")
+        if key not in GOODPUT_KEYS or not value:
+            raise SystemExit(f"--goodput {pair!r}: expected KEY:MS with KEY in {GOODPUT_KEYS}")
+        slo[key] = float(value)
+    return slo
+
+
+def meets(rec: RequestRecord, slo: dict[str, float]) -> bool:
+    """Whether one finished request met every objective (TPOT over its tokens after the first,
+    as vllm bench serve's goodput counts it)."""
+    tpot = (rec.e2el - rec.ttft) / (rec.output_tokens - 1) if rec.output_tokens > 1 else 0.0
+    measured = {"ttft": rec.ttft, "tpot": tpot, "e2el": rec.e2el}
+    return all(measured[key] * 1000 <= limit for key, limit in slo.items())
 
 
 def parser() -> argparse.ArgumentParser:
@@ -229,6 +259,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=0, help="0 = unbounded")
     p.add_argument("--percentiles", default="50,99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--goodput", nargs="+", default=[], help="SLOs in ms, e.g. ttft:2000 tpot:50")
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)

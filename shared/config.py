@@ -225,6 +225,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     port: int = 8002
     kv_cache_bytes: int = 0  # 0 = kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.3
+    # "dummy": random weights at the shapes of MESHLLM_MODEL's config.json, no weight files read
+    # (vLLM's --load-format dummy): benchmarks of large shapes behind the gateway, which still
+    # needs the directory's tokenizer. "auto": the checkpoint's weights.
+    load_format: Literal["auto", "dummy"] = "auto"
     num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     # Launch step N+1 while step N still runs on the device (its sampled tokens fed forward on
     # the device; services/worker/runner/in_flight.py). "auto": on for CUDA, off on CPU, where a

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Build the offline bundle a GPU machine without network needs to run the GPU tests and
-# benchmarks (`make gpu-bundle`; bench/gpu/run.sh installs and uses it there). Both folders are
+# benchmarks (`make gpu-bundle`; bench/gpu/run.sh installs and uses it there). The folders are
 # git-ignored and travel with the tree:
 #   .whl/       cp312 manylinux x86_64 wheels of what the GPU image lacks (the service stack:
 #               fastapi, uvicorn, pydantic(-core, -settings), redis-py, hiredis, msgpack,
 #               jsonschema, prometheus-client, httpx, openai, xgrammar) and their dependencies,
 #               pinned to this venv's versions (the ones CI tests). The image's own torch,
 #               triton, transformers, numpy, tokenizers, safetensors, huggingface-hub stay out.
+#   .tokenizer/ the embedded SmolLM2's tokenizer files and config.json (no weights): the
+#               tokenizer of bench/gpu/gateway_serve.py's random-weight model.
 #   .redisbin/  redis-server with the shared libraries it links (found with ldd), but for
 #               glibc's own and the C++ runtime (libstdc++, libgcc_s: every machine with torch
 #               has them; bookworm's would raise the glibc needed from 2.34 to 2.36), and a
@@ -18,6 +20,7 @@ set -euo pipefail
 VENV_PY=${VENV_PY:-.venv/bin/python}
 WHL=${WHL:-.whl}
 REDISBIN=${REDISBIN:-.redisbin}
+TOKDIR=${TOKDIR:-.tokenizer}
 PIP=("$VENV_PY" -m pip)
 
 # Resolved with their dependencies; none of them needs a package the image has.
@@ -95,6 +98,18 @@ if missing:
 print(f"{len(wheels)} wheels, one version each, every requirement met")
 PY
 
+echo "== tokenizer -> $TOKDIR"
+src=$("$VENV_PY" -c 'from shared.config import ModelSettings
+from shared.model.source import resolve_model
+print(resolve_model("", ModelSettings().model_cache_dir).hf_dir)')
+rm -rf "$TOKDIR"
+mkdir -p "$TOKDIR"
+for name in config.json tokenizer.json tokenizer_config.json special_tokens_map.json \
+    chat_template.jinja generation_config.json; do
+    if [ -e "$src/$name" ]; then cp "$src/$name" "$TOKDIR/"; fi
+done
+[ -e "$TOKDIR/tokenizer.json" ] || { echo "no tokenizer.json in $src" >&2; exit 1; }
+
 echo "== redis-server -> $REDISBIN"
 server=$(command -v redis-server) || { echo "redis-server not installed (make redis)" >&2; exit 1; }
 rm -rf "$REDISBIN"
@@ -152,4 +167,4 @@ kill "$redis_pid"
 wait "$redis_pid" 2>/dev/null || true
 "$REDISBIN/redis-server" --version
 echo "needs glibc >= ${glibc#GLIBC_} on the GPU machine"
-du -sh "$WHL" "$REDISBIN"
+du -sh "$WHL" "$REDISBIN" "$TOKDIR"

@@ -2,8 +2,8 @@
 # The GPU test suite and the GPU benchmarks on a CUDA machine without network, from the tree
 # root, results under $OUT.
 #
-#   make gpu-bundle                  # here, once: .whl/ and .redisbin/ (bench/gpu/bundle.sh)
-#   bash bench/gpu/run.sh [all|tests|bench]      # there, with .whl/ and .redisbin/ copied along
+#   make gpu-bundle          # here, once: .whl/, .redisbin/, .tokenizer/ (bench/gpu/bundle.sh)
+#   bash bench/gpu/run.sh [all|tests|bench|serve]   # there, with .whl/, .redisbin/, .tokenizer/
 #
 # The machine needs Python 3.12 with torch (CUDA), triton and transformers installed (the
 # bundle brings the rest) and glibc >= 2.34. Steps:
@@ -15,13 +15,17 @@
 #      + scheduler + worker processes, Llama-3-8B shape, random bf16 weights, prompt 512,
 #      output 128); bench.baseline_transformers on the same shape at 1/64/256 (warmed,
 #      best-of-2); then the mesh / transformers ratio per batch.
+#   4. serve (only when asked for: `run.sh serve`): bench.gpu.gateway_serve, the same shape with
+#      the SmolLM2 tokenizer through the gateway, driven by bench/serve.py (gateway cost
+#      against the scheduler-direct path, datasets, request rates, 8k/32k prompts).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
-# kernel_timings.json, mesh_decode.json, transformers.json. Each step runs under what is left
-# of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot starve the rest:
-# `tests` alone takes ~6-7 min on a fresh H200 machine (cold Triton caches), `bench` ~5 min.
+# kernel_timings.json, mesh_decode.json, transformers.json, gateway_serve.json. Each step runs
+# under what is left of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot
+# starve the rest: `tests` alone takes ~6-7 min on a fresh H200 machine (cold Triton caches),
+# `bench` ~5 min.
 set -uo pipefail
 MODE=${1:-all}
-case $MODE in all | tests | bench) ;; *) echo "usage: $0 [all|tests|bench]" >&2; exit 2 ;; esac
+case $MODE in all | tests | bench | serve) ;; *) echo "usage: $0 [all|tests|bench|serve]" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/meshllm-gpu}
@@ -30,7 +34,7 @@ DEADLINE=$(($(date +%s) + ${BUDGET_S:-570}))
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/run.log") 2>&1
 
-for need in .whl .redisbin/redis-server; do
+for need in .whl .redisbin/redis-server .tokenizer/tokenizer.json; do
     [ -e "$need" ] || { echo "$need missing: run \`make gpu-bundle\` and copy it along" >&2; exit 2; }
 done
 SITE=${SITE:-/tmp/site}
@@ -65,11 +69,15 @@ step() {  # step NAME CAP_SECONDS COMMAND...: COMMAND under min(CAP, what is lef
     ((rc == 0)) || FAILED=1
 }
 
-if [ "$MODE" != bench ]; then
+if [ "$MODE" = serve ]; then
+    step gateway-serve 540 python3 -m bench.gpu.gateway_serve --tokenizer .tokenizer \
+        --out "$OUT/gateway_serve.json"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
     step gpu-tests 480 bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider \
         tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py 2>&1 | tee '$OUT/gpu_tests.log'"
 fi
-if [ "$MODE" != tests ]; then
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
     step kernel-timings 150 python3 -m bench.gpu.kernel_timings --out "$OUT/kernel_timings.json"
     step mesh-decode 180 python3 -m bench.gpu.mesh_decode --batches 1 16 64 256 --repeats 2 \
         --out "$OUT/mesh_decode.json"

@@ -14,7 +14,11 @@ import torch
 
 from services.worker.accel.cpu_compile import compile_supported
 from services.worker.loader import load_model, prepare_for_device
-from services.worker.models.random_init import is_random_spec, load_random_model
+from services.worker.models.random_init import (
+    RANDOM_SCHEME,
+    is_random_spec,
+    load_random_model,
+)
 from services.worker.parallel.group import SINGLE, TensorParallel
 from services.worker.runner.kv_cache import KVCache, KVCacheSizeError, budget_blocks
 from services.worker.runner.model_runner import ModelRunner
@@ -72,11 +76,14 @@ def build_runner(
     compiled = (
         settings.cpu_compile != "off" and device.type == "cpu" and not spec.enabled and tp.size == 1
     )
-    if is_random_spec(source.path):  # benchmarks: real shapes, random weights, no checkpoint
+    random_spec = str(source.path) if is_random_spec(source.path) else ""
+    if settings.load_format == "dummy":
+        random_spec = f"{RANDOM_SCHEME}{source.hf_dir}"
+    if random_spec:  # benchmarks: real shapes, random weights, no checkpoint
         if tp.size > 1:
             raise ValueError("random-weight models are not sharded: MESHLLM_TP=1")
         model, config = load_random_model(
-            str(source.path), settings.dtype, device, settings.max_model_len, compiled
+            random_spec, settings.dtype, device, settings.max_model_len, compiled
         )
     else:
         model, config = load_model(

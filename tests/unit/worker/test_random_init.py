@@ -18,8 +18,10 @@ from services.worker.models.random_init import (
 )
 from services.worker.models.registry import build_model
 from services.worker.runner.bootstrap import build_runner
+from services.worker.runner.model_runner import ModelRunner
 from shared.config import WorkerSettings
 from shared.model.config import ModelConfig
+from shared.model.source import resolve_model
 from shared.protocol import NewRequestData, SamplingParams, StepPlan
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
@@ -63,14 +65,8 @@ def test_random_spec_resolution(tmp_path: Path) -> None:
         random_source("random:no-such-model")
 
 
-def test_worker_serves_a_random_spec(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(TINY))
-    spec = f"random:{tmp_path / 'config.json'}"
-    settings = WorkerSettings(
-        model=spec, device="cpu", dtype="float32", max_model_len=32, kv_cache_bytes=2**20
-    )
-    runner, ready = build_runner(random_source(spec), settings, "inc-1")
-    assert (ready.vocab_size, ready.max_model_len, ready.eos_token_ids) == (64, 32, [5])
+def _one_prefill_step(runner: ModelRunner) -> None:
+    """A 4-token prefill runs and samples a token in the vocabulary; the KV it wrote is finite."""
     plan = StepPlan(
         step_id=1, scheduler_id="s", worker_incarnation="inc-1",
         new_requests=[NewRequestData(
@@ -83,3 +79,31 @@ def test_worker_serves_a_random_spec(tmp_path: Path) -> None:
     assert result.error is None and len(result.sampled) == 1
     assert 0 <= result.sampled[0].token_ids[0] < 64
     assert np.isfinite(runner.kv_cache.layers[0][0, 1].numpy()).all()
+
+
+def test_worker_serves_a_random_spec(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    spec = f"random:{tmp_path / 'config.json'}"
+    settings = WorkerSettings(
+        model=spec, device="cpu", dtype="float32", max_model_len=32, kv_cache_bytes=2**20
+    )
+    runner, ready = build_runner(random_source(spec), settings, "inc-1")
+    assert (ready.vocab_size, ready.max_model_len, ready.eos_token_ids) == (64, 32, [5])
+    _one_prefill_step(runner)
+
+
+def test_load_format_dummy_serves_a_checkpoint_directory_without_weights(tmp_path: Path) -> None:
+    """MESHLLM_LOAD_FORMAT=dummy (vLLM's --load-format dummy): the directory the gateway reads
+    its tokenizer from holds only config.json here; the worker builds random weights at its
+    shapes instead of loading, and without the setting the same directory does not load."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY))
+    source = resolve_model(str(model_dir), tmp_path / "cache")
+    fields = dict(device="cpu", dtype="float32", max_model_len=32, kv_cache_bytes=2**20)
+    settings = WorkerSettings(model=str(model_dir), load_format="dummy", **fields)  # type: ignore[arg-type]
+    runner, ready = build_runner(source, settings, "inc-1")
+    assert (ready.model, ready.vocab_size, ready.eos_token_ids) == ("model", 64, [5])
+    _one_prefill_step(runner)
+    with pytest.raises(Exception, match="safetensors|weights|gguf"):
+        build_runner(source, WorkerSettings(model=str(model_dir), **fields), "inc-2")  # type: ignore[arg-type]
