@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.worker.loader.checkpoint_names import CheckpointError
 from services.worker.models.random_init import (
     PRESETS,
     build_random_model,
@@ -105,5 +106,5 @@ def test_load_format_dummy_serves_a_checkpoint_directory_without_weights(tmp_pat
     runner, ready = build_runner(source, settings, "inc-1")
     assert (ready.model, ready.vocab_size, ready.eos_token_ids) == ("model", 64, [5])
     _one_prefill_step(runner)
-    with pytest.raises(Exception, match="safetensors|weights|gguf"):
+    with pytest.raises(CheckpointError, match=r"holds no \.safetensors weights"):
         build_runner(source, WorkerSettings(model=str(model_dir), **fields), "inc-2")  # type: ignore[arg-type]
