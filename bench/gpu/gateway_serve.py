@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import signal
 import sys
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve
-from bench.gpu.mesh_decode import TINY, run_batch
+from bench.gpu.mesh_decode import TINY, run_batch, scrape
 from services.worker.models.random_init import PRESETS
 from shared.model.source import resolve_model
 from tests.support.mesh import Mesh
@@ -102,6 +103,36 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items() if k in keys}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (/proc/<pid>/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class RunCosts:
+    """What one run cost besides its wall time: the scheduler's steps (and their mean wall
+    time) and each service process's CPU time per output token."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.pids = {name: proc.pid for name, proc in mesh.procs.items()}
+        self.metrics = scrape(mesh)
+        self.cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def since(self, output_tokens: int) -> dict[str, Any]:
+        now = scrape(self.mesh)
+        steps = now["scheduler_step_seconds_count"] - self.metrics["scheduler_step_seconds_count"]
+        step_s = now["scheduler_step_seconds_sum"] - self.metrics["scheduler_step_seconds_sum"]
+        out: dict[str, Any] = {
+            "steps": int(steps),
+            "step_ms_mean": round(1000 * step_s / steps, 2) if steps else None,
+        }
+        for name, pid in self.pids.items():
+            used = cpu_seconds(pid) - self.cpu[name]
+            out[f"{name}_cpu_us_per_token"] = round(1e6 * used / max(output_tokens, 1), 1)
+        return out
+
+
 async def gateway_cost(mesh: Mesh, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     """Direct (bus) and gateway runs of the same shape, alternating, per concurrency."""
     direct_args = argparse.Namespace(
@@ -109,10 +140,13 @@ async def gateway_cost(mesh: Mesh, args: argparse.Namespace, vocab: int) -> list
     )
     rows = []
     for c in args.concurrency:
-        direct, gateway = [], []
+        direct, gateway, costs = [], [], []
         for repeat in range(args.repeats):
+            before = RunCosts(mesh)
             got = await run_batch(mesh, c, direct_args, f"direct-{c}-{repeat}")
             direct.append(got["throughput_tok_s"])
+            costs.append({"path": "direct", **before.since(c * args.output)})
+            before = RunCosts(mesh)
             ran = await serve.run(
                 serve_args(
                     mesh.api, vocab, num_prompts=c, max_concurrency=c, input_len=args.prompt,
@@ -122,11 +156,13 @@ async def gateway_cost(mesh: Mesh, args: argparse.Namespace, vocab: int) -> list
             if ran["failed"]:
                 raise RuntimeError(f"gateway run at {c}: {ran.get('errors')}")
             gateway.append(round(ran["output_throughput"], 1))
+            costs.append({"path": "gateway", **before.since(ran["total_output_tokens"])})
         row = {
             "concurrency": c,
             "direct_tok_s": direct,
             "gateway_tok_s": gateway,
             "gateway_over_direct": round(max(gateway) / max(direct), 4),
+            "costs": costs,
         }
         print(json.dumps(row), flush=True)
         rows.append(row)

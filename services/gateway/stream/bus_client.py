@@ -66,23 +66,36 @@ class RequestHandle:
         self.plan = plan
         self.seed = seed
         self.request_ids = [plan.choice_request_id(c) for c in range(plan.num_choices)]
-        self.queue: asyncio.Queue[tuple[int, RequestDelta] | OpenAIError] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, RequestDelta] | None] = asyncio.Queue()
+        self.failure: OpenAIError | None = None  # set by `fail`; None (queued) wakes the waiter
         self.open = set(range(plan.num_choices))  # choices the engine may still be running
 
     async def next_delta(self, timeout_s: float | None) -> tuple[int, RequestDelta]:
         """(choice index, fresh delta); TimeoutError past `timeout_s`; the OpenAIError the
-        request was failed with (`fail`)."""
-        async with asyncio.timeout(timeout_s):
-            item = await self.queue.get()
-        if isinstance(item, OpenAIError):
-            self.queue.put_nowait(item)  # every later call fails the same way
-            raise item
-        return item
+        request was failed with (`fail`), on this call and every later one."""
+        if self.failure is None:
+            async with asyncio.timeout(timeout_s):
+                item = await self.queue.get()
+            if item is not None:
+                return item
+        assert self.failure is not None
+        raise self.failure
+
+    def queued_deltas(self) -> list[tuple[int, RequestDelta]]:
+        """The deltas already waiting, taken without waiting (none once the request failed):
+        what a consumer that fell behind the engine sends on as one update per choice."""
+        ready: list[tuple[int, RequestDelta]] = []
+        while self.failure is None and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not None:
+                ready.append(item)
+        return ready
 
     def fail(self, error: OpenAIError) -> None:
         """End the request from the gateway's side: the waiter gets `error`. The route's
         `close()` then aborts what still runs on the engine."""
-        self.queue.put_nowait(error)
+        self.failure = error
+        self.queue.put_nowait(None)
 
     def abort(self, choice: int, reason: str) -> None:
         """Stop one choice on the scheduler (e.g. a stop string matched)."""

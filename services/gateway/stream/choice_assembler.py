@@ -39,6 +39,19 @@ class ChoiceUpdate:
     error: str | None = None
     error_type: str | None = None  # "invalid_request_error": the request's fault (a 400)
 
+    def then(self, later: ChoiceUpdate) -> ChoiceUpdate:
+        """This update followed by `later` (of the same choice) as one: a stream chunk for
+        several deltas that were waiting together."""
+        return ChoiceUpdate(
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+            routed_rows=self.routed_rows + later.routed_rows,
+            finish_reason=later.finish_reason,
+            stopped_on_string=later.stopped_on_string,
+            error=later.error,
+            error_type=later.error_type,
+        )
+
 
 class ChoiceAssembler:
     def __init__(

@@ -30,6 +30,7 @@ from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import RequestHandle
 from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate
 from services.gateway.stream.request_deadline import Bound, RequestDeadline
+from shared.protocol import RequestDelta
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,16 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
         """Choice updates in arrival order until every choice finished; RequestTimedOut past
-        either bound of the deadline (`close()` then aborts the request on the scheduler)."""
+        either bound of the deadline (`close()` then aborts the request on the scheduler).
+
+        Deltas that were already waiting when the consumer came for the next one (it fell
+        behind the engine: a slow client, a busy gateway) become one update per choice, so a
+        loaded gateway sends fewer, larger chunks instead of falling further behind (vLLM's
+        RequestOutputCollector merges outputs the same way)."""
         running = {c.index for c in self.choices}
         while running:
             try:
-                index, delta = await self.handle.next_delta(
-                    self.deadline.remaining_s(time.monotonic())
-                )
+                first = await self.handle.next_delta(self.deadline.remaining_s(time.monotonic()))
             except TimeoutError:
                 self.timed_out = True
                 bound = self.deadline.passed(time.monotonic()) or "progress"
@@ -117,19 +121,29 @@ class Generation:
                 )
                 raise RequestTimedOut(bound, self.progress_timeout_s) from None
             self.deadline.progressed(time.monotonic())
-            choice = self.choices[index]
-            if choice.finished:
-                continue
-            before = choice.num_tokens
-            update = choice.consume(delta)
-            self.timers[index].tokens(choice.num_tokens - before)
-            if update.stopped_on_string:
-                self.handle.abort(index, "stop")  # a no-op when the engine already finished it
-            if update.finish_reason is not None:
-                running.discard(index)
-                if update.finish_reason in SUCCESS_REASONS:
-                    self.timers[index].finished(update.finish_reason, choice.num_tokens)
-            yield index, update
+            merged: dict[int, ChoiceUpdate] = {}  # per choice, in order of first arrival
+            for index, delta in [first, *self.handle.queued_deltas()]:
+                update = self._consume(index, delta, running)
+                if update is not None:
+                    merged[index] = merged[index].then(update) if index in merged else update
+            for index, update in merged.items():
+                yield index, update
+
+    def _consume(self, index: int, delta: RequestDelta, running: set[int]) -> ChoiceUpdate | None:
+        """One delta into its choice (None when that choice had already finished)."""
+        choice = self.choices[index]
+        if choice.finished:
+            return None
+        before = choice.num_tokens
+        update = choice.consume(delta)
+        self.timers[index].tokens(choice.num_tokens - before)
+        if update.stopped_on_string:
+            self.handle.abort(index, "stop")  # a no-op when the engine already finished it
+        if update.finish_reason is not None:
+            running.discard(index)
+            if update.finish_reason in SUCCESS_REASONS:
+                self.timers[index].finished(update.finish_reason, choice.num_tokens)
+        return update
 
     async def collect(self) -> dict[str, Any]:
         """The whole response body (non-streaming)."""

@@ -144,6 +144,42 @@ async def test_the_role_chunk_waits_for_the_first_token(
     assert text == tokenizer.decode(ids[:-1])
 
 
+async def test_deltas_waiting_together_leave_as_one_chunk(
+    gateway: GatewayHarness, tokenizer: PromptTokenizer
+) -> None:
+    """A consumer that fell behind the engine finds several deltas waiting: they go out as one
+    chunk with all their text and logprobs (vLLM merges outputs the same way), not one chunk
+    each, so a loaded gateway does less work per token instead of falling further behind."""
+    ids = [*tokenizer.encode(ANSWER, add_special_tokens=False), EOS]
+    body = {
+        "model": MODEL_NAME, "prompt": "Capital of France?", "max_tokens": 100, "stream": True,
+        "logprobs": 1,
+    }  # fmt: skip
+    async with gateway.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        sub = await gateway.next_submit()
+        deltas = pieces(sub.request_id, ids, 3, finish_reason="stop", stop_token_id=EOS)
+        for d in deltas:
+            d.logprobs = [-0.5 - 0.01 * i for i in range(len(d.token_ids))]
+        # The first delta alone, read by the client before the rest arrive: its own chunk.
+        await gateway.reply(deltas[0])
+        lines = resp.aiter_lines()
+        events = (json.loads(x[6:]) async for x in lines if x.startswith("data: {"))
+        first = await anext(events)
+        # The others in one message: all waiting when the stream's consumer wakes up.
+        await gateway.reply(*deltas[1:])
+        rest = [event async for event in events]
+    assert first["choices"][0]["text"] == tokenizer.decode(ids[:3])
+    assert first["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids[:3]]
+    assert len(rest) == 1, [e["choices"][0]["text"] for e in rest]
+    merged = rest[0]["choices"][0]
+    assert merged["text"] == tokenizer.decode(ids[:-1])[len(first["choices"][0]["text"]) :]
+    assert merged["finish_reason"] == "stop"
+    # Every later token has its logprob, in order (the eos too, as vLLM reports it).
+    sent = [lp for d in deltas[1:] for lp in d.logprobs or []]
+    assert merged["logprobs"]["token_logprobs"] == pytest.approx(sent, rel=1e-6)
+
+
 async def test_completion_stream_stop_string_across_deltas_is_cut_and_aborted(
     gateway: GatewayHarness, client: openai.AsyncOpenAI, tokenizer: PromptTokenizer
 ) -> None:
