@@ -14,8 +14,9 @@ worker processes (tests/support/mesh.py).
    alternating, the same shape two ways: `c` requests of `--prompt` random token ids and
    `--output` greedy tokens (ignore_eos) at once, (a) put on the scheduler's request stream
    as token ids (bench/gpu/mesh_decode.py's run_batch: no gateway), (b) streamed through
-   `/v1/completions` by bench/serve.py. Output tok/s of each, best-of-N; the issue's target is
-   gateway >= 95% of direct at every concurrency.
+   `/v1/completions` by bench/serve.py, in ABBA order (direct first on even repeats). Output
+   tok/s of each, best-of-N, with the scheduler's steps and each process's CPU per token; the
+   target is gateway >= 95% of direct at every concurrency.
 2. Closed loop through the gateway: random dataset, `2 c` prompts at max concurrency `c`,
    with output tok/s, TTFT/TPOT/ITL p50/p99 and goodput under `--goodput` (default TTFT 2 s,
    TPOT 50 ms).
@@ -133,35 +134,52 @@ class RunCosts:
         return out
 
 
-async def gateway_cost(mesh: Mesh, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
-    """Direct (bus) and gateway runs of the same shape, alternating, per concurrency."""
-    direct_args = argparse.Namespace(
+async def direct_run(
+    mesh: Mesh, c: int, args: argparse.Namespace, vocab: int, repeat: int
+) -> tuple[float, dict[str, Any]]:
+    """`c` requests put on the scheduler's request stream (no gateway): (output tok/s, costs)."""
+    shape = argparse.Namespace(
         prompt=args.prompt, output=args.output, vocab=vocab, timeout=args.timeout
     )
+    before = RunCosts(mesh)
+    got = await run_batch(mesh, c, shape, f"direct-{c}-{repeat}")
+    return got["throughput_tok_s"], {"path": "direct", **before.since(c * args.output)}
+
+
+async def gateway_run(
+    mesh: Mesh, c: int, args: argparse.Namespace, vocab: int, repeat: int
+) -> tuple[float, dict[str, Any]]:
+    """The same shape streamed through the gateway by bench/serve.py: (output tok/s, costs)."""
+    before = RunCosts(mesh)
+    ran = await serve.run(
+        serve_args(
+            mesh.api, vocab, num_prompts=c, max_concurrency=c, input_len=args.prompt,
+            output_len=args.output, seed=10_000 * c + repeat, goodput=args.goodput,
+        )
+    )  # fmt: skip
+    if ran["failed"]:
+        raise RuntimeError(f"gateway run at {c}: {ran.get('errors')}")
+    costs = {"path": "gateway", **before.since(ran["total_output_tokens"])}
+    return round(ran["output_throughput"], 1), costs
+
+
+async def gateway_cost(mesh: Mesh, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """Direct (bus) and gateway runs of the same shape per concurrency, in ABBA order."""
     rows = []
     for c in args.concurrency:
-        direct, gateway, costs = [], [], []
+        tok_s: dict[str, list[float]] = {"direct": [], "gateway": []}
+        costs = []
         for repeat in range(args.repeats):
-            before = RunCosts(mesh)
-            got = await run_batch(mesh, c, direct_args, f"direct-{c}-{repeat}")
-            direct.append(got["throughput_tok_s"])
-            costs.append({"path": "direct", **before.since(c * args.output)})
-            before = RunCosts(mesh)
-            ran = await serve.run(
-                serve_args(
-                    mesh.api, vocab, num_prompts=c, max_concurrency=c, input_len=args.prompt,
-                    output_len=args.output, seed=10_000 * c + repeat, goodput=args.goodput,
-                )
-            )  # fmt: skip
-            if ran["failed"]:
-                raise RuntimeError(f"gateway run at {c}: {ran.get('errors')}")
-            gateway.append(round(ran["output_throughput"], 1))
-            costs.append({"path": "gateway", **before.since(ran["total_output_tokens"])})
+            runs = (direct_run, gateway_run) if repeat % 2 == 0 else (gateway_run, direct_run)
+            for run in runs:
+                speed, cost = await run(mesh, c, args, vocab, repeat)
+                tok_s[cost["path"]].append(speed)
+                costs.append(cost)
         row = {
             "concurrency": c,
-            "direct_tok_s": direct,
-            "gateway_tok_s": gateway,
-            "gateway_over_direct": round(max(gateway) / max(direct), 4),
+            "direct_tok_s": tok_s["direct"],
+            "gateway_tok_s": tok_s["gateway"],
+            "gateway_over_direct": round(max(tok_s["gateway"]) / max(tok_s["direct"]), 4),
             "costs": costs,
         }
         print(json.dumps(row), flush=True)
@@ -226,6 +244,7 @@ def main() -> None:
     p.add_argument("--long", type=int, nargs="*", default=[8192, 32768])
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:50"])
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--cost-only", action="store_true", help="step 1 only (gateway vs direct)")
     p.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -284,7 +303,8 @@ def main() -> None:
                 )
             )  # fmt: skip
             results["gateway_cost"] = await gateway_cost(mesh, args, vocab)
-            results.update(await datasets(mesh, args, vocab))
+            if not args.cost_only:
+                results.update(await datasets(mesh, args, vocab))
 
         asyncio.run(measure())
     finally:
