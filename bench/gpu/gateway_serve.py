@@ -230,6 +230,20 @@ async def datasets(mesh: Mesh, args: argparse.Namespace, vocab: int) -> dict[str
     return out
 
 
+def keep_evidence(mesh: Mesh, into: Path) -> None:
+    """After a failed run: each service's /admin/state and its log, under `into`."""
+    into.mkdir(parents=True, exist_ok=True)
+    states: dict[str, Any] = {}
+    for name in mesh.procs:
+        try:
+            states[name] = mesh.admin_state(name)
+        except Exception as exc:  # a dead service: its log says why
+            states[name] = repr(exc)
+        for log in mesh.logdir.glob(f"{name}.*.log"):
+            shutil.copy(log, into / log.name)
+    (into / "admin_state.json").write_text(json.dumps(states, indent=1, default=str))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokenizer", default="", help="directory (default: the embedded SmolLM2's)")
@@ -247,6 +261,7 @@ def main() -> None:
     p.add_argument("--cost-only", action="store_true", help="step 1 only (gateway vs direct)")
     p.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     p.add_argument("--out", default="")
+    p.add_argument("--logs", default="", help="on failure: services' logs and state here")
     args = p.parse_args()
     shape: dict[str, Any] = PRESETS["llama-3-8b"]
     context = max([args.prompt + args.output, *[n + 64 for n in args.long], 1024])
@@ -307,6 +322,10 @@ def main() -> None:
                 results.update(await datasets(mesh, args, vocab))
 
         asyncio.run(measure())
+    except Exception:
+        if args.logs:
+            keep_evidence(mesh, Path(args.logs))
+        raise
     finally:
         mesh.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -136,7 +136,11 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
     await bus.close()
     after = scrape(mesh)
     if len(finished) < batch:
-        raise TimeoutError(f"{batch - len(finished)} of {batch} requests unfinished")
+        late = {rid: len(tokens_of[rid]) for rid in arrivals if rid not in finished}
+        raise TimeoutError(
+            f"{len(late)} of {batch} requests unfinished after {args.timeout:g} s "
+            f"(id: tokens received): {dict(list(late.items())[:8])}"
+        )
     tokens = sum(len(t) for t in arrivals.values())
     per_request = [
         (len(t) - 1) / (t[-1] - t[0]) for t in arrivals.values() if len(t) > 1 and t[-1] > t[0]
