@@ -1,23 +1,27 @@
 """Attention backends and their declared capabilities (CONTRACTS: "Non-causal draft blocks").
 
-A backend declares what it can compute; the worker asks `select_backend` for one that can do
-what a micro-batch needs, and gets an error rather than a backend that would silently compute
-something else. Non-causal query blocks are the case in point: a kernel that ignores the flag
-still returns plausible numbers (each draft query sees one key fewer), so the capability must
-be declared and checked, never assumed (fail closed).
+A backend declares what it can compute; the worker asks `select_backend` once per configuration
+(services/worker/attention/backend_choice.py: at start-up, for what its steps need) and gets an
+error rather than a backend that would silently compute something else. Non-causal query blocks
+are the case in point: a kernel that ignores the flag still returns plausible numbers (each
+draft query sees one key fewer), so the capability must be declared and checked, never assumed
+(fail closed).
+
+Two kinds of backend: `PagedKernelBackend`s expose paged prefill/decode kernels that the CUDA
+path calls (`prefill`, `decode`: the kernel functions themselves, bound once per instance, so a
+layer's call costs no forwarding frame); the CPU reference path
+(services/worker/attention/reference.py) registers a capability-only backend, since it runs its
+own flat-batch attention. Kernel modules are imported when a backend is instantiated, never at
+import: a CPU worker has no Triton.
 """
 
 from __future__ import annotations
 
-from abc import ABC
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
-from kernels.attention import paged_decode
-from kernels.attention import paged_prefill as paged_attention
 
 
 class BackendCapabilityError(RuntimeError):
@@ -26,14 +30,14 @@ class BackendCapabilityError(RuntimeError):
 
 @dataclass(frozen=True)
 class AttentionRequirements:
-    """What one micro-batch needs from its attention backend."""
+    """What the micro-batches of one configuration need from their attention backend."""
 
     non_causal: bool = False
     sliding_window: bool = False
     fp8_kv: bool = False
 
 
-class AttentionBackend(ABC):
+class AttentionBackend:
     name: ClassVar[str]
     supports_non_causal: ClassVar[bool] = False
     supports_sliding_window: ClassVar[bool] = False
@@ -51,46 +55,16 @@ class AttentionBackend(ABC):
             lacks.append("fp8_kv")
         return lacks
 
-    # The backend's two entry points; both backends share the signatures below, so a backend
-    # only names its functions and the forwarding is written once.
-    _prefill_fn: ClassVar[Callable[..., torch.Tensor]]
-    _decode_fn: ClassVar[Callable[..., torch.Tensor]]
 
-    def prefill(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        causal: bool = True,
-        sliding_window: int | None = None,
-        sm_scale: float | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return type(self)._prefill_fn(
-            q, kv_cache, block_tables, cu_seqlens_q, seq_lens, causal=causal,
-            sliding_window=sliding_window, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+class PagedKernelBackend(AttentionBackend):
+    """A backend of paged kernels with the signatures of kernels.attention.paged_prefill /
+    paged_decode: `prefill(q, kv_cache, block_tables, cu_seqlens_q, seq_lens, *, causal,
+    sliding_window, sm_scale, k_scale, v_scale, max_seqlen_q, out)` and `decode(q, kv_cache,
+    block_tables, seq_lens, *, sliding_window, sm_scale, k_scale, v_scale, num_splits,
+    max_seq_len, out)`."""
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        sliding_window: int | None = None,
-        sm_scale: float | None = None,
-        k_scale: float | torch.Tensor | None = None,
-        v_scale: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return type(self)._decode_fn(
-            q, kv_cache, block_tables, seq_lens, sliding_window=sliding_window,
-            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-        )  # fmt: skip
+    prefill: Callable[..., torch.Tensor]
+    decode: Callable[..., torch.Tensor]
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
@@ -128,25 +102,18 @@ def select_backend(
 
 
 @register_backend
-class TritonPagedAttention(AttentionBackend):
+class TritonPagedAttention(PagedKernelBackend):
     """The Triton kernels of kernels.attention.paged_prefill / kernels.attention.paged_decode
-    (GPU)."""
+    (GPU; CPU tensors under TRITON_INTERPRET)."""
 
     name = "triton"
     supports_non_causal = True
     supports_sliding_window = True
     supports_fp8_kv = True
-    _prefill_fn = staticmethod(paged_attention.paged_prefill_attention)
-    _decode_fn = staticmethod(paged_decode.paged_decode_attention)
 
+    def __init__(self) -> None:
+        from kernels.attention.paged_decode import paged_decode_attention
+        from kernels.attention.paged_prefill import paged_prefill_attention
 
-@register_backend
-class TorchPagedAttention(AttentionBackend):
-    """The PyTorch references (the CPU path): same semantics, one sequence at a time."""
-
-    name = "torch"
-    supports_non_causal = True
-    supports_sliding_window = True
-    supports_fp8_kv = True
-    _prefill_fn = staticmethod(paged_attention.paged_prefill_reference)
-    _decode_fn = staticmethod(paged_decode.paged_decode_reference)
+        self.prefill = paged_prefill_attention
+        self.decode = paged_decode_attention

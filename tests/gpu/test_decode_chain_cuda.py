@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.decode_chain import DecodeChain, fused_attention_takes
 from services.worker.attention.select import build_attention_metadata
 from services.worker.models.random_init import build_random_model
@@ -40,6 +41,7 @@ def _step(rows: int):  # type: ignore[no-untyped-def]
     meta = build_attention_metadata(
         query_lens=np.ones(rows, dtype=np.int64), seq_lens=lens, block_tables=tables,
         block_size=BLOCK, slot_mapping=slots, num_kv_heads=2, device="cuda",
+        backend=TritonPagedAttention(),
     )  # fmt: skip
     ids = torch.arange(rows, device="cuda") * 37 % 1000
     return ids, torch.as_tensor(positions, device="cuda"), meta

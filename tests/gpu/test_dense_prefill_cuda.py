@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.dense_prefill import DENSE_PREFILL_CHOICES, dense_prefill_impl
 from services.worker.attention.select import TritonAttentionMetadata, rotary_attention
 
@@ -27,6 +28,7 @@ def _meta(q_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray, dense: b
     meta = TritonAttentionMetadata.build(
         query_lens=q_lens, seq_lens=seq_lens, block_tables=tables, block_size=BLOCK,
         slot_mapping=slots, num_kv_heads=KV_HEADS, device="cuda", dense_prefill=dense,
+        backend=TritonPagedAttention(),
     )  # fmt: skip
     return meta, pos
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.select import build_attention_metadata
 from services.worker.loader.checkpoint_names import assemble
 from services.worker.models.layer_impls import REFERENCE
@@ -141,6 +142,7 @@ def test_8b_shape_fp32_cuda_path_matches_transformers() -> None:
     meta = build_attention_metadata(
         query_lens=np.array([n]), seq_lens=np.array([n]), block_tables=np.arange(19)[None],
         block_size=16, slot_mapping=np.arange(n), num_kv_heads=8, device="cuda",
+        backend=TritonPagedAttention(),
     )  # fmt: skip
     ids = torch.randint(0, 128256, (n,), generator=torch.Generator().manual_seed(2)).cuda()
     with torch.inference_mode():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_layers import TRITON
 from services.worker.accel.decode_chain import DecodeChain, chain_fits, chain_forward
 from services.worker.attention.select import build_attention_metadata
@@ -60,6 +61,7 @@ def _decode_step(model: LlamaForCausalLM, cache: KVCache, seq_lens: list[int]): 
     meta = build_attention_metadata(
         query_lens=np.ones(rows, dtype=np.int64), seq_lens=lens, block_tables=tables,
         block_size=BLOCK, slot_mapping=slots, num_kv_heads=2, device=device,
+        backend=TritonPagedAttention(),
     )  # fmt: skip
     ids = torch.tensor([(7 * r + 3) % 128 for r in range(rows)], device=device)
     return ids, torch.as_tensor(positions, device=device), meta
@@ -147,7 +149,7 @@ def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkey
     meta = TritonAttentionMetadata.build(
         query_lens=np.ones(2, dtype=np.int64), seq_lens=lens, block_tables=tables,
         block_size=BLOCK, slot_mapping=slots,
-        num_kv_heads=2, device=device,
+        num_kv_heads=2, device=device, backend=TritonPagedAttention(),
     )  # fmt: skip
     meta = dataclasses.replace(meta, decode_num_splits=STRIDED_MIN_SPLITS)  # the strided kernel
     ids, pos = torch.tensor([3, 10], device=device), torch.as_tensor(positions, device=device)
@@ -186,7 +188,7 @@ def test_fed_ids_read_from_the_feed_table_equal_the_tokens_themselves(device) ->
     meta = TritonAttentionMetadata.build(
         query_lens=np.ones(2, dtype=np.int64), seq_lens=lens, block_tables=tables,
         block_size=BLOCK, slot_mapping=tables[[0, 1], positions // BLOCK] * BLOCK
-        + positions % BLOCK, num_kv_heads=2, device=device,
+        + positions % BLOCK, num_kv_heads=2, device=device, backend=TritonPagedAttention(),
     )  # fmt: skip
     pos = torch.as_tensor(positions, device=device)
     latest = torch.tensor([0, 0, 0, 77], device=device)

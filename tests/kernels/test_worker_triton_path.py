@@ -8,16 +8,21 @@ host-computed lengths, padded graph rows); tests/gpu runs it compiled on the H20
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_graphs import DecodeGraphs
+from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
 from services.worker.models.layer_impls import REFERENCE
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
+from shared.kv.groups import kv_groups_for
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -47,7 +52,7 @@ def _caches(model: torch.nn.Module) -> tuple[KVCache, KVCache]:
     )
 
 
-def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens, dense=None):  # type: ignore[no-untyped-def]
+def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens, dense=None, backend=None):  # type: ignore[no-untyped-def]
     """One flat-batch forward; positions/slots derived from the lengths like the runner does."""
     query_lens, seq_lens = np.array(query_lens), np.array(seq_lens)
     starts = seq_lens - query_lens
@@ -60,7 +65,9 @@ def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens, dense=No
         slot_mapping=slots, device=device,
     )  # fmt: skip
     if meta_cls is TritonAttentionMetadata:
-        meta = TritonAttentionMetadata.build(num_kv_heads=2, dense_impl=dense, **kwargs)
+        meta = TritonAttentionMetadata.build(
+            num_kv_heads=2, backend=backend or TritonPagedAttention(), dense_impl=dense, **kwargs
+        )
     else:
         meta = AttentionMetadata.build(**kwargs)
     with torch.inference_mode():
@@ -68,12 +75,57 @@ def _step(model, cache, meta_cls, query_lens, seq_lens, tables, tokens, dense=No
         return model(ids, pos, meta, cache.layers)
 
 
-def test_cpu_device_selects_the_reference_path() -> None:
+def test_the_reference_backend_selects_the_reference_path() -> None:
+    backend = resolve_backend("cpu", kv_groups_for([None, None]), torch.float32)
     meta = build_attention_metadata(
         query_lens=np.array([1]), seq_lens=np.array([3]), block_tables=np.array([[1]]),
-        block_size=BLOCK, slot_mapping=np.array([6]), num_kv_heads=2, device="cpu",
+        block_size=BLOCK, slot_mapping=np.array([6]), num_kv_heads=2, backend=backend,
+        device="cpu",
     )  # fmt: skip
     assert isinstance(meta, AttentionMetadata)
+
+
+class RecordingTriton(TritonPagedAttention):
+    """The Triton backend, recording each call of its entry points (kind, causal flag)."""
+
+    name = "recording_triton"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bool]] = []
+        prefill, decode = self.prefill, self.decode
+
+        def recorded_prefill(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls.append(("prefill", kwargs["causal"]))
+            return prefill(*args, **kwargs)
+
+        def recorded_decode(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self.calls.append(("decode", True))
+            return decode(*args, **kwargs)
+
+        self.prefill, self.decode = recorded_prefill, recorded_decode
+
+
+def test_the_step_attends_through_its_backends_entry_points(model: torch.nn.Module) -> None:
+    """Every layer's paged attention is a call of the metadata's backend (2 layers: a decode
+    and a causal prefill each), and the result is the reference path's."""
+    ref, tri = _caches(model)
+    tables = np.array([[1, 2, 3, 0], [4, 5, 0, 0]])
+    tokens = np.random.default_rng(2).integers(0, 128, 12).tolist()
+    _step(model, ref, AttentionMetadata, [6, 4], [6, 4], tables, tokens[:10])
+    _step(model, tri, AttentionMetadata, [6, 4], [6, 4], tables, tokens[:10])
+    backend = RecordingTriton()
+    a = _step(model, ref, AttentionMetadata, [1, 1], [7, 5], tables, tokens[10:])
+    b = _step(model, tri, TritonAttentionMetadata, [1, 1], [7, 5], tables, tokens[10:], None,
+              backend)  # fmt: skip
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert backend.calls == [("decode", True)] * 2
+    backend.calls.clear()
+    a = _step(model, ref, AttentionMetadata, [1, 3], [8, 8], tables, [5, 6, 7, 8])
+    b = _step(model, tri, TritonAttentionMetadata, [1, 3], [8, 8], tables, [5, 6, 7, 8], None,
+              backend)  # fmt: skip
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert backend.calls == [("decode", True), ("prefill", True)] * 2
 
 
 @pytest.mark.parametrize("dense", [None, "sdpa"])
@@ -121,7 +173,13 @@ def test_padded_graph_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.M
     a = _step(model, ref, AttentionMetadata, [1, 1, 1], seq_lens, tables, new)
     device = model.embed_tokens.weight.device
     graphs = DecodeGraphs(
-        model, tri.layers, max_num_reqs=4, max_blocks_per_req=4, max_model_len=16, device=device
+        model,
+        tri.layers,
+        TritonPagedAttention(),
+        max_num_reqs=4,
+        max_blocks_per_req=4,
+        max_model_len=16,
+        device=device,
     )
     assert graphs.sizes == (1, 2, 4)
     graphs._stage(3, 4, np.array(new), positions, slots, seq_lens, tables)

@@ -33,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from kernels.attention.backends import PagedKernelBackend
 from kernels.runtime.staged_copy import PackedCpuGpuBuffer
 from services.worker.attention.select import TritonAttentionMetadata, decode_splits
 from services.worker.models.base import CausalLM
@@ -68,6 +69,7 @@ class DecodeGraphs:
         self,
         model: CausalLM,
         kv_layers: list[torch.Tensor],
+        backend: PagedKernelBackend,
         *,
         max_num_reqs: int,
         max_blocks_per_req: int,
@@ -78,8 +80,10 @@ class DecodeGraphs:
         upload: torch.cuda.Stream | None = None,
     ) -> None:
         """`latest`: the device's newest sampled token per batch row (in_flight.PendingFeed),
-        which input ids -(row + 1) stand for; `upload`: the stream that copies the inputs."""
+        which input ids -(row + 1) stand for; `upload`: the stream that copies the inputs;
+        `backend`: the runner's attention backend, whose decode kernel the graphs capture."""
         self.model = model
+        self.backend = backend
         self.latest = latest
         self.upload = upload
         self.replayed = torch.cuda.Event() if upload is not None else None
@@ -114,6 +118,7 @@ class DecodeGraphs:
             slot_mapping=self.static["slots"][:size],
             token_index=self.token_index[:size],
             num_kv_heads=self.num_kv_heads,
+            backend=self.backend,
             num_decodes=size,
             decode_block_tables=self.static["block_tables"][:size],
             decode_seq_lens=self.static["seq_lens"][:size],

@@ -37,8 +37,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.attention.backends import AttentionBackend, register_backend
+
 if TYPE_CHECKING:
     from kernels.attention.cpu_decode import CpuDecodeAttention, DecodeStep
+
+
+@register_backend
+class ReferenceAttention(AttentionBackend):
+    """What this path declares to the backend registry (kernels/attention/backends.py): every
+    span's mask is causal (no non-causal draft blocks), sliding windows are honoured, and K/V
+    are copied into the cache as they are (`write_kv`), so an fp8 cache, which needs a scale to
+    quantize with, is refused rather than filled with unscaled values."""
+
+    name = "reference"
+    supports_sliding_window = True
 
 
 def step_lengths(

@@ -1,11 +1,13 @@
 """Which attention implementation a step uses: the Triton kernels on CUDA, PyTorch on CPU
 (with the C++ decode kernel of kernels/attention/cpu_decode.py where it builds).
 
-The choice is made once per step, when the runner builds the metadata
-(`build_attention_metadata`): on a CUDA device it returns `TritonAttentionMetadata`, otherwise
-the reference path's `AttentionMetadata`. The model then calls `rotary_attention`, which
-dispatches on the metadata's type, so every layer of a step takes the same path and a model
-file never tests the device itself.
+The backend is resolved once per configuration (backend_choice.py: the registry of
+kernels/attention/backends.py, asked at start-up for what the runner's forwards need, failing
+closed). Each step's metadata carries it (`build_attention_metadata`): a paged kernel backend
+gives `TritonAttentionMetadata`, whose kernel calls are the backend's own entry points; the
+reference backend gives the reference path's `AttentionMetadata`. The model then calls
+`rotary_attention`, which dispatches on the metadata's type, so every layer of a step takes the
+same path and a model file never tests the device itself.
 
 The Triton path fuses RoPE into the KV insert (kernels.attention.kv_insert: one launch rotates Q and
 K and writes K/V into the paged cache), then runs paged decode attention for the leading
@@ -20,8 +22,9 @@ RoPE: the model gathers cos/sin [T, 1, rotary_dim] for the step's positions once
 path turns them into the kernel's [T, rotary_dim] table (cos halves | sin halves) once per
 step (the first layer builds it, later layers reuse it) and indexes it by token index.
 
-The kernel modules are imported where they are called: `@triton.jit` binds to the compiler or
-to the interpreter (TRITON_INTERPRET) at import time, and a CPU worker never needs Triton.
+The kernel modules are imported where they are called (the attention kernels when the backend
+is instantiated): `@triton.jit` binds to the compiler or to the interpreter (TRITON_INTERPRET)
+at import time, and a CPU worker never needs Triton.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kernels.attention.backends import AttentionBackend, PagedKernelBackend
 from kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.attention.bound import LayerAttention
@@ -51,13 +55,7 @@ __all__ = [
     "cpu_decode_kernel",
     "decode_splits",
     "rotary_attention",
-    "uses_triton",
 ]
-
-
-def uses_triton(device: torch.device | str) -> bool:
-    """The Triton kernels run on CUDA devices only (on CPU they need the interpreter)."""
-    return torch.device(device).type == "cuda"
 
 
 def cpu_decode_kernel(
@@ -97,6 +95,7 @@ class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64; < 0 skips the token (graph padding)
     token_index: torch.Tensor  # [T] int64 = arange(T): row of each token in the RoPE table
     num_kv_heads: int
+    backend: PagedKernelBackend  # resolved once per configuration (backend_choice.py)
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] int32
     decode_seq_lens: torch.Tensor | None = None  # [D] int32
@@ -129,13 +128,15 @@ class TritonAttentionMetadata:
         block_size: int,
         slot_mapping: np.ndarray,
         num_kv_heads: int,
+        backend: PagedKernelBackend,
         device: torch.device | str,
         sliding_window: int | None = None,
         dense_prefill: bool = True,
         dense_impl: str | None = None,
     ) -> TritonAttentionMetadata:
         """Same arguments as AttentionMetadata.build (decodes first), plus the model's
-        kv head count (it sets the decode split factor). `dense_prefill=False` keeps every
+        kv head count (it sets the decode split factor) and the backend whose kernels the
+        layers call. `dense_prefill=False` keeps every
         prefill span on the paged kernel; `dense_impl` forces a dense implementation (tests)."""
         device = torch.device(device)
         query_lens, seq_lens, num_decodes = step_lengths(query_lens, seq_lens)
@@ -145,6 +146,7 @@ class TritonAttentionMetadata:
             slot_mapping=_upload(np.asarray(slot_mapping, dtype=np.int64), device),
             token_index=torch.arange(num_tokens, dtype=torch.int64, device=device),
             num_kv_heads=num_kv_heads,
+            backend=backend,
             num_decodes=num_decodes,
             sliding_window=sliding_window,
         )
@@ -198,18 +200,21 @@ def _upload(array: np.ndarray, device: torch.device, dtype: type = np.int64) -> 
 def build_attention_metadata(
     *,
     num_kv_heads: int,
+    backend: AttentionBackend,
     device: torch.device | str,
     decode_kernel: CpuDecodeAttention | None = None,
     **step: Any,
 ) -> AttentionMetadata | TritonAttentionMetadata:
-    """The step's metadata for the attention path of `device` (see the module docstring).
+    """The step's metadata for the path of `backend` (see the module docstring).
 
     `step` is AttentionMetadata.build's keyword arguments (query_lens, seq_lens, block_tables,
     block_size, slot_mapping, sliding_window), which both paths take; only the Triton path
     needs `num_kv_heads` (its decode split factor), only the CPU path `decode_kernel`.
     """
-    if uses_triton(device):
-        return TritonAttentionMetadata.build(num_kv_heads=num_kv_heads, device=device, **step)
+    if isinstance(backend, PagedKernelBackend):
+        return TritonAttentionMetadata.build(
+            num_kv_heads=num_kv_heads, backend=backend, device=device, **step
+        )
     return AttentionMetadata.build(device=device, decode_kernel=decode_kernel, **step)
 
 
@@ -250,10 +255,8 @@ def rotary_attention(
 def triton_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, attn: TritonAttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Rotated q [T, heads, d] over the paged cache (this step's K/V already inserted)."""
-    from kernels.attention.paged_decode import paged_decode_attention
-    from kernels.attention.paged_prefill import paged_prefill_attention
-
+    """Rotated q [T, heads, d] over the paged cache (this step's K/V already inserted), through
+    the step's backend's kernels."""
     d = attn.num_decodes
     split = attn.dense_prefill
     impl = _dense_impl(split, q, kv_cache) if d < q.shape[0] else None
@@ -261,7 +264,7 @@ def triton_attention(
         return split.attend(impl, q, kv_cache, scale)  # every row is a fresh prefill row
     out = torch.empty_like(q)
     if d:
-        paged_decode_attention(
+        attn.backend.decode(
             q[:d], kv_cache, attn.decode_block_tables, attn.decode_seq_lens,
             sliding_window=attn.sliding_window, sm_scale=scale,
             num_splits=attn.decode_num_splits, max_seq_len=attn.decode_max_seq_len, out=out[:d],
@@ -271,7 +274,7 @@ def triton_attention(
         if split.paged is not None:
             _paged_spans(q, kv_cache, attn, split, scale, out)
     elif d < q.shape[0]:
-        paged_prefill_attention(
+        attn.backend.prefill(
             q[d:], kv_cache, attn.prefill_block_tables, attn.prefill_cu_seqlens_q,
             attn.prefill_seq_lens, causal=True, sliding_window=attn.sliding_window, sm_scale=scale,
             max_seqlen_q=attn.prefill_max_seqlen_q, out=out[d:],
@@ -299,12 +302,10 @@ def _paged_spans(
     out: torch.Tensor,
 ) -> None:
     """The prefill spans that continue a cached prefix, through the paged kernel."""
-    from kernels.attention.paged_prefill import paged_prefill_attention
-
     p = split.paged
     assert p is not None
     contiguous = isinstance(p.rows, slice)
-    result = paged_prefill_attention(
+    result = attn.backend.prefill(
         q[p.rows], kv_cache, p.block_tables, p.cu_seqlens_q, p.seq_lens, causal=True,
         sliding_window=attn.sliding_window, sm_scale=scale, max_seqlen_q=p.max_seqlen_q,
         out=out[p.rows] if contiguous else None,

@@ -23,6 +23,7 @@ requests (as after any failed step).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kernels.attention.backends import PagedKernelBackend
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
+from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.groups import group_attention, needs_group_attention
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import (
@@ -57,6 +60,8 @@ from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
     from services.worker.kv_offload.connector import KVConnector
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LaunchedStep", "ModelRunner", "PlanError", "StepInputs"]
 
@@ -131,6 +136,11 @@ class ModelRunner:
         self.worker_incarnation = worker_incarnation
         # KV cache groups (shared/kv/groups.py): one block table per group and request.
         self.kv_groups = config.kv_groups
+        # The attention backend of every forward, asked of the registry once: a configuration
+        # no backend can serve stops here (BackendCapabilityError), not at a step.
+        self.attention_backend = resolve_backend(
+            self.device, self.kv_groups, kv_cache.layers[0].dtype
+        )
         self.batch = InputBatch(
             max_num_reqs,
             self.max_model_len,
@@ -502,6 +512,7 @@ class ModelRunner:
         return build_attention_metadata(
             block_size=self.block_size,
             num_kv_heads=self.config.num_key_value_heads,
+            backend=self.attention_backend,
             device=self.device,
             decode_kernel=self.decode_kernel,
             **arrays,  # type: ignore[arg-type]
@@ -511,9 +522,16 @@ class ModelRunner:
         """Capture decode graphs (CUDA only; after warmup). Returns seconds taken."""
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
+        backend = self.attention_backend
+        if not isinstance(backend, PagedKernelBackend):
+            # Sliding-window groups run the reference path, which no graph holds: they were
+            # never replayed (_forward), so none is captured.
+            log.info("no CUDA graphs: the %r attention path runs eagerly", backend.name)
+            return 0.0
         self.graphs = DecodeGraphs(
             self.model,
             self.kv_cache.layers,
+            backend,
             max_num_reqs=self.batch.max_num_reqs,
             max_blocks_per_req=self.batch.max_blocks_per_req,
             max_model_len=self.max_model_len,

@@ -17,9 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
 from services.worker.runner.kv_cache import KVCache
+from shared.kv.groups import KVGroupSpec
 from shared.model.config import ModelConfig
 
 #: blocks allocated at first (grown by doubling)
@@ -45,6 +47,12 @@ class RowKV:
         self.tables = np.zeros((max_num_reqs, self.blocks_per_row), dtype=np.int64)
         self.num_row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.cache = KVCache.allocate(config, INITIAL_BLOCKS, block_size, dtype, device)
+        # One full-attention group over the drafter's own layers, causal, in the model dtype:
+        # the backend is resolved once, here (backend_choice.py).
+        layers = list(range(config.num_hidden_layers))
+        self.backend = resolve_backend(
+            device, [KVGroupSpec(kind="full", layer_indices=layers)], dtype
+        )
         self.free = list(range(INITIAL_BLOCKS - 1, -1, -1))  # a stack: pop() gives low ids
 
     @property
@@ -74,6 +82,7 @@ class RowKV:
         block = tables[np.repeat(np.arange(len(rows)), counts), positions // self.block_size]
         return build_attention_metadata(
             num_kv_heads=self.num_kv_heads,
+            backend=self.backend,
             query_lens=counts,
             seq_lens=ends,
             block_tables=tables,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
@@ -31,7 +32,8 @@ def _graphs(max_num_reqs: int = 6) -> DecodeGraphs:
     model, config = build_random_model(RANDOM_TINY_LLAMA, torch.float32, "cpu")
     kv = KVCache.allocate(config, 16, 4, torch.float32, "cpu")
     return DecodeGraphs(
-        model, kv.layers, max_num_reqs=max_num_reqs, max_blocks_per_req=5, max_model_len=20,
+        model, kv.layers, TritonPagedAttention(), max_num_reqs=max_num_reqs, max_blocks_per_req=5,
+        max_model_len=20,
         device="cpu",
     )  # fmt: skip
 
@@ -72,7 +74,11 @@ def test_rope_table_is_rebuilt_for_another_cos_tensor() -> None:
     from services.worker.attention.select import TritonAttentionMetadata
 
     meta = TritonAttentionMetadata(
-        num_tokens=2, slot_mapping=torch.zeros(2), token_index=torch.arange(2), num_kv_heads=1
+        num_tokens=2,
+        slot_mapping=torch.zeros(2),
+        token_index=torch.arange(2),
+        num_kv_heads=1,
+        backend=TritonPagedAttention(),
     )
     cos, sin = torch.rand(2, 1, 8), torch.rand(2, 1, 8)
     table = meta.rope_table(cos, sin)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.dense_prefill import (
     DensePrefill,
     dense_attention,
@@ -27,7 +28,7 @@ def _meta(query_lens: list[int], seq_lens: list[int], **kwargs: object) -> Trito
     slots = tables[rows, pos // BLOCK] * BLOCK + pos % BLOCK
     return TritonAttentionMetadata.build(
         query_lens=q, seq_lens=s, block_tables=tables, block_size=BLOCK, slot_mapping=slots,
-        num_kv_heads=2, device="cpu", **kwargs,  # type: ignore[arg-type]
+        num_kv_heads=2, device="cpu", backend=TritonPagedAttention(), **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

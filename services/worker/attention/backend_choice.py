@@ -1,0 +1,63 @@
+"""Which attention backend a worker's forwards run on, asked of the registry once per
+configuration (kernels/attention/backends.py; CONTRACTS: "Non-causal draft blocks").
+
+The requirements come from the configuration, not from a step: every step of a runner needs
+the same things. Sliding windows come from the model's KV cache groups, fp8 KV from the cache
+dtype. Non-causal query blocks are needed by no drafter in services/worker/spec: n-gram,
+draft-model, EAGLE, EAGLE-3 and MTP drafters all propose a chain (each draft conditioned on the
+one before), drafted one position per forward, and the target verifies the chain in one causal
+forward (spec/verify.py). A drafter that drafts a block of positions at once, each seeing only
+the committed prefix (DFlash-style), must set `non_causal` here; the registry then refuses a
+path that cannot compute it instead of returning a causal result.
+
+The path follows the device and the groups: CUDA with one full-attention group runs the Triton
+kernels ("triton"); CPU, and sliding-window groups on any device (groups.py builds per-group
+reference metadata), run the reference path ("reference"). The backend is resolved when the
+runner (or a drafter's private cache) is built, so a configuration no backend can serve fails
+at start-up with BackendCapabilityError, and a step only reads the resolved object.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention.backends import (
+    AttentionBackend,
+    AttentionRequirements,
+    select_backend,
+)
+from services.worker.attention.groups import needs_group_attention
+from services.worker.attention.reference import ReferenceAttention
+from shared.kv.groups import KVGroupSpec
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def uses_triton(device: torch.device | str) -> bool:
+    """The Triton kernels run on CUDA devices only (on CPU they need the interpreter)."""
+    return torch.device(device).type == "cuda"
+
+
+def attention_requirements(
+    kv_groups: list[KVGroupSpec], kv_dtype: torch.dtype
+) -> AttentionRequirements:
+    """What every forward over these groups and this cache dtype needs (module docstring)."""
+    return AttentionRequirements(
+        non_causal=False,
+        sliding_window=any(g.sliding_window is not None for g in kv_groups),
+        fp8_kv=kv_dtype in FP8_DTYPES,
+    )
+
+
+def backend_name(device: torch.device | str, kv_groups: list[KVGroupSpec]) -> str:
+    if uses_triton(device) and not needs_group_attention(kv_groups):
+        return "triton"
+    return ReferenceAttention.name
+
+
+def resolve_backend(
+    device: torch.device | str, kv_groups: list[KVGroupSpec], kv_dtype: torch.dtype
+) -> AttentionBackend:
+    """The backend of this configuration, or BackendCapabilityError (fail closed)."""
+    needs = attention_requirements(kv_groups, kv_dtype)
+    return select_backend(backend_name(device, kv_groups), needs)

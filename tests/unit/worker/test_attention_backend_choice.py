@@ -1,0 +1,77 @@
+"""The worker asks the attention backend registry once per configuration, for what its
+forwards need, and refuses at start-up what no backend of its path can compute
+(services/worker/attention/backend_choice.py; CONTRACTS: "Non-causal draft blocks")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention.backends import (
+    AttentionRequirements,
+    BackendCapabilityError,
+    TritonPagedAttention,
+    registered_backends,
+)
+from services.worker.attention.backend_choice import attention_requirements, resolve_backend
+from services.worker.attention.reference import ReferenceAttention
+from services.worker.models.random_init import build_random_model
+from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.model_runner import ModelRunner
+from services.worker.spec.row_kv import RowKV
+from shared.kv.groups import kv_groups_for
+from tests.support.tiny_llama import RANDOM_TINY_LLAMA
+
+FULL = kv_groups_for([None, None])
+WINDOWED = kv_groups_for([8, None])  # one sliding-window layer, one full
+
+
+def test_requirements_follow_the_configuration() -> None:
+    assert attention_requirements(FULL, torch.bfloat16) == AttentionRequirements()
+    assert attention_requirements(WINDOWED, torch.float32) == AttentionRequirements(
+        sliding_window=True
+    )
+    assert attention_requirements(FULL, torch.float8_e4m3fn) == AttentionRequirements(fp8_kv=True)
+    # No drafter drafts a non-causal block: verification is one causal forward.
+    assert not attention_requirements(WINDOWED, torch.float8_e5m2).non_causal
+
+
+def test_the_path_of_each_device_and_grouping() -> None:
+    cuda = resolve_backend("cuda", FULL, torch.bfloat16)
+    assert isinstance(cuda, TritonPagedAttention)
+    # Sliding-window groups build the reference path's metadata, on CUDA too (groups.py).
+    assert isinstance(resolve_backend("cuda", WINDOWED, torch.bfloat16), ReferenceAttention)
+    assert isinstance(resolve_backend("cpu", FULL, torch.float32), ReferenceAttention)
+    assert isinstance(resolve_backend("cpu", WINDOWED, torch.float32), ReferenceAttention)
+    # The Triton kernels quantize into an fp8 cache.
+    assert isinstance(resolve_backend("cuda", FULL, torch.float8_e4m3fn), TritonPagedAttention)
+
+
+def test_the_reference_path_declares_what_it_cannot_compute() -> None:
+    reference = registered_backends()["reference"]
+    assert reference.missing(AttentionRequirements(non_causal=True, fp8_kv=True)) == [
+        "non_causal",
+        "fp8_kv",
+    ]
+    assert reference.missing(AttentionRequirements(sliding_window=True)) == []
+    with pytest.raises(BackendCapabilityError, match="'reference' does not support fp8_kv"):
+        resolve_backend("cpu", FULL, torch.float8_e4m3fn)
+    with pytest.raises(BackendCapabilityError, match="'reference' does not support fp8_kv"):
+        resolve_backend("cuda", WINDOWED, torch.float8_e4m3fn)
+
+
+def test_a_runner_that_no_backend_can_serve_fails_at_start_up() -> None:
+    model, config = build_random_model(RANDOM_TINY_LLAMA, torch.float32, "cpu")
+    fp8 = KVCache.allocate(config, 16, 4, torch.float8_e4m3fn, "cpu")
+    with pytest.raises(BackendCapabilityError, match="'reference' does not support fp8_kv"):
+        ModelRunner(model, config, fp8, "cpu")
+    runner = ModelRunner(model, config, KVCache.allocate(config, 16, 4, torch.float32, "cpu"))
+    assert isinstance(runner.attention_backend, ReferenceAttention)
+
+
+def test_a_drafters_private_cache_resolves_its_backend_once() -> None:
+    _, config = build_random_model(RANDOM_TINY_LLAMA, torch.float32, "cpu")
+    kv = RowKV(config, 2, 64, 4, torch.float32, torch.device("cpu"))
+    assert isinstance(kv.backend, ReferenceAttention)
+    with pytest.raises(BackendCapabilityError, match="fp8_kv"):
+        RowKV(config, 2, 64, 4, torch.float8_e4m3fn, torch.device("cpu"))
