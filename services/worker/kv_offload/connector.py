@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from functools import partial
 
+from services.worker.attention.context_kv import context_kv_writer
 from services.worker.kv_offload.payload import LAYOUT_VERSION, PayloadHeader
 from services.worker.kv_offload.staging import StagingPool, gather_blocks, scatter_blocks
 from services.worker.kv_offload.store_job import StoreJob, StorePiece
@@ -71,6 +72,7 @@ class KVConnector:
         self.group_layers = [[kv_cache.layers[i] for i in layers] for layers in groups]
         first = kv_cache.layers[0]
         self.device = first.device
+        self.write_kv = context_kv_writer(self.device)  # loaded chunks into their blocks
         _, _, block_size, kv_heads, head_dim = first.shape
         self.headers = [
             PayloadHeader(key_space.model, first.dtype, (len(g), 2, block_size, kv_heads, head_dim))
@@ -123,7 +125,9 @@ class KVConnector:
             assert isinstance(job, LoadJob)
             for group in job.groups:
                 assert group.staged is not None
-                scatter_blocks(self.group_layers[group.group], group.block_ids, group.staged)
+                scatter_blocks(
+                    self.group_layers[group.group], group.block_ids, group.staged, self.write_kv
+                )
                 group.staged = None
             self._finish(job.transfer, "load", job.started, num_bytes=outcome.num_bytes)
         return len(ready)

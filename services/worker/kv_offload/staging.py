@@ -18,9 +18,11 @@ the store path: a store that finds too few free slots stages its head chunks and
 (the step never waits for slots, and so never for Redis).
 
 Loads (host -> device) go through the one staged-pinned copy helper
-(`kernels.runtime.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then copies
-the uploaded chunks into their blocks on the step thread, ordered on the same stream. (With
-the cache on the CPU there is no device: the assembled host tensor is scattered directly.)
+(`kernels.runtime.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then
+writes the uploaded chunks into their blocks on the step thread, ordered on the same stream,
+through the write path of context-only KV (services/worker/attention/context_kv.py: the KV-only
+insert kernel on CUDA). (With the cache on the CPU there is no device: the assembled host tensor
+is written directly.)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import threading
 import torch
 
 from kernels.runtime.staged_copy import CopyFence
+from services.worker.attention.context_kv import ContextKVWriter
 from services.worker.kv_offload.payload import PayloadHeader
 
 ALIGN = 64  # bytes: where each slot and each body starts
@@ -120,9 +123,19 @@ def gather_blocks(
     return _fence(device)
 
 
-def scatter_blocks(layers: list[torch.Tensor], block_ids: list[int], chunks: torch.Tensor) -> None:
+def scatter_blocks(
+    layers: list[torch.Tensor], block_ids: list[int], chunks: torch.Tensor, write: ContextKVWriter
+) -> None:
     """Write `chunks` [n, layers, 2, block_size, kv_heads, head_dim] (on the cache's device)
-    into blocks `block_ids` of `layers`: the inverse of `gather_blocks`."""
-    blocks = torch.tensor(block_ids, dtype=torch.int64, device=chunks.device)
+    into blocks `block_ids` of `layers`: the inverse of `gather_blocks`, one `write` per layer
+    of the chunks' n * block_size token rows at their slots."""
+    n, num_layers, _, block_size, kv_heads, head_dim = chunks.shape
+    device = chunks.device
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)
+    # [layers, 2, n * block_size, kv_heads, head_dim]: a view of one chunk, one copy of several.
+    rows = chunks.permute(1, 2, 0, 3, 4, 5).reshape(
+        num_layers, 2, n * block_size, kv_heads, head_dim
+    )
     for i, layer in enumerate(layers):
-        layer.index_copy_(1, blocks, chunks[:, i].transpose(0, 1))
+        write(layer, rows[i, 0], rows[i, 1], slots)

@@ -1,11 +1,12 @@
-"""Staging slots and block copies: gather then scatter moves every layer's K and V of a block
-into another block; a slot's payload is the chunk's header and body, as `pack_payload` writes
-it; slots are handed out as far as they go, never waited for."""
+"""Staging slots and block copies: gather then scatter (the CPU's context KV write) moves every
+layer's K and V of a block into another block; a slot's payload is the chunk's header and body,
+as `pack_payload` writes it; slots are handed out as far as they go, never waited for."""
 
 from __future__ import annotations
 
 import torch
 
+from services.worker.attention.reference import write_kv
 from services.worker.kv_offload.payload import PayloadHeader, check_payload, pack_payload
 from services.worker.kv_offload.staging import StagingPool, gather_blocks, scatter_blocks
 
@@ -22,7 +23,7 @@ def test_gather_then_scatter_moves_blocks_to_other_ids() -> None:
     chunks = pool.bodies[slots]
     assert torch.equal(chunks[0, 1], layers[1][:, 7]) and torch.equal(chunks[1, 2], layers[2][:, 2])
     before = [layer.clone() for layer in layers]
-    scatter_blocks(layers, [0, 9], chunks)
+    scatter_blocks(layers, [0, 9], chunks, write_kv)
     for layer, old in zip(layers, before, strict=True):
         assert torch.equal(layer[:, 0], old[:, 7]) and torch.equal(layer[:, 9], old[:, 2])
         assert torch.equal(layer[:, 1:9], old[:, 1:9])  # nothing else touched
