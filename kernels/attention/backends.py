@@ -77,10 +77,6 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
-def registered_backends() -> dict[str, type[AttentionBackend]]:
-    return dict(_REGISTRY)
-
-
 def select_backend(
     name: str,
     needs: AttentionRequirements,
