@@ -197,6 +197,9 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     kv_offload: bool = False
     kvstore_timeout_s: float = Field(2.0, gt=0)  # one kvstore call
     kvstore_retry_s: float = Field(5.0, ge=0)  # after a failed call, skip the kvstore this long
+    # A request whose prefix chunk is being written to the tier by another request waits (is
+    # asked again each step) at most this long for the write to land, then recomputes it.
+    kv_pending_write_wait_s: float = Field(2.0, ge=0)
     # Which KV chunks are written to the tier (services/scheduler/offload/store_admission.py):
     # "reuse" = a chunk a second request offers (store on second sight), "always" = every full
     # block of every request. A prefill-role scheduler always stores.

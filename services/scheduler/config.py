@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from services.scheduler.spec.lookahead import lookahead_of
 from services.scheduler.structured_output.reasoning import ReasoningConfig
 from shared.config import SchedulerSettings
 from shared.kv.groups import KVGroupSpec
@@ -37,6 +38,9 @@ class SchedulerConfig(BaseModel):
     # Speculative decoding: at most this many of the worker's drafts verified per request and
     # step (lookahead slots); 0 = off (services/scheduler/spec).
     num_spec_tokens: int = Field(default=0, ge=0)
+    # The one prefill-lookahead number (services.scheduler.spec.lookahead): P/D's handoff
+    # point and the tokens a sliding-window group retains beyond its window.
+    lookahead_tokens: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _default_groups(self) -> SchedulerConfig:
@@ -71,6 +75,7 @@ class SchedulerConfig(BaseModel):
             eos_token_ids=list(ready.eos_token_ids),
             vocab_size=ready.vocab_size,
             num_spec_tokens=settings.spec_tokens if settings.spec_method else 0,
+            lookahead_tokens=lookahead_of(settings),
             kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
             reasoning=ReasoningConfig(
                 end_token_ids=tuple(settings.reasoning_end_token_ids),

@@ -55,10 +55,10 @@ from services.scheduler.offload.load_allocation import allocate_for_load
 from services.scheduler.offload.load_cost import LoadCostModel
 from services.scheduler.offload.request_state import LoadJob, OffloadRequestState
 from services.scheduler.offload.store_admission import StoreAdmission, StoreDecision
+from services.scheduler.offload.verdict import Verdict
 from services.scheduler.offload.window_hit import GroupWindow, window_hit
-from services.scheduler.offload.window_scan import Verdict
 from services.scheduler.request import Request
-from shared.kv.block_hash import BlockHash
+from services.scheduler.spec.lookahead import retained_tokens
 from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol.kv_transfer import KVTransfer
 
@@ -94,7 +94,8 @@ class OffloadStats:
     external_hit_tokens: int = 0  # of those, loaded from the tier
     loads_started: int = 0
     loads_failed: int = 0
-    defers: int = 0
+    defers: int = 0  # steps a request waited for an unanswered probe
+    pending_defers: int = 0  # steps a request waited for a chunk's write in flight
     holds: int = 0  # steps a request waited for another request's load of its next block
     lookups_skipped: int = 0  # requests not looked up: even a full hit would not beat recompute
 
@@ -162,7 +163,7 @@ class OffloadConnector:
         self.loading: dict[str, Request] = {}  # transfer id -> request being loaded
         # Block hashes an in-flight load is filling -> its transfer id: a request whose next
         # block is among them waits for that load instead of reading (or computing) it again.
-        self.producing: dict[BlockHash, str] = {}
+        self.producing: dict[OffloadKey, str] = {}
         self.orphans: dict[str, tuple[Request, LoadJob]] = {}  # finished under a load
         self.pending_loads: list[KVTransfer] = []  # for the next plan
         self.store_offers: list[StoreOffer] = []  # the plans' offers, for the kvstore (edge pops)
@@ -230,22 +231,29 @@ class OffloadConnector:
             return Admission("compute", hit_blocks, num_hit)
         first = num_hit // self.block_size
         cap = self._max_hit_blocks(request)
-        if first < cap and self._held(request, state, first):
+        if first < cap and self._held(request, state, self._load_keys(request, first, first + 1)):
             return HOLD
         if not self._worth_looking_up(first, cap):
             return Admission("compute", hit_blocks, num_hit)  # even a full hit would not pay
-        end = self._hit_end(request, hit_blocks, first, cap, settle=False)
+        end, unanswered = self._hit_end(request, hit_blocks, first, cap, settle=False)
+        if end is None and not unanswered:
+            # Only writes in flight stand in the way: ask again next step. Bounded by the
+            # lookup, which answers MISS for a chunk pending longer than its `max_pending_s`.
+            self.stats.pending_defers += 1
+            return DEFER
         if end is None:
             if state.defers < self.max_defers:
                 state.defers += 1
                 self.stats.defers += 1
                 return DEFER
-            end = self._hit_end(request, hit_blocks, first, cap, settle=True)
+            end, _ = self._hit_end(request, hit_blocks, first, cap, settle=True)
         assert end is not None
         self.stats.external_query_tokens += (cap - first) * self.block_size
         run = end - first
         if run <= 0 or len(self.loading) >= self.max_loading:
             return Admission("compute", hit_blocks, num_hit)
+        if self._held(request, state, self._load_keys(request, first, end)):
+            return HOLD  # another request's load is reading these chunks: never read twice
         if not self.cost.decide(run * self.block_size, self._load_bytes(run)):
             return Admission("compute", hit_blocks, num_hit)  # recomputing it is faster
         held = self._held_for_load(kv, hit_blocks, first, end)
@@ -256,18 +264,31 @@ class OffloadConnector:
         self._start_load(request, state, first, end, num_hit, new_blocks, kv)
         return LOADING
 
-    def _held(self, request: Request, state: OffloadRequestState, first: int) -> bool:
-        """Whether the request waits for another request's load of its block `first` (the
-        first one it lacks locally). Bounded: after `max_holds` steps it goes its own way."""
-        tid = self.producing.get(request.block_hashes[first])
-        if tid is None or state.holds >= self.max_holds:
+    def _held(
+        self, request: Request, state: OffloadRequestState, keys: Iterable[OffloadKey]
+    ) -> bool:
+        """Whether the request waits for another request's in-flight load of any of `keys` (the
+        chunks it would read). Bounded: after `max_holds` steps it goes its own way."""
+        if state.holds >= self.max_holds:
             return False
-        producer = self.loading.get(tid)
-        if producer is None or producer is request:
-            return False
-        state.holds += 1
-        self.stats.holds += 1
-        return True
+        for key in keys:
+            tid = self.producing.get(key)
+            producer = self.loading.get(tid) if tid is not None else None
+            if producer is not None and producer is not request:
+                state.holds += 1
+                self.stats.holds += 1
+                return True
+        return False
+
+    def _load_keys(self, request: Request, first: int, end: int) -> list[OffloadKey]:
+        """The chunks a load of the hit [first, end) reads: every chunk of a full group, only
+        the window coverage ending at `end` of a sliding group (the lookup's coverage)."""
+        hashes = request.block_hashes
+        return [
+            OffloadKey(hashes[i], window.group)
+            for window in self.windows
+            for i in window.chunks(first, end)
+        ]
 
     def _load_bytes(self, num_chunks: int) -> int:
         return num_chunks * len(self.groups) * self.chunk_bytes
@@ -284,22 +305,26 @@ class OffloadConnector:
 
     def _hit_end(
         self, request: Request, hit_blocks: KVCacheBlocks, first: int, cap: int, *, settle: bool
-    ) -> int | None:
-        """The hit's end in chunks (see `window_hit`), or None to ask again next step. With
-        `settle` (the request deferred often enough) an unanswered key counts as a miss."""
+    ) -> tuple[int | None, bool]:
+        """The hit's end in chunks (see `window_hit`), or None to ask again next step; and
+        whether an unanswered probe was seen (else only writes in flight made it wait). With
+        `settle` (the request deferred often enough) an unknown or pending key is a miss."""
         rid = request.request_id
         hashes = request.block_hashes
+        unanswered = False
 
         def verdict_of(i: int, g: int) -> Verdict:
-            answer = self.lookup.lookup(rid, OffloadKey(hashes[i], g))
-            if answer is None:
-                return Verdict.MISS if settle else Verdict.RETRY
-            return Verdict.HIT if answer else Verdict.MISS
+            nonlocal unanswered
+            verdict = self.lookup.lookup(rid, OffloadKey(hashes[i], g))
+            if settle and verdict in (Verdict.RETRY, Verdict.HIT_PENDING):
+                return Verdict.MISS
+            unanswered |= verdict is Verdict.RETRY
+            return verdict
 
         def local_has(i: int, g: int) -> bool:
             return not hit_blocks[g][i].is_null
 
-        return window_hit(self.windows, verdict_of, first, cap, local_has)
+        return window_hit(self.windows, verdict_of, first, cap, local_has), unanswered
 
     def _held_for_load(
         self, kv: KVCacheManager, hit_blocks: KVCacheBlocks, first: int, end: int
@@ -355,8 +380,8 @@ class OffloadConnector:
         num_tokens = num_hit + run * self.block_size
         state.load = LoadJob(transfer, chunks, first, run, num_tokens, num_hit)
         self.loading[tid] = request
-        for i in range(first, end):
-            self.producing.setdefault(request.block_hashes[i], tid)
+        for key, _ in chunks:
+            self.producing.setdefault(key, tid)
         self.pending_loads.append(transfer)
         self.stats.loads_started += 1
         # The local hit in front of the loaded run is offered for store too: its keys join the
@@ -401,12 +426,12 @@ class OffloadConnector:
         tables = kv.coordinator.get_blocks(rid)
         state = self.states[rid]
         # The store mask: a chunk is worth storing only where a hit at `end` needs it.
-        useful = [window.chunks(0, end).start for window in self.windows]
+        masks = [window.worth_storing(end) for window in self.windows]
         for i in range(begin, end):
-            for window, start in zip(self.windows, useful, strict=True):
+            for window, mask in zip(self.windows, masks, strict=True):
                 g = window.group
                 block = tables[g][i]
-                if block.is_null or i < start:
+                if block.is_null or not mask[i]:
                     continue  # out of a sliding window: nothing a hit would read
                 key = OffloadKey(request.block_hashes[i], g)
                 chunk = (key, (i + 1) * self.block_size)
@@ -510,8 +535,8 @@ class OffloadConnector:
         return requeue
 
     def _stop_producing(self, transfer_id: str) -> None:
-        for block_hash in [h for h, tid in self.producing.items() if tid == transfer_id]:
-            del self.producing[block_hash]
+        for key in [k for k, tid in self.producing.items() if tid == transfer_id]:
+            del self.producing[key]
 
     def take_finished(self) -> list[str]:
         ids, self.finished_ids = self.finished_ids, []
@@ -525,10 +550,10 @@ class OffloadConnector:
 
 def _group_window(group: int, config: SchedulerConfig) -> GroupWindow:
     """How group `group` needs the chunks of a hit. A sliding group's coverage counts the
-    `max(0, lookahead - 1)` tokens retained for speculation (CONTRACTS.md), as does its store
-    mask (the widened spec's coverage is the same number)."""
+    tokens it retains for speculation (`retained_tokens` of the one lookahead number,
+    CONTRACTS.md), as does its store mask (the widened spec's coverage is the same number)."""
     spec = config.kv_cache_groups[group].spec
     if not isinstance(spec, SlidingWindowSpec):
         return GroupWindow(group)
-    retained = max(0, config.num_spec_tokens - 1)
+    retained = retained_tokens(config.lookahead_tokens)
     return GroupWindow.sliding(group, spec.sliding_window, config.block_size, retained)

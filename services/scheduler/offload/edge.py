@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -63,6 +63,7 @@ from services.scheduler.offload.kvstore_client import (
 )
 from services.scheduler.offload.load_cost import LoadCostModel
 from services.scheduler.offload.store_admission import StoreAdmission
+from services.scheduler.offload.verdict import Verdict
 from services.scheduler.scheduler import Scheduler
 from shared.bus import Bus
 from shared.config import SchedulerSettings
@@ -177,7 +178,7 @@ class OffloadEdge:
                 LAYOUT_VERSION,
                 timeout_s=self.settings.kvstore_timeout_s,
             )
-        self.lookup = AsyncLookup(self._probe)
+        self.lookup = AsyncLookup(self._probe, max_pending_s=self.settings.kv_pending_write_wait_s)
         space = KeySpace(self.settings.cluster, ready.model, LAYOUT_VERSION)
         if ready.kv_chunk_bytes:  # else learnt from the first store's answer
             self.chunk_bytes = ready.kv_chunk_bytes
@@ -326,12 +327,12 @@ class OffloadEdge:
 
         self._calls.put_nowait(("stored", run))
 
-    async def _probe(self, keys: list[Any]) -> Collection[Any]:
+    async def _probe(self, keys: list[Any]) -> Mapping[Any, Verdict]:
         client = self.client
         if client is None:
-            return set()
-        found = await self._call("lookup", lambda: client.existing(keys))
-        return found if found is not None else set()
+            return {}
+        found = await self._call("lookup", lambda: client.verdicts(keys))
+        return found if found is not None else {}
 
     # --- per step --------------------------------------------------------------------------
 

@@ -1,11 +1,12 @@
 """The scheduler's client of the kvstore, over the bus (shared.rpc; shared/protocol/kvstore.py).
 
 One client per model key space, sharing the scheduler's rpc client (one reply stream, one
-reader). `existing` has the `ProbeBackend` shape, so `AsyncLookup(client.existing)` probes the
-kvstore in one call per batch. Every failure (no answer in time, no kvstore on the bus, Redis
-down, an error answer) raises `KVStoreError`; `AsyncLookup` turns a failed probe into misses
-and the offload edge skips the tier a while. An invalid call raises its subclass
-`KVStoreRefused`, which says nothing about the kvstore's health.
+reader). `verdicts` has the `ProbeBackend` shape, so `AsyncLookup(client.verdicts)` probes the
+kvstore in one call per batch: a chunk being written answers HIT_PENDING, not a miss. Every
+failure (no answer in time, no kvstore on the bus, Redis down, an error answer) raises
+`KVStoreError`; `AsyncLookup` turns a failed probe into misses and the offload edge skips the
+tier a while. An invalid call raises its subclass `KVStoreRefused`, which says nothing about the
+kvstore's health.
 
 Only `lookup`, `stats` and `ping` are sent twice on a slow answer: the other calls change the
 kvstore's state, and a second `store` or `load` would reserve or pin again.
@@ -13,14 +14,14 @@ kvstore's state, and a second `store` or `load` would reserve or pin again.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import ValidationError
 
-from services.scheduler.offload.window_scan import Verdict
+from services.scheduler.offload.verdict import Verdict, verdict_of_status
 from shared.kv.offload_key import OffloadKey
 from shared.protocol import (
     KVChunkOffers,
@@ -48,7 +49,6 @@ from shared.protocol import (
 from shared.protocol.kvstore import CHUNK_STATES, STORE_OUTCOMES
 from shared.rpc import RpcCallError, RpcClient, RpcError
 
-READY_STATUSES = frozenset({"ready", "pinned"})
 R = TypeVar("R", bound=RpcReply)
 
 
@@ -67,13 +67,6 @@ class StoreReply:
     present: list[OffloadKey]
     refused: list[OffloadKey]
     evicted: int
-
-
-def verdict_of_status(status: str) -> Verdict:
-    """A kvstore status as a lookup verdict (RETRY is the caller's: no answer yet)."""
-    if status in READY_STATUSES:
-        return Verdict.HIT
-    return Verdict.HIT_PENDING if status == "writing" else Verdict.MISS
 
 
 class KVStoreClient:
@@ -114,10 +107,12 @@ class KVStoreClient:
             raise KVStoreError(f"kvstore lookup: {len(reply.statuses)} statuses for {len(keys)}")
         return [CHUNK_STATES[code] for code in reply.statuses]
 
-    async def existing(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
-        """The keys that can be read now (a `ProbeBackend`)."""
+    async def verdicts(self, keys: list[OffloadKey]) -> dict[OffloadKey, Verdict]:
+        """The verdict of each key present: HIT (readable now) or HIT_PENDING (its write is in
+        flight); a missing key is left out (a `ProbeBackend`)."""
         statuses = await self.lookup(keys)
-        return {k for k, s in zip(keys, statuses, strict=True) if s in READY_STATUSES}
+        found = {k: verdict_of_status(s) for k, s in zip(keys, statuses, strict=True)}
+        return {k: v for k, v in found.items() if v is not Verdict.MISS}
 
     async def store(
         self, request_id: str, offers: Sequence[tuple[OffloadKey, int, int]]

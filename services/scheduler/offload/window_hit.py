@@ -26,11 +26,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.scheduler.offload.verdict import Verdict
 from services.scheduler.offload.window_scan import (
     DEFER,
-    Verdict,
-    coverage_chunks,
+    WindowSpec,
     scan_sliding_window,
+    store_mask,
     window_chunks,
 )
 
@@ -40,23 +41,38 @@ VerdictOf = Callable[[int, int], Verdict]
 
 @dataclass(frozen=True, slots=True)
 class GroupWindow:
-    """One prefix-cacheable group as the offload hit sees it."""
+    """One prefix-cacheable group as the offload tier sees it."""
 
     group: int
-    coverage: int | None = None  # chunks a hit needs, ending at it; None: full attention
+    spec: WindowSpec | None = None  # None: full attention
+    chunk_tokens: int = 1
 
     @classmethod
     def sliding(
         cls, group: int, window: int, chunk_tokens: int, extra_retained: int = 0
     ) -> GroupWindow:
-        return cls(group, coverage_chunks(window, chunk_tokens, extra_retained))
+        return cls(group, WindowSpec(window, extra_retained), chunk_tokens)
+
+    @property
+    def coverage(self) -> int | None:
+        """Chunks a hit needs, ending at it (its window and retained tokens); None: all."""
+        return None if self.spec is None else self.spec.coverage(self.chunk_tokens)
 
     def chunks(self, first: int, end: int) -> range:
-        """The chunks of a hit of `end` chunks this group loads (those at or after `first`)."""
-        if self.coverage is None:
+        """The chunks of a hit of `end` chunks this group loads (those at or after `first`):
+        the same range for the lookup and the "already being loaded" check."""
+        if self.spec is None:
             return range(first, end)
-        window = window_chunks(end, self.coverage)
+        window = window_chunks(end, self.spec.coverage(self.chunk_tokens))
         return range(max(first, window.start), end)
+
+    def worth_storing(self, num_chunks: int) -> list[bool]:
+        """Which of a request's first `num_chunks` chunks a later hit at their end would read:
+        all of them for full attention, the store mask of the widened window for a sliding
+        group (window_scan.store_mask)."""
+        if self.spec is None:
+            return [True] * num_chunks
+        return store_mask(num_chunks, self.spec, self.chunk_tokens)
 
 
 def window_hit(
@@ -91,8 +107,9 @@ def window_hit(
                     return verdict_of(i, g)
                 return Verdict.HIT if local_has(i, g) else Verdict.MISS
 
-            assert window.coverage is not None
-            hit = scan_sliding_window(verdict, agreed, window.coverage)
+            coverage = window.coverage
+            assert coverage is not None
+            hit = scan_sliding_window(verdict, agreed, coverage)
             if hit is DEFER:
                 return DEFER
             agreed = min(agreed, hit)

@@ -26,15 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 
-
-class Verdict(Enum):
-    HIT = "hit"
-    HIT_PENDING = "hit_pending"
-    RETRY = "retry"
-    MISS = "miss"
-
+from services.scheduler.offload.verdict import Verdict
 
 DEFER = None
 """The scanner's answer when the request must ask again next step."""

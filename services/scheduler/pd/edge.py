@@ -19,7 +19,7 @@ from services.scheduler.offload.edge import OffloadEdge
 from services.scheduler.pd import HandoffBook, PrefillPolicy, prefilled_in_step
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.spec import drafter_backoff, prefill_lookahead_tokens
+from services.scheduler.spec import lookahead_of
 from shared.config import SchedulerSettings
 from shared.protocol import StepPlan, SubmitRequest
 
@@ -28,13 +28,6 @@ log = logging.getLogger(__name__)
 #: A prefilled request waits at most this long for its store answers (a dead worker never
 #: answers; its writes expire in the kvstore), then is handed off anyway.
 MAX_STORE_WAIT_S = 30.0
-
-
-def lookahead_of(settings: SchedulerSettings) -> int:
-    """The one prefill-lookahead number for this deployment: the max (not the sum) of the
-    configured backoff and the drafter's (services.scheduler.spec.drafter_backoff)."""
-    drafter = drafter_backoff(settings.spec_method)
-    return prefill_lookahead_tokens(settings.prefill_lookahead_tokens, drafter)
 
 
 class PrefillEdge:

@@ -25,26 +25,6 @@ from services.scheduler.structured_output import StructuredOutputManager
 log = logging.getLogger(__name__)
 
 
-#: drafters that read the target's hidden states of the newest positions (EAGLE, EAGLE-3 and
-#: MTP heads): the prefill side of P/D leaves those positions to the decode side, where the
-#: head sees them computed
-FEATURE_DRAFTERS = ("eagle", "eagle3", "mtp")
-
-
-def drafter_backoff(spec_method: str) -> int:
-    """The drafter's prefill backoff: 1 for a head fed the target's features, else 0. The MTP
-    checkpoints served here (DeepSeek-V3 / GLM naming) ship one module, reused for every draft
-    and fed only the target's newest features, so MTP backs off 1 like EAGLE; an N-module
-    chain that read N target positions would back off N (CONTRACTS.md)."""
-    return 1 if spec_method in FEATURE_DRAFTERS else 0
-
-
-def prefill_lookahead_tokens(*lookaheads: int) -> int:
-    """The one prefill-lookahead number (CONTRACTS): 0 without speculation, 1 for state-space
-    or EAGLE-style backoff, N for N-module MTP; when several apply, the max (not the sum)."""
-    return max((n for n in lookaheads if n > 0), default=0)
-
-
 class DraftBook:
     """Unverified drafts per request id, as the worker proposed them (grammar-validated)."""
 

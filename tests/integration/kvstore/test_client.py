@@ -13,9 +13,8 @@ from services.scheduler.offload.kvstore_client import (
     KVStoreClient,
     KVStoreError,
     KVStoreRefused,
-    verdict_of_status,
 )
-from services.scheduler.offload.window_scan import Verdict
+from services.scheduler.offload.verdict import Verdict
 from shared.bus import Bus
 from shared.protocol.kvstore import MAX_CHUNKS
 from shared.streams import RPC_GROUP
@@ -44,11 +43,11 @@ async def test_store_load_and_finish_through_the_client(redis_url: str) -> None:
         assert await client.stored(offers[:2], ok=True) == 2
         statuses = await client.lookup(keys)
         assert statuses == ["ready", "ready", "writing"]
-        assert [verdict_of_status(s) for s in statuses] == [
-            Verdict.HIT,
-            Verdict.HIT,
-            Verdict.HIT_PENDING,
-        ]
+        assert await client.verdicts(keys) == {
+            keys[0]: Verdict.HIT,
+            keys[1]: Verdict.HIT,
+            keys[2]: Verdict.HIT_PENDING,
+        }
         assert await client.load("r2", chunks[:3]) == keys[:2]
         assert await client.lookup(keys[:1]) == ["pinned"]
         assert await client.loaded("r2", keys[:2]) == 2
@@ -73,16 +72,26 @@ async def test_async_lookup_probes_the_kvstore_once_per_batch(redis_url: str) ->
         await client.stored([(keys[0], chunks[0][1], NBYTES)], ok=True)
         probes: list[int] = []
 
-        async def backend(batch: list) -> set:
+        async def backend(batch: list) -> dict:
             probes.append(len(batch))
-            return set(await client.existing(batch))
+            return await client.verdicts(batch)
 
         lookup = AsyncLookup(backend)
-        assert [lookup.lookup("A", k) for k in keys] == [None, None, None]
+        assert [lookup.lookup("A", k) for k in keys] == [Verdict.RETRY] * 3
         await asyncio.gather(*lookup.flush())
-        # ready -> True; still being written or absent -> not readable now.
-        assert [lookup.lookup("A", k) for k in keys] == [True, False, False]
+        # ready -> HIT; still being written -> HIT_PENDING (asked again); absent -> MISS.
+        assert [lookup.lookup("A", k) for k in keys] == [
+            Verdict.HIT,
+            Verdict.HIT_PENDING,
+            Verdict.MISS,
+        ]
         assert probes == [3]
+        # The pending chunk is probed again at the next flush: its write landed, a HIT now.
+        await r.set(SPACE.payload_key(keys[1]), b"\0" * NBYTES)
+        await client.stored([(keys[1], chunks[1][1], NBYTES)], ok=True)
+        await asyncio.gather(*lookup.flush())
+        assert lookup.lookup("A", keys[1]) is Verdict.HIT
+        assert probes == [3, 1]
     await r.aclose()
 
 
@@ -94,10 +103,10 @@ async def test_no_kvstore_on_the_bus_fails_at_once_and_counts_as_misses(redis_ur
         with pytest.raises(KVStoreError, match="kv_lookup: RpcUnavailable"):
             await client.lookup([key])
         assert time.monotonic() - started < 5  # never started: no timeout to wait out
-        lookup = AsyncLookup(client.existing)
+        lookup = AsyncLookup(client.verdicts)
         lookup.lookup("A", key)
         await asyncio.gather(*lookup.flush())
-        assert lookup.lookup("A", key) is False
+        assert lookup.lookup("A", key) is Verdict.MISS
 
 
 async def test_a_stopped_kvstore_is_a_timeout(redis_url: str) -> None:

@@ -10,7 +10,8 @@ WorkerDouble's check that every prefix-hit block holds the request's tokens.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.scheduler.config import SchedulerConfig
@@ -18,6 +19,7 @@ from services.scheduler.kv.kv_cache_manager import KVCacheManager
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.connector import OffloadConnector
 from services.scheduler.offload.store_admission import StoreAdmission, StorePolicyName
+from services.scheduler.offload.verdict import Verdict
 from services.scheduler.scheduler import Scheduler
 from shared.kv.offload_key import KeySpace, OffloadKey
 from shared.protocol import KVTransferDone, StepPlan
@@ -31,11 +33,20 @@ SPACE = KeySpace("c", "m", 1)
 @dataclass
 class Tier:
     payloads: dict[str, list[int | None]] = field(default_factory=dict)
+    writing: set[str] = field(default_factory=set)  # payload keys whose write is in flight
     probes: int = 0
 
-    async def existing(self, keys: list[OffloadKey]) -> Collection[OffloadKey]:
+    async def verdicts(self, keys: list[OffloadKey]) -> dict[OffloadKey, Verdict]:
+        """What the kvstore answers: ready chunks HIT, chunks being written HIT_PENDING."""
         self.probes += 1
-        return {k for k in keys if SPACE.payload_key(k) in self.payloads}
+        found = {}
+        for k in keys:
+            name = SPACE.payload_key(k)
+            if name in self.writing:
+                found[k] = Verdict.HIT_PENDING
+            elif name in self.payloads:
+                found[k] = Verdict.HIT
+        return found
 
 
 @dataclass
@@ -97,14 +108,19 @@ class OffloadRig:
 
     @classmethod
     def build(
-        cls, tier: Tier | None = None, store_policy: StorePolicyName = "always", **kw: object
+        cls,
+        tier: Tier | None = None,
+        store_policy: StorePolicyName = "always",
+        clock: Callable[[], float] = time.monotonic,
+        **kw: object,
     ) -> OffloadRig:
         """The mechanics of loads and stores are tested with every block stored ("always");
-        the store policy's own tests pass "reuse"."""
+        the store policy's own tests pass "reuse". A chunk pending longer than 2 s by `clock`
+        is a miss."""
         tier = tier or Tier()
         cfg = config(**kw)
         scheduler = Scheduler(cfg, "s")
-        lookup = AsyncLookup(tier.existing)
+        lookup = AsyncLookup(tier.verdicts, max_pending_s=2.0, clock=clock)
         scheduler.offload = OffloadConnector(
             cfg, SPACE, lookup, "t", store_admission=StoreAdmission(store_policy)
         )

@@ -8,6 +8,7 @@ from collections.abc import Collection, Hashable
 import pytest
 
 from services.scheduler.offload.async_lookup import AsyncLookup, Phase
+from services.scheduler.offload.verdict import Verdict
 from tests.unit.kvstore.prefix import prefix_keys
 
 
@@ -21,29 +22,29 @@ class GatedBackend:
         self.started = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def __call__(self, keys: list[Hashable]) -> Collection[Hashable]:
+    async def __call__(self, keys: list[Hashable]) -> dict[Hashable, Verdict]:
         self.calls.append(list(keys))
         self.started.set()
         await self.release.wait()
         if self.fail:
             raise ConnectionError("redis went away")
-        return [k for k in keys if k in self.existing]
+        return {k: Verdict.HIT for k in keys if k in self.existing}
 
 
 async def test_a_later_request_attaches_to_the_probe_in_flight() -> None:
     (k,) = prefix_keys(1)
     backend = GatedBackend(existing=[k])
     lookup = AsyncLookup(backend)
-    assert lookup.lookup("A", k) is None
+    assert lookup.lookup("A", k) is Verdict.RETRY
     (task,) = lookup.flush()
     await backend.started.wait()
     lookup.request_finished("A")  # A gives up while its probe is in flight
     assert k in lookup.states  # kept: in flight
-    assert lookup.lookup("B", k) is None
+    assert lookup.lookup("B", k) is Verdict.RETRY
     assert lookup.flush() == []  # no second probe for K
     backend.release.set()
     await task
-    assert lookup.lookup("B", k) is True
+    assert lookup.lookup("B", k) is Verdict.HIT
     assert backend.calls == [[k]]
 
 
@@ -58,7 +59,7 @@ async def test_orphan_result_is_dropped_with_its_state() -> None:
     await task
     assert lookup.states == {} and lookup.results_dropped == 1
     # A new request starts fresh: a new probe, not the dropped verdict.
-    assert lookup.lookup("B", k) is None
+    assert lookup.lookup("B", k) is Verdict.RETRY
     assert len(lookup.flush()) == 1
 
 
@@ -72,12 +73,12 @@ async def test_stale_generation_result_is_ignored() -> None:
     lookup.invalidate([k])  # K was stored after the probe started: its "absent" is out of date
     backend.release.set()
     await old
-    assert lookup.lookup("A", k) is None  # the stale answer was not taken
+    assert lookup.lookup("A", k) is Verdict.RETRY  # the stale answer was not taken
     assert lookup.results_dropped == 1
     backend.existing.add(k)
     (new,) = lookup.flush()
     await new
-    assert lookup.lookup("A", k) is True
+    assert lookup.lookup("A", k) is Verdict.HIT
     assert backend.calls == [[k], [k]]
 
 
@@ -90,13 +91,13 @@ async def test_forced_miss_sticks() -> None:
     lookup.mark_load_failed([k])  # a load of K failed while a probe is in flight
     backend.release.set()
     await task
-    assert lookup.lookup("A", k) is False  # the probe said present; the failure wins
+    assert lookup.lookup("A", k) is Verdict.MISS  # the probe said present; the failure wins
     lookup.invalidate([k])  # even a fresh probe that finds K does not lift the forced miss
-    assert lookup.lookup("B", k) is False
+    assert lookup.lookup("B", k) is Verdict.MISS
     tasks = lookup.flush()
     assert len(tasks) == 1
     await asyncio.gather(*tasks)
-    assert lookup.lookup("B", k) is False
+    assert lookup.lookup("B", k) is Verdict.MISS
 
 
 async def test_a_backend_error_counts_as_misses() -> None:
@@ -108,7 +109,7 @@ async def test_a_backend_error_counts_as_misses() -> None:
         lookup.lookup("A", key)
     (task,) = lookup.flush()
     await task
-    assert [lookup.lookup("A", k) for k in keys] == [False, False, False]
+    assert [lookup.lookup("A", k) for k in keys] == [Verdict.MISS] * 3
 
 
 async def test_one_flush_batches_all_pending_keys() -> None:
@@ -117,13 +118,13 @@ async def test_one_flush_batches_all_pending_keys() -> None:
     backend.release.set()
     lookup = AsyncLookup(backend, max_batch=3)
     for i, key in enumerate(keys):
-        assert lookup.lookup(f"r{i % 2}", key) is None
+        assert lookup.lookup(f"r{i % 2}", key) is Verdict.RETRY
     tasks = lookup.flush()
     assert len(tasks) == 2  # 5 keys in batches of 3
     assert all(s.phase is Phase.IN_FLIGHT for s in lookup.states.values())
     await asyncio.gather(*tasks)
     assert sorted(map(len, backend.calls)) == [2, 3]
-    assert [lookup.lookup("r0", k) for k in keys] == [True, True, False, False, False]
+    assert [lookup.lookup("r0", k) for k in keys] == [*[Verdict.HIT] * 2, *[Verdict.MISS] * 3]
 
 
 async def test_finished_requests_free_resolved_states() -> None:
@@ -156,3 +157,49 @@ async def test_close_cancels_probes_in_flight() -> None:
 def test_max_batch_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_batch"):
         AsyncLookup(GatedBackend(), max_batch=0)
+
+
+class WritingBackend:
+    """Answers each key's current verdict (HIT_PENDING while its write is in flight)."""
+
+    def __init__(self, verdicts: dict[Hashable, Verdict]) -> None:
+        self.verdicts = verdicts
+        self.calls: list[list[Hashable]] = []
+
+    async def __call__(self, keys: list[Hashable]) -> dict[Hashable, Verdict]:
+        self.calls.append(list(keys))
+        return {k: self.verdicts[k] for k in keys if k in self.verdicts}
+
+
+async def test_a_write_in_flight_is_pending_and_asked_again_until_it_lands() -> None:
+    (k,) = prefix_keys(1)
+    backend = WritingBackend({k: Verdict.HIT_PENDING})
+    lookup = AsyncLookup(backend)
+    lookup.lookup("A", k)
+    await asyncio.gather(*lookup.flush())
+    assert lookup.lookup("A", k) is Verdict.HIT_PENDING
+    (again,) = lookup.flush()  # probed again: the write may have landed since
+    assert lookup.lookup("A", k) is Verdict.HIT_PENDING  # not RETRY while re-probed
+    await again
+    backend.verdicts[k] = Verdict.HIT
+    await asyncio.gather(*lookup.flush())
+    assert lookup.lookup("A", k) is Verdict.HIT
+    assert lookup.flush() == []  # a HIT is not probed again
+    assert backend.calls == [[k], [k], [k]]
+
+
+async def test_a_write_pending_past_the_bound_is_a_miss_and_no_longer_probed() -> None:
+    (k,) = prefix_keys(1)
+    now = [100.0]
+    lookup = AsyncLookup(
+        WritingBackend({k: Verdict.HIT_PENDING}), max_pending_s=2.0, clock=lambda: now[0]
+    )
+    lookup.lookup("A", k)
+    await asyncio.gather(*lookup.flush())
+    now[0] += 1.9
+    await asyncio.gather(*lookup.flush())
+    assert lookup.lookup("A", k) is Verdict.HIT_PENDING
+    now[0] += 0.1  # pending for 2 s since first seen writing: waited long enough
+    assert lookup.lookup("A", k) is Verdict.MISS
+    assert lookup.flush() == []
+    assert lookup.lookup("B", k) is Verdict.MISS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.kvstore.request_record import RequestRecord
+from services.scheduler.offload.verdict import Verdict
 from services.scheduler.request import RequestStatus
 from shared.kv.offload_key import OffloadKey
 from tests.unit.scheduler.driver import submit
@@ -81,7 +82,7 @@ async def test_a_failed_load_recomputes_and_its_keys_become_misses() -> None:
     free_before_answer = rig.scheduler.kv.num_free_blocks
     rig.answer_loads(load_plan, fail=set(bad))
     assert rig.scheduler.kv.num_free_blocks == free_before_answer + 6  # blocks freed
-    assert rig.lookup.lookup("b", SPACE.parse(bad[0])) is False  # forced miss sticks
+    assert rig.lookup.lookup("b", SPACE.parse(bad[0])) is Verdict.MISS  # forced miss sticks
     plan = rig.step()
     assert plan is not None  # a shorter load: the run before the failed key
     assert plan.kv_loads[0].keys == keys_of(rig, "b", range(0, 2))

@@ -120,8 +120,8 @@ async def test_a_completed_load_resumes_with_the_window_computed() -> None:
 
 
 async def test_stores_offer_the_window_coverage_widened_by_retained_tokens() -> None:
-    for spec_tokens, window_from in ((0, 4), (1, 4), (3, 3)):
-        rig = hybrid(num_spec_tokens=spec_tokens)
+    for lookahead, window_from in ((0, 4), (1, 4), (3, 3)):
+        rig = hybrid(lookahead_tokens=lookahead)
         rig.scheduler.add_request(submit("a", PROMPT))
         await rig.probe()
         plan = rig.scheduler.schedule()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from services.scheduler.offload.verdict import Verdict
 from services.scheduler.offload.window_hit import GroupWindow, window_hit
-from services.scheduler.offload.window_scan import DEFER, Verdict
+from services.scheduler.offload.window_scan import DEFER
 
 H, P, M, R = Verdict.HIT, Verdict.HIT_PENDING, Verdict.MISS, Verdict.RETRY
 FULL = GroupWindow(0)
-SLIDE = GroupWindow(1, coverage=2)
+SLIDE = GroupWindow.sliding(1, window=2, chunk_tokens=1)
 
 
 def table(*per_group: list[Verdict]):  # type: ignore[no-untyped-def]
@@ -63,7 +64,7 @@ def test_chunks_below_the_local_hit_come_from_the_local_table() -> None:
 
 
 def test_two_windows_iterate_to_a_length_both_serve() -> None:
-    narrow, wide = GroupWindow(0, coverage=1), GroupWindow(1, coverage=3)
+    narrow, wide = GroupWindow.sliding(0, 1, 1), GroupWindow.sliding(1, 3, 1)
     # narrow's best end is 6; wide has no window ending at 6 but one ending at 4;
     # at 4 narrow needs chunk 3, which it lacks: it answers 3; wide at 3 has chunks 0..2.
     verdict_of, _ = table([M, M, H, M, M, H], [H, H, H, H, M, M])

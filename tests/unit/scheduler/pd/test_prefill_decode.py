@@ -11,8 +11,8 @@ import pytest
 from services.scheduler.offload.connector import OffloadConnector
 from services.scheduler.offload.store_admission import StoreAdmission
 from services.scheduler.pd import HandoffBook, PrefillPolicy, prefilled_in_step
-from services.scheduler.pd.edge import lookahead_of
 from services.scheduler.request import RequestStatus
+from services.scheduler.spec import lookahead_of
 from shared.config import SchedulerSettings
 from shared.kv.block_hash import extend_block_hashes
 from shared.kv.offload_key import OffloadKey

@@ -4,10 +4,23 @@ prefix caching, acceptance stats. Driven plan by plan with hand-made worker resu
 from __future__ import annotations
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.offload.async_lookup import AsyncLookup
+from services.scheduler.offload.connector import OffloadConnector
+from services.scheduler.pd import PrefillPolicy
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.spec import prefill_lookahead_tokens
-from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult, SubmitRequest
+from services.scheduler.spec import lookahead_of, prefill_lookahead_tokens, retained_tokens
+from shared.config import SchedulerSettings
+from shared.kv.groups import KVGroupSpec
+from shared.kv.offload_key import KeySpace
+from shared.protocol import (
+    SampledTokens,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+    WorkerReady,
+)
 
 BLOCK = 4
 
@@ -130,3 +143,33 @@ def test_one_prefill_lookahead_number_is_the_max_not_the_sum() -> None:
     assert prefill_lookahead_tokens() == 0
     assert prefill_lookahead_tokens(0, 0) == 0
     assert prefill_lookahead_tokens(1, 3) == 3  # EAGLE backoff 1 with 3-module MTP: 3, not 4
+
+
+def test_one_lookahead_number_drives_pd_and_sliding_window_retention() -> None:
+    """The settings give one number (lookahead_of); the scheduler core's config carries it, P/D
+    stops that many tokens short, and a sliding group retains max(0, lookahead - 1) tokens
+    in its offload coverage. An n-gram drafter with K = 6 backs off nothing: K is not it."""
+    ready = WorkerReady(
+        worker_id="w", incarnation="i", model="m", num_kv_blocks=64, block_size=BLOCK,
+        vocab_size=100, max_model_len=256,
+        kv_groups=[KVGroupSpec(kind="sliding_window", layer_indices=[0], sliding_window=8)],
+    )  # fmt: skip
+    cases = [
+        (SchedulerSettings(), 0, 2),
+        (SchedulerSettings(spec_method="ngram", spec_tokens=6), 0, 2),
+        (SchedulerSettings(spec_method="eagle", spec_tokens=6), 1, 2),
+        (SchedulerSettings(spec_method="mtp", prefill_lookahead_tokens=4), 4, 3),
+    ]
+    for settings, lookahead, coverage in cases:
+        config = SchedulerConfig.from_worker(settings, ready)
+        assert config.lookahead_tokens == lookahead_of(settings) == lookahead
+        assert PrefillPolicy(lookahead_of(settings), BLOCK).lookahead == lookahead
+        connector = OffloadConnector(config, KeySpace("c", "m", 1), AsyncLookup(_no_tier), "t")
+        (window,) = connector.windows
+        assert window.spec is not None
+        assert window.spec.extra_retained == retained_tokens(lookahead) == max(0, lookahead - 1)
+        assert window.coverage == coverage  # window 8, block 4: max(2, cdiv(7 + r, 4))
+
+
+async def _no_tier(keys: list[object]) -> dict[object, object]:
+    return {}
