@@ -244,6 +244,9 @@ def main() -> None:
     parser.add_argument("--warmup-min", type=float, default=10)
     parser.add_argument("--csv", default="")
     parser.add_argument(
+        "--ready-timeout", type=float, default=600, help="seconds each service may take to start"
+    )
+    parser.add_argument(
         "--env", nargs="*", default=[], help="KEY=VALUE settings of every service (override)"
     )
     args = parser.parse_args()
@@ -257,7 +260,7 @@ def main() -> None:
         **dict(item.split("=", 1) for item in args.env),
     }
     csv: list[str] = []
-    with Mesh(services=SERVICES, env=env, acl=True) as mesh:
+    with Mesh(services=SERVICES, env=env, acl=True, ready_timeout=args.ready_timeout) as mesh:
         started = time.monotonic()
         outcomes = asyncio.run(drive(mesh, args, csv))
         elapsed = time.monotonic() - started

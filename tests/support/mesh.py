@@ -36,9 +36,12 @@ class Mesh:
         redis: RedisServer | None = None,
         acl: bool = False,
         groups: int = 1,
+        ready_timeout: float = 120.0,
     ) -> None:
         """`groups` > 1: worker groups 1.. besides group 0, each a `scheduler-g<i>` and a
-        `worker-g<i>` (with MESHLLM_GROUP=i), started after the named services."""
+        `worker-g<i>` (with MESHLLM_GROUP=i), started after the named services.
+        `ready_timeout`: how long `start` waits for each service to answer ready."""
+        self.ready_timeout = ready_timeout
         extra = [(f"{m}-g{i}", m, i) for i in range(1, groups) for m in ("scheduler", "worker")]
         self.services = (*services, *(name for name, _, _ in extra))
         self.modules = {name: module for name, module, _ in extra}
@@ -108,7 +111,7 @@ class Mesh:
         # The gateway is ready only once a scheduler with a ready worker serves its model:
         # waited for last, so each wait covers one service's own start.
         for name in sorted(self.services, key=lambda n: n == "gateway"):
-            self.wait_ready(name)
+            self.wait_ready(name, self.ready_timeout)
         return self
 
     def start_service(self, name: str, overrides: dict[str, str] | None = None) -> None:
@@ -212,7 +215,11 @@ class Mesh:
         return total
 
     def __enter__(self) -> Mesh:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()  # a failed start leaves no service running (no __exit__ follows)
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
