@@ -21,36 +21,22 @@ import redis
 import torch
 from transformers import AutoTokenizer, Gemma3ForCausalLM
 
-from tests.e2e.conftest import E2E_ENV
+from tests.e2e.swa_gemma3 import BLOCK, make_swa_model, swa_env
 from tests.support.mesh import Mesh
-from tests.support.tiny_llama import copy_tokenizer, random_prompt, reference_greedy
-from tests.support.tiny_models import make_tiny
+from tests.support.tiny_llama import random_prompt, reference_greedy
 
-BLOCK = 16
-WINDOW = 16
 PROMPT_LEN = 5 * BLOCK + 7  # the hit cap (len - 1) is 86 tokens -> 5 chunks
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-gemma3-swa")
-    make_tiny(out, "gemma3", seed=5, vocab_size=49152, sliding_window=WINDOW,
-              max_position_embeddings=512)  # fmt: skip
-    copy_tokenizer(smollm2_dir, out)
-    return out
+    return make_swa_model(smollm2_dir, tmp_path_factory, "tiny-gemma3-swa")
 
 
 @pytest.fixture(scope="module")
 def swa_mesh(model_dir: Path) -> Iterator[Mesh]:
-    env = {
-        **E2E_ENV,
-        "MESHLLM_MODEL": str(model_dir),
-        "MESHLLM_MAX_MODEL_LEN": "512",
-        "MESHLLM_BLOCK_SIZE": str(BLOCK),
-        "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
-        "MESHLLM_KV_OFFLOAD": "true",
-    }
+    env = swa_env(model_dir)
     with Mesh(services=("gateway", "scheduler", "worker", "kvstore"), env=env) as mesh:
         yield mesh
 

@@ -26,37 +26,21 @@ import torch
 from transformers import AutoTokenizer, Gemma3ForCausalLM
 
 from shared.kv.block_hash import extend_block_hashes
-from tests.e2e.conftest import E2E_ENV
+from tests.e2e.swa_gemma3 import BLOCK, make_swa_model, swa_env
 from tests.e2e.test_pd_disaggregation import PDMesh
-from tests.support.tiny_llama import copy_tokenizer, random_prompt, reference_greedy
-from tests.support.tiny_models import make_tiny
+from tests.support.tiny_llama import random_prompt, reference_greedy
 
-BLOCK = 16
-WINDOW = 16
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-gemma3-pd-spec")
-    make_tiny(out, "gemma3", seed=5, vocab_size=49152, sliding_window=WINDOW,
-              max_position_embeddings=512)  # fmt: skip
-    copy_tokenizer(smollm2_dir, out)
-    return out
+    return make_swa_model(smollm2_dir, tmp_path_factory, "tiny-gemma3-pd-spec")
 
 
 @pytest.fixture(scope="module")
 def pd_mesh(model_dir: Path) -> Iterator[PDMesh]:
-    env = {
-        **E2E_ENV,
-        "MESHLLM_MODEL": str(model_dir),
-        "MESHLLM_MAX_MODEL_LEN": "512",
-        "MESHLLM_BLOCK_SIZE": str(BLOCK),
-        "MESHLLM_HEARTBEAT_INTERVAL_S": "0.5",
-        "MESHLLM_KV_OFFLOAD": "true",
-        "MESHLLM_SPEC_METHOD": "ngram",
-        "MESHLLM_SPEC_TOKENS": "4",
-    }
+    env = swa_env(model_dir, MESHLLM_SPEC_METHOD="ngram", MESHLLM_SPEC_TOKENS="4")
     with PDMesh(env) as mesh:
         yield mesh
 
