@@ -64,10 +64,11 @@ up: venv redis cxx
 DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
 	apt-cache show docker.io; } >/dev/null 2>&1 && echo yes)
 
-# pytest exits 5 when it collected nothing: that is a broken suite, not a pass.
+# pytest exits 5 when it collected nothing: that is a broken suite, not a pass. The 20 slowest
+# tests are listed (CI time is watched).
 # tests/docker are deselected here (they need built images); docker-test runs them after.
 test: venv redis cxx kubectl
-	@$(VENV)/bin/pytest -q $(PYTEST_ARGS); status=$$?; \
+	@$(VENV)/bin/pytest -q --durations=20 $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	if [ $$status -ne 0 ]; then exit $$status; fi
 ifeq ($(DOCKER_POSSIBLE),yes)

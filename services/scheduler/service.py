@@ -38,7 +38,7 @@ from collections.abc import Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.intake import Intake, ReplyExpiry, send
@@ -70,6 +70,11 @@ NUM_RUNNING = Gauge(metric_name("num_requests_running"), "Requests in the runnin
 NUM_WAITING = Gauge(metric_name("num_requests_waiting"), "Requests waiting to be scheduled")
 KV_USAGE = Gauge(metric_name("kv_cache_usage_perc"), "KV cache usage, 0 to 1")
 NUM_PREEMPTIONS = Gauge(metric_name("num_preemptions"), "Preemptions since start")
+WORKER_RESETS = Counter(
+    metric_name("worker_resets"),
+    "Times the worker's batch was dropped and every request recomputed (a worker restarted, "
+    "declared silent, or a lost step)",
+)
 PREFIX_HIT_RATE = Gauge(metric_name("prefix_cache_hit_rate"), "Prefix cache hit rate, 0 to 1")
 STEP_SECONDS = Histogram(
     metric_name("scheduler_step_seconds"),
@@ -268,6 +273,7 @@ class SchedulerService(Service):
         assert self.core is not None
         self.core.reset_worker_state(incarnation)
         self.epoch += 1
+        WORKER_RESETS.inc()
 
     def _rebuild_core(self, config: SchedulerConfig) -> None:
         """A first worker, or one of another shape: start a core and (re)queue every request

@@ -19,6 +19,8 @@ test_redis_outage.py's 15 s one does, and also the default gateway heartbeat bou
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import threading
 import time
@@ -262,6 +264,105 @@ def test_a_fault_under_load_loses_nothing_silently(
         assert ended_s < 10
     for name in SERVICES:
         assert mesh.procs[name].poll() is None, f"{name} died:\n{mesh.tail(name)}"
+
+
+WORDS_REGEX = r"[a-z]{3,8}( [a-z]{3,8}){11}"
+WORDS_SCHEMA = {
+    "type": "array",
+    "items": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+    "minItems": 8,
+    "maxItems": 8,
+}
+
+
+def constrained(client: openai.OpenAI, model: str, i: int) -> str:
+    """Structured-output request i, seeded sampling (even: a JSON array of eight words; odd:
+    twelve words by regex), long enough to be decoding when the worker freezes; streamed when
+    i % 3 == 0."""
+    params: dict[str, object] = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPTS[i]}],
+        "max_tokens": 200,
+        "temperature": 0.8,  # seeded sampling under the mask: the same tokens after a recompute
+        "seed": 100 + i,
+    }
+    if i % 2 == 0:
+        schema = {"name": "words", "schema": WORDS_SCHEMA}
+        params["response_format"] = {"type": "json_schema", "json_schema": schema}
+    else:
+        params["extra_body"] = {"structured_outputs": {"regex": WORDS_REGEX}}
+    if i % 3:
+        reply = client.chat.completions.create(**params)  # type: ignore[call-overload]
+        assert reply.choices[0].finish_reason == "stop", reply
+        return reply.choices[0].message.content or ""
+    text = ""
+    for chunk in client.chat.completions.create(stream=True, **params):  # type: ignore[call-overload]
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+    return text
+
+
+def run_mixed(mesh: Mesh, model: str, during: Callable[[], None] | None = None) -> list:
+    """The six constrained requests and the six free ones (Load) concurrently; `during` runs
+    once all twelve are decoding. Outcomes: the constrained ones', then the free ones'."""
+    outcomes: dict[int, str | BaseException] = {}
+
+    def one(i: int) -> None:
+        try:
+            outcomes[i] = constrained(api(mesh), model, i)
+        except BaseException as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    free = Load(mesh, model).start()
+    if during is not None:
+        deadline = time.monotonic() + 120
+        while mesh.metric("scheduler", "meshllm:num_requests_running") < 2 * len(PROMPTS):
+            assert time.monotonic() < deadline and not outcomes, outcomes
+            time.sleep(0.02)
+        during()
+    for thread in threads:
+        thread.join(PROGRESS_TIMEOUT_S + 30)
+    assert not any(thread.is_alive() for thread in threads), "a constrained request hung"
+    assert free.join(PROGRESS_TIMEOUT_S + 30) == 0, "a free request hung"
+    return [outcomes[i] for i in range(len(PROMPTS))] + [
+        free.outcomes[i] for i in range(len(PROMPTS))
+    ]
+
+
+def test_a_silent_worker_recomputes_constrained_requests_exactly(mesh: Mesh) -> None:
+    """SIGSTOP the worker past its heartbeat bound while structured-output requests (seeded
+    sampling) decode beside free ones: the scheduler declares it silent and recomputes every
+    request (its grammar state kept), the thawed worker drops its old batch. Each request
+    completes as in an undisturbed run, the constrained outputs within their grammar. (A soak
+    once saw a 500 "the model produced token N, which the grammar does not allow" after a
+    worker was declared silent; this case does not reproduce it.)"""
+    model = api(mesh).models.list().data[0].id
+    undisturbed = run_mixed(mesh, model)
+    silent_s = max(5.0, 5 * float(ENV["MESHLLM_HEARTBEAT_INTERVAL_S"]))  # the scheduler's bound
+    resets = mesh.metric("scheduler", "meshllm:worker_resets_total")
+
+    def freeze() -> None:
+        mesh.signal("worker", signal.SIGSTOP)
+        try:
+            time.sleep(silent_s + 2)
+        finally:
+            mesh.signal("worker", signal.SIGCONT)
+
+    outcomes = run_mixed(mesh, model, freeze)
+    assert mesh.metric("scheduler", "meshllm:worker_resets_total") > resets
+    for i, (text, expected) in enumerate(zip(outcomes, undisturbed, strict=True)):
+        assert isinstance(expected, str), (i, repr(expected))
+        assert text == expected, (i, repr(text))
+        if i >= len(PROMPTS):
+            continue  # a free request
+        if i % 2 == 0:
+            words = json.loads(text)
+            assert isinstance(words, list) and len(words) == 8
+        else:
+            assert re.fullmatch(WORDS_REGEX, text), text
 
 
 def test_a_frozen_worker_ends_requests_at_the_progress_deadline(

@@ -75,6 +75,11 @@ def complete(mesh: Mesh, prompt: list[int], max_tokens: int = MAX_TOKENS) -> str
     return resp.choices[0].text
 
 
+def writing(mesh: Mesh) -> int:
+    """Chunks the kvstore holds reserved for a write that has not landed."""
+    return int(mesh.admin_state("kvstore")["kvstore"].get("writing", 0))
+
+
 def offload_stats(mesh: Mesh, group: str) -> dict:
     return dict(mesh.admin_state(GROUPS[group][0])["kv_offload"]["stats"])
 
@@ -91,17 +96,32 @@ def stored_keys_by_group(mesh: Mesh) -> dict[str, int]:
     return counts
 
 
+def warm_up(mesh: Mesh, seed: int) -> str | None:
+    """Send a one-token request; the group the gateway's router chose (None: not routed)."""
+    before = {g: mesh.metric("gateway", "meshllm:router_decisions_total", group=g) for g in GROUPS}
+    complete(mesh, random_prompt(PROMPT_LEN, seed), max_tokens=1)
+    after = {g: mesh.metric("gateway", "meshllm:router_decisions_total", group=g) for g in GROUPS}
+    chosen = [g for g in GROUPS if after[g] > before[g]]
+    return chosen[0] if len(chosen) == 1 else None
+
+
 def test_a_request_waits_for_the_window_being_written_and_matches_a_cold_run(
     mesh: Mesh, model_dir: Path
 ) -> None:
-    # Which group takes the next request: round robin alternates, so after a warm-up request
-    # (seen by its scheduler's offload lookup) the next one goes to the other group.
-    before = {g: offload_stats(mesh, g)["external_query_tokens"] for g in GROUPS}
-    complete(mesh, random_prompt(PROMPT_LEN, 99), max_tokens=1)
-    warm = [g for g in GROUPS if offload_stats(mesh, g)["external_query_tokens"] > before[g]]
-    assert len(warm) == 1
-    group_a = next(g for g in GROUPS if g != warm[0])
-    group_b = warm[0]
+    # Which group takes the next request: round robin alternates once both groups report
+    # their load (before that a request may go to the shared stream, or the router may see one
+    # group only). Warm-up requests until two in a row were routed to different groups.
+    routed = [warm_up(mesh, 99)]
+    for seed in range(100, 110):
+        routed.append(warm_up(mesh, seed))
+        if None not in routed[-2:] and routed[-1] != routed[-2]:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"round robin never alternated: {routed}")
+    group_b = routed[-1]
+    group_a = next(g for g in GROUPS if g != group_b)
+    wait_until(lambda: writing(mesh) == 0, timeout=30, what="the warm-ups' writes landed")
     keys_before = stored_keys_by_group(mesh)
 
     prompt = random_prompt(PROMPT_LEN, 8)
@@ -111,7 +131,7 @@ def test_a_request_waits_for_the_window_being_written_and_matches_a_cold_run(
         thread_a = threading.Thread(target=lambda: outputs.update(a=complete(mesh, prompt)))
         thread_a.start()
         wait_until(
-            lambda: mesh.admin_state("kvstore")["kvstore"].get("writing", 0) > 0,
+            lambda: writing(mesh) > 0,
             timeout=8,
             what="A's chunks reserved in the kvstore (writing)",
         )

@@ -10,13 +10,13 @@ process pool whose workers each hold a Planner of their own, and only the plan (
 context length) or the error comes back. Smaller bodies are planned inline, where planning
 costs less than the hop to a process.
 
-Worker processes are started with `spawn` (the gateway has threads), get the tokenizer, the
-model facts and the settings once, and ignore SIGINT (a terminal's Ctrl-C is for the
-gateway, which shuts them down). They run at a lower CPU priority (nice +10), so the event loop
-gets the CPU first when a large body is being tokenized: on the 2-core dev machine under load,
-/health during a 10 MB prompt answered in a median 2.5 ms (p99 15-20 ms) with it, against
-9-10 ms (p99 25-34 ms) at equal priority. A worker that dies (killed, out of memory on a
-hostile body) breaks the pool: that request gets a 500, and a fresh pool takes the next ones.
+Worker processes are started with `spawn` (the gateway has threads), get the tokenizer, the model
+facts and the settings once, and ignore SIGINT (a terminal's Ctrl-C is for the gateway, which shuts
+them down) and die with the gateway (shared/child_process.py). They run at a lower CPU priority
+(nice +10), so the event loop gets the CPU first when a large body is being tokenized: on the 2-core
+dev machine under load, /health during a 10 MB prompt answered in a median 2.5 ms (p99 15-20 ms)
+with it, against 9-10 ms (p99 25-34 ms) at equal priority. A worker that dies (killed, out of memory
+on a hostile body) breaks the pool: that request gets a 500, and a fresh pool takes the next ones.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from services.gateway.api.errors import OpenAIError
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.planner import Planner
 from services.gateway.plan.tokenization import PromptTokenizer
+from shared.child_process import die_with_parent
 from shared.config import GatewaySettings
 from shared.metrics import metric_name
 
@@ -100,7 +101,7 @@ class PlanningPool:
                 max_workers=self.processes,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
-                initargs=(planner.tokenizer.hf, planner.model, planner.settings),
+                initargs=(planner.tokenizer.hf, planner.model, planner.settings, os.getpid()),
             )
         return self._executor
 
@@ -129,8 +130,11 @@ def _log_failure(future: Future[None]) -> None:
 _planner: Planner | None = None
 
 
-def _start_worker(hf_tokenizer: Any, model: ModelInfo, settings: GatewaySettings) -> None:
+def _start_worker(
+    hf_tokenizer: Any, model: ModelInfo, settings: GatewaySettings, gateway_pid: int
+) -> None:
     global _planner
+    die_with_parent(gateway_pid)  # a gateway killed with SIGKILL leaves no planner behind
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(WORKER_NICENESS)
     _planner = Planner(PromptTokenizer(hf_tokenizer), model, settings)

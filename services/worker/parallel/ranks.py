@@ -27,9 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import logging
-import signal
 import socket
 import threading
 from dataclasses import dataclass
@@ -40,13 +38,12 @@ import torch
 import torch.multiprocessing as mp
 
 from services.worker.parallel.group import TensorParallel, join_group, leave_group
+from shared.child_process import die_with_parent
 from shared.config import WorkerSettings
 from shared.logs import configure_logging
 from shared.model.source import ModelSource
 
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def free_init_method() -> str:
@@ -131,13 +128,6 @@ class FollowerRanks:
                 follower.process.join(timeout_s)
 
 
-def _die_with_parent() -> None:
-    """The kernel kills this process when rank 0 dies, even inside a collective."""
-    # Not Linux (no libc.so.6): the closed pipe and the collective timeouts still end it.
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def follower_main(
     rank: int,
     settings: WorkerSettings,
@@ -147,7 +137,7 @@ def follower_main(
     pipe: Connection,
 ) -> None:
     """A follower rank's process: join the group, build the same runner, mirror rank 0."""
-    _die_with_parent()
+    die_with_parent()  # the kernel kills it when rank 0 dies, even inside a collective
     configure_logging(
         f"worker-rank{rank}", settings.instance_id, settings.log_level, settings.log_json
     )
