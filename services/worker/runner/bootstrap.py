@@ -49,11 +49,6 @@ def check_parallel_settings(settings: WorkerSettings) -> None:
         raise ValueError(
             "MESHLLM_TP > 1 does not run speculative decoding: unset MESHLLM_SPEC_METHOD"
         )
-    if settings.kv_offload:
-        raise ValueError(
-            "MESHLLM_TP > 1: the KV offload data path does not move sharded KV yet; set "
-            "MESHLLM_KV_OFFLOAD=false (and no offload or P/D on the group's scheduler)"
-        )
 
 
 def build_runner(
