@@ -7,9 +7,9 @@ The prefill group stores through its ranks' gathered heads, the decode group loa
 rank 0's reads scattered to both ranks. A first prompt, then a second sharing a long prefix
 with it: each is answered with transformers' greedy tokens, and the decode group loaded every
 block the prefill side shipped that it did not hold already (its external prefix hits: all of
-the first prompt's, the second's past the shared blocks, which its own prefix cache holds). Stored payloads
-have the one full-head layout (every KV head in the header), which any TP size reads
-(tests/integration/worker/test_kv_offload_tp.py loads across TP sizes).
+the first prompt's, the second's past the shared blocks, which its own prefix cache holds).
+Stored payloads have the one full-head layout (every KV head in the header), which any TP size
+reads (tests/integration/worker/test_kv_offload_tp.py loads across TP sizes).
 """
 
 from __future__ import annotations
