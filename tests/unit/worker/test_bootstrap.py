@@ -78,7 +78,8 @@ def test_worker_stays_eager_where_it_cannot_compile(
     assert packed(runner) == (runner.kv_cache.layers[0].dtype == torch.bfloat16)
 
 
-def test_tensor_parallel_groups_take_kv_offload_but_not_speculation() -> None:
+def test_tensor_parallel_groups_take_kv_offload_and_ngram_drafts_only() -> None:
     check_parallel_settings(WorkerSettings(tp=2, kv_offload=True))  # the data path shards KV
+    check_parallel_settings(WorkerSettings(tp=2, spec_method="ngram"))  # no draft weights
     with pytest.raises(ValueError, match="MESHLLM_SPEC_METHOD"):
-        check_parallel_settings(WorkerSettings(tp=2, spec_method="ngram"))
+        check_parallel_settings(WorkerSettings(tp=2, spec_method="eagle", spec_model="x"))
