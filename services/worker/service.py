@@ -26,6 +26,8 @@ answers that step first, then launches. Results are always published in step ord
 Tensor parallelism (settings.tp > 1, services/worker/parallel): this process is rank 0 of the
 group and starts the other ranks; every runner call goes to them first (`_group_call`), and a
 rank that dies makes `run` fail, so the worker exits and its supervisor restarts the group.
+With KV offload on, applying a finished load is a group call too (the pump's, or before a
+step's), and stores gather every rank's KV heads inside the step (kv_offload/connector.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
+from services.worker.kv_offload.wiring import head_shards
 from services.worker.models.random_init import is_random_spec, random_source
 from services.worker.parallel.group import SINGLE, join_group
 from services.worker.parallel.ranks import FollowerRanks, RankDied, free_init_method
@@ -129,6 +132,8 @@ class WorkerService(Service):
                 self.streams.results(self.settings.group),
                 self._busy,
                 self.step_thread,
+                head_shards(source, tp),
+                self.ranks.send if self.ranks is not None else None,
             )
             assert pump.connector is not None
             runner.kv_connector = pump.connector
@@ -252,8 +257,12 @@ class WorkerService(Service):
 
     def _group_call(self, op: str, arg: Any) -> Any:
         """Runner call `op(arg)` (launch, execute, finish) on every rank of the group: the
-        followers get it first, so they run the step's collectives alongside this one."""
+        followers get it first, so they run the step's collectives alongside this one. KV
+        loads that finished reading are applied first: in a group, applying is a group call
+        of its own (kv_offload/connector.py), never part of a step."""
         if self.ranks is not None:
+            if op != "finish" and self.kv_pump is not None and self.kv_pump.connector:
+                self.kv_pump.connector.apply_ready_loads()
             self.ranks.send(op, None if op == "finish" else arg)
         return getattr(self.runner, op)(arg)
 

@@ -16,7 +16,9 @@ from services.worker.loader import load_model
 from services.worker.parallel.group import TensorParallel
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
+from services.worker.spec import SpeculativeConfig
 from shared.protocol import SamplingParams
+from tests.support.engine import InProcessEngine
 from tests.support.grouped_plans import GroupedPlanDriver
 from tests.support.tiny_llama import LogitsCapture
 
@@ -82,3 +84,28 @@ def smollm2_greedy(
         "first_logits": capture.calls[0].numpy(),
         "heads": (config.num_attention_heads, config.num_key_value_heads),
     }
+
+
+def ngram_greedy(
+    tp: TensorParallel, hf_dir: str, prompts: dict[str, list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """Greedy outputs through the scheduler core and this rank's runner (each rank schedules
+    the same plans, as rank 0's plans reach the followers), without and with n-gram drafts;
+    the drafts the scheduler saw verified, and the steps each run took."""
+    model_and_config = load_model(Path(hf_dir), torch.float32, "cpu", max_model_len=4096, tp=tp)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # min_tokens: no drafts
+    out: dict[str, Any] = {}
+    ngram = SpeculativeConfig(method="ngram", num_spec_tokens=4)
+    for name, spec in (("plain", None), ("ngram", ngram)):
+        engine = InProcessEngine(
+            hf_dir, model_and_config=model_and_config, speculative=spec, num_blocks=96
+        )
+        generated = engine.generate(prompts, greedy)
+        stats = engine.scheduler.spec.stats
+        out[name] = {
+            "outputs": {rid: gen.token_ids for rid, gen in generated.items()},
+            "drafted": stats.num_draft_tokens if spec else 0,
+            "accepted": stats.num_accepted_tokens if spec else 0,
+            "steps": engine.steps,
+        }
+    return out

@@ -16,6 +16,15 @@ nothing (ok only when every chunk was read, validated and copied into its block)
 reported done only after its copy into the KV cache; `reset()` (a failed step, a new
 scheduler) drops every load not yet copied and every store not yet staged, reporting them
 failed. No Redis here: the `TransferEngine` owns the I/O.
+
+Tensor parallelism (MESHLLM_TP=N): this connector runs on rank 0, the only rank with Redis;
+ranks 1..N-1 run a `KVFollower` (group_blocks.py). Payloads keep the one full-head layout of a
+TP=1 worker (head_shards.py says why), so the headers name every KV head of the model. A store
+gathers each rank's heads of its chunks to rank 0 inside the step every rank runs (the
+followers find the same chunks in the same plan). A load is read by rank 0 alone; applying it
+is a collective the followers must join, so it never happens inside a step (they could not
+know which loads finished reading): rank 0 first sends them the loads' blocks over the
+command pipe (`followers`), then every rank writes its heads.
 """
 
 from __future__ import annotations
@@ -25,10 +34,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
-from services.worker.attention.context_kv import context_kv_writer
+from kernels.runtime.staged_copy import CopyFence
+from services.worker.kv_offload.chunks import Chunk
+from services.worker.kv_offload.group_blocks import GroupKVBlocks
+from services.worker.kv_offload.head_shards import KVHeadShards
 from services.worker.kv_offload.payload import LAYOUT_VERSION, PayloadHeader
-from services.worker.kv_offload.staging import StagingPool, gather_blocks, scatter_blocks
+from services.worker.kv_offload.staging import StagingPool, gather_blocks, stage_chunks
 from services.worker.kv_offload.store_job import StoreJob, StorePiece
 from services.worker.kv_offload.transfer_engine import (
     LoadGroup,
@@ -40,7 +53,6 @@ from services.worker.runner.kv_cache import KVCache
 from shared.kv.offload_key import KeySpace
 from shared.protocol import KVTransfer, KVTransferDone, StepPlan
 
-Chunk = tuple[str, int, int]  # (payload key, group, block id)
 DROPPED_STAGING_FULL = "dropped: staging full"  # the scheduler counts errors "dropped: ..."
 
 
@@ -56,6 +68,8 @@ class KVConnector:
         layer_groups: list[list[int]] | None = None,
         staging_bytes: int = 64 * 2**20,
         notify: Callable[[], None] | None = None,
+        shards: KVHeadShards | None = None,
+        followers: Callable[[str, Any], None] | None = None,
     ) -> None:
         if key_space.layout_version != LAYOUT_VERSION:
             raise ValueError(
@@ -69,14 +83,18 @@ class KVConnector:
         self.worker_incarnation = worker_incarnation
         self.notify = notify or (lambda: None)
         groups = layer_groups or [list(range(len(kv_cache.layers)))]
-        self.group_layers = [[kv_cache.layers[i] for i in layers] for layers in groups]
         first = kv_cache.layers[0]
+        if shards is None:  # one rank: it holds every head
+            shards = KVHeadShards.of_heads(first.shape[3])
+        if shards.sharded and followers is None:
+            raise ValueError("a sharded connector needs the followers' command pipe")
+        self.followers = followers
+        self.blocks = GroupKVBlocks(kv_cache, key_space, shards, groups)
+        self.group_layers = self.blocks.group_layers
         self.device = first.device
-        self.write_kv = context_kv_writer(self.device)  # loaded chunks into their blocks
-        _, _, block_size, kv_heads, head_dim = first.shape
         self.headers = [
-            PayloadHeader(key_space.model, first.dtype, (len(g), 2, block_size, kv_heads, head_dim))
-            for g in groups
+            PayloadHeader(key_space.model, first.dtype, self.blocks.chunk_shape(g))
+            for g in range(len(groups))
         ]
         pinned = self.device.type == "cuda"
         self.pools = [
@@ -93,7 +111,8 @@ class KVConnector:
     # -- the model runner's calls -----------------------------------------------------------
 
     def before_forward(self, plan: StepPlan) -> None:
-        self.apply_ready_loads()
+        if not self.blocks.shards.sharded:  # sharded: the service applies them first
+            self.apply_ready_loads()
         for transfer in plan.kv_loads:
             self._submit_load(transfer)
         self._pending_stores.extend(plan.kv_stores)
@@ -117,17 +136,20 @@ class KVConnector:
 
     def apply_ready_loads(self) -> int:
         """Copy every finished read into its blocks and report it; returns how many. Call only
-        where no forward runs (the step thread, or the service holding the step lock)."""
+        where no forward runs (the step thread, or the service holding the step lock), and,
+        under tensor parallelism, where every runner call is made (it is a group call)."""
         with self._lock:
             ready, self._ready = self._ready, []
+        loads = [outcome.job for outcome in ready if isinstance(outcome.job, LoadJob)]
+        if loads and self.blocks.shards.sharded:  # the followers join the collectives below
+            assert self.followers is not None
+            self.followers("kv_load", [[(g.group, g.block_ids) for g in j.groups] for j in loads])
         for outcome in ready:
             job = outcome.job
             assert isinstance(job, LoadJob)
             for group in job.groups:
                 assert group.staged is not None
-                scatter_blocks(
-                    self.group_layers[group.group], group.block_ids, group.staged, self.write_kv
-                )
+                self.blocks.insert(group.group, group.block_ids, group.staged)
                 group.staged = None
             self._finish(job.transfer, "load", job.started, num_bytes=outcome.num_bytes)
         return len(ready)
@@ -152,39 +174,9 @@ class KVConnector:
 
     # -- submission -------------------------------------------------------------------------
 
-    def _chunks(self, transfer: KVTransfer) -> tuple[list[Chunk], list[str], str | None]:
-        """Valid chunks, and the keys (with the first reason) this worker cannot move."""
-        keys, groups, blocks = transfer.keys, list(transfer.groups), list(transfer.block_ids)
-        if not len(keys) == len(groups) == len(blocks):
-            return [], list(keys), f"{len(keys)} keys, {len(groups)} groups, {len(blocks)} blocks"
-        valid: list[Chunk] = []
-        failed: list[str] = []
-        reason: str | None = None
-        for key, group, block in zip(keys, groups, blocks, strict=True):
-            problem = self._chunk_problem(key, group, block)
-            if problem is None:
-                valid.append((key, group, block))
-            else:
-                failed.append(key)
-                reason = reason or f"{key}: {problem}"
-        return valid, failed, reason
-
-    def _chunk_problem(self, key: str, group: int, block: int) -> str | None:
-        if not 0 <= group < len(self.headers):
-            return f"group {group} outside this worker's {len(self.headers)} group(s)"
-        if not 0 <= block < self.kv_cache.num_blocks:
-            return f"block {block} outside the cache's {self.kv_cache.num_blocks} blocks"
-        if not key.startswith(self.key_space.payload_prefix):
-            return f"not a payload key of {self.key_space.payload_prefix}*"
-        try:
-            named = self.key_space.parse(key).group
-        except ValueError as exc:
-            return str(exc)
-        return None if named == group else f"key names group {named}, chunk says {group}"
-
     def _submit_load(self, transfer: KVTransfer) -> None:
         started = time.perf_counter()
-        chunks, failed, reason = self._chunks(transfer)
+        chunks, failed, reason = self.blocks.check.split(transfer)
         if failed:  # all or nothing: no chunk is read when one cannot be placed
             self._finish(transfer, "load", started, failed, error=reason)
             return
@@ -198,28 +190,24 @@ class KVConnector:
 
     def _submit_store(self, transfer: KVTransfer) -> None:
         """Stage the transfer's blocks before returning (the next plan may reuse them): per
-        group, its head chunks into the free slots, the rest dropped (see store_job)."""
+        group, its head chunks into the free slots, the rest dropped (see store_job). Sharded,
+        every valid chunk is gathered whatever the slots (the followers cannot know them)."""
         started = time.perf_counter()
-        chunks, failed, reason = self._chunks(transfer)
+        groups, failed, reason = self.blocks.store_groups(transfer)
         job = StoreJob(transfer, started)
         if failed:
             job.reject(failed, reason or "invalid chunk")
-        by_group: dict[int, list[Chunk]] = {}
-        for chunk in chunks:
-            by_group.setdefault(chunk[1], []).append(chunk)
-        for group, group_chunks in by_group.items():
+        for group, group_chunks in groups.items():
             pool = self.pools[group]
             slots = pool.acquire(len(group_chunks))
             if len(slots) < len(group_chunks):  # the store side is behind: drop, never wait
                 dropped = [key for key, _, _ in group_chunks[len(slots) :]]
                 self.dropped_chunks += len(dropped)
                 job.reject(dropped, DROPPED_STAGING_FULL)
+            fence = self._stage(group, group_chunks, pool, slots)
             if not slots:
                 continue
             staged = group_chunks[: len(slots)]
-            fence = gather_blocks(
-                self.group_layers[group], [block for _, _, block in staged], pool, slots
-            )
             job.add_piece()
             self.engine.submit(
                 StorePiece(
@@ -231,6 +219,19 @@ class KVConnector:
                 )
             )
         self.engine.seal(job)
+
+    def _stage(
+        self, group: int, chunks: list[Chunk], pool: StagingPool, slots: list[int]
+    ) -> CopyFence | None:
+        """The head `len(slots)` chunks into `slots` (a collective when sharded)."""
+        block_ids = [block for _, _, block in chunks]
+        if self.blocks.shards.sharded:
+            whole = self.blocks.gather(group, block_ids)
+            assert whole is not None  # rank 0
+            return stage_chunks(whole, pool, slots) if slots else None
+        if not slots:
+            return None
+        return gather_blocks(self.group_layers[group], block_ids[: len(slots)], pool, slots)
 
     # -- completion -------------------------------------------------------------------------
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from services.worker.kv_offload.connector import KVConnector
+from services.worker.kv_offload.head_shards import KVHeadShards
 from services.worker.kv_offload.wiring import build_connector
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.step_thread import StepThread
@@ -137,6 +139,8 @@ async def attach_kv_offload(
     results_stream: str,
     step_lock: asyncio.Lock,
     step_thread: StepThread | None = None,
+    shards: KVHeadShards | None = None,
+    followers: Callable[[str, Any], None] | None = None,
 ) -> KVTransferPump:
     """A pump with its connector (call on the event loop); the caller sets the runner's
     `kv_connector` to `pump.connector` and runs `pump.run`.
@@ -145,10 +149,22 @@ async def attach_kv_offload(
     run in parallel, and a parallel op on any other thread gives that thread an OpenMP team of
     its own. With two teams in the process the OpenMP runtime stops spinning at barriers
     (more threads than cores), and every forward on a 2-core machine ran 1.5-2.5x slower with
-    the tier on (runner/step_thread.py says why one team)."""
+    the tier on (runner/step_thread.py says why one team).
+
+    Tensor parallelism: `shards` (the group's KV head split) and `followers` (a runner call to
+    the other ranks) make this rank 0's connector of the group (connector.py); applying a
+    load from here is then a group call, made on the step thread like every other."""
     pump = KVTransferPump(bus, results_stream, step_lock, step_thread)
     pump.connector = await pump.step_thread.run(
-        build_connector, settings, kv_cache, config, model_name, incarnation, pump.wake
+        build_connector,
+        settings,
+        kv_cache,
+        config,
+        model_name,
+        incarnation,
+        pump.wake,
+        shards,
+        followers,
     )
     host_tier = pump.connector.engine.host_tier
     KV_HOST_TIER_BYTES.set_function(lambda: host_tier.nbytes)

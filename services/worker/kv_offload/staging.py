@@ -110,17 +110,32 @@ def gather_blocks(
     laid out as [layers, 2, block_size, kv_heads, head_dim]. Returns the fence the reader of the
     slots must wait for (None when the copy is already complete, i.e. on CPU)."""
     device = layers[0].device
-    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
     if device.type == "cpu":
+        blocks = torch.tensor(block_ids, dtype=torch.int64)
         index = torch.tensor(slots, dtype=torch.int64)
         for i, layer in enumerate(layers):
             pool.bodies[index, i] = layer[:, blocks].transpose(0, 1)
         return None
     # On the device: gather into one contiguous tensor, then one DMA per chunk into pinned slots.
-    gathered = torch.stack([layer[:, blocks].transpose(0, 1) for layer in layers], dim=1)
+    return stage_chunks(take_blocks(layers, block_ids), pool, slots)
+
+
+def take_blocks(layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """Blocks `block_ids` of `layers` as chunks [n, layers, 2, block_size, kv_heads, head_dim]
+    (a copy, on the cache's device)."""
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=layers[0].device)
+    return torch.stack([layer[:, blocks].transpose(0, 1) for layer in layers], dim=1)
+
+
+def stage_chunks(chunks: torch.Tensor, pool: StagingPool, slots: list[int]) -> CopyFence | None:
+    """Copy `chunks[j]` (payload bodies, on the cache's device) into the body of slot
+    `slots[j]`; returns the fence as `gather_blocks` does."""
+    if chunks.device.type == "cpu":
+        pool.bodies[torch.tensor(slots, dtype=torch.int64)] = chunks[: len(slots)]
+        return None
     for j, slot in enumerate(slots):
-        pool.bodies[slot].copy_(gathered[j], non_blocking=True)
-    return _fence(device)
+        pool.bodies[slot].copy_(chunks[j], non_blocking=True)
+    return _fence(chunks.device)
 
 
 def scatter_blocks(

@@ -1,4 +1,5 @@
-"""Building the worker's KV connector from its settings (the only place that knows both)."""
+"""Building the worker's KV connector from its settings (the only place that knows both), and
+a follower rank's part of the data path (tensor parallelism: connector.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,17 @@ from collections.abc import Callable
 from typing import Any
 
 from services.worker.kv_offload.connector import KVConnector
+from services.worker.kv_offload.group_blocks import GroupKVBlocks, KVFollower
+from services.worker.kv_offload.head_shards import KVHeadShards
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import LAYOUT_VERSION
 from services.worker.kv_offload.transfer_engine import TransferEngine
+from services.worker.parallel.group import TensorParallel
 from services.worker.runner.kv_cache import KVCache
 from shared.config import WorkerSettings
 from shared.kv.offload_key import KeySpace
+from shared.model.config import ModelConfig
+from shared.model.source import ModelSource
 
 
 def key_space(settings: WorkerSettings, model_name: str) -> KeySpace:
@@ -28,6 +34,28 @@ def layer_groups(config: Any) -> list[list[int]] | None:
     return [list(g.layer_indices) for g in groups] if groups else None
 
 
+def head_shards(source: ModelSource, tp: TensorParallel) -> KVHeadShards | None:
+    """The group's KV head split, from the model's own config (a rank's config has only its
+    heads); None at TP=1, where the cache holds every head."""
+    if tp.size == 1:
+        return None
+    return KVHeadShards.of_model(ModelConfig.from_hf_dir(source.hf_dir), tp)
+
+
+def build_follower(
+    settings: WorkerSettings,
+    kv_cache: KVCache,
+    config: Any,
+    source: ModelSource,
+    tp: TensorParallel,
+) -> KVFollower:
+    """Rank `tp.rank` > 0's side of the data path: no Redis, only rank 0's collectives."""
+    shards = head_shards(source, tp)
+    assert shards is not None
+    space = key_space(settings, source.name)
+    return KVFollower(GroupKVBlocks(kv_cache, space, shards, layer_groups(config)))
+
+
 def build_connector(
     settings: WorkerSettings,
     kv_cache: KVCache,
@@ -35,7 +63,11 @@ def build_connector(
     model_name: str,
     worker_incarnation: str,
     notify: Callable[[], None] | None = None,
+    shards: KVHeadShards | None = None,
+    followers: Callable[[str, Any], None] | None = None,
 ) -> KVConnector:
+    """Rank 0's connector (the only one at TP=1). Sharded: `shards` is the group's head split
+    and `followers` sends the other ranks a runner call (parallel/ranks.py)."""
     engine = TransferEngine(
         settings.redis_url,
         HostTier(settings.kv_host_tier_bytes),
@@ -51,4 +83,6 @@ def build_connector(
         layer_groups=layer_groups(config),
         staging_bytes=settings.kv_staging_bytes,
         notify=notify,
+        shards=shards,
+        followers=followers,
     )

@@ -8,7 +8,8 @@ followers' command pipes and kills them (PR_SET_PDEATHSIG), and whatever supervi
 incarnation, so its scheduler recomputes the requests as after any worker restart.
 
 How steps reach the followers: only rank 0 talks to the bus. It sends each runner call it is
-about to make (`launch`/`execute` with the StepPlan, `finish`, `reset`) down a pipe to every
+about to make (`launch`/`execute` with the StepPlan, `finish`, `reset`, and `kv_load`: the
+blocks of KV offload loads it is about to write, services/worker/kv_offload) down a pipe to every
 follower, which makes the same call on its own runner; the forward's collectives then meet in
 the same order on every rank. A pipe, not a torch.distributed broadcast: a follower waits on
 it without a timeout while the group is idle (a gloo/NCCL broadcast would time out, or need
@@ -149,6 +150,12 @@ def follower_main(
     tp = join_group(rank, settings.tp, init_method, device, settings.tp_timeout_s)
     try:
         runner, _ = build_runner(source, settings, incarnation, tp)
+        if settings.kv_offload:  # this rank's heads of every chunk rank 0 moves
+            from services.worker.kv_offload.wiring import build_follower
+
+            runner.kv_connector = build_follower(
+                settings, runner.kv_cache, runner.config, source, tp
+            )
         follow(runner, pipe, tp)
     finally:
         leave_group()
@@ -172,6 +179,8 @@ def follow(runner: Any, pipe: Connection, tp: TensorParallel) -> None:
                 runner.finish(launched.popleft())
             elif op == "execute":
                 runner.execute(arg)
+            elif op == "kv_load":  # rank 0 applies KV loads it read: our heads of them
+                runner.kv_connector.apply_loads(arg)
             elif op == "reset":
                 launched.clear()
                 runner.reset()

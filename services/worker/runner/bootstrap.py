@@ -30,6 +30,8 @@ from shared.protocol import WorkerReady
 
 log = logging.getLogger(__name__)
 
+TP_SPEC_METHODS = ("ngram",)  # the drafters a tensor-parallel group runs
+
 
 def pick_device(setting: str, rank: int = 0) -> torch.device:
     """The device of tensor-parallel rank `rank`: on CUDA, one GPU per rank."""
@@ -45,14 +47,13 @@ def check_parallel_settings(settings: WorkerSettings) -> None:
     """What a tensor-parallel group cannot do yet is refused at start, not done wrong."""
     if settings.tp == 1:
         return
-    if settings.spec_method:
+    # Prompt lookup needs no weights: every rank proposes the same drafts from the same tokens
+    # and verifies them in the sharded forward. The other drafters run models that are not
+    # sharded (a draft model, a feature head over the target's sharded hidden state).
+    if settings.spec_method and settings.spec_method not in TP_SPEC_METHODS:
         raise ValueError(
-            "MESHLLM_TP > 1 does not run speculative decoding: unset MESHLLM_SPEC_METHOD"
-        )
-    if settings.kv_offload:
-        raise ValueError(
-            "MESHLLM_TP > 1: the KV offload data path does not move sharded KV yet; set "
-            "MESHLLM_KV_OFFLOAD=false (and no offload or P/D on the group's scheduler)"
+            f"MESHLLM_TP > 1 runs speculative decoding with MESHLLM_SPEC_METHOD in "
+            f"{TP_SPEC_METHODS} only, not {settings.spec_method!r}"
         )
 
 

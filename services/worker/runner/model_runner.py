@@ -60,6 +60,7 @@ from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
 
 if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
     from services.worker.kv_offload.connector import KVConnector
+    from services.worker.kv_offload.group_blocks import KVFollower
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,8 @@ class ModelRunner:
         # CUDA: decode steps replay CUDA graphs once captured.
         self.graphs: DecodeGraphs | None = None
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
-        self.kv_connector: KVConnector | None = None
+        # Ranks 1..N-1 of a tensor-parallel group hold a KVFollower: their heads of each chunk.
+        self.kv_connector: KVConnector | KVFollower | None = None
         # Sampled tokens not on the host yet (asynchronous scheduling, in_flight.py).
         self.feed = PendingFeed(max_num_reqs, self.device)
         # CUDA: copies off the compute stream, so that nothing but the sampling sits between

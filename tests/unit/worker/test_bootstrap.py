@@ -11,7 +11,7 @@ import torch
 
 from services.worker.models.packed_linear import PackedLinear
 from services.worker.models.random_init import random_source
-from services.worker.runner.bootstrap import build_runner
+from services.worker.runner.bootstrap import build_runner, check_parallel_settings
 from services.worker.runner.kv_cache import KVCacheSizeError
 from services.worker.runner.model_runner import ModelRunner
 from shared.config import WorkerSettings
@@ -76,3 +76,10 @@ def test_worker_stays_eager_where_it_cannot_compile(
     assert runner.compiled is None
     # the eager layout is in place (bf16: packed linears; fp32: plain, column-major)
     assert packed(runner) == (runner.kv_cache.layers[0].dtype == torch.bfloat16)
+
+
+def test_tensor_parallel_groups_take_kv_offload_and_ngram_drafts_only() -> None:
+    check_parallel_settings(WorkerSettings(tp=2, kv_offload=True))  # the data path shards KV
+    check_parallel_settings(WorkerSettings(tp=2, spec_method="ngram"))  # no draft weights
+    with pytest.raises(ValueError, match="MESHLLM_SPEC_METHOD"):
+        check_parallel_settings(WorkerSettings(tp=2, spec_method="eagle", spec_model="x"))
