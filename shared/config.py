@@ -170,6 +170,11 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     port: int = 8001
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    # At most this many prompt tokens of one request per step (vLLM's
+    # --long-prefill-token-threshold); 0 = no cap. A long prefill then takes several steps and
+    # leaves room in each for others: a request whose prompt is mostly cached is not kept
+    # waiting a whole long prefill's step for its first token.
+    long_prefill_token_threshold: int = Field(0, ge=0)
     enable_prefix_caching: bool = True
     step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
     # Plan step N+1 while the worker runs step N (the worker feeds its sampled tokens forward).

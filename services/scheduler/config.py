@@ -22,6 +22,8 @@ class SchedulerConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)  # running requests at most
     # Tokens computed per step, all requests together (the chunked-prefill budget).
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # One request's tokens per step at most (0 = no cap): vLLM's long_prefill_token_threshold.
+    long_prefill_token_threshold: int = Field(default=0, ge=0)
     max_model_len: int = Field(default=2048, ge=1)  # prompt + output tokens at most
     enable_prefix_caching: bool = True
     eos_token_ids: list[int] = Field(default_factory=list)
@@ -70,6 +72,7 @@ class SchedulerConfig(BaseModel):
             num_gpu_blocks=ready.num_kv_blocks,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            long_prefill_token_threshold=settings.long_prefill_token_threshold,
             max_model_len=max_model_len,
             enable_prefix_caching=settings.enable_prefix_caching,
             eos_token_ids=list(ready.eos_token_ids),

@@ -3,7 +3,9 @@
 Policy (vLLM v1): every step, running requests first, in admission order, each getting its
 remaining tokens (1 when decoding, its next chunk when prefilling) within the step's token
 budget; then waiting requests FCFS while the budget and `max_num_seqs` allow, a prompt longer
-than the remaining budget being split across steps (chunked prefill). When a running request
+than the remaining budget being split across steps (chunked prefill); with
+`long_prefill_token_threshold` no request gets more than that many tokens in one step, so a
+long prefill leaves room for others in each of its steps. When a running request
 cannot get a block, the lowest-priority running request (the last admitted) is preempted by
 recompute: its blocks are freed and it goes back to the FRONT of the waiting queue, to be
 re-admitted later as a new request carrying prompt + outputs so far. No waiting request is
@@ -83,6 +85,8 @@ class Scheduler:
         # blocks, and `reset_worker_state` drops the whole cache.
         self._unwritten: dict[int, list[KVCacheBlock]] = {}
         self._eos = frozenset(config.eos_token_ids)
+        # One request's tokens per step at most (a long prefill takes several steps).
+        self._prefill_cap = config.long_prefill_token_threshold or config.max_num_batched_tokens
         # Diff state towards the worker: which requests it holds, and removals not yet sent.
         self._worker_known: set[str] = set()
         self._finished_for_worker: list[str] = []
@@ -218,6 +222,7 @@ class Scheduler:
             num_new = min(
                 request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                 budget,
+                self._prefill_cap,
             )
             if num_new <= 0 or self._stops_before_placeholder(request):
                 i += 1  # scheduled up to its known tokens, or its in-flight token is its last
@@ -269,7 +274,7 @@ class Scheduler:
                         self.waiting.popleft()  # computes nothing until its load is done
                         continue
                     hit_blocks, num_hit = admission.hit_blocks, admission.num_hit_tokens
-                num_new = min(request.num_tokens - num_hit, budget)
+                num_new = min(request.num_tokens - num_hit, budget, self._prefill_cap)
                 if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()

@@ -65,3 +65,42 @@ def test_several_new_prompts_share_one_budget_fcfs() -> None:
     assert plan.num_scheduled_tokens == {"p1": 8, "p2": 20, "p3": 4}
     d.run()
     assert set(d.client.finish) == {"p0", "p1", "p2", "p3"}
+
+
+def test_long_prefill_threshold_leaves_room_for_a_short_prompt_behind_it() -> None:
+    """vLLM's long_prefill_token_threshold: a long prompt gets at most THRESHOLD tokens a
+    step, so a short prompt queued behind it is prefilled (and samples its first token) in the
+    long prompt's first step instead of after all of it; outputs are unchanged."""
+    threshold = 12
+    config = SchedulerConfig(
+        block_size=16,
+        num_gpu_blocks=64,
+        max_num_batched_tokens=BUDGET,
+        long_prefill_token_threshold=threshold,
+        max_model_len=1024,
+    )
+    d = Driver(Scheduler(config, "s0"), WorkerDouble(block_size=16))
+    d.scheduler.add_request(submit("long", list(range(100, 150)), max_tokens=2))
+    d.scheduler.add_request(submit("short", list(range(300, 310)), max_tokens=2))
+    plan = d.step()
+    assert plan is not None
+    assert plan.num_scheduled_tokens == {"long": threshold, "short": 10}
+    assert d.client.outputs["short"] == [token_at("short", 10)]  # its first token, at once
+    assert "long" not in d.client.outputs
+    chunks = [threshold]
+    while "long" not in d.client.outputs:
+        plan = d.step()
+        assert plan is not None
+        chunks.append(plan.num_scheduled_tokens["long"])
+    assert chunks == [12, 12, 12, 12, 2]
+    d.run()
+    assert d.client.outputs["long"] == [token_at("long", p) for p in range(50, 52)]
+    assert d.client.outputs["short"] == [token_at("short", p) for p in range(10, 12)]
+
+
+def test_without_the_threshold_the_long_prompt_takes_the_budget_first() -> None:
+    d = make()
+    d.scheduler.add_request(submit("long", list(range(100, 150)), max_tokens=2))
+    d.scheduler.add_request(submit("short", list(range(300, 310)), max_tokens=2))
+    plan = d.step()
+    assert plan is not None and plan.num_scheduled_tokens == {"long": BUDGET}
