@@ -84,6 +84,8 @@ class CommonSettings(MeshSettings):
     # a service's own loops wait for Redis however long it is away.
     publish_timeout_s: float = Field(30.0, gt=0)
     heartbeat_interval_s: float = 1.0
+    # Freed heap glibc holds is handed back to the OS this often (shared/heap_trim.py; 0 = never).
+    malloc_trim_interval_s: float = Field(60.0, ge=0)
     shutdown_timeout_s: float = 30.0
     # A gateway's reply stream expires this long after the gateway last refreshed it (every
     # heartbeat): a dead gateway's stream disappears, a live one's never does. Schedulers give

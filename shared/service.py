@@ -33,6 +33,7 @@ from prometheus_client import Gauge
 from shared.admin import build_admin_app, describe_settings, package_version
 from shared.bus import Bus
 from shared.config import CommonSettings, ModelSettings, SchedulerSettings
+from shared.heap_trim import trim_heap_every
 from shared.heartbeat import INCARNATION, Heartbeater
 from shared.logs import configure_logging
 from shared.metrics import metric_name
@@ -70,6 +71,7 @@ class Service(abc.ABC):
         self.started_at = time.time()
         self._closed = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[bool] | None = None
         self.heartbeater: Heartbeater | None = None
         self.bus: Bus
@@ -106,6 +108,9 @@ class Service(abc.ABC):
         self._heartbeat_task = asyncio.create_task(
             self.heartbeater.run(self._closed), name=f"{self.name}-heartbeat"
         )
+        self._trim_task = asyncio.create_task(
+            trim_heap_every(s.malloc_trim_interval_s, self._closed), name=f"{self.name}-trim"
+        )
         self.started = True
 
     @abc.abstractmethod
@@ -119,10 +124,11 @@ class Service(abc.ABC):
     async def close(self) -> None:
         """Release resources after draining: stop the heartbeat, close the bus."""
         self._closed.set()
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat_task
+        for task in (self._heartbeat_task, self._trim_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         bus: Bus | None = getattr(self, "bus", None)  # absent when start() never ran
         if bus is not None:
             await bus.close()
