@@ -103,3 +103,35 @@ def drafter_runs(tp: TensorParallel, root: str, methods: list[str]) -> dict[str,
             "seeded": _run(tp, path, method, {rid: seeded(7 + i) for i, rid in enumerate(PROMPTS)}),
         }
     return out
+
+
+def built_drafters(tp: TensorParallel, root: str, methods: list[str]) -> dict[str, Any]:
+    """method -> (the target's q/k/v rows, {drafter parameter: (shape, sum of |values|)}) of
+    the runner the worker builds from its settings on this rank (bootstrap.build_runner: MTP
+    finds its modules in the served checkpoint, as MESHLLM_SPEC_MODEL unset)."""
+    from services.worker.runner.bootstrap import build_runner
+    from shared.config import WorkerSettings
+    from shared.model.source import ModelSource
+
+    out: dict[str, Any] = {}
+    for method in methods:
+        drafter, target = DRAFTERS[method]
+        path = Path(root) / target
+        settings = WorkerSettings(
+            tp=tp.size,
+            device="cpu",
+            dtype="float32",
+            max_model_len=64,
+            kv_cache_bytes=2**20,
+            spec_method=method,  # type: ignore[arg-type]
+            spec_model="" if method == "mtp" else str(Path(root) / drafter),
+        )
+        runner, _ = build_runner(ModelSource("tiny", path, path), settings, "inc", tp)
+        assert runner.drafter is not None
+        spec = runner.drafter.draft_model or runner.drafter.features
+        module = spec.model if method == "draft" else spec.head  # type: ignore[union-attr]
+        params = {
+            name: (tuple(p.shape), float(p.abs().sum())) for name, p in module.named_parameters()
+        }
+        out[method] = (runner.model.layers[0].self_attn.qkv_proj.out_features, params)
+    return out
