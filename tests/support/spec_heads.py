@@ -2,7 +2,9 @@
 model (an HF dir), EAGLE-1/2 heads, EAGLE-3 heads (EAGLE/vLLM `midlayer.*` or speculators
 `layers.0.*`), and MTP modules appended to a copy of the target's own checkpoint
 (`model.layers.{L + k}.*` + `num_nextn_predict_layers`). Random weights; the "near identity"
-variants pass the target's feature straight through so that some drafts are accepted.
+variants pass the target's feature straight through so that some drafts are accepted; the
+"truncated target" variants (a draft model, an EAGLE head, an MTP module) are the target's own
+first layers, so they predict some of the target's next tokens.
 
 `drafts_after` runs one drafter on one row after a target prefill, the way the runner does.
 """
@@ -25,6 +27,7 @@ from services.worker.sampling import SamplingState
 from services.worker.spec.drafts import Drafter
 from services.worker.spec.eagle import random_eagle_head, save_eagle_head
 from services.worker.spec.eagle3 import random_eagle3_head, save_eagle3_head
+from services.worker.spec.head_io import save_tensors
 from services.worker.spec.mtp import mtp_config, random_mtp_tensors
 from shared.model.config import ModelConfig
 from shared.protocol import SamplingParams
@@ -51,6 +54,29 @@ def write_eagle_head(
         with torch.no_grad():
             head.fc.weight[:, hidden:] += torch.eye(hidden)
     save_eagle_head(head, path)
+    return path
+
+
+def write_eagle_truncated_target(
+    target_dir: Path, path: Path, *, num_layers: int = 1, feature_scale: float = 0.01
+) -> Path:
+    """An EAGLE-1/2 head made of the target's first `num_layers` layers (their input norm
+    kept): `fc` passes the embedding of t[p+1] through, plus `feature_scale` times the target's
+    feature f[p], so g[p] is close to the truncated target's hidden state at p+1 and the
+    target's lm_head drafts some of the target's own tokens (its final norm has unit scales,
+    which the lm_head's argmax does not see), while the drafts still depend on the features."""
+    from safetensors import safe_open
+
+    hf = {**target_hf(target_dir), "num_hidden_layers": num_layers}
+    hidden = int(hf["hidden_size"])
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():  # noqa: SIM118
+                if name.startswith("model.layers.") and int(name.split(".")[2]) < num_layers:
+                    tensors[name.removeprefix("model.")] = f.get_tensor(name).float()
+    tensors["fc.weight"] = torch.cat((torch.eye(hidden), feature_scale * torch.eye(hidden)), 1)
+    save_tensors(tensors, path, {**hf, "architectures": ["LlamaForCausalLM"]})
     return path
 
 
@@ -102,14 +128,7 @@ def write_mtp_target(
     """A copy of the target checkpoint (its files linked) with one MTP module appended: an
     extra safetensors file and `num_nextn_predict_layers` in config.json. `identity`: eh_proj
     passes the target's feature through and the shared head is the target's lm_head."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    for item in target_dir.iterdir():
-        if item.name != "config.json" and not (path / item.name).exists():
-            os.symlink(item.resolve(), path / item.name)
-    hf = target_hf(target_dir)
-    config = ModelConfig.from_hf_dict(hf)
+    config = ModelConfig.from_hf_dict(target_hf(target_dir))
     tensors = random_mtp_tensors(config, seed=seed, std=std)
     layer = config.num_hidden_layers
     if identity:
@@ -118,8 +137,46 @@ def write_mtp_target(
         proj.zero_()
         proj[:, hidden:] = torch.eye(hidden)
         tensors[f"model.layers.{layer}.shared_head.head.weight"] = _target_lm_head(target_dir)
+    return _append_mtp(target_dir, path, tensors)
+
+
+def write_mtp_truncated_target(
+    target_dir: Path, path: Path, *, feature_scale: float = 0.01
+) -> Path:
+    """The target with an MTP module made of its own first layer: `eh_proj` scales the normed
+    embedding of t[p+1] back to the embeddings' typical size (the residual stream the target's
+    layer 0 starts from), plus `feature_scale` times the normed feature; the shared head is the
+    target's final norm and lm_head. So the module drafts as the target's first layer does."""
+    from safetensors import safe_open
+
+    config = ModelConfig.from_hf_dict(target_hf(target_dir))
+    hidden, base = config.hidden_size, config.num_hidden_layers
+    tensors = random_mtp_tensors(config)
+    with safe_open(str(sorted(target_dir.glob("*.safetensors"))[0]), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").float()
+        for name in f.keys():  # noqa: SIM118
+            if name.startswith("model.layers.0."):
+                tensors[name.replace(".0.", f".{base}.", 1)] = f.get_tensor(name).float()
+        tensors[f"model.layers.{base}.shared_head.norm.weight"] = f.get_tensor(
+            "model.norm.weight"
+        ).float()
+    scale = float(embed.pow(2).mean(-1).sqrt().mean())
+    tensors[f"model.layers.{base}.eh_proj.weight"] = torch.cat(
+        (scale * torch.eye(hidden), feature_scale * torch.eye(hidden)), 1
+    )
+    tensors[f"model.layers.{base}.shared_head.head.weight"] = _target_lm_head(target_dir)
+    return _append_mtp(target_dir, path, tensors)
+
+
+def _append_mtp(target_dir: Path, path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for item in target_dir.iterdir():
+        if item.name != "config.json" and not (path / item.name).exists():
+            os.symlink(item.resolve(), path / item.name)
     save_file(tensors, str(path / "mtp.safetensors"))
-    (path / "config.json").write_text(json.dumps(mtp_config(hf), indent=2))
+    (path / "config.json").write_text(json.dumps(mtp_config(target_hf(target_dir)), indent=2))
     return path
 
 

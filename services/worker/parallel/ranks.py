@@ -20,7 +20,8 @@ filtering.
 
 The followers sample too, from the same gathered logits with the same seeded counter RNG, so
 their batches stay identical to rank 0's without the tokens being sent back (tested:
-tests/unit/worker/parallel).
+tests/unit/worker/parallel); so do their speculative drafts, each rank running the whole
+drafter on the same inputs (services/worker/spec/__init__.py).
 """
 
 from __future__ import annotations

@@ -30,8 +30,6 @@ from shared.protocol import WorkerReady
 
 log = logging.getLogger(__name__)
 
-TP_SPEC_METHODS = ("ngram",)  # the drafters a tensor-parallel group runs
-
 
 def pick_device(setting: str, rank: int = 0) -> torch.device:
     """The device of tensor-parallel rank `rank`: on CUDA, one GPU per rank."""
@@ -44,17 +42,15 @@ def pick_device(setting: str, rank: int = 0) -> torch.device:
 
 
 def check_parallel_settings(settings: WorkerSettings) -> None:
-    """What a tensor-parallel group cannot do yet is refused at start, not done wrong."""
+    """What a tensor-parallel group cannot do is refused at start, before any rank spawns.
+
+    Every speculative method runs: prompt lookup needs no weights, and the model drafters run
+    whole on every rank, fed the target's whole hidden states, so every rank drafts alike
+    (services/worker/spec/__init__.py)."""
     if settings.tp == 1:
         return
-    # Prompt lookup needs no weights: every rank proposes the same drafts from the same tokens
-    # and verifies them in the sharded forward. The other drafters run models that are not
-    # sharded (a draft model, a feature head over the target's sharded hidden state).
-    if settings.spec_method and settings.spec_method not in TP_SPEC_METHODS:
-        raise ValueError(
-            f"MESHLLM_TP > 1 runs speculative decoding with MESHLLM_SPEC_METHOD in "
-            f"{TP_SPEC_METHODS} only, not {settings.spec_method!r}"
-        )
+    if settings.load_format == "dummy" or is_random_spec(settings.model):
+        raise ValueError("random-weight models are not sharded: MESHLLM_TP=1")
 
 
 def build_runner(
@@ -80,9 +76,7 @@ def build_runner(
     random_spec = str(source.path) if is_random_spec(source.path) else ""
     if settings.load_format == "dummy":
         random_spec = f"{RANDOM_SCHEME}{source.hf_dir}"
-    if random_spec:  # benchmarks: real shapes, random weights, no checkpoint
-        if tp.size > 1:
-            raise ValueError("random-weight models are not sharded: MESHLLM_TP=1")
+    if random_spec:  # benchmarks: real shapes, random weights, no checkpoint (TP=1 only)
         model, config = load_random_model(
             random_spec, settings.dtype, device, settings.max_model_len, compiled
         )

@@ -98,10 +98,14 @@ class Drafter:
                 raise ValueError("MESHLLM_SPEC_METHOD=draft needs MESHLLM_SPEC_MODEL")
             from services.worker.loader import load_model
             from services.worker.models.layer_impls import REFERENCE
+            from services.worker.parallel.group import SINGLE
 
             # The reference layers on every device: the draft's attention is the reference
-            # path too, over its private cache (row_kv.py).
-            model, _ = load_model(config.model, "auto", device, max_model_len, impls=REFERENCE)
+            # path too, over its private cache (row_kv.py). Whole on every rank of a
+            # tensor-parallel group (a group of one: no shard plan, no collectives).
+            model, _ = load_model(
+                config.model, "auto", device, max_model_len, impls=REFERENCE, tp=SINGLE
+            )
             self.draft_model = DraftModelDrafter(
                 model,
                 vocab_size,

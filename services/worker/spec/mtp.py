@@ -191,9 +191,18 @@ def load_mtp_head(
     device: torch.device | str,
     max_model_len: int,
 ) -> MtpHead:
-    """The MTP modules of the target checkpoint at `path` (the target's own directory)."""
+    """The MTP modules of the target checkpoint at `path` (the target's own directory), whole.
+
+    Their shapes come from the checkpoint's config.json, not from `target.config`: a rank of a
+    tensor-parallel group holds a target built from its rank config (its share of the heads and
+    of the MLP width), while every rank runs the MTP modules unsharded (spec/__init__.py)."""
     path = Path(path)
-    config = target.config
+    config = ModelConfig.from_hf_dir(path)
+    if (config.hidden_size, config.vocab_size) != (
+        target.config.hidden_size,
+        target.config.vocab_size,
+    ):
+        raise CheckpointError(f"{path}: not the served target's checkpoint (hidden/vocab differ)")
     if not config.num_mtp_layers:
         raise CheckpointError(
             f"{path}: the model declares no MTP layers (num_nextn_predict_layers) for "

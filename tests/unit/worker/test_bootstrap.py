@@ -78,8 +78,13 @@ def test_worker_stays_eager_where_it_cannot_compile(
     assert packed(runner) == (runner.kv_cache.layers[0].dtype == torch.bfloat16)
 
 
-def test_tensor_parallel_groups_take_kv_offload_and_ngram_drafts_only() -> None:
+def test_tensor_parallel_groups_take_kv_offload_and_every_drafter_but_not_random_weights() -> None:
     check_parallel_settings(WorkerSettings(tp=2, kv_offload=True))  # the data path shards KV
     check_parallel_settings(WorkerSettings(tp=2, spec_method="ngram"))  # no draft weights
-    with pytest.raises(ValueError, match="MESHLLM_SPEC_METHOD"):
-        check_parallel_settings(WorkerSettings(tp=2, spec_method="eagle", spec_model="x"))
+    for method in ("draft", "eagle", "eagle3"):  # replicated drafters (test_tp_drafters.py)
+        check_parallel_settings(WorkerSettings(tp=2, spec_method=method, spec_model="x"))
+    check_parallel_settings(WorkerSettings(tp=2, spec_method="mtp"))
+    with pytest.raises(ValueError, match="MESHLLM_TP=1"):
+        check_parallel_settings(WorkerSettings(tp=2, model="random:llama-3-8b"))
+    with pytest.raises(ValueError, match="MESHLLM_TP=1"):
+        check_parallel_settings(WorkerSettings(tp=2, load_format="dummy"))
