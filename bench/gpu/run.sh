@@ -10,7 +10,7 @@
 #   1. install the wheels into /tmp/site (pip --no-index --no-deps --target; PYTHONPATH), put
 #      the bundled redis-server first on PATH, print the versions and the GPU's clocks;
 #   2. tests: tests/gpu, tests/kernels (compiled Triton at real sizes, not the interpreter)
-#      and tests/unit/worker/test_cuda_graphs.py;
+#      and tests/unit/worker/test_{cuda,verify}_graphs.py;
 #   3. bench: bench.gpu.kernel_timings; bench.gpu.mesh_decode at batch 1/16/64/256 (redis-server
 #      + scheduler + worker processes, Llama-3-8B shape, random bf16 weights, prompt 512,
 #      output 128); bench.baseline_transformers on the same shape at 1/64/256 (warmed,
@@ -75,7 +75,8 @@ if [ "$MODE" = serve ]; then
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
     step gpu-tests 480 bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py 2>&1 | tee '$OUT/gpu_tests.log'"
+        tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py \
+        tests/unit/worker/test_verify_graphs.py 2>&1 | tee '$OUT/gpu_tests.log'"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
     step kernel-timings 150 python3 -m bench.gpu.kernel_timings --out "$OUT/kernel_timings.json"

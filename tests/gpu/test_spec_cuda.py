@@ -1,8 +1,9 @@
 """Speculative decoding on CUDA, every method: greedy output with speculation equals the same
 engine's output without it (and transformers'), on a tiny fp32 Llama with drafters saved as
 checkpoints (tests/support/spec_heads.py), with the runner's CUDA graphs captured as the worker
-captures them (steps without drafts replay them; EAGLE-3's target returns its auxiliary layer
-states from the graphs too). The drafters' draft loop never synchronizes with the GPU: it runs
+captures them (steps without drafts replay the decode graphs, steps that verify drafts the verify
+graphs of accel/verify_graphs.py; EAGLE-3's target returns its auxiliary layer states from the
+graphs too). The drafters' draft loop never synchronizes with the GPU: it runs
 under torch.cuda.set_sync_debug_mode (the drafts are read back once, after the loop)."""
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def test_greedy_with_speculation_equals_without_on_cuda(root, label: str) -> Non
     out = engine.generate(PROMPTS, GREEDY)
     assert {rid: g.token_ids for rid, g in out.items()} == reference
     assert engine.scheduler.spec.stats.num_draft_tokens > 0
+    verify = engine.runner.verify_graphs
+    assert verify is not None and verify.replays > 0  # steps with drafts replayed a graph
 
 
 @pytest.mark.parametrize("label", [m for m in METHODS if m != "ngram"])

@@ -16,6 +16,7 @@ import torch
 
 from kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_graphs import DecodeGraphs
+from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata, build_attention_metadata
@@ -185,9 +186,46 @@ def test_padded_graph_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.M
     graphs._stage(3, 4, np.array(new), positions, slots, seq_lens, tables)
     assert graphs.static["slots"][3].item() == -1 and graphs.static["seq_lens"][3].item() == 1
     with torch.inference_mode():
-        b = graphs._forward(4, graphs.metadata(4))
+        b = graphs.forward(4, graphs.metadata(4))
     assert b.shape[0] == 4
     torch.testing.assert_close(b[:3], a, rtol=1e-4, atol=1e-4)
+    for layer_ref, layer_tri in zip(ref.layers, tri.layers, strict=True):
+        torch.testing.assert_close(layer_tri, layer_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_verify_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.Module) -> None:
+    """A verify step (1 + d tokens per request, d <= k = 3) run as the verify graph runs it:
+    each request padded to 4 tokens and the batch to 4 requests, one paged-prefill span each.
+    The real rows, gathered back, and the cache equal the eager reference step."""
+    ref, tri = _caches(model)
+    tables = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 0]])
+    lens = [5, 4, 7]
+    tokens = np.random.default_rng(2).integers(0, 128, sum(lens)).tolist()
+    _step(model, ref, AttentionMetadata, lens, lens, tables, tokens)
+    _step(model, tri, AttentionMetadata, lens, lens, tables, tokens)
+    query_lens = np.array([3, 1, 4])  # 2 drafts, none, 3 drafts (the full width)
+    seq_lens = np.array(lens) + query_lens
+    new = np.random.default_rng(3).integers(0, 128, int(query_lens.sum()))
+    a = _step(model, ref, AttentionMetadata, query_lens, seq_lens, tables, new.tolist())
+    starts = seq_lens - query_lens
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])
+    rows = np.repeat(np.arange(3), query_lens)
+    slots = tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK
+    device = model.embed_tokens.weight.device
+    graphs = VerifyGraphs(
+        model, tri.layers, TritonPagedAttention(), num_spec_tokens=3, max_num_reqs=4,
+        max_blocks_per_req=4, block_size=BLOCK, device=device,
+    )  # fmt: skip
+    graphs.graphs = dict.fromkeys(graphs.sizes)  # type: ignore[arg-type]  (captured on CUDA)
+    layout = graphs.layout(query_lens, seq_lens, new, positions, slots)
+    assert layout is not None and layout.size == 4
+    graphs.stage(layout, tables)
+    assert graphs.static["slots"][3:4].tolist() == [-1]  # request 0's pad row writes no KV
+    assert graphs.static["seq_lens"].tolist() == [9, 8, 11, 4]  # + pads; a pad request: 4 keys
+    with torch.inference_mode():
+        b = graphs.forward(4, graphs.metadata(4))
+    assert b.shape[0] == 16
+    torch.testing.assert_close(b[torch.from_numpy(layout.gather)], a, rtol=1e-4, atol=1e-4)
     for layer_ref, layer_tri in zip(ref.layers, tri.layers, strict=True):
         torch.testing.assert_close(layer_tri, layer_ref, rtol=1e-5, atol=1e-5)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -62,6 +63,59 @@ def padded_size(num_reqs: int, sizes: tuple[int, ...]) -> int | None:
     return None
 
 
+class StepGraphs(Protocol):
+    """What `capture_graphs` and `upload` need of a set of graphs (decode, verify)."""
+
+    sizes: tuple[int, ...]
+    device: torch.device
+    graphs: dict[int, torch.cuda.CUDAGraph]
+    outputs: dict[int, torch.Tensor]
+    inputs: PackedCpuGpuBuffer
+    upload_stream: torch.cuda.Stream | None
+    replayed: torch.cuda.Event | None
+
+    def metadata(self, size: int) -> TritonAttentionMetadata: ...
+
+    def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor: ...
+
+
+def capture_graphs(step: StepGraphs, label: str) -> float:
+    """Capture `step.forward` at every size (largest first, sharing one memory pool), after
+    one eager run per size that compiles and tunes its kernels; returns seconds taken."""
+    started = time.perf_counter()
+    pool = None
+    stream = torch.cuda.Stream(step.device)
+    stream.wait_stream(torch.cuda.current_stream(step.device))
+    for size in reversed(step.sizes):
+        meta = step.metadata(size)
+        with torch.cuda.stream(stream):
+            step.forward(size, meta)  # compiles/tunes kernels outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            step.outputs[size] = step.forward(size, meta)
+        pool = graph.pool()
+        step.graphs[size] = graph
+    torch.cuda.current_stream(step.device).wait_stream(stream)
+    torch.cuda.synchronize(step.device)
+    seconds = time.perf_counter() - started
+    log.info("captured %s CUDA graphs for batch sizes %s in %.1f s", label, step.sizes, seconds)
+    return seconds
+
+
+def upload(step: StepGraphs, upto: int) -> None:
+    """Upload the staged inputs' first `upto` bytes. On CUDA the copy runs on the upload
+    stream once the previous replay has read the buffers (`replayed`), so it overlaps that
+    step's LM head and sampling instead of waiting behind them; the compute stream waits for
+    it before the replay."""
+    if step.upload_stream is None:
+        step.inputs.copy_to_gpu(upto)
+        return
+    step.upload_stream.wait_event(step.replayed)
+    with torch.cuda.stream(step.upload_stream):
+        step.inputs.copy_to_gpu(upto)
+    torch.cuda.current_stream(step.device).wait_stream(step.upload_stream)
+
+
 class DecodeGraphs:
     """Captured decode forwards of one model over one KV cache."""
 
@@ -77,16 +131,16 @@ class DecodeGraphs:
         device: torch.device | str,
         sizes: tuple[int, ...] = GRAPH_SIZES,
         latest: torch.Tensor | None = None,
-        upload: torch.cuda.Stream | None = None,
+        upload_stream: torch.cuda.Stream | None = None,
     ) -> None:
         """`latest`: the device's newest sampled token per batch row (in_flight.PendingFeed),
-        which input ids -(row + 1) stand for; `upload`: the stream that copies the inputs;
+        which input ids -(row + 1) stand for; `upload_stream`: the stream that copies the inputs;
         `backend`: the runner's attention backend, whose decode kernel the graphs capture."""
         self.model = model
         self.backend = backend
         self.latest = latest
-        self.upload = upload
-        self.replayed = torch.cuda.Event() if upload is not None else None
+        self.upload_stream = upload_stream
+        self.replayed = torch.cuda.Event() if upload_stream is not None else None
         self.kv_layers = kv_layers
         self.device = torch.device(device)
         self.sizes = graph_sizes(max_num_reqs, sizes)
@@ -128,7 +182,7 @@ class DecodeGraphs:
             ),
         )
 
-    def _forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+    def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         from kernels.decode_chain.token_feed import feed_token_ids_  # Triton: CUDA builds only
 
         ids = self.static["input_ids"][:size]
@@ -145,25 +199,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every size (largest first, sharing one memory pool); returns seconds."""
-        started = time.perf_counter()
         self._stage(0, self.sizes[-1], None, None, None, None, None)
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for size in reversed(self.sizes):
-            meta = self.metadata(size)
-            with torch.cuda.stream(stream):
-                self._forward(size, meta)  # compiles/tunes kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = self._forward(size, meta)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - started
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s", self.sizes, seconds)
-        return seconds
+        return capture_graphs(self, "decode")
 
     # -- replay -----------------------------------------------------------------------------
 
@@ -210,11 +247,8 @@ class DecodeGraphs:
     ) -> None:
         """Write rows [0, n) from the step and pad rows [n, size), then upload in one copy
         every field up to the block tables' first `size` rows (the fields before them are
-        uploaded whole: a few KB; their rows past `size` are never read by this graph).
-
-        On CUDA the copy runs on the upload stream once the previous replay has read the
-        buffers (`replayed`), so it overlaps that step's LM head and sampling instead of
-        waiting behind them; the compute stream waits for it before the replay."""
+        uploaded whole: a few KB; their rows past `size` are never read by this graph); see
+        `upload`."""
         host = self.inputs.host()
         ids, pos, slots = host["input_ids"], host["positions"], host["slots"]
         lens, tables = host["seq_lens"], host["block_tables"]
@@ -226,11 +260,4 @@ class DecodeGraphs:
             tables[:n, :width] = block_tables[:, :width]
         ids[n:size], pos[n:size], slots[n:size], lens[n:size] = 0, 0, -1, 1
         tables[n:size] = 0
-        upto = self.inputs.end("block_tables", size)
-        if self.upload is None:
-            self.inputs.copy_to_gpu(upto)
-            return
-        self.upload.wait_event(self.replayed)
-        with torch.cuda.stream(self.upload):
-            self.inputs.copy_to_gpu(upto)
-        torch.cuda.current_stream(self.device).wait_stream(self.upload)
+        upload(self, self.inputs.end("block_tables", size))

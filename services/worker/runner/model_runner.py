@@ -36,6 +36,7 @@ from kernels.attention.backends import PagedKernelBackend
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
+from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.groups import group_attention, needs_group_attention
 from services.worker.attention.reference import AttentionMetadata
@@ -167,9 +168,12 @@ class ModelRunner:
             if speculative and speculative.enabled
             else None
         )
+        self.num_spec_tokens = speculative.num_spec_tokens if speculative and self.drafter else 0
         self.compiled = CompiledForward(model) if compiled else None
-        # CUDA: decode steps replay CUDA graphs once captured.
+        # CUDA: decode steps replay CUDA graphs once captured; with a drafter, so do the steps
+        # that verify drafts (accel/verify_graphs.py).
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         # Ranks 1..N-1 of a tensor-parallel group hold a KVFollower: their heads of each chunk.
         self.kv_connector: KVConnector | KVFollower | None = None
@@ -442,11 +446,26 @@ class ModelRunner:
         return sampled
 
     def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:
-        """hidden [T, H] of the step: a CUDA graph replay for decode-only steps of a captured
-        size, otherwise an eager forward. Eager too when the step records routed experts (the
-        hooks run in Python) or the model has sliding-window groups (the graphs hold one
-        full-attention metadata)."""
+        """hidden [T, H] of the step: a CUDA graph replay for decode-only steps and for steps
+        that verify drafts (every request at most k + 1 tokens) of a captured size, otherwise
+        an eager forward. Eager too when the step records routed experts (the hooks run in
+        Python) or the model has sliding-window groups (the graphs hold one full-attention
+        metadata)."""
         tables = self.batch.block_tables[0, inputs.rows]
+        if (
+            self.verify_graphs is not None
+            and not eager
+            and inputs.num_drafts is not None
+            and inputs.num_drafts.any()
+            and inputs.fed is None
+            and not needs_group_attention(self.kv_groups)
+        ):
+            layout = self.verify_graphs.layout(
+                inputs.query_lens, inputs.seq_lens, inputs.input_ids, inputs.positions,
+                inputs.slot_mapping,
+            )  # fmt: skip
+            if layout is not None:
+                return self.verify_graphs.run(layout, tables)
         if (
             self.graphs is not None
             and not eager
@@ -521,7 +540,8 @@ class ModelRunner:
         )
 
     def capture_cuda_graphs(self, sizes: tuple[int, ...] = GRAPH_SIZES) -> float:
-        """Capture decode graphs (CUDA only; after warmup). Returns seconds taken."""
+        """Capture decode graphs, and with a drafter the verify graphs (CUDA only; after
+        warmup). Returns seconds taken."""
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
         backend = self.attention_backend
@@ -540,9 +560,27 @@ class ModelRunner:
             device=self.device,
             sizes=sizes,
             latest=self.feed.latest,
-            upload=self.upload_stream,
+            upload_stream=self.upload_stream,
         )
-        return self.graphs.capture()
+        seconds = self.graphs.capture()
+        if self.num_spec_tokens:
+            verify = VerifyGraphs(
+                self.model,
+                self.kv_cache.layers,
+                backend,
+                num_spec_tokens=self.num_spec_tokens,
+                max_num_reqs=self.batch.max_num_reqs,
+                max_blocks_per_req=self.batch.max_blocks_per_req,
+                block_size=self.block_size,
+                device=self.device,
+                upload_stream=self.upload_stream,
+            )
+            try:
+                seconds += verify.capture()
+                self.verify_graphs = verify
+            except RuntimeError:  # verify steps still run, eagerly
+                log.exception("CUDA graph capture of the verify steps failed: they run eagerly")
+        return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:
         out: SamplerOutput = step.host
