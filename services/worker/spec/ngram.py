@@ -10,7 +10,6 @@ occurrence wins because the text near the end is the likeliest to be copied next
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -23,16 +22,29 @@ class NgramProposer:
 
     def propose(self, tokens: np.ndarray, k: int | None = None) -> list[int]:
         """Up to `k` (default K) drafts following the latest earlier match of the suffix of
-        `tokens`; empty when no n-gram of the suffix occurs earlier."""
+        `tokens`; empty when no n-gram of the suffix occurs earlier.
+
+        One pass over the tokens finds every earlier occurrence of the last token; each is
+        then extended backwards (at most max_n - 1 more comparisons over the few candidates),
+        so a step's lookups cost O(length) each, not one window scan per n."""
         k = self.k if k is None else k
         length = len(tokens)
-        if k <= 0:
+        if k <= 0 or length - 1 < self.min_n:
             return []
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. length-n-1: every occurrence except the suffix itself.
-            windows = sliding_window_view(tokens[: length - 1], n)
-            hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()  # type: ignore[no-any-return]
-        return []
+        # Candidate ends e < length - 1 of an earlier occurrence: tokens[e] == the last token.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+        if not ends.size:
+            return []
+        matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched backwards from e
+        alive = np.ones(ends.size, dtype=bool)
+        for d in range(1, min(self.max_n, length - 1)):
+            alive &= ends >= d
+            alive[alive] = tokens[ends[alive] - d] == tokens[length - 1 - d]
+            if not alive.any():
+                break
+            matched += alive
+        n = min(int(matched.max()), self.max_n)
+        if n < self.min_n:
+            return []
+        start = int(ends[matched >= n][-1]) + 1  # the most recent occurrence of the longest n
+        return tokens[start : start + k].tolist()  # type: ignore[no-any-return]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from services.worker.runner.input_batch import PlanError
+from services.worker.sampling.state import SamplerOutput
 from services.worker.spec.rejection import RejectionChecks
 from services.worker.spec.verify import num_accepted
 from shared.protocol import SampledTokens, StepPlan
@@ -75,9 +76,9 @@ def verify_and_sample(
     checks = RejectionChecks.find(runner, rows, verified, k)
 
     max_k = int(k.max())
-    draws = np.full((len(ids), max_k + 1), -1, dtype=np.int64)
-    logprobs = np.zeros((len(ids), max_k + 1), dtype=np.float32)
-    top: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    # Every position's draws stay on the device until the loop is done, then come back in one
+    # copy: a read-back per position would wait for the GPU k + 1 times a step.
+    picked: list[tuple[np.ndarray, SamplerOutput]] = []
     for j in range(max_k + 1):
         sel = np.flatnonzero(k >= j)
         index = None
@@ -94,11 +95,8 @@ def verify_and_sample(
             return_probs=bool(checked.size),
         )
         checks.collect(out, checked, runner)
-        draws[sel, j] = out.token_ids.to("cpu", torch.int64).numpy()
-        if out.logprobs is not None:
-            logprobs[sel, j] = out.logprobs.cpu().numpy()
-        if out.top_token_ids is not None and out.top_logprobs is not None:
-            top[j] = (out.top_token_ids.cpu().numpy(), out.top_logprobs.cpu().numpy())
+        picked.append((sel, out))
+    draws, logprobs, top = _download(picked, len(ids))
     decided = checks.decide(runner, rows, verified)
 
     result: list[SampledTokens] = []
@@ -125,6 +123,28 @@ def verify_and_sample(
         runner._to_device(np.array(rec_rows)), runner._to_device(np.array(rec_tokens))
     )
     return result
+
+
+def _download(
+    picked: list[tuple[np.ndarray, SamplerOutput]], num_requests: int
+) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """(draws [R, J] int64, -1 where a request has no row j; logprobs [R, J] float32; top
+    ids/logprobs per position j) from the per-position sampler outputs, each kind of tensor
+    concatenated on the device and copied back once."""
+    num_positions = len(picked)
+    draws = np.full((num_requests, num_positions), -1, dtype=np.int64)
+    logprobs = np.zeros((num_requests, num_positions), dtype=np.float32)
+    tokens = torch.cat([out.token_ids.to(torch.int64) for _, out in picked]).cpu().numpy()
+    top: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    start = 0
+    for j, (sel, out) in enumerate(picked):  # the copies below find the GPU done
+        draws[sel, j] = tokens[start : start + len(sel)]
+        start += len(sel)
+        if out.logprobs is not None:
+            logprobs[sel, j] = out.logprobs.cpu().numpy()
+        if out.top_token_ids is not None and out.top_logprobs is not None:
+            top[j] = (out.top_token_ids.cpu().numpy(), out.top_logprobs.cpu().numpy())
+    return draws, logprobs, top
 
 
 def _sampled(

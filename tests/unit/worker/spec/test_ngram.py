@@ -46,3 +46,31 @@ def test_bad_settings_are_refused() -> None:
         NgramProposer(3, min_n=3, max_n=2)
     with pytest.raises(ValueError):
         NgramProposer(0)
+
+
+def window_scan(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """The rule as first written: for n from max_n down, scan every window of the tokens
+    before the last for the suffix n-gram; the latest hit's continuation."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()  # type: ignore[no-any-return]
+    return []
+
+
+def test_the_single_pass_equals_the_window_scan_on_random_token_runs() -> None:
+    rng = np.random.default_rng(7)
+    proposed = 0
+    for _ in range(3000):
+        alphabet = int(rng.integers(2, 6))  # few symbols: many repeats and long matches
+        tokens = rng.integers(0, alphabet, int(rng.integers(0, 40))).astype(np.int32)
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 7))
+        k = int(rng.integers(1, 6))
+        got = NgramProposer(k, min_n, max_n).propose(tokens)
+        assert got == window_scan(tokens, k, min_n, max_n), (tokens.tolist(), k, min_n, max_n)
+        proposed += bool(got)
+    assert proposed > 1000  # the cases exercised the matching, not only the empty answer
