@@ -26,6 +26,8 @@ from shared.protocol import RequestDelta, SamplingParams, StepPlan, StepResult, 
 class Generation:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # when the request asked for them
+    top_token_ids: list[int] = field(default_factory=list)  # logprobs > 0: per token, flat
+    top_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
 
@@ -157,6 +159,9 @@ class InProcessEngine:
         gen.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             gen.logprobs.extend(delta.logprobs)
+        if delta.top_token_ids is not None and delta.top_logprobs is not None:
+            gen.top_token_ids.extend(delta.top_token_ids)
+            gen.top_logprobs.extend(delta.top_logprobs)
         if delta.num_cached_tokens:
             gen.num_cached_tokens = delta.num_cached_tokens
         if delta.finish_reason is not None:

@@ -255,6 +255,14 @@ class SamplingState:
 
     # ---- the step ----------------------------------------------------------------------
 
+    @property
+    def rows_repeatable(self) -> bool:
+        """Whether one `sample` call may list a state row several times (at different
+        positions: a verify step's rows): no stage that scatters per-entry tables by batch
+        position (allowed/banned tokens, min_tokens stops, logit bias) is active. The other
+        stages only read their rows' parameters."""
+        return not (self.allowed or self.banned or self.min_tokens_stops or self.logit_bias)
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -286,7 +294,7 @@ class SamplingState:
             bitmask_index = torch.arange(batch, device=self.device)
         truncating = bool(self._top_k_rows or self._top_p_rows or self._min_p_rows)
         want_logprobs = bool(self._logprob_rows)
-        by_entry = bool(self.allowed or self.banned or self.min_tokens_stops or self.logit_bias)
+        by_entry = not self.rows_repeatable
         staged = logits  # with a scratch row after the batch's rows for the by-entry stages
         if truncating or want_logprobs or by_entry or self._penalty_rows:
             # The stages below write into their own fp32 copy.

@@ -68,35 +68,17 @@ def verify_and_sample(
     k = inputs.num_drafts[sample_idx]
     ends = np.cumsum(inputs.query_lens)[sample_idx]  # flat end (exclusive) of each request
     first_flat = ends - 1 - k  # flat row that samples position T (the first new token)
-    offsets = np.cumsum(np.concatenate(([0], k[:-1] + 1)))  # each request's first logits row
     flat = np.concatenate([np.arange(f, f + n + 1) for f, n in zip(first_flat, k, strict=True)])
     logits = runner.compute_logits(hidden[runner._to_device(flat)])
     bitmask, bitmask_first = bitmask_rows(plan, ids, k, runner.device)
     verified = batch.num_tokens[rows].copy()  # T: tokens known before this step's drafts
     checks = RejectionChecks.find(runner, rows, verified, k)
 
-    max_k = int(k.max())
-    # Every position's draws stay on the device until the loop is done, then come back in one
-    # copy: a read-back per position would wait for the GPU k + 1 times a step.
-    picked: list[tuple[np.ndarray, SamplerOutput]] = []
-    for j in range(max_k + 1):
-        sel = np.flatnonzero(k >= j)
-        index = None
-        if bitmask is not None:
-            b = bitmask_first[sel]
-            index = runner._to_device(np.where(b >= 0, b + j, -1))
-        checked = checks.rows_at(j, sel)
-        out = sampler.sample(
-            logits[runner._to_device(offsets[sel] + j)],
-            runner._to_device(rows[sel]),
-            runner._to_device(verified[sel] + j),
-            bitmask if index is not None else None,
-            bitmask_index=index,
-            return_probs=bool(checked.size),
-        )
-        checks.collect(out, checked, runner)
-        picked.append((sel, out))
-    draws, logprobs, top = _download(picked, len(ids))
+    grammar = (bitmask, bitmask_first)
+    if not checks.proposals and sampler.rows_repeatable:
+        draws, logprobs, top = _draw_at_once(runner, logits, rows, verified, k, grammar)
+    else:
+        draws, logprobs, top = _draw_by_position(runner, logits, rows, verified, k, grammar, checks)
     decided = checks.decide(runner, rows, verified)
 
     result: list[SampledTokens] = []
@@ -125,17 +107,88 @@ def verify_and_sample(
     return result
 
 
-def _download(
-    picked: list[tuple[np.ndarray, SamplerOutput]], num_requests: int
-) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """(draws [R, J] int64, -1 where a request has no row j; logprobs [R, J] float32; top
-    ids/logprobs per position j) from the per-position sampler outputs, each kind of tensor
-    concatenated on the device and copied back once."""
-    num_positions = len(picked)
-    draws = np.full((num_requests, num_positions), -1, dtype=np.int64)
-    logprobs = np.zeros((num_requests, num_positions), dtype=np.float32)
+Grammar = tuple[torch.Tensor | None, np.ndarray]  # bitmask, each request's first row or -1
+Top = dict[int, tuple[np.ndarray, np.ndarray]]  # position j -> top ids/logprobs of k >= j rows
+
+
+def _draw_at_once(
+    runner: ModelRunner,
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    verified: np.ndarray,
+    k: np.ndarray,
+    grammar: Grammar,
+) -> tuple[np.ndarray, np.ndarray, Top]:
+    """Every (request, position) draw in one sampler call over the logits as they are laid
+    out (request-major), where the sampler allows a state row more than once per call (no
+    per-entry stage: SamplingState.rows_repeatable) and no draw needs its distribution kept
+    (no rejection check). Each row draws with its own (row, position) noise: the same tokens
+    as one call per position."""
+    counts = k + 1
+    starts = np.cumsum(counts) - counts
+    req = np.repeat(np.arange(len(k)), counts)
+    j = np.arange(int(counts.sum())) - starts[req]
+    bitmask, first = grammar
+    index = None
+    if bitmask is not None:
+        index = runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
+    out = runner.sampler.sample(
+        logits,
+        runner._to_device(rows[req]),
+        runner._to_device(verified[req] + j),
+        bitmask if index is not None else None,
+        bitmask_index=index,
+    )
+    draws = np.full((len(k), int(k.max()) + 1), -1, dtype=np.int64)
+    draws[req, j] = out.token_ids.to("cpu", torch.int64).numpy()
+    logprobs = np.zeros(draws.shape, dtype=np.float32)
+    if out.logprobs is not None:
+        logprobs[req, j] = out.logprobs.cpu().numpy()
+    top: Top = {}
+    if out.top_token_ids is not None and out.top_logprobs is not None:
+        ids, values = out.top_token_ids.cpu().numpy(), out.top_logprobs.cpu().numpy()
+        for position in range(draws.shape[1]):
+            at = starts[k >= position] + position
+            top[position] = (ids[at], values[at])
+    return draws, logprobs, top
+
+
+def _draw_by_position(
+    runner: ModelRunner,
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    verified: np.ndarray,
+    k: np.ndarray,
+    grammar: Grammar,
+    checks: RejectionChecks,
+) -> tuple[np.ndarray, np.ndarray, Top]:
+    """One sampler call per position j over the requests with a row j (each state row at most
+    once per call), keeping the checked rows' distributions for rejection sampling. The
+    outputs stay on the device until the loop is done, then come back in one copy: a
+    read-back per position would wait for the GPU k + 1 times a step."""
+    offsets = np.cumsum(k + 1) - (k + 1)  # each request's first logits row
+    bitmask, first = grammar
+    picked: list[tuple[np.ndarray, SamplerOutput]] = []
+    for j in range(int(k.max()) + 1):
+        sel = np.flatnonzero(k >= j)
+        index = None
+        if bitmask is not None:
+            index = runner._to_device(np.where(first[sel] >= 0, first[sel] + j, -1))
+        checked = checks.rows_at(j, sel)
+        out = runner.sampler.sample(
+            logits[runner._to_device(offsets[sel] + j)],
+            runner._to_device(rows[sel]),
+            runner._to_device(verified[sel] + j),
+            bitmask if index is not None else None,
+            bitmask_index=index,
+            return_probs=bool(checked.size),
+        )
+        checks.collect(out, checked, runner)
+        picked.append((sel, out))
+    draws = np.full((len(k), len(picked)), -1, dtype=np.int64)
+    logprobs = np.zeros(draws.shape, dtype=np.float32)
     tokens = torch.cat([out.token_ids.to(torch.int64) for _, out in picked]).cpu().numpy()
-    top: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    top: Top = {}
     start = 0
     for j, (sel, out) in enumerate(picked):  # the copies below find the GPU done
         draws[sel, j] = tokens[start : start + len(sel)]

@@ -73,11 +73,31 @@ def test_greedy_batched_equals_no_speculation(smollm2_dir, model_and_config, pro
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections were exercised too
 
 
-def test_seeded_sampling_equals_no_speculation(smollm2_dir, model_and_config, prompts):
-    params = SamplingParams(temperature=0.8, seed=1234, max_tokens=NEW_TOKENS)
+SEEDED = SamplingParams(temperature=0.8, seed=1234, max_tokens=NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SEEDED,  # every position's draws in one sampler call
+        # top-k and top logprobs in that one call; a logit bias (a per-entry stage) makes the
+        # verify step draw one position per call instead: both must equal plain decoding.
+        SEEDED.model_copy(update={"top_k": 40, "logprobs": 2}),
+        SEEDED.model_copy(update={"logit_bias": {13: 1.5}, "logprobs": 2}),
+    ],
+    ids=["seeded", "topk-logprobs", "logit-bias"],
+)
+def test_seeded_sampling_equals_no_speculation(smollm2_dir, model_and_config, prompts, params):
     chosen = {rid: prompts[rid] for rid in ("chat0", "chat1")}
     plain = engine(smollm2_dir, model_and_config, None).generate(chosen, params)
     spec = engine(smollm2_dir, model_and_config, NGRAM)
     out = spec.generate(chosen, params)
     assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
     assert spec.scheduler.spec.stats.num_accepted_tokens > 0
+    if params.logprobs:
+        for rid, gen in out.items():
+            ref = plain[rid]
+            assert gen.top_token_ids == ref.top_token_ids
+            assert len(gen.top_token_ids) == 2 * len(gen.token_ids) > 0
+            torch.testing.assert_close(gen.logprobs, ref.logprobs, rtol=0, atol=1e-4)
+            torch.testing.assert_close(gen.top_logprobs, ref.top_logprobs, rtol=0, atol=1e-4)
