@@ -14,7 +14,8 @@ Reading order:
   `dense_prefill`), with `groups` (metadata per KV cache group) and `bound` (an opaque op for
   compiled CPU forwards);
 - `accel/`: what runs faster where it can: `cuda_layers` (the Triton layers, `TRITON`) and
-  `decode_chain` (the fused decode forward a Llama model holds on CUDA), `cuda_graphs`,
+  `decode_chain` (the fused decode forward a Llama model holds on CUDA), `cuda_graphs` (decode
+  steps) and `verify_graphs` (steps that verify drafts),
   `cpu_compile` (inductor on CPU);
 - `sampling/` (per-row state and the Gumbel-max draw; its maths in kernels/sampling), `spec/`
   (drafters and verification), `kv_offload/` (KV blocks <-> the Redis tier);
