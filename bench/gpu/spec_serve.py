@@ -1,0 +1,115 @@
+"""n-gram speculation as users see it: the copy-heavy tasks of bench/spec_ngram.py as chat
+completions through the gateway, against the same mesh without speculation.
+
+    python3 -m bench.gpu.spec_serve --model SmolLM2.gguf --out $OUT/spec_serve.json   # GPU
+    .venv/bin/python -m bench.gpu.spec_serve --dry-run                                  # CPU
+
+Two meshes are up at once (tests/support/mesh.py: redis-server, gateway, scheduler, worker
+processes each), the same model, one with MESHLLM_SPEC_METHOD=ngram (MESHLLM_SPEC_TOKENS=K,
+prompt lookup n = 2..4), one without; everything else at its default, so plain decoding keeps
+the worker's asynchronous scheduling and overlapped steps (a worker with a drafter does not
+overlap: its drafts come from each step's tokens). Per concurrency c (`--concurrency`) and
+task, `--repeats` rounds of each mesh in ABBA order: c chat requests at once (each prompt
+opened by its own number, as bench/spec_ngram.py --batch does), greedy, `--max-tokens` each;
+output tok/s = completion tokens of the round / its wall time. Reported per task: the best of
+each mesh, the median of the rounds' ratios, and whether the two meshes answered the same
+texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from bench.spec_ngram import TASKS
+from tests.support.mesh import Mesh
+
+
+def chat_round(api: str, model: str, text: str, c: int, max_tokens: int) -> tuple[float, list[str]]:
+    """c requests of the task at once: (output tok/s, each answer's text in order)."""
+    client = openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=600)
+
+    def one(i: int) -> tuple[int, str]:
+        content = f"Request {i + 1}.\n{text}" if c > 1 else text
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+            temperature=0.0,
+        )
+        assert reply.usage is not None
+        return reply.usage.completion_tokens, reply.choices[0].message.content or ""
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        answers = list(pool.map(one, range(c)))
+    seconds = time.perf_counter() - started
+    return sum(n for n, _ in answers) / seconds, [t for _, t in answers]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="HF directory or .gguf (default: SmolLM2)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per mesh and task")
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, c=1, 16 tokens")
+    args = parser.parse_args()
+    if args.dry_run:
+        args.concurrency, args.repeats, args.max_tokens = [1], 1, 16
+    env = {
+        "MESHLLM_MODEL": args.model,
+        "MESHLLM_DEVICE": "cpu" if args.dry_run else "cuda",
+        "MESHLLM_DTYPE": "float32" if args.dry_run else "bfloat16",
+        "MESHLLM_MAX_MODEL_LEN": "1024",
+        "MESHLLM_MAX_NUM_SEQS": str(max(args.concurrency)),
+        "MESHLLM_LOG_JSON": "false",
+    }
+    if not args.dry_run:
+        env["MESHLLM_KV_CACHE_BYTES"] = str(4 * 2**30)
+    spec_env = {**env, "MESHLLM_SPEC_METHOD": "ngram", "MESHLLM_SPEC_TOKENS": str(args.k)}
+    rows: list[dict[str, Any]] = []
+    with Mesh(env=env, ready_timeout=600) as plain, Mesh(env=spec_env, ready_timeout=600) as spec:
+        meshes = {"plain": plain, "spec": spec}
+        model = openai.OpenAI(base_url=plain.api, api_key="unused").models.list().data[0].id
+        for name in meshes:  # warm-up: first requests of each shape
+            chat_round(meshes[name].api, model, "Say hello.", max(args.concurrency), 8)
+        for c in args.concurrency:
+            for task, text in TASKS.items():
+                tok_s: dict[str, list[float]] = {"plain": [], "spec": []}
+                texts: dict[str, list[str]] = {}
+                for r in range(args.repeats):
+                    order = ("plain", "spec") if r % 2 == 0 else ("spec", "plain")  # ABBA
+                    for name in order:
+                        rate, texts[name] = chat_round(
+                            meshes[name].api, model, text, c, args.max_tokens
+                        )
+                        tok_s[name].append(rate)
+                ratios = [s / p for s, p in zip(tok_s["spec"], tok_s["plain"], strict=True)]
+                rows.append(
+                    {
+                        "concurrency": c,
+                        "task": task,
+                        "plain_tok_s": round(max(tok_s["plain"]), 1),
+                        "spec_tok_s": round(max(tok_s["spec"]), 1),
+                        "speedup_median": round(statistics.median(ratios), 2),
+                        "same_texts": texts["plain"] == texts["spec"],
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+    result = {"k": args.k, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
