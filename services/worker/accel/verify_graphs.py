@@ -193,8 +193,8 @@ class VerifyGraphs:
         slot_mapping: np.ndarray,
     ) -> VerifyLayout | None:
         """The step padded for a captured graph, or None (it runs eagerly)."""
-        size = padded_size(len(query_lens), tuple(self.graphs))
-        if size is None:
+        size = padded_size(len(query_lens), self.sizes)  # ascending: the smallest that holds
+        if size is None or size not in self.graphs:
             return None
         return verify_layout(
             query_lens, seq_lens, input_ids, positions, slot_mapping,

@@ -57,9 +57,14 @@ def test_the_runner_layout_picks_the_smallest_captured_size() -> None:
     )  # fmt: skip
     assert graphs.sizes == (1, 2, 4, 6) and graphs.width == 4
     assert graphs.layout(**_step()) is None  # nothing captured: eager
-    graphs.graphs = dict.fromkeys((1, 2, 4, 6))  # type: ignore[arg-type]  (captured on CUDA)
+    # Captured largest first (one memory pool), as capture_graphs does on CUDA.
+    graphs.graphs = dict.fromkeys((6, 4, 2, 1))  # type: ignore[arg-type]
     layout = graphs.layout(**_step())
     assert layout is not None and layout.size == 2
+    one = {name: value[-1:] for name, value in _step().items()}  # the decode-only request
+    one["query_lens"], one["seq_lens"] = np.array([1]), np.array([5])
+    single = graphs.layout(**one)
+    assert single is not None and single.size == 1
     with pytest.raises(ValueError, match="num_spec_tokens"):
         VerifyGraphs(
             model, kv.layers, TritonPagedAttention(), num_spec_tokens=0, max_num_reqs=6,
