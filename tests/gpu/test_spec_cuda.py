@@ -76,7 +76,8 @@ def test_greedy_with_speculation_equals_without_on_cuda(root, label: str) -> Non
     assert {rid: g.token_ids for rid, g in out.items()} == reference
     assert engine.scheduler.spec.stats.num_draft_tokens > 0
     verify = engine.runner.verify_graphs
-    assert verify is not None and verify.replays > 0  # steps with drafts replayed a graph
+    assert verify is not None and verify.replays  # steps with drafts replayed a graph
+    assert max(verify.replays) <= 4  # the smallest graph holding the step: 3 prompts or fewer
 
 
 @pytest.mark.parametrize("label", [m for m in METHODS if m != "ngram"])

@@ -27,6 +27,7 @@ or a padded length past the block table runs eagerly (`layout` returns None).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,7 +143,7 @@ class VerifyGraphs:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.replays = 0  # verify steps run from a graph (tests, metrics)
+        self.replays: Counter[int] = Counter()  # verify steps run from each size's graph
 
     def metadata(self, size: int) -> TritonAttentionMetadata:
         """Metadata over the static buffers' first `size` requests: one prefill span each."""
@@ -208,7 +209,7 @@ class VerifyGraphs:
         self.graphs[layout.size].replay()
         if self.replayed is not None:
             self.replayed.record()
-        self.replays += 1
+        self.replays[layout.size] += 1
         gather = torch.from_numpy(layout.gather).to(self.device, non_blocking=True)
         return self.outputs[layout.size][gather]
 
