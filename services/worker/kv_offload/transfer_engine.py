@@ -365,7 +365,3 @@ def _batches(items: list[tuple[str, memoryview]]) -> list[list[tuple[str, memory
         batches[-1].append(item)
         size += item[1].nbytes
     return batches
-
-
-def elapsed_since(started: float) -> float:
-    return max(0.0, time.perf_counter() - started)
