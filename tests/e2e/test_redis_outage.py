@@ -2,9 +2,10 @@
 empty (no persistence). Every service stays alive, goes not-ready while Redis is away and ready
 again after; in-flight requests finish; new requests, constrained ones included, complete.
 
-The timeouts are made short (settings) so an outage of ~15 s outlasts all of them: the publish
-timeout (3 s), a Redis command (1 s), the worker silence bound (5 s), the gateway silence
-bound (4 s) and the claim idle time (3 s).
+The timeouts are made short (settings) so an outage of 10 s outlasts all of them: the publish
+timeout (3 s), a Redis command (1 s), the worker silence bound (5 s: the scheduler's floor,
+max(5, 5 heartbeat intervals)), the step timeout (6 s), the gateway silence bound (4 s) and the
+claim idle time (3 s).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.support.mesh import Mesh
 pytestmark = pytest.mark.e2e
 
 SERVICES = ("gateway", "scheduler", "worker", "grammar")
-OUTAGE_S = 15.0
+OUTAGE_S = 10.0  # past the longest timeout below (the step timeout, 6 s) by 4 s
 MAX_TOKENS = 48
 ENV = {
     **E2E_ENV,
@@ -35,7 +36,7 @@ ENV = {
     "MESHLLM_PUBLISH_TIMEOUT_S": "3",
     "MESHLLM_GATEWAY_TIMEOUT_S": "4",
     "MESHLLM_CLAIM_IDLE_MS": "3000",
-    "MESHLLM_STEP_TIMEOUT_S": "10",
+    "MESHLLM_STEP_TIMEOUT_S": "6",
 }
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
