@@ -35,6 +35,7 @@ from shared.config import (
 from shared.protocol import Heartbeat
 from shared.streams import Streams
 from tests.conftest import MODEL_CACHE
+from tests.e2e.conftest import E2E_ENV
 from tests.support.mesh import REPO, Mesh
 from tests.support.redis_server import free_port, free_ports
 
@@ -52,7 +53,14 @@ DEFAULT_PORTS = {
         ("kvstore", KVStoreSettings),
     ]
 }
-FAST_BEATS = {"MESHLLM_HEARTBEAT_INTERVAL_S": "0.2", "MESHLLM_LOG_LEVEL": "INFO"}
+# The e2e suite's small KV cache (conftest.E2E_ENV): at its default (30% of free memory) the
+# worker spends ~25 s of its start allocating and touching a cache these tests never fill.
+FAST_BEATS = {
+    "MESHLLM_HEARTBEAT_INTERVAL_S": "0.2",
+    "MESHLLM_LOG_LEVEL": "INFO",
+    "MESHLLM_KV_CACHE_BYTES": E2E_ENV["MESHLLM_KV_CACHE_BYTES"],
+    "MESHLLM_MAX_MODEL_LEN": E2E_ENV["MESHLLM_MAX_MODEL_LEN"],
+}
 
 
 @pytest.fixture(scope="module")
