@@ -28,8 +28,9 @@ STACK=(fastapi uvicorn pydantic pydantic-core pydantic-settings redis hiredis ms
     prometheus-client httpx openai)
 # Without dependencies: xgrammar's other requirements (torch, triton, transformers, numpy) are
 # the image's, and pip would otherwise fetch a multi-GB torch.
-NO_DEPS=(xgrammar apache-tvm-ffi)
-IMAGE=(torch triton transformers numpy tokenizers safetensors huggingface-hub)
+# gguf: transformers reads the embedded SmolLM2's GGUF with it (bench/gpu/weights.sh).
+NO_DEPS=(xgrammar apache-tvm-ffi gguf)
+IMAGE=(torch triton transformers numpy tokenizers safetensors huggingface-hub pyyaml requests tqdm)
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
