@@ -17,7 +17,7 @@ checkpoint (an HF directory or a .gguf file) than the embedded SmolLM2.
 
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
                                [--threads 1] [--device cpu|cuda] [--batch 1] [--model PATH]
-                               [--eager-verify] [--json]
+                               [--eager-verify] [--json] [--out FILE]
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--model", default="", help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--eager-verify", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", default="", help="also write the JSON summary here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -223,6 +224,8 @@ def main() -> None:
         "acceptance_per_position": [round(n / max(num_drafts, 1), 3) for n in accepted_per_pos],
         "tasks": rows,
     }
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2))
     if args.json:
         print(json.dumps(summary, indent=2))
         return

@@ -15,6 +15,9 @@
 #      + scheduler + worker processes, Llama-3-8B shape, random bf16 weights, prompt 512,
 #      output 128); bench.baseline_transformers on the same shape at 1/64/256 (warmed,
 #      best-of-2); then the mesh / transformers ratio per batch.
+#   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
+#      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
+#      bench.gpu.spec_serve through the gateway.
 #   4. serve (only when asked for: `run.sh serve`): bench.gpu.gateway_serve, the same shape with
 #      the SmolLM2 tokenizer through the gateway, driven by bench/serve.py (gateway cost
 #      against the scheduler-direct path, datasets, request rates, 8k/32k prompts).
@@ -25,7 +28,7 @@
 # `bench` ~5 min.
 set -uo pipefail
 MODE=${1:-all}
-case $MODE in all | tests | bench | serve) ;; *) echo "usage: $0 [all|tests|bench|serve]" >&2; exit 2 ;; esac
+case $MODE in all | tests | bench | serve | spec) ;; *) echo "usage: $0 [all|tests|bench|serve|spec]" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/meshllm-gpu}
@@ -69,6 +72,20 @@ step() {  # step NAME CAP_SECONDS COMMAND...: COMMAND under min(CAP, what is lef
     ((rc == 0)) || FAILED=1
 }
 
+if [ "$MODE" = spec ]; then
+    # The real SmolLM2 weights: parts 1 and 2 stashed in $WEIGHTS by earlier calls, part 0
+    # carried with this one (bench/gpu/weights.sh, `make gpu-weights`).
+    WEIGHTS=${WEIGHTS:-/tmp/w}
+    if [ -d .weights0 ]; then bash bench/gpu/weights.sh stash 0 "$WEIGHTS"; fi
+    bash bench/gpu/weights.sh join "$WEIGHTS" || exit 1
+    GGUF=$WEIGHTS/SmolLM2-135M-Instruct.Q4_1.gguf
+    for batch in 1 16; do
+        step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
+            --batch "$batch" --eager-verify --repeats 3 --out "$OUT/spec_ngram_b$batch.json"
+    done
+    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" --concurrency 1 16 \
+        --repeats 4 --out "$OUT/spec_serve.json"
+fi
 if [ "$MODE" = serve ]; then
     step gateway-serve 540 python3 -m bench.gpu.gateway_serve --tokenizer .tokenizer \
         --out "$OUT/gateway_serve.json"
