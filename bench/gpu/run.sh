@@ -15,12 +15,12 @@
 #      + scheduler + worker processes, Llama-3-8B shape, random bf16 weights, prompt 512,
 #      output 128); bench.baseline_transformers on the same shape at 1/64/256 (warmed,
 #      best-of-2); then the mesh / transformers ratio per batch.
-#   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
-#      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
-#      bench.gpu.spec_serve through the gateway.
 #   4. serve (only when asked for: `run.sh serve`): bench.gpu.gateway_serve, the same shape with
 #      the SmolLM2 tokenizer through the gateway, driven by bench/serve.py (gateway cost
 #      against the scheduler-direct path, datasets, request rates, 8k/32k prompts).
+#   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
+#      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
+#      bench.gpu.spec_serve through the gateway.
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
 # kernel_timings.json, mesh_decode.json, transformers.json, gateway_serve.json. Each step runs
 # under what is left of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot
