@@ -111,6 +111,32 @@ Grammar = tuple[torch.Tensor | None, np.ndarray]  # bitmask, each request's firs
 Top = dict[int, tuple[np.ndarray, np.ndarray]]  # position j -> top ids/logprobs of k >= j rows
 
 
+def _sample(
+    runner: ModelRunner,
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    verified: np.ndarray,
+    grammar: Grammar,
+    req: np.ndarray,
+    j: np.ndarray | int,
+    return_probs: bool = False,
+) -> SamplerOutput:
+    """One sampler call: logits row i is request req[i] at draft position j (j[i]): its state
+    row, position T + j and grammar bitmask row (first + j, -1 where unconstrained)."""
+    bitmask, first = grammar
+    index = None
+    if bitmask is not None:
+        index = runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
+    return runner.sampler.sample(
+        logits,
+        runner._to_device(rows[req]),
+        runner._to_device(verified[req] + j),
+        bitmask if index is not None else None,
+        bitmask_index=index,
+        return_probs=return_probs,
+    )
+
+
 def _draw_at_once(
     runner: ModelRunner,
     logits: torch.Tensor,
@@ -128,17 +154,7 @@ def _draw_at_once(
     starts = np.cumsum(counts) - counts
     req = np.repeat(np.arange(len(k)), counts)
     j = np.arange(int(counts.sum())) - starts[req]
-    bitmask, first = grammar
-    index = None
-    if bitmask is not None:
-        index = runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
-    out = runner.sampler.sample(
-        logits,
-        runner._to_device(rows[req]),
-        runner._to_device(verified[req] + j),
-        bitmask if index is not None else None,
-        bitmask_index=index,
-    )
+    out = _sample(runner, logits, rows, verified, grammar, req, j)
     draws = np.full((len(k), int(k.max()) + 1), -1, dtype=np.int64)
     draws[req, j] = out.token_ids.to("cpu", torch.int64).numpy()
     logprobs = np.zeros(draws.shape, dtype=np.float32)
@@ -167,22 +183,14 @@ def _draw_by_position(
     outputs stay on the device until the loop is done, then come back in one copy: a
     read-back per position would wait for the GPU k + 1 times a step."""
     offsets = np.cumsum(k + 1) - (k + 1)  # each request's first logits row
-    bitmask, first = grammar
     picked: list[tuple[np.ndarray, SamplerOutput]] = []
     for j in range(int(k.max()) + 1):
         sel = np.flatnonzero(k >= j)
-        index = None
-        if bitmask is not None:
-            index = runner._to_device(np.where(first[sel] >= 0, first[sel] + j, -1))
         checked = checks.rows_at(j, sel)
-        out = runner.sampler.sample(
-            logits[runner._to_device(offsets[sel] + j)],
-            runner._to_device(rows[sel]),
-            runner._to_device(verified[sel] + j),
-            bitmask if index is not None else None,
-            bitmask_index=index,
+        out = _sample(
+            runner, logits[runner._to_device(offsets[sel] + j)], rows, verified, grammar, sel, j,
             return_probs=bool(checked.size),
-        )
+        )  # fmt: skip
         checks.collect(out, checked, runner)
         picked.append((sel, out))
     draws = np.full((len(k), len(picked)), -1, dtype=np.int64)
