@@ -22,6 +22,28 @@ Rules both sides keep:
   `num_blocks` ids on the scheduler side.
 - An empty group list (`WorkerReady.kv_groups == []`) means one full-attention group over every
   layer: what workers announced before groups existed.
+
+State groups (`kind="state"`: the Mamba-style layers of hybrid models) keep, per request, one
+recurrent state instead of per-token K/V, in the same block ids as every other group ("align
+mode": a state saved at each block boundary, so prefix caching works for hybrids):
+
+- Entry rule: after a request's first n tokens are computed, its state lives in block-table
+  entry `ceil(n / block_size) - 1`, the entry of the block holding position n - 1. When n is a
+  multiple of `block_size` that block is full and its state is the state after exactly the
+  tokens its block hash names: a prefix-cache hit of h tokens needs only entry h/block_size - 1.
+- A step computing positions n .. m - 1 reads the state from entry ceil(n / block_size) - 1
+  (a zero state when n == 0), writes the state at every block boundary k * block_size inside
+  (n, m] into entry k - 1, and the final state into entry ceil(m / block_size) - 1. A full block
+  is never written by a step that starts at or after its end (cached blocks stay immutable).
+- The scheduler keeps the entries from the one holding position n - 1 on and swaps every
+  earlier one for the null block (a sliding window of 2 positions, in effect), so a request
+  holds at most ceil((1 + step tokens) / block_size) + 1 state blocks, whatever its length.
+- Memory: each state layer owns per-block state tensors (a conv state and an SSM state per
+  block id) beside the attention layers' per-block K/V, all indexed by the one pool's ids.
+- Order: state groups come after the attention groups (one state group: every state layer
+  has the same state shape in the supported families).
+- State groups are transferable (P/D hands them over) but not storable: the Redis tier hashes
+  and stores attention groups only.
 """
 
 from __future__ import annotations
@@ -30,11 +52,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-KVGroupKind = Literal["full", "sliding_window"]
+KVGroupKind = Literal["full", "sliding_window", "state"]
+#: Per-layer cache kind for `kv_groups_for`: None = full attention, an int = a sliding window of
+#: that many positions, STATE = a recurrent-state (Mamba-style) layer.
+STATE: Literal["state"] = "state"
+LayerCache = int | None | Literal["state"]
 
 
 class KVGroupSpec(BaseModel):
-    """One KV cache group: its attention kind, window (sliding only) and member layers."""
+    """One KV cache group: its kind (full / sliding window / state), window (sliding only) and
+    member layers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -54,12 +81,17 @@ class KVGroupSpec(BaseModel):
         return self
 
 
-def kv_groups_for(layer_windows: list[int | None]) -> list[KVGroupSpec]:
-    """Groups for per-layer windows (None = full attention), in the canonical order."""
+def kv_groups_for(layer_windows: list[LayerCache]) -> list[KVGroupSpec]:
+    """Groups for per-layer cache kinds (None = full attention, int = window, STATE = state
+    layer), in the canonical order."""
     if not layer_windows:
         raise ValueError("a model has at least one layer")
     by_window: dict[int | None, list[int]] = {}
+    state_layers: list[int] = []
     for layer, window in enumerate(layer_windows):
+        if isinstance(window, str):  # STATE
+            state_layers.append(layer)
+            continue
         if window is not None and window < 1:
             raise ValueError(f"layer {layer}: sliding window {window} must be >= 1")
         by_window.setdefault(window, []).append(layer)
@@ -70,6 +102,8 @@ def kv_groups_for(layer_windows: list[int | None]) -> list[KVGroupSpec]:
         layers = by_window[window]
         spec = KVGroupSpec(kind="sliding_window", sliding_window=window, layer_indices=layers)
         groups.append(spec)
+    if state_layers:
+        groups.append(KVGroupSpec(kind="state", layer_indices=state_layers))
     return groups
 
 
