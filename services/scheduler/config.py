@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from services.scheduler.kv.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 from services.scheduler.spec.lookahead import lookahead_of
 from services.scheduler.structured_output.reasoning import ReasoningConfig
 from shared.config import SchedulerSettings
@@ -94,12 +100,13 @@ def kv_cache_groups_from(groups: list[KVGroupSpec], block_size: int) -> list[KVC
     out: list[KVCacheGroup] = []
     for group in groups:
         layers = tuple(str(i) for i in group.layer_indices)
+        spec: KVCacheSpec
         if group.kind == "full":
-            out.append(
-                KVCacheGroup(spec=FullAttentionSpec(block_size=block_size), layer_names=layers)
-            )
+            spec = FullAttentionSpec(block_size=block_size)
+        elif group.kind == "state":
+            spec = StateSpec(block_size=block_size)
         else:
             assert group.sliding_window is not None  # KVGroupSpec validates it
             spec = SlidingWindowSpec(block_size=block_size, sliding_window=group.sliding_window)
-            out.append(KVCacheGroup(spec=spec, layer_names=layers))
+        out.append(KVCacheGroup(spec=spec, layer_names=layers))  # type: ignore[arg-type]
     return out

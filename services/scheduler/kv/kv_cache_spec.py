@@ -2,8 +2,8 @@
 
 Every attention-like layer declares a spec; layers with equal specs form a KV cache group; each
 group gets its own block manager (see `single_type_manager`), and all groups draw physical
-blocks from ONE block pool. Full attention and sliding window exist; state (Mamba) specs would
-be new subclasses with their own managers, without touching the pool.
+blocks from ONE block pool: full attention, sliding window, and recurrent state (the Mamba-style
+layers of hybrid models, shared/kv/groups.py's "align mode").
 
 All groups share one block size for now, so one chained hash list per request serves every
 group (the pool keys cached blocks by (hash, group id), since the same prefix has a different
@@ -26,8 +26,14 @@ class KVCacheSpec(BaseModel):
 
     @property
     def prefix_cacheable(self) -> bool:
-        """Whether blocks hold hash-addressable prefix data (ring buffers do not)."""
+        """Whether blocks hold hash-addressable prefix data the offload tier may store (ring
+        buffers and recurrent states do not)."""
         return False
+
+    @property
+    def locally_cacheable(self) -> bool:
+        """Whether the scheduler's own prefix cache may register and reuse full blocks."""
+        return self.prefix_cacheable
 
 
 class FullAttentionSpec(KVCacheSpec):
@@ -58,7 +64,31 @@ class SlidingWindowSpec(KVCacheSpec):
         return True
 
 
-AttentionSpec = Annotated[FullAttentionSpec | SlidingWindowSpec, Field(discriminator="kind")]
+class StateSpec(KVCacheSpec):
+    """Recurrent-state layers (Mamba-style): one state per request, kept in the block of its
+    last computed position, with the state at each block boundary left in that full block (the
+    entry rule of shared/kv/groups.py). A hit of h tokens needs only the block ending at h, and
+    a request holds a bounded number of blocks, as a sliding window of 2 positions does.
+
+    Locally reusable at block boundaries, but not prefix-cacheable in the tier's sense: the
+    Redis tier hashes and stores attention K/V only ("transferable is not storable")."""
+
+    kind: Literal["state"] = "state"
+
+    #: The positions a state block stands for, in sliding-window terms: the next token reads the
+    #: state kept with position n - 1 and nothing before it.
+    @property
+    def sliding_window(self) -> int:
+        return 2
+
+    @property
+    def locally_cacheable(self) -> bool:
+        return True
+
+
+AttentionSpec = Annotated[
+    FullAttentionSpec | SlidingWindowSpec | StateSpec, Field(discriminator="kind")
+]
 
 
 class KVCacheGroup(BaseModel):

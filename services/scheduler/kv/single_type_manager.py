@@ -16,7 +16,12 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from services.scheduler.kv.block_pool import BlockPool, KVCacheBlock
-from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from services.scheduler.kv.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 from shared.kv.block_hash import BlockHash
 
 
@@ -35,7 +40,7 @@ class SingleTypeKVCacheManager(ABC):
         self.block_size = spec.block_size
         self.pool = pool
         self.group_id = group_id
-        self.enable_caching = enable_caching and spec.prefix_cacheable
+        self.enable_caching = enable_caching and spec.locally_cacheable
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -168,10 +173,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     ceil((window - 1 + step tokens) / block_size) + 1 (see `max_blocks_held`).
     """
 
-    spec: SlidingWindowSpec
+    spec: SlidingWindowSpec | StateSpec
 
     def __init__(
-        self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int, enable_caching: bool
+        self,
+        spec: SlidingWindowSpec | StateSpec,
+        pool: BlockPool,
+        group_id: int,
+        enable_caching: bool,
     ) -> None:
         super().__init__(spec, pool, group_id, enable_caching)
         self.sliding_window = spec.sliding_window
@@ -235,9 +244,18 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.pool.free_blocks(removed)
 
 
+class StateManager(SlidingWindowManager):
+    """A recurrent-state group (shared/kv/groups.py's entry rule): the bookkeeping of a sliding
+    window of 2 positions. A hit of h tokens is the one cached block ending at h (the state after
+    exactly those tokens) with null entries before it; the next token reads only the block
+    holding position n - 1, so every earlier block goes back to the pool, still registered in
+    the prefix cache until evicted."""
+
+
 MANAGER_BY_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    StateSpec: StateManager,
 }
 
 
