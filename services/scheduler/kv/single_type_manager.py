@@ -249,7 +249,49 @@ class StateManager(SlidingWindowManager):
     window of 2 positions. A hit of h tokens is the one cached block ending at h (the state after
     exactly those tokens) with null entries before it; the next token reads only the block
     holding position n - 1, so every earlier block goes back to the pool, still registered in
-    the prefix cache until evicted."""
+    the prefix cache until evicted.
+
+    Registration lags one allocation behind attention's: a request admitted in the same step
+    may hit an attention block that another request fills in that step (the worker writes all
+    K/V before any attention reads), but a state is read before the step computes anything,
+    so a state block becomes findable only once the step that writes it was planned earlier
+    (steps run in plan order). Each call registers what the previous call's length made full,
+    and so does `remove_skipped_blocks` before it lets boundary states go back to the pool.
+    """
+
+    def __init__(
+        self, spec: StateSpec, pool: BlockPool, group_id: int, enable_caching: bool
+    ) -> None:
+        super().__init__(spec, pool, group_id, enable_caching)
+        self._planned: dict[str, int] = {}  # tokens covered by the request's previous call
+        self._hashes: dict[str, Sequence[BlockHash]] = {}  # the request's (growing) hash list
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> list[KVCacheBlock]:
+        written = self._planned.get(request_id, 0)
+        self._planned[request_id] = max(written, num_tokens)
+        self._hashes[request_id] = block_hashes
+        return super().cache_blocks(request_id, block_hashes, written)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        hashes = self._hashes.get(request_id)
+        if hashes is not None:  # states planned before are written: register, then release
+            written = min(self._planned.get(request_id, 0), num_computed_tokens)
+            super().cache_blocks(request_id, hashes, written)
+        super().remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        super().save_new_computed_blocks(request_id, new_computed_blocks)
+        # The hit's blocks hold states written by earlier steps: findable already.
+        self._planned[request_id] = len(new_computed_blocks) * self.block_size
+
+    def free(self, request_id: str) -> None:
+        self._planned.pop(request_id, None)
+        self._hashes.pop(request_id, None)
+        super().free(request_id)
 
 
 MANAGER_BY_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {

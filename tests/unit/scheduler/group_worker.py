@@ -1,4 +1,4 @@
-"""A worker stand-in for several KV cache groups (full attention and sliding windows).
+"""A worker stand-in for several KV cache groups (full attention, sliding windows, state).
 
 Like the real worker it keeps one block table per group and request, built only from plan
 diffs (a block the scheduler dropped out of a window stays in this table: the worker is never
@@ -6,6 +6,12 @@ told), writes every scheduled token's "KV" (the token id) into each group's bloc
 then reads, for every computed position, the positions its layers attend to: all earlier ones
 for full attention, the last `window` ones for a sliding window. A read that lands on the null
 block, or on a slot holding another token (a block freed too early and reused), fails the test.
+
+A state group (shared/kv/groups.py's entry rule) keeps, per block, the "state" after the
+tokens it stands for (the token tuple itself): every request's state is read from entry
+ceil(n / block_size) - 1 before anything of the step is written (a state written in the same
+step cannot be read: the real worker reads states before computing), then boundary states and
+the final state are written. A read of the null block or of another prefix's state fails.
 
 It samples `token_at(request_id, position)` and, for requests asking for routed experts,
 returns `row_at(position)` per computed position: with `hold_rows`, rows of chunks that sample
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.kv.groups import LayerCache
 from shared.protocol import SampledTokens, StepPlan, StepResult
 from tests.unit.scheduler.worker_double import token_at
 
@@ -41,11 +48,13 @@ class Held:
 @dataclass
 class GroupWorker:
     block_size: int
-    windows: list[int | None]  # per group: None = full attention
+    windows: list[LayerCache]  # per group: None = full attention, int = window, "state"
     hold_rows: bool = False
     held: dict[str, Held] = field(default_factory=dict)
     kv: dict[tuple[int, int], list[int | None]] = field(default_factory=dict)
+    states: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     positions_read: int = 0
+    states_read: int = 0
 
     def run(self, plan: StepPlan) -> StepResult:
         for rid in [*plan.finished_request_ids, *plan.preempted_request_ids]:
@@ -67,6 +76,8 @@ class GroupWorker:
         spans = {
             rid: (self.held[rid].num_computed, n) for rid, n in plan.num_scheduled_tokens.items()
         }
+        for rid, (start, _) in spans.items():
+            self._read_states(rid, start)
         for rid, (start, n) in spans.items():
             self._write(rid, start, start + n)
         sampled = [self._finish(rid, start, start + n) for rid, (start, n) in spans.items()]
@@ -83,16 +94,40 @@ class GroupWorker:
         assert block_id != 0, f"group {group}: position {pos} maps to the null block"
         return self.kv.setdefault((group, block_id), [None] * self.block_size)
 
+    def _state_entry(self, group: int, held: Held, num_tokens: int) -> int:
+        table = held.tables[group]
+        index = -(-num_tokens // self.block_size) - 1
+        assert index < len(table), f"group {group}: no state entry for {num_tokens} tokens"
+        assert table[index] != 0, f"group {group}: state of {num_tokens} tokens in the null block"
+        return table[index]
+
+    def _read_states(self, rid: str, start: int) -> None:
+        held = self.held[rid]
+        for group, window in enumerate(self.windows):
+            if window != "state" or start == 0:
+                continue
+            got = self.states.get((group, self._state_entry(group, held, start)))
+            assert got == tuple(held.tokens[:start]), f"{rid} g{group}: wrong state at {start}"
+            self.states_read += 1
+
     def _write(self, rid: str, start: int, end: int) -> None:
         held = self.held[rid]
         assert end <= len(held.tokens)
-        for group in range(len(self.windows)):
+        for group, window in enumerate(self.windows):
+            if window == "state":
+                bs = self.block_size
+                for n in [*range((start // bs + 1) * bs, end, bs), end]:
+                    entry = self._state_entry(group, held, n)
+                    self.states[(group, entry)] = tuple(held.tokens[:n])
+                continue
             for pos in range(start, end):
                 self._slot(group, held, pos)[pos % self.block_size] = held.tokens[pos]
 
     def _finish(self, rid: str, start: int, end: int) -> SampledTokens | None:
         held = self.held[rid]
         for group, window in enumerate(self.windows):  # reads after every write of the step
+            if isinstance(window, str):
+                continue  # states were read before the step's writes
             for q in range(start, end):
                 first = 0 if window is None else max(0, q - window + 1)
                 for pos in range(first, q + 1):
