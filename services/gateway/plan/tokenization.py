@@ -13,6 +13,7 @@ count alone: the ids of a 10 MB prompt (2 M tokens) are never turned into Python
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,6 +40,20 @@ class TokenizedPrompt:
     text: str  # the prompt as text: what the client sent, or the decoded ids (for echo)
 
 
+#: tokenizer_config.json classes that are transformers' generic fast tokenizer
+#: (TokenizersBackend is its transformers 5 name, PreTrainedTokenizerFast an alias).
+GENERIC_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def tokenizer_class(hf_dir: Path) -> str | None:
+    """The `tokenizer_class` an HF directory's tokenizer_config.json names, if any."""
+    path = Path(hf_dir) / "tokenizer_config.json"
+    if not path.exists():
+        return None
+    name = json.loads(path.read_text()).get("tokenizer_class")
+    return name if isinstance(name, str) else None
+
+
 class PromptTokenizer:
     """Wraps a transformers tokenizer: encode, chat template, decode, per-token bytes."""
 
@@ -61,6 +76,12 @@ class PromptTokenizer:
 
     @classmethod
     def from_dir(cls, hf_dir: Path) -> PromptTokenizer:
+        if tokenizer_class(hf_dir) in GENERIC_FAST_CLASSES:
+            # The class AutoTokenizer picks for these, without its model-config lookup, which
+            # imports torch through transformers' config modules: ~3 s of every gateway start.
+            from transformers import PreTrainedTokenizerFast
+
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(hf_dir)))
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(hf_dir)))

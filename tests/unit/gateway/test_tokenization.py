@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from transformers import AutoTokenizer
 
 from services.gateway.api.errors import OpenAIError
 from services.gateway.api.protocol_openai import ChatMessage
-from services.gateway.plan.tokenization import PromptTokenizer, PromptTooLong
+from services.gateway.plan.tokenization import (
+    GENERIC_FAST_CLASSES,
+    PromptTokenizer,
+    PromptTooLong,
+    tokenizer_class,
+)
 
 
 def messages(*pairs: tuple[str, str]) -> list[ChatMessage]:
@@ -115,3 +126,30 @@ def test_a_prompt_past_the_token_limit_is_refused_with_its_exact_count(
     assert err.value.num_tokens == count
     with pytest.raises(PromptTooLong):
         tokenizer.completion_prompt(list(range(10, 30)), token_limit=19)
+
+
+def test_a_generic_fast_tokenizer_loads_as_autotokenizer_would_without_torch(
+    smollm2_dir: Path,
+) -> None:
+    """SmolLM2's tokenizer_config names TokenizersBackend: the gateway loads that class
+    directly (AutoTokenizer's model-config lookup imports torch, seconds of every start) and
+    gets the same tokenizer: same class, ids, chat template and special tokens."""
+    assert tokenizer_class(smollm2_dir) in GENERIC_FAST_CLASSES
+    text = "Héllo wörld, <|im_start|> 123"
+    code = (
+        "import sys, json\n"
+        "from services.gateway.plan.tokenization import PromptTokenizer\n"
+        f"tok = PromptTokenizer.from_dir({str(smollm2_dir)!r})\n"
+        "print(json.dumps([type(tok.hf).__name__, 'torch' in sys.modules,\n"
+        f"    tok.encode({text!r}), tok.hf.chat_template, tok.hf.all_special_tokens]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    name, torch_loaded, ids, template, specials = json.loads(out.stdout.splitlines()[-1])
+    assert not torch_loaded
+    reference = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert name == type(reference).__name__
+    assert ids == reference(text)["input_ids"]
+    assert template == reference.chat_template
+    assert specials == reference.all_special_tokens
