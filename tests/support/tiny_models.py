@@ -17,6 +17,12 @@ from tests.support.tiny_llama import TINY_SHAPE
 
 _BASE: dict[str, Any] = {**TINY_SHAPE, "intermediate_size": 128, "pad_token_id": 0}
 _MOE: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 48}
+#: a small Mamba2 mixer: 8 heads of 16 over 2 groups of a 16-wide state, conv width 4, SSD
+#: chunks of 8 (transformers' reference scans prompts in chunks of this size)
+_MAMBA: dict[str, Any] = {
+    "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 2, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8, "num_hidden_layers": 4,
+}  # fmt: skip
 
 #: family -> (config class, model class, settings on top of _BASE)
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -59,7 +65,29 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Qwen3MoeForCausalLM",
         {**_MOE, "num_experts": 6, "norm_topk_prob": True, "head_dim": 16},
     ),
+    # hybrid attention + Mamba2: layers mamba, attention, mamba, mamba
+    "bamba": ("BambaConfig", "BambaForCausalLM", {**_MAMBA, "attn_layer_indices": [1]}),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {**_MAMBA, "layer_types": ["mamba", "attention", "mamba", "mamba"],
+         "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48,
+         "shared_intermediate_size": 40, "position_embedding_type": "rope",
+         "embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
+         "logits_scaling": 2.0},
+    ),
+    # dense (no experts) and without positional embeddings ("nope")
+    "granitemoehybrid_dense": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {**_MAMBA, "layer_types": ["attention", "mamba", "mamba", "attention"],
+         "num_local_experts": 0, "shared_intermediate_size": 96,
+         "position_embedding_type": "nope", "attention_multiplier": 0.25},
+    ),
 }  # fmt: skip
+#: the Mamba2 mixer's per-head parameters transformers initialises deterministically (A_log =
+#: log(1..H), D = 1, dt_bias = 1): randomised too, so a wrong use of one changes the logits
+_MIXER_PARAMS = (".A_log", ".D", ".dt_bias")
 
 
 def make_tiny(path: Path, family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
@@ -75,7 +103,7 @@ def make_tiny(path: Path, family: str, seed: int = 0, **overrides: Any) -> PreTr
     model = getattr(transformers, model_name)(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(_MIXER_PARAMS):
                 param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
     return model  # type: ignore[no-any-return]
