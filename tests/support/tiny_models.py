@@ -65,6 +65,12 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Qwen3MoeForCausalLM",
         {**_MOE, "num_experts": 6, "norm_topk_prob": True, "head_dim": 16},
     ),
+}  # fmt: skip
+
+#: hybrid attention + Mamba2 families: kept apart from FAMILIES, whose tests run one attention
+#: metadata for every layer, tensor parallelism and the Triton decode chain (none of which
+#: a state layer takes); make_tiny builds both kinds.
+HYBRID_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # hybrid attention + Mamba2: layers mamba, attention, mamba, mamba
     "bamba": ("BambaConfig", "BambaForCausalLM", {**_MAMBA, "attn_layer_indices": [1]}),
     "granitemoehybrid": (
@@ -96,7 +102,7 @@ def make_tiny(path: Path, family: str, seed: int = 0, **overrides: Any) -> PreTr
     Norm weights are randomised too (transformers initialises them to 1, or 0 for Gemma's
     1 + w), so a q/k norm or a norm offset that we got wrong changes the logits.
     """
-    config_name, model_name, family_settings = FAMILIES[family]
+    config_name, model_name, family_settings = {**FAMILIES, **HYBRID_FAMILIES}[family]
     settings = {**_BASE, **family_settings, **overrides}
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(**settings)

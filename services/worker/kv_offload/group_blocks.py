@@ -33,7 +33,8 @@ class GroupKVBlocks:
     ) -> None:
         groups = layer_groups or [list(range(len(kv_cache.layers)))]
         self.group_layers = [[kv_cache.layers[i] for i in layers] for layers in groups]
-        first = kv_cache.layers[0]
+        first = kv_cache.layers[groups[0][0]]  # an attention layer's K/V tensor
+        assert isinstance(first, torch.Tensor), "KV offload groups hold attention layers only"
         _, _, self.block_size, local_heads, self.head_dim = first.shape
         if local_heads != len(shards.local):
             raise ValueError(
