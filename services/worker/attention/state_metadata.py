@@ -24,12 +24,15 @@ import torch
 @dataclass(frozen=True)
 class PrefillSpan:
     """One request's span of more than one token: flat rows [start, end), its read block (-1:
-    zero state) and segments (end offset within the span, block id the state there goes to)."""
+    zero state), segments (end offset within the span, block id the state there goes to), and
+    `lead` = n % block_size, the span's start within its first block: the scan's chunks of
+    `block_size` end at the boundaries when it pads that many neutral positions first."""
 
     start: int
     end: int
     read_block: int
     segments: list[tuple[int, int]]
+    lead: int = 0
 
 
 @dataclass
@@ -38,6 +41,7 @@ class StateMetadata:
     one-token requests first: rows [0, num_decodes))."""
 
     num_decodes: int
+    block_size: int
     decode_read: torch.Tensor  # [D] int64 block ids (0 where the request starts: masked)
     decode_has_state: torch.Tensor  # [D] float: 0 where n == 0 (a zero state), else 1
     decode_write: torch.Tensor  # [D] int64 block ids
@@ -75,11 +79,13 @@ class StateMetadata:
             ends = [k * block_size for k in range(first, -(-stop // block_size) + 1)]
             ends = [e for e in ends if e < stop] + [stop]
             segments = [(e - start, int(block_tables[i, -(-e // block_size) - 1])) for e in ends]
-            prefills.append(PrefillSpan(offset, offset + stop - start, read, segments))
+            span = PrefillSpan(offset, offset + stop - start, read, segments, start % block_size)
+            prefills.append(span)
             offset += stop - start
         has_state = torch.from_numpy((n > 0).astype(np.float32)).to(device=device, dtype=dtype)
         return cls(
             num_decodes=num_decodes,
+            block_size=block_size,
             decode_read=torch.from_numpy(decode_read.astype(np.int64)).to(device),
             decode_has_state=has_state,
             decode_write=torch.from_numpy(decode_write.astype(np.int64)).to(device),

@@ -7,8 +7,9 @@ step's `StateMetadata` says (services/worker/attention/state_metadata.py: the en
 
 - one-token requests (the leading rows) run together: gather their states, one recurrent
   update, scatter the new states;
-- each longer span runs the chunked SSD scan segment by segment, cut at block boundaries, so
-  the state after every boundary is stored in that boundary's block.
+- each longer span runs one chunked SSD scan whose chunks are the span's pieces between block
+  boundaries (the first chunk padded at the front with neutral positions), so the state after
+  every chunk is the state at a boundary, stored in that boundary's block.
 
 The math is mamba_ops.py (PyTorch, any device); Triton kernels can replace it later.
 """
@@ -92,7 +93,7 @@ class Mamba2Mixer(nn.Module):
             outputs.append(self._decodes(xbc, dt, A, meta, cache))
         for span in meta.prefills:
             rows = slice(span.start, span.end)
-            outputs.append(self._span(xbc[rows], dt[rows], A, span, cache))
+            outputs.append(self._span(xbc[rows], dt[rows], A, span, meta.block_size, cache))
         y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return self.out_proj(self.norm(y.to(hidden.dtype), gate))  # type: ignore[no-any-return]
 
@@ -133,9 +134,11 @@ class Mamba2Mixer(nn.Module):
         dt: torch.Tensor,
         A: torch.Tensor,
         span: PrefillSpan,
+        block_size: int,
         cache: MambaState,
     ) -> torch.Tensor:
-        """One request's span of several tokens, segment by segment at block boundaries."""
+        """One request's span of several tokens; the states at its block boundaries and its
+        end go to their blocks."""
         if span.read_block >= 0:
             conv_state = cache.conv[span.read_block].clone()
             ssm_state = cache.ssm[span.read_block].clone()
@@ -144,16 +147,15 @@ class Mamba2Mixer(nn.Module):
             ssm_state = cache.ssm.new_zeros(cache.ssm.shape[1:])
         xbc, padded = causal_conv(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)
         x, B, C = self._split(xbc)
-        ys = []
-        state = ssm_state.float()
-        start = 0
-        for end, block in span.segments:
-            y, state = ssd_scan(
-                x[start:end], dt[start:end], A, B[start:end], C[start:end], self.D,
-                self.dt_bias, min(self.chunk_size, end - start), state,
-            )  # fmt: skip
-            cache.ssm[block] = state.to(cache.dtype)
-            cache.conv[block] = padded[:, end : end + self.d_conv - 1].to(cache.dtype)
-            ys.append(y)
-            start = end
-        return (torch.cat(ys) if len(ys) > 1 else ys[0]).reshape(-1, self.intermediate_size)
+        # One scan, its chunks cut at the block boundaries: the state after chunk j is the
+        # state at segment j's end (a boundary, or the span's end for the last one).
+        y, states = ssd_scan(
+            x, dt, A, B, C, self.D, self.dt_bias, block_size, ssm_state.float(), span.lead
+        )
+        assert states.shape[0] == len(span.segments), (states.shape, span)
+        ends = [end for end, _ in span.segments]
+        blocks = torch.tensor([block for _, block in span.segments], device=cache.ssm.device)
+        cache.ssm.index_copy_(0, blocks, states.to(cache.dtype))
+        conv = torch.stack([padded[:, end : end + self.d_conv - 1] for end in ends])
+        cache.conv.index_copy_(0, blocks, conv.to(cache.dtype))
+        return y.reshape(-1, self.intermediate_size)

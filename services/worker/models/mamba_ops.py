@@ -60,11 +60,17 @@ def ssd_scan(
     dt_bias: torch.Tensor,
     chunk_size: int,
     initial_state: torch.Tensor,
+    lead: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [T, H, P] fp32, final state [H, P, N] fp32) of the SSD recurrence over one span.
+    """(y [T, H, P] fp32, the state after each chunk [c, H, P, N] fp32) of the SSD recurrence
+    over one span; the last is the final state.
 
     x [T, H, P]; dt [T, H] (before bias and softplus); A [H] (negative); B, C [T, G, N];
-    initial_state [H, P, N]. transformers' chunked algorithm for a batch of one."""
+    initial_state [H, P, N]. transformers' chunked algorithm for a batch of one, with `lead`
+    neutral positions first (no input, no decay: dt = 0), so that chunk k ends after
+    (k + 1) * chunk_size - lead real tokens: block boundaries, when a span starts `lead`
+    tokens into a block and chunk_size is the block size. The padding at the end is neutral
+    too, so the last chunk's state is the state after the whole span."""
     seq_len, num_heads, head_dim = x.shape
     groups = B.shape[1]
     dt = F.softplus(dt + dt_bias.to(dt.dtype))
@@ -72,13 +78,13 @@ def ssd_scan(
     B = B.float().repeat_interleave(num_heads // groups, dim=1)[None]
     C = C.float().repeat_interleave(num_heads // groups, dim=1)[None]
     dt = dt.float()[None]
-    pad = (chunk_size - seq_len % chunk_size) % chunk_size
-    d_residual = D[:, None].float() * F.pad(x, (0, 0, 0, 0, 0, pad))
+    pad = (chunk_size - (lead + seq_len) % chunk_size) % chunk_size
+    d_residual = D[:, None].float() * x
     x = x * dt[..., None]
     A = A.float() * dt  # [1, T, H]
 
     def chunks(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0, 0, 0, 0, pad) if t.dim() == 4 else (0, 0, 0, pad))
+        t = F.pad(t, (0, 0, 0, 0, lead, pad) if t.dim() == 4 else (0, 0, lead, pad))
         return t.reshape(1, -1, chunk_size, *t.shape[2:])
 
     x, A, B, C = chunks(x), chunks(A), chunks(B), chunks(C)
@@ -95,12 +101,12 @@ def ssd_scan(
     states = torch.cat([previous, states], dim=1)
     decay_chunk = torch.exp(_segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
     new_states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
-    states, final = new_states[:, :-1], new_states[:, -1]
+    states = new_states[:, :-1]
     state_decay_out = torch.exp(A_cumsum)
     c_states = torch.einsum("bclhn,bchpn->bclhp", C, states)
     y_off = c_states * state_decay_out.permute(0, 2, 3, 1)[..., None]
-    y = (y_diag + y_off).reshape(1, -1, num_heads, head_dim) + d_residual
-    return y[0, :seq_len], final[0]
+    y = (y_diag + y_off).reshape(1, -1, num_heads, head_dim)[:, lead : lead + seq_len]
+    return (y + d_residual)[0], new_states[0, 1:]
 
 
 def ssd_step(

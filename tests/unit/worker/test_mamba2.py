@@ -151,8 +151,8 @@ def test_entry_rule_reads_and_writes() -> None:
     assert meta.decode_read.tolist()[0] == 1 and meta.decode_has_state.tolist() == [1.0, 0.0]
     assert meta.decode_write.tolist() == [2, 5]
     assert meta.prefills == [
-        PrefillSpan(2, 11, 9, [(4, 10), (8, 11), (9, 12)]),
-        PrefillSpan(11, 17, 13, [(2, 13), (6, 14)]),
+        PrefillSpan(2, 11, 9, [(4, 10), (8, 11), (9, 12)], lead=0),
+        PrefillSpan(11, 17, 13, [(2, 13), (6, 14)], lead=2),
     ]
 
 
