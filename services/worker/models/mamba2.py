@@ -9,7 +9,9 @@ step's `StateMetadata` says (services/worker/attention/state_metadata.py: the en
   update, scatter the new states;
 - each longer span runs one chunked SSD scan whose chunks are the span's pieces between block
   boundaries (the first chunk padded at the front with neutral positions), so the state after
-  every chunk is the state at a boundary, stored in that boundary's block.
+  every chunk is the state at a boundary, stored in that boundary's block. (So the scan's
+  chunk size is the KV block size, not the checkpoint's `mamba_chunk_size`: the chunked
+  algorithm is exact for any chunk size, only the rounding differs.)
 
 The math is mamba_ops.py (PyTorch, any device); Triton kernels can replace it later.
 """
@@ -58,7 +60,6 @@ class Mamba2Mixer(nn.Module):
         self.d_conv = mamba.d_conv
         self.intermediate_size = mamba.intermediate_size
         self.conv_dim = mamba.conv_dim
-        self.chunk_size = mamba.chunk_size
         self.in_proj = impls.linear(
             config.hidden_size,
             self.intermediate_size + self.conv_dim + self.num_heads,

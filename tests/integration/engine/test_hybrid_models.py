@@ -87,6 +87,15 @@ def test_chunked_prefill_with_a_tiny_budget(family: Any) -> None:
     assert engine.max_tokens_per_step == 7
 
 
+def test_overlapped_steps_equal_transformers(family: Any) -> None:
+    """Asynchronous scheduling: step N + 1 launched before step N is finished, its inputs fed
+    from N's tokens on the device; the states follow the launch order."""
+    engine = _engine(family, max_num_batched_tokens=9)
+    prompts = _prompts(5, [3, 17, 26])
+    _check(family, prompts, engine.generate(prompts, GREEDY, overlap=True))
+    assert engine.launched_ahead > 0
+
+
 def test_prefix_hit_reads_the_cached_state(family: Any) -> None:
     """A second request sharing a 26-token prefix hits the cached blocks (the state after 24
     tokens, in a block other requests may still hit) and generates what a cold run does; a
