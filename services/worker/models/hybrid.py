@@ -32,6 +32,7 @@ from services.worker.models.llama import LlamaAttention
 from services.worker.models.mamba2 import Mamba2Mixer
 from services.worker.models.moe import experts_grouped, route
 from services.worker.models.rope import RotaryEmbedding
+from services.worker.runner.routed_experts import RoutedExpertsRecorder
 from services.worker.runner.state_cache import MambaState
 from shared.model.config import ModelConfig, UnsupportedModelError
 
@@ -146,10 +147,15 @@ class GraniteMoe(nn.Module):
         self.router.layer = _Weight(experts, hidden)
         self.input_linear = _Weight(experts, 2 * inter, hidden)
         self.output_linear = _Weight(experts, hidden, inter)
+        # Set by the model: where this block's routed ids go, and its index among MoE layers.
+        self.recorder: RoutedExpertsRecorder | None = None
+        self.moe_index = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router = self.router.layer.weight  # type: ignore[union-attr]
         weights, ids = route(F.linear(x, router), self.top_k, renormalize=True)
+        if self.recorder is not None:
+            self.recorder.record(self.moe_index, ids)
         return experts_grouped(
             x, self.input_linear.weight, self.output_linear.weight, weights, ids, self.act
         )
@@ -240,5 +246,22 @@ class BambaForCausalLM(HybridForCausalLM):
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    """`routed_experts` (MoE configs) records each MoE layer's top-k ids during a forward when
+    the runner starts it (services/worker/runner/routed_experts.py)."""
+
     decoder_layer_cls = GraniteMoeHybridDecoderLayer
     final_norm_name = "norm"
+
+    def __init__(
+        self, config: ModelConfig, max_model_len: int = 0, impls: LayerImpls = REFERENCE
+    ) -> None:
+        super().__init__(config, max_model_len, impls)
+        if config.num_experts:
+            self.routed_experts = RoutedExpertsRecorder(
+                len(config.moe_layers), config.num_experts_per_tok
+            )
+            blocks = [m for m in self.modules() if isinstance(m, GraniteMoe)]
+            assert len(blocks) == len(config.moe_layers)
+            for index, block in enumerate(blocks):
+                block.recorder = self.routed_experts
+                block.moe_index = index
