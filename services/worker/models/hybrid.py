@@ -118,6 +118,14 @@ class _Weight(nn.Module):
         self.weight = nn.Parameter(torch.empty(*shape))
 
 
+class _Router(nn.Module):
+    """GraniteMoeHybrid's router (checkpoint `router.layer.weight` [experts, hidden])."""
+
+    def __init__(self, experts: int, hidden: int) -> None:
+        super().__init__()
+        self.layer = _Weight(experts, hidden)
+
+
 class GraniteSharedMLP(nn.Module):
     """GraniteMoeHybrid's dense MLP: `input_linear` rows [gate; up], `output_linear`."""
 
@@ -143,8 +151,7 @@ class GraniteMoe(nn.Module):
         inter = config.moe_intermediate_size
         self.top_k = config.num_experts_per_tok
         self.act = config.hidden_act
-        self.router = nn.Module()
-        self.router.layer = _Weight(experts, hidden)
+        self.router = _Router(experts, hidden)
         self.input_linear = _Weight(experts, 2 * inter, hidden)
         self.output_linear = _Weight(experts, hidden, inter)
         # Set by the model: where this block's routed ids go, and its index among MoE layers.
@@ -152,8 +159,7 @@ class GraniteMoe(nn.Module):
         self.moe_index = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router = self.router.layer.weight  # type: ignore[union-attr]
-        weights, ids = route(F.linear(x, router), self.top_k, renormalize=True)
+        weights, ids = route(F.linear(x, self.router.layer.weight), self.top_k, renormalize=True)
         if self.recorder is not None:
             self.recorder.record(self.moe_index, ids)
         return experts_grouped(

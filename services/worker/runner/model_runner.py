@@ -500,6 +500,7 @@ class ModelRunner:
             return self.graphs.run(
                 input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
             )
+        attn: AttentionMetadata | TritonAttentionMetadata | list[AttentionMetadata | StateMetadata]
         if needs_group_attention(self.kv_groups):  # sliding windows, states: per-group tables
             attn = self._group_attention(
                 inputs.rows, inputs.query_lens, inputs.seq_lens, inputs.positions
@@ -545,7 +546,14 @@ class ModelRunner:
     ) -> torch.Tensor:
         """hidden [T, H]: the compiled forward where there is one (cpu_compile.py)."""
         if self.compiled is not None:
-            return self.compiled.forward(input_ids, positions, attn, self.kv_cache.layers)
+            # a model with state layers never compiles (refuse_state_group): every layer's
+            # cache is a K/V tensor here
+            return self.compiled.forward(
+                input_ids,
+                positions,
+                attn,  # type: ignore[arg-type]
+                self.kv_cache.attention_layers,
+            )
         hidden: torch.Tensor = self.model(input_ids, positions, attn, self.kv_cache.layers)
         return hidden
 
@@ -591,7 +599,7 @@ class ModelRunner:
             return 0.0
         self.graphs = DecodeGraphs(
             self.model,
-            self.kv_cache.layers,
+            self.kv_cache.attention_layers,  # every layer's (hybrids capture no graphs)
             backend,
             max_num_reqs=self.batch.max_num_reqs,
             max_blocks_per_req=self.batch.max_blocks_per_req,
@@ -605,7 +613,7 @@ class ModelRunner:
         if self.num_spec_tokens:
             verify = VerifyGraphs(
                 self.model,
-                self.kv_cache.layers,
+                self.kv_cache.attention_layers,
                 backend,
                 num_spec_tokens=self.num_spec_tokens,
                 max_num_reqs=self.batch.max_num_reqs,
