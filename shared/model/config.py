@@ -14,10 +14,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.kv.groups import KVGroupSpec, kv_groups_for
+from shared.kv.groups import STATE, KVGroupSpec, LayerCache, kv_groups_for
 
 RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn"]
-LayerType = Literal["full_attention", "sliding_attention"]
+#: "mamba": a Mamba2 state-space mixer in place of attention (hybrid families); its cache is a
+#: recurrent state (shared/kv/groups.py's state group), not per-token K/V.
+LayerType = Literal["full_attention", "sliding_attention", "mamba"]
 #: activations of the gated MLP (gate and up projections), by their HF names
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -32,6 +34,8 @@ ARCHITECTURES = frozenset(
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        "BambaForCausalLM",
+        "GraniteMoeHybridForCausalLM",
     }
 )
 """The HF architectures whose config this module normalises. The worker's model registry
@@ -67,6 +71,42 @@ class RopeScaling(BaseModel):
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+
+
+class MambaConfig(BaseModel):
+    """The Mamba2 mixer of a hybrid family's mamba layers (HF `mamba_*` keys).
+
+    in_proj rows are [gate z: intermediate; x: intermediate; B: groups * d_state; C: groups *
+    d_state; dt: n_heads]; the causal depthwise conv runs over [x; B; C] (`conv_dim` channels)
+    and keeps its last `d_conv - 1` inputs as state; the SSM state is [n_heads, head_dim,
+    d_state] per request."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    d_state: int = Field(ge=1)
+    n_groups: int = Field(1, ge=1)
+    d_conv: int = Field(4, ge=2)
+    intermediate_size: int = Field(ge=1)  # mamba_expand * hidden_size = n_heads * head_dim
+    chunk_size: int = Field(256, ge=1)
+    conv_bias: bool = True
+    proj_bias: bool = False
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> MambaConfig:
+        if self.n_heads * self.head_dim != self.intermediate_size:
+            raise ValueError(
+                f"mamba n_heads={self.n_heads} x head_dim={self.head_dim} != "
+                f"intermediate_size={self.intermediate_size}"
+            )
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"mamba n_heads={self.n_heads} not a multiple of n_groups")
+        return self
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
 
 
 class ModelConfig(BaseModel):
@@ -117,6 +157,18 @@ class ModelConfig(BaseModel):
     # Multi-token-prediction modules the checkpoint ships after its decoder layers
     # (`num_nextn_predict_layers`, DeepSeek-V3 style): a speculative drafter's, not the model's.
     num_mtp_layers: int = Field(0, ge=0)
+    # Hybrid attention + Mamba2 families (Bamba, GraniteMoeHybrid): `layer_types` marks the
+    # mamba layers, `mamba` describes their mixer. GraniteMoeHybrid's muP-style multipliers
+    # (1.0 = none): embeddings x embedding_multiplier, attention scale = attention_multiplier
+    # (instead of head_dim**-0.5), sub-layer outputs x residual_multiplier before the residual
+    # add, logits / logits_scaling; `use_rope` False = no positional embedding ("nope").
+    mamba: MambaConfig | None = None
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    use_rope: bool = True
+    shared_mlp_intermediate_size: int = Field(0, ge=0)  # GraniteMoeHybrid's dense shared MLP
 
     @model_validator(mode="after")
     def _check_supported(self) -> ModelConfig:
@@ -129,6 +181,8 @@ class ModelConfig(BaseModel):
             raise ValueError(
                 f"{len(self.layer_types)} layer_types for {self.num_hidden_layers} layers"
             )
+        if ("mamba" in self.layer_types) != (self.mamba is not None):
+            raise ValueError("mamba layers need a mamba config, and a mamba config mamba layers")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need a sliding_window")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -139,11 +193,29 @@ class ModelConfig(BaseModel):
         return self
 
     @property
-    def layer_windows(self) -> list[int | None]:
-        """Per layer: its sliding window, or None for full attention (kv_groups_for's input)."""
+    def layer_windows(self) -> list[LayerCache]:
+        """Per layer: its sliding window, None for full attention, STATE for a mamba layer
+        (kv_groups_for's input)."""
         if not self.layer_types:
             return [None] * self.num_hidden_layers
-        return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
+        return [
+            STATE if t == "mamba" else self.sliding_window if t == "sliding_attention" else None
+            for t in self.layer_types
+        ]
+
+    @property
+    def mamba_layers(self) -> list[int]:
+        """Indices of the mamba (state) layers, ascending."""
+        return [i for i, t in enumerate(self.layer_types) if t == "mamba"]
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Indices of the layers with a per-token K/V cache, ascending."""
+        return [
+            i
+            for i, t in enumerate(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+            if t != "mamba"
+        ]
 
     @property
     def kv_groups(self) -> list[KVGroupSpec]:
@@ -211,11 +283,12 @@ class ModelConfig(BaseModel):
             if hf.get(key) is not None:
                 raise UnsupportedModelError(f"{key}={hf[key]}: logit soft-capping is not supported")
         num_layers = int(hf["num_hidden_layers"])
-        window, layer_types = _sliding_layers(hf, num_layers)
+        hybrid = _hybrid_fields(known[0], hf, num_layers)
+        window, layer_types = (None, []) if hybrid else _sliding_layers(hf, num_layers)
         rope, rope_local = parse_layer_ropes(hf)
         num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         eos = _merge_ids(hf.get("eos_token_id"), (generation or {}).get("eos_token_id"))
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=known[0],
             model_type=str(hf.get("model_type", "llama")),
             hidden_size=hidden,
@@ -255,6 +328,95 @@ class ModelConfig(BaseModel):
             mlp_only_layers=[int(i) for i in hf.get("mlp_only_layers") or []],
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
         )
+        return cls(**{**fields, **hybrid})
+
+
+_HYBRID_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+#: HF spellings of a hybrid layer's kind (Bamba's layers_block_type, GraniteMoeHybrid's
+#: layer_types; transformers 5 writes linear_attention/full_attention, IBM's checkpoints
+#: mamba/attention)
+_HYBRID_LAYER_KINDS: dict[str, LayerType] = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "attention": "full_attention",
+    "full_attention": "full_attention",
+}
+
+
+def _hybrid_fields(arch: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The ModelConfig fields a hybrid attention + Mamba2 family sets ({} for other families);
+    UnsupportedModelError for what the worker does not implement."""
+    if arch not in _HYBRID_ARCHITECTURES:
+        return {}
+    if arch == "BambaForCausalLM":
+        attn = {int(i) for i in hf.get("attn_layer_indices") or []}
+        if any(not 0 <= i < num_layers for i in attn):
+            raise UnsupportedModelError(f"attn_layer_indices {sorted(attn)} outside the layers")
+        kinds = ["attention" if i in attn else "mamba" for i in range(num_layers)]
+    else:
+        kinds = list(hf.get("layer_types") or hf.get("layers_block_type") or [])
+        if not kinds:
+            kinds = ["mamba"] * num_layers
+    unknown = sorted(set(kinds) - set(_HYBRID_LAYER_KINDS))
+    if unknown:
+        raise UnsupportedModelError(f"hybrid layer types {unknown} are not supported")
+    if len(kinds) != num_layers:
+        raise UnsupportedModelError(f"{len(kinds)} layer types for {num_layers} layers")
+    limit = hf.get("time_step_limit")
+    if limit is not None:
+        low, high = (_json_float(v) for v in limit)
+        if low > 0.0 or high != float("inf"):
+            raise UnsupportedModelError(
+                f"time_step_limit={list(limit)}: only the unclamped (0, inf) is supported"
+            )
+    hidden = int(hf["hidden_size"])
+    n_heads = int(hf.get("mamba_n_heads") or 128)
+    intermediate = int(hf.get("mamba_expand") or 2) * hidden
+    head_dim = hf.get("mamba_d_head")
+    head_dim = intermediate // n_heads if head_dim in (None, "auto") else int(head_dim)
+    mamba = MambaConfig(
+        n_heads=n_heads,
+        head_dim=head_dim,
+        d_state=int(hf.get("mamba_d_state") or 256),
+        n_groups=int(hf.get("mamba_n_groups") or 1),
+        d_conv=int(hf.get("mamba_d_conv") or 4),
+        intermediate_size=intermediate,
+        chunk_size=int(hf.get("mamba_chunk_size") or 256),
+        conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        proj_bias=bool(hf.get("mamba_proj_bias", False)),
+    )
+    fields: dict[str, Any] = {
+        "layer_types": [_HYBRID_LAYER_KINDS[k] for k in kinds],
+        "mamba": mamba,
+        "num_experts": 0,
+    }
+    if arch == "GraniteMoeHybridForCausalLM":
+        position = hf.get("position_embedding_type")
+        if position not in (None, "rope", "nope"):
+            raise UnsupportedModelError(f"position_embedding_type={position!r} is not supported")
+        experts = int(hf.get("num_local_experts") or 0)
+        fields.update(
+            embedding_multiplier=float(hf.get("embedding_multiplier") or 1.0),
+            attention_multiplier=float(hf.get("attention_multiplier") or 1.0),
+            residual_multiplier=float(hf.get("residual_multiplier") or 1.0),
+            logits_scaling=float(hf.get("logits_scaling") or 1.0),
+            use_rope=position == "rope",
+            shared_mlp_intermediate_size=int(hf.get("shared_intermediate_size") or 0),
+            num_experts=experts,
+            num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=int(hf["intermediate_size"]) if experts else 0,
+            norm_topk_prob=True,  # softmax over the top-k logits = renormalised top-k
+        )
+        if fields["shared_mlp_intermediate_size"] < 1:
+            raise UnsupportedModelError("GraniteMoeHybrid without a shared MLP is not supported")
+    return fields
+
+
+def _json_float(value: Any) -> float:
+    """A float from config.json, where transformers writes inf as {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
 
 
 #: model types whose q/k/v projections carry biases while o_proj does not (no config key)

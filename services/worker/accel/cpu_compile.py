@@ -47,6 +47,8 @@ def compile_supported(config: ModelConfig, dtype: torch.dtype, device: torch.dev
         return f"{dtype}: only bfloat16 is compiled (float32 is the reference-parity path)"
     if config.num_moe_layers:
         return "MoE routing is data-dependent Python (and records routed experts eagerly)"
+    if config.mamba is not None:
+        return "the Mamba2 layers' per-request state reads and writes run eagerly"
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:  # inductor builds its CPU kernels with it
         return f"no C++ compiler ({compiler}; set CXX or install g++)"

@@ -4,6 +4,9 @@ Layers of one group share a block table per request, so they share one `Attentio
 its slot mapping (where this step's K/V go) is computed from that group's table, and a
 sliding-window group's metadata reads only the blocks inside the window. A model with one
 full-attention group never comes here (the runner builds its single metadata as before).
+
+A state group (the Mamba2 layers of hybrid models) gets a `StateMetadata` instead: where each
+request's recurrent state is read and written (state_metadata.py, the entry rule).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from kernels.attention.cpu_decode import CpuDecodeAttention
 from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.state_metadata import StateMetadata
 from shared.kv.groups import KVGroupSpec, layer_group_index
 
 
@@ -30,12 +34,17 @@ def group_attention(
     block_size: int,
     device: torch.device,
     decode_kernel: CpuDecodeAttention | None = None,
-) -> list[AttentionMetadata]:
+) -> list[AttentionMetadata | StateMetadata]:
     """One metadata per LAYER (layers of a group share the object), for the requests at batch
     `rows` in flat-batch order; block_tables is the batch's [groups, max_reqs, max_blocks]."""
     flat_rows = np.repeat(rows, query_lens)
-    per_group = []
+    per_group: list[AttentionMetadata | StateMetadata] = []
     for g, group in enumerate(groups):
+        if group.kind == "state":
+            per_group.append(
+                StateMetadata.build(block_tables[g, rows], query_lens, seq_lens, block_size, device)
+            )
+            continue
         blocks = block_tables[g, flat_rows, positions // block_size]
         per_group.append(
             AttentionMetadata.build(

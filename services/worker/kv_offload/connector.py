@@ -36,6 +36,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
+
 from kernels.runtime.staged_copy import CopyFence
 from services.worker.kv_offload.chunks import Chunk
 from services.worker.kv_offload.group_blocks import GroupKVBlocks
@@ -83,7 +85,8 @@ class KVConnector:
         self.worker_incarnation = worker_incarnation
         self.notify = notify or (lambda: None)
         groups = layer_groups or [list(range(len(kv_cache.layers)))]
-        first = kv_cache.layers[0]
+        first = kv_cache.layers[groups[0][0]]  # an attention layer's K/V tensor
+        assert isinstance(first, torch.Tensor), "KV offload groups hold attention layers only"
         if shards is None:  # one rank: it holds every head
             shards = KVHeadShards.of_heads(first.shape[3])
         if shards.sharded and followers is None:

@@ -32,8 +32,9 @@ class GroupKVBlocks:
         layer_groups: list[list[int]] | None = None,
     ) -> None:
         groups = layer_groups or [list(range(len(kv_cache.layers)))]
-        self.group_layers = [[kv_cache.layers[i] for i in layers] for layers in groups]
-        first = kv_cache.layers[0]
+        self.group_layers = [[_kv_tensor(kv_cache, i) for i in layers] for layers in groups]
+        first = kv_cache.layers[groups[0][0]]  # an attention layer's K/V tensor
+        assert isinstance(first, torch.Tensor), "KV offload groups hold attention layers only"
         _, _, self.block_size, local_heads, self.head_dim = first.shape
         if local_heads != len(shards.local):
             raise ValueError(
@@ -97,3 +98,11 @@ class KVFollower:
 
     def reset(self) -> None:
         """Nothing is pending here: rank 0 holds every transfer's state."""
+
+
+def _kv_tensor(kv_cache: KVCache, layer: int) -> torch.Tensor:
+    """An attention layer's K/V tensor (offload groups never hold state layers: wiring.py)."""
+    tensor = kv_cache.layers[layer]
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"layer {layer} is a state layer: the KV offload tier stores K/V only")
+    return tensor

@@ -27,11 +27,23 @@ def key_space(settings: WorkerSettings, model_name: str) -> KeySpace:
 
 
 def layer_groups(config: Any) -> list[list[int]] | None:
-    """The layers of each KV cache group in shared.kv.groups order (`ModelConfig.kv_groups`),
-    so a chunk's group index means the same thing to the scheduler and to this worker. None
-    (one group of every layer) for a config that declares no groups."""
+    """The layers of each attention KV cache group in shared.kv.groups order
+    (`ModelConfig.kv_groups`), so a chunk's group index means the same thing to the scheduler
+    and to this worker. None (one group of every layer) for a config that declares no groups.
+
+    State groups (hybrid models' Mamba layers) are left out: the tier stores attention groups
+    only (shared/kv/groups.py), and they come after every attention group, so the attention
+    groups keep their indices."""
     groups = getattr(config, "kv_groups", None)
-    return [list(g.layer_indices) for g in groups] if groups else None
+    if not groups:
+        return None
+    attention = [list(g.layer_indices) for g in groups if g.kind != "state"]
+    if not attention:
+        raise ValueError(
+            "the KV offload tier stores attention KV only: a model without attention layers "
+            "cannot use it (turn the tier off)"
+        )
+    return attention
 
 
 def head_shards(source: ModelSource, tp: TensorParallel) -> KVHeadShards | None:

@@ -30,7 +30,7 @@ from services.worker.models.registry import build_model
 from services.worker.parallel.group import SINGLE, TensorParallel
 from services.worker.parallel.shard_config import rank_config
 from services.worker.parallel.shards import ShardPlan
-from shared.model.config import ModelConfig
+from shared.model.config import ModelConfig, UnsupportedModelError
 from shared.model.source import ModelSource
 
 __all__ = [
@@ -98,6 +98,11 @@ def load_model(
         tensors = ((n, shards.take(n, t)) for n, t in iter_gguf(reader, config))
     elif path.is_dir():
         config = ModelConfig.from_hf_dir(path)
+        if tp.size > 1 and config.mamba is not None:
+            raise UnsupportedModelError(
+                f"{config.architecture}: tensor parallelism (TP={tp.size}) is not supported for "
+                "hybrid Mamba2 models (the mixer's heads are not sharded): MESHLLM_TP=1"
+            )
         tensors = iter_safetensors(path, ShardPlan(config, tp) if tp.size > 1 else None)
         if config.num_mtp_layers:  # MTP modules are a drafter's (spec/mtp.py), not the model's
             layers = config.num_hidden_layers

@@ -26,6 +26,9 @@ _ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "services.worker.models.moe:MoeForCausalLM",
     "Qwen2MoeForCausalLM": "services.worker.models.moe:MoeForCausalLM",
     "Qwen3MoeForCausalLM": "services.worker.models.moe:MoeForCausalLM",
+    # hybrid attention + Mamba2 (a state KV cache group beside the attention group)
+    "BambaForCausalLM": "services.worker.models.hybrid:BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM": "services.worker.models.hybrid:GraniteMoeHybridForCausalLM",
 }
 
 

@@ -166,7 +166,10 @@ def build_runner(
         max_model_len=max_model_len,
         eos_token_ids=list(config.eos_token_ids),
         num_moe_layers=config.num_moe_layers,
-        # Several groups only for sliding-window models; one full group is announced as [].
-        kv_groups=config.kv_groups if len(config.kv_groups) > 1 or config.sliding_window else [],
+        # Several groups only for sliding-window and hybrid models; one full group is
+        # announced as [].
+        kv_groups=config.kv_groups
+        if len(config.kv_groups) > 1 or config.kv_groups[0].kind != "full"
+        else [],
     )
     return runner, ready

@@ -7,6 +7,10 @@ row `slot` of the `[2, num_blocks * block_size, num_kv_heads, head_dim]` view. B
 chosen by the scheduler's block pool; the worker never allocates blocks, it only sizes the pool
 (`num_blocks`, announced in WorkerReady) and stores into what the plans name.
 
+Hybrid models (attention + Mamba2 layers): a state layer's entry in `layers` is a `MambaState`
+(state_cache.py: per-block conv and SSM states) instead of a K/V tensor; `attention_layers`
+lists the others. Both are indexed by the same block ids and both count in `bytes_per_block`.
+
 The tensors start zeroed (lazily, on CPU: untouched pages cost nothing), so the padding that the
 batched decode path gathers past a sequence's end is finite and masked out, never NaN.
 """
@@ -18,7 +22,10 @@ from pathlib import Path
 
 import torch
 
+from services.worker.runner.state_cache import MambaState, state_bytes_per_block
 from shared.model.config import ModelConfig
+
+LayerCache = torch.Tensor | MambaState
 
 
 class KVCacheSizeError(ValueError):
@@ -38,10 +45,14 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across every layer."""
+    """K and V of one block across every attention layer, plus the states of one block id
+    across every state layer."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * itemsize
-    return per_layer * config.num_hidden_layers
+    total = per_layer * len(config.attention_layers)
+    if config.mamba is not None:
+        total += state_bytes_per_block(config.mamba, dtype) * len(config.mamba_layers)
+    return total
 
 
 def budget_blocks(
@@ -67,7 +78,8 @@ def budget_blocks(
 
 @dataclass
 class KVCache:
-    layers: list[torch.Tensor]  # one [2, num_blocks, block_size, kv_heads, head_dim] per layer
+    # per layer: [2, num_blocks, block_size, kv_heads, head_dim] (attention) or its MambaState
+    layers: list[LayerCache]
     num_blocks: int
     block_size: int
 
@@ -83,8 +95,12 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise KVCacheSizeError(f"num_blocks={num_blocks}, block_size={block_size}")
         shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        state_layers = set(config.mamba_layers)
+        layers: list[LayerCache] = [
+            MambaState.allocate(config.mamba, num_blocks, dtype, device)  # type: ignore[arg-type]
+            if i in state_layers
+            else torch.zeros(shape, dtype=dtype, device=device)
+            for i in range(config.num_hidden_layers)
         ]
         return cls(layers, num_blocks, block_size)
 
@@ -93,5 +109,17 @@ class KVCache:
         return self.num_blocks * self.block_size
 
     @property
+    def attention_layers(self) -> list[torch.Tensor]:
+        """The per-token K/V tensors (every layer's, for a model without state layers)."""
+        return [t for t in self.layers if isinstance(t, torch.Tensor)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].dtype
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        return sum(
+            t.nbytes if isinstance(t, MambaState) else t.numel() * t.element_size()
+            for t in self.layers
+        )

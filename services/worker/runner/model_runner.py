@@ -46,6 +46,7 @@ from services.worker.attention.select import (
     build_attention_metadata,
     cpu_decode_kernel,
 )
+from services.worker.attention.state_metadata import StateMetadata
 from services.worker.models.base import CausalLM, split_aux_hidden
 from services.worker.runner.in_flight import InFlightTokens, PendingFeed, fed_id
 from services.worker.runner.input_batch import InputBatch, PlanError
@@ -64,6 +65,22 @@ if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls
     from services.worker.kv_offload.group_blocks import KVFollower
 
 log = logging.getLogger(__name__)
+
+
+def refuse_state_group(speculative: SpeculativeConfig | None, compiled: bool) -> None:
+    """What a hybrid model's state layers cannot do yet, refused when the runner is built."""
+    from shared.model.config import UnsupportedModelError
+
+    if speculative is not None and speculative.enabled:
+        raise UnsupportedModelError(
+            "speculative decoding with a state (Mamba) KV cache group is not supported: "
+            "rejected drafts would need the recurrent state at every draft position"
+        )
+    if compiled:
+        raise UnsupportedModelError(
+            "the compiled CPU forward does not handle state (Mamba) layers: run eagerly"
+        )
+
 
 __all__ = ["LaunchedStep", "ModelRunner", "PlanError", "StepInputs"]
 
@@ -140,9 +157,12 @@ class ModelRunner:
         self.kv_groups = config.kv_groups
         # The attention backend of every forward, asked of the registry once: a configuration
         # no backend can serve stops here (BackendCapabilityError), not at a step.
-        self.attention_backend = resolve_backend(
-            self.device, self.kv_groups, kv_cache.layers[0].dtype
-        )
+        self.attention_backend = resolve_backend(self.device, self.kv_groups, kv_cache.dtype)
+        # Hybrid models (attention + Mamba2 layers): a state group whose per-request state is
+        # one recurrent state per block boundary (shared/kv/groups.py's entry rule).
+        self.has_state_group = any(g.kind == "state" for g in self.kv_groups)
+        if self.has_state_group:
+            refuse_state_group(speculative, compiled)
         self.batch = InputBatch(
             max_num_reqs,
             self.max_model_len,
@@ -480,17 +500,10 @@ class ModelRunner:
             return self.graphs.run(
                 input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
             )
-        if needs_group_attention(self.kv_groups):  # sliding windows: per-group tables
-            attn = group_attention(
-                self.kv_groups,
-                self.batch.block_tables,
-                inputs.rows,
-                inputs.query_lens,
-                inputs.seq_lens,
-                inputs.positions,
-                self.block_size,
-                self.device,
-                self.decode_kernel,
+        attn: AttentionMetadata | TritonAttentionMetadata | list[AttentionMetadata | StateMetadata]
+        if needs_group_attention(self.kv_groups):  # sliding windows, states: per-group tables
+            attn = self._group_attention(
+                inputs.rows, inputs.query_lens, inputs.seq_lens, inputs.positions
             )
         else:
             attn = self._metadata(
@@ -503,15 +516,44 @@ class ModelRunner:
         self._feed_ids(input_ids, inputs)
         return self.model_forward(input_ids, self._to_device(inputs.positions), attn)
 
+    def _group_attention(
+        self,
+        rows: np.ndarray,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        positions: np.ndarray,
+        block_tables: np.ndarray | None = None,
+    ) -> list[AttentionMetadata | StateMetadata]:
+        return group_attention(
+            self.kv_groups,
+            self.batch.block_tables if block_tables is None else block_tables,
+            rows,
+            query_lens,
+            seq_lens,
+            positions,
+            self.block_size,
+            self.device,
+            self.decode_kernel,
+        )
+
     def model_forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata | TritonAttentionMetadata | Sequence[AttentionMetadata],
+        attn: AttentionMetadata
+        | TritonAttentionMetadata
+        | Sequence[AttentionMetadata | StateMetadata],
     ) -> torch.Tensor:
         """hidden [T, H]: the compiled forward where there is one (cpu_compile.py)."""
         if self.compiled is not None:
-            return self.compiled.forward(input_ids, positions, attn, self.kv_cache.layers)
+            # a model with state layers never compiles (refuse_state_group): every layer's
+            # cache is a K/V tensor here
+            return self.compiled.forward(
+                input_ids,
+                positions,
+                attn,  # type: ignore[arg-type]
+                self.kv_cache.attention_layers,
+            )
         hidden: torch.Tensor = self.model(input_ids, positions, attn, self.kv_cache.layers)
         return hidden
 
@@ -545,6 +587,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
         backend = self.attention_backend
+        if self.has_state_group:
+            # The decode graphs hold one attention metadata and K/V tensors only; the state
+            # layers' gather/update/scatter runs eagerly (Triton kernels for it come later).
+            log.info("no CUDA graphs: a hybrid model's state layers run eagerly")
+            return 0.0
         if not isinstance(backend, PagedKernelBackend):
             # Sliding-window groups run the reference path, which no graph holds: they were
             # never replayed (_forward), so none is captured.
@@ -552,7 +599,7 @@ class ModelRunner:
             return 0.0
         self.graphs = DecodeGraphs(
             self.model,
-            self.kv_cache.layers,
+            self.kv_cache.attention_layers,  # every layer's (hybrids capture no graphs)
             backend,
             max_num_reqs=self.batch.max_num_reqs,
             max_blocks_per_req=self.batch.max_blocks_per_req,
@@ -566,7 +613,7 @@ class ModelRunner:
         if self.num_spec_tokens:
             verify = VerifyGraphs(
                 self.model,
-                self.kv_cache.layers,
+                self.kv_cache.attention_layers,
                 backend,
                 num_spec_tokens=self.num_spec_tokens,
                 max_num_reqs=self.batch.max_num_reqs,
@@ -660,7 +707,7 @@ class ModelRunner:
         num_tokens = max(1, min(num_tokens, self.max_model_len, self.kv_cache.num_slots))
         n_blocks = -(-num_tokens // self.block_size)
         table = np.arange(n_blocks, dtype=np.int64)[None, :]
-        attn = self._metadata(
+        attn = self._profile_metadata(
             query_lens=np.array([num_tokens]),
             seq_lens=np.array([num_tokens]),
             block_tables=table,
@@ -673,7 +720,7 @@ class ModelRunner:
         self.compute_logits(hidden[self._to_device(positions[-1:])])  # gathered, as _run does
         num_decodes = max(1, min(num_decodes, self.batch.max_num_reqs))
         decode_lens = np.full(num_decodes, num_tokens)
-        attn = self._metadata(
+        attn = self._profile_metadata(
             query_lens=np.ones(num_decodes, dtype=np.int64),
             seq_lens=decode_lens,
             block_tables=np.repeat(table, num_decodes, axis=0),
@@ -687,6 +734,28 @@ class ModelRunner:
         if not bool(torch.isfinite(logits).all()):
             raise RuntimeError("profile run produced non-finite logits")
         return time.perf_counter() - started
+
+    def _profile_metadata(
+        self,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: np.ndarray,
+    ) -> AttentionMetadata | TritonAttentionMetadata | list[AttentionMetadata | StateMetadata]:
+        """The profile run's metadata: one for every layer, or per layer where the model has
+        several groups (every group uses the same scratch table)."""
+        if not needs_group_attention(self.kv_groups):
+            return self._metadata(
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_tables=block_tables,
+                slot_mapping=slot_mapping,
+            )
+        tables = np.repeat(block_tables[None], len(self.kv_groups), axis=0)
+        starts = seq_lens - query_lens
+        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])
+        rows = np.arange(len(query_lens))
+        return self._group_attention(rows, query_lens, seq_lens, positions, tables)
 
     def warmup(self) -> float:
         """A small profile run (first-call allocations, kernel selection). A compiled forward

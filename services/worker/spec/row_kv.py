@@ -57,7 +57,7 @@ class RowKV:
 
     @property
     def layers(self) -> list[torch.Tensor]:
-        return self.cache.layers
+        return self.cache.attention_layers  # a drafter's cache: attention layers only
 
     @property
     def num_blocks(self) -> int:
@@ -108,7 +108,7 @@ class RowKV:
         old = self.cache.num_blocks
         new = max(2 * old, old + at_least)
         grown = KVCache.allocate(self.config, new, self.block_size, self.dtype, self.device)
-        for dst, src in zip(grown.layers, self.cache.layers, strict=True):
+        for dst, src in zip(grown.attention_layers, self.cache.attention_layers, strict=True):
             dst[:, :old].copy_(src)
         self.cache = grown
         self.free = list(range(new - 1, old - 1, -1)) + self.free

@@ -88,3 +88,27 @@ def test_tensor_parallel_groups_take_kv_offload_and_every_drafter_but_not_random
         check_parallel_settings(WorkerSettings(tp=2, model="random:llama-3-8b"))
     with pytest.raises(ValueError, match="MESHLLM_TP=1"):
         check_parallel_settings(WorkerSettings(tp=2, load_format="dummy"))
+
+
+def test_hybrid_worker_starts_eager_announces_its_state_group_and_takes_the_tier(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A Bamba checkpoint: bf16 on CPU would compile, but the state layers run eagerly; the
+    scheduler hears both groups; the KV offload connector (tier on) takes the attention group
+    only."""
+    from services.worker.kv_offload.wiring import build_connector
+    from tests.support.tiny_models import make_tiny
+
+    make_tiny(tmp_path, "bamba")
+    settings = WorkerSettings(
+        model=str(tmp_path), device="cpu", dtype="bfloat16", max_model_len=64,
+        kv_cache_bytes=2**21, block_size=4, kv_offload=True, redis_url=redis_url,
+    )  # fmt: skip
+    runner, ready = build_runner(ModelSource("bamba", tmp_path, tmp_path), settings, "inc")
+    assert runner.compiled is None and runner.graphs is None
+    assert [g.kind for g in ready.kv_groups] == ["full", "state"]
+    connector = build_connector(settings, runner.kv_cache, runner.config, "bamba", "inc")
+    try:
+        assert [len(g) for g in connector.group_layers] == [1]  # the one attention layer
+    finally:
+        connector.close()

@@ -1,5 +1,6 @@
 """Routed experts from the runner: per computed position, each MoE layer's top-k expert ids
-equal the router top-k of a transformers forward over the same tokens (output_router_logits).
+equal the router top-k of a transformers forward over the same tokens (output_router_logits);
+Qwen-MoE and the hybrid GraniteMoeHybrid (its MoE layers include the mamba ones).
 
 Contract (services/worker/runner/routed_experts.py): each SampledTokens carries the rows of the
 positions computed for its request since the previous one, so rows of prompt chunks that
@@ -25,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPT = [1, *range(100, 112)]  # 13 tokens: chunks of 5, 5, 3
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "granitemoehybrid"])
 def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp(request.param)
     return path, make_tiny(path, request.param)
