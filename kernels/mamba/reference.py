@@ -142,7 +142,10 @@ def mamba_prefill_reference(
                     device=xBC.device)  # fmt: skip
     for r in range(R):
         s, e = cu[r], cu[r + 1]
-        if e == s:
+        if e == s:  # an empty span passes its initial states on
+            if writes[r] >= 0:
+                conv_state[writes[r]] = init_conv[r].to(conv_state.dtype)
+                ssm_state[writes[r]] = init_ssm[r].to(ssm_state.dtype)
             continue
         window = torch.cat([init_conv[r], xBC[s:e].float().t()], dim=1)
         x, B, C = _split(_conv(window, p, xBC.dtype), p)
