@@ -16,19 +16,25 @@ written by one request must differ from every slot read in the launch, except a 
 final write slot, which may be its read slot. Pools and rounding as in decode_step; y
 `[T, n_heads, head_dim]` (out_dtype, default xBC's dtype) for every token.
 
-Scan: sequential over time per (request, head, head_dim tile) program (scan_kernel.py), not the
-chunked SSD form. No host synchronisation: cu_seqlens and the boundaries are read on the device.
+Scan: chunk_size (a power of two >= 16, default 64) selects the chunked SSD form
+(chunk_scan_kernel.py: intra-chunk quadratic form + state passing, chunks also cut at the
+boundaries); chunk_size=None the sequential-over-time recurrence (scan_kernel.py), which the
+decode step uses. Both walk one request per program (x heads x head_dim tiles). No host
+synchronisation: cu_seqlens and the boundaries are read on the device.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.mamba.chunk_scan_kernel import ssd_chunk_scan
 from kernels.mamba.conv_kernel import causal_conv
 from kernels.mamba.decode_step import check_tokens
 from kernels.mamba.params import MambaParams, check_params, check_pools, check_slots
 from kernels.mamba.scan_kernel import ssm_scan
 from kernels.runtime.tensor_checks import check_tensor
+
+DEFAULT_CHUNK_SIZE = 64
 
 
 def check_bounds(
@@ -67,6 +73,7 @@ def mamba_prefill(
     state_offsets: torch.Tensor | None = None,
     state_slots: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Prefill R packed requests (module docstring); returns y [T, n_heads, head_dim]."""
     check_params(p, p.A_log.device)
@@ -83,5 +90,9 @@ def mamba_prefill(
     bounds = check_bounds(rows, state_cu, state_offsets, state_slots, device)
     xbc = causal_conv(xBC, p.conv_weight, p.conv_bias, conv_state, cu_seqlens, read_slot,
                       write_slot, bounds)  # fmt: skip
-    return ssm_scan(xbc, dt, p, ssm_state, cu_seqlens, read_slot, write_slot, bounds,
-                    out_dtype or xBC.dtype)  # fmt: skip
+    out_dtype = out_dtype or xBC.dtype
+    if chunk_size is None:
+        return ssm_scan(xbc, dt, p, ssm_state, cu_seqlens, read_slot, write_slot, bounds,
+                        out_dtype)  # fmt: skip
+    return ssd_chunk_scan(xbc, dt, p, ssm_state, cu_seqlens, read_slot, write_slot, bounds,
+                          out_dtype, chunk_size)  # fmt: skip
