@@ -11,6 +11,11 @@ Everything after the conv is fp32 (states are read and updated in fp32 and round
 dtype only when stored); y is rounded to `out_dtype` (default: xBC's dtype). The prefill scan is
 the chunked SSD form (intra-chunk quadratic form + inter-chunk state passing), cut additionally
 at each requested boundary, so it shares no code with the kernels' sequential recurrence.
+
+Against transformers (tests/kernels/test_mamba_reference.py): equal in fp32. In 16-bit models
+transformers rounds more often (dt + dt_bias and softplus in the model dtype on both paths;
+dt * B * x and C . S in the model dtype on the decode path), and its decode path ignores
+time_step_limit (which defaults to (0, inf), a no-op); here both paths clamp.
 """
 
 from __future__ import annotations

@@ -66,14 +66,15 @@ def test_pool_check_catches_a_perturbed_slot(device):
 
 
 def test_decode_chain_equals_prefill(device):
-    """Three decode steps through slots 0 -> 1 -> 1 -> 2 give the y and states of one prefill."""
+    """Three decode steps through slots 0 -> 1 -> 1 -> 2 (int64 slots) give the y and states of
+    one prefill."""
     p = random_params(**SHAPES, device=device)
     conv, ssm = random_pools(p, 4, torch.float32, torch.float32)
     batch = random_batch(p, [3], reads=[0], writes=[3])
     got = (conv.clone(), ssm.clone())
     ys = []
     for t, (r, w) in enumerate([(0, 1), (1, 1), (1, 2)]):
-        slots = [torch.tensor([s], dtype=torch.int32, device=device) for s in (r, w)]
+        slots = [torch.tensor([s], dtype=torch.int64, device=device) for s in (r, w)]
         ys.append(mamba_decode_step(batch.xBC[t : t + 1], batch.dt[t : t + 1], p, *got, *slots))
     want = (conv.clone(), ssm.clone())
     y_ref = mamba_prefill_reference(batch.xBC, batch.dt, batch.cu_seqlens, p, *want,
