@@ -7,6 +7,10 @@
   SSM update (`mamba_decode_step`), CUDA-graph capturable;
 - `prefill`: packed varlen prefill (`mamba_prefill`): causal conv continuing from each request's
   conv state, the scan, final and block-boundary states written to their slots;
+- `conv_kernel`: the causal depthwise conv + SiLU and the conv states (decode and prefill);
+- `chunk_scan_kernel`: the chunked SSD scan (prefill's default);
+- `scan_kernel`: the sequential recurrence (the decode step; prefill with chunk_size=None);
+- `ssm_math`: softplus with the dt clamp, SiLU, a scalar-mask helper;
 - `cases`: random weights / pools / batches for the tests and the benchmark;
 - `bench`: a small timing function with the bytes each kernel must move.
 
