@@ -88,7 +88,7 @@ def _ssd_chunk_scan_kernel(
         b_next = tl.load(scu_ptr + r)
         b_end = tl.load(scu_ptr + r + 1)
         off_next = tl.load(soff_ptr + b_next, mask=b_next < b_end, other=-1)
-    t0 = 0
+    t0 = length * 0  # an int32 tensor, carried through the loop
     while t0 < length:
         t1 = tl.minimum(t0 + CHUNK, length)
         if HAS_BOUNDS:
