@@ -110,3 +110,22 @@ def test_prefill_input_errors(device):
                       chunk_size=24)  # fmt: skip
     with pytest.raises(ValueError, match="dt"):
         mamba_prefill(b.xBC, b.dt[:, :-1], b.cu_seqlens, p, conv, ssm, b.read_slot, b.write_slot)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model-sized shapes: GPU only")
+@pytest.mark.parametrize("chunk_size", [None, 64])
+@pytest.mark.parametrize(
+    "dtype,ssm_dtype,tol",
+    [(torch.float32, torch.float32, 2e-4), (torch.bfloat16, torch.float32, 3e-2)],
+)
+def test_prefill_model_shapes(dtype, ssm_dtype, tol, chunk_size):
+    """Bamba-like heads (64 x 128 state, one group) over spans of several 64-token chunks."""
+    p = random_params(8, 64, 1, 128, dtype=dtype, device="cuda")
+    conv, ssm = random_pools(p, 8, dtype, ssm_dtype)
+    batch = random_batch(p, [1, 100, 300], reads=[0, -1, 1], writes=[0, 2, 3],
+                         bounds=[[], [(64, 4)], [(64, 5), (256, 6)]], dtype=dtype)  # fmt: skip
+    got, want = (conv.clone(), ssm.clone()), (conv.clone(), ssm.clone())
+    y = run(mamba_prefill, batch, p, got, chunk_size=chunk_size)
+    y_ref = run(mamba_prefill_reference, batch, p, want, chunk_size=64)
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
+    assert_pools(got, want, (conv, ssm), {0, 2, 3, 4, 5, 6}, tol)
