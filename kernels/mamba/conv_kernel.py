@@ -80,9 +80,12 @@ def _store_state(
 def _span(cu_ptr, r, DECODE: tl.constexpr):
     """(first row, length) of request r's span: row r, 1 token when decoding."""
     if DECODE:
-        return r, 1
-    start = tl.load(cu_ptr + r)
-    return start, tl.load(cu_ptr + r + 1) - start
+        start = r
+        length = 1
+    else:
+        start = tl.load(cu_ptr + r)
+        length = tl.load(cu_ptr + r + 1) - start
+    return start, length
 
 
 @triton.jit
