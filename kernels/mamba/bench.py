@@ -10,6 +10,10 @@ of 64 should take ~120 us per layer when the kernel streams at bandwidth; the co
 (conv_dim x 3 values) is ~1% of that. Prefill reads xBC and dt once per (head, head_dim tile)
 program and writes y, plus one state read/write per request and boundary; its time is the
 chunk loop's small matrix products (requests x heads programs, each sequential over chunks).
+
+Measured once on one H200 (torch 2.11, Triton 3.6; bf16 activations, fp32 SSM pool, defaults):
+decode step, batch 64: 152 us, 548 MB moved, 3.6 TB/s. Prefill of 2048 + 1000 + 37 tokens:
+0.73 ms with the chunked scan (4.2 M tokens/s per layer), 3.0 ms with the sequential one.
 """
 
 from __future__ import annotations
