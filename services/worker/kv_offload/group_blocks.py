@@ -99,6 +99,11 @@ class GroupKVBlocks:
     def insert(self, group: int, block_ids: list[int], chunks: torch.Tensor | None) -> None:
         """A collective: rank 0's whole `chunks` [n, *chunk_shape] (None elsewhere) into blocks
         `block_ids`, each rank writing its own heads."""
+        states = self.state_layers.get(group)
+        if states is not None:
+            assert chunks is not None  # state groups move at TP=1 only
+            put_states(states, block_ids, chunks)
+            return
         leading = (len(block_ids), self.num_layers[group], 2, self.block_size)
         local = self.shards.scatter(chunks, leading, self.head_dim, self.dtype, self.device)
         scatter_blocks(self.group_layers[group], block_ids, local, self.write_kv)
