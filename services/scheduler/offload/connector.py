@@ -34,6 +34,13 @@ the end of the offer would need (its window coverage, widened by the tokens reta
 speculation: the store mask of services.scheduler.offload.window_scan); null blocks (dropped out
 of the window) are never offered.
 
+State groups (hybrid models) are transferable but not storable: with `transfer_state` (a P/D
+role) a state group takes part as a sliding window of one chunk (the entry rule: a hit of h
+tokens needs only the state block ending at h), so an offer stores the state block at its end,
+a lookup needs the state chunk at the hit end (the hit shortens to the largest boundary with a
+stored state) and a load reads that one chunk, the entries before it being the null block.
+Without it (role "both") state groups are left out and a hybrid never loads.
+
 Blocks under a load the worker has not answered are never freed: a request finishing (abort)
 meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
 drops its pending copies and reports them failed), so the blocks are freed at once.

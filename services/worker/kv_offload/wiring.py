@@ -31,9 +31,9 @@ def layer_groups(config: Any) -> list[list[int]] | None:
     (`ModelConfig.kv_groups`), so a chunk's group index means the same thing to the scheduler
     and to this worker. None (one group of every layer) for a config that declares no groups.
 
-    State groups (hybrid models' Mamba layers) are left out: the tier stores attention groups
-    only (shared/kv/groups.py), and they come after every attention group, so the attention
-    groups keep their indices."""
+    State groups (hybrid models' Mamba layers) are left out: the tier's prefix cache stores
+    attention groups only (shared/kv/groups.py), and they come after every attention group, so
+    the attention groups keep their indices. `transfer_groups` adds them for P/D."""
     groups = getattr(config, "kv_groups", None)
     if not groups:
         return None
