@@ -35,6 +35,21 @@ BS = 4
 PROMPT = list(range(300, 323))  # 23 tokens: N = 3 hands over 20 = 5 blocks
 
 
+@dataclass
+class StateTier(Tier):
+    """The tier with each chunk's body: ("kv", slot tokens) or ("state", the token tuple the
+    state stands for); `payloads` only marks presence for the probe."""
+
+    bodies: dict[str, tuple[str, object]] = field(default_factory=dict)
+
+    def put(self, key: str, kind: str, body: object) -> None:
+        self.payloads[key] = []
+        self.bodies[key] = (kind, body)
+
+    def drop(self, key: str) -> None:
+        del self.payloads[key], self.bodies[key]
+
+
 def hybrid_config() -> SchedulerConfig:
     return SchedulerConfig(
         block_size=BS,
@@ -50,12 +65,12 @@ class Side:
     scheduler: Scheduler
     worker: GroupWorker
     lookup: AsyncLookup
-    tier: Tier
+    tier: StateTier
     client: ClientView = field(default_factory=ClientView)
     plans: list[StepPlan] = field(default_factory=list)
 
     @classmethod
-    def build(cls, tier: Tier, *, role: str) -> Side:
+    def build(cls, tier: StateTier, *, role: str) -> Side:
         cfg = hybrid_config()
         scheduler = Scheduler(cfg, role)
         lookup = AsyncLookup(tier.verdicts, max_pending_s=2.0)
@@ -81,22 +96,24 @@ class Side:
         for t in plan.kv_stores:
             for key, group, block in zip(t.keys, t.groups, t.block_ids, strict=True):
                 if group == 1:
-                    self.tier.payloads[key] = ["state", self.worker.states[(group, block)]]
+                    self.tier.put(key, "state", self.worker.states[(group, block)])
                 else:
                     slots = self.worker.kv[(group, block)]
                     assert None not in slots
-                    self.tier.payloads[key] = ["kv", list(slots)]
+                    self.tier.put(key, "kv", list(slots))
 
     def load(self, plan: StepPlan) -> None:
         for t in plan.kv_loads:
             failed = [k for k in t.keys if k not in self.tier.payloads]
             if not failed:
                 for key, group, block in zip(t.keys, t.groups, t.block_ids, strict=True):
-                    kind, body = self.tier.payloads[key]
+                    kind, body = self.tier.bodies[key]
                     assert kind == ("state" if group == 1 else "kv")
                     if group == 1:
+                        assert isinstance(body, tuple)
                         self.worker.states[(group, block)] = body
                     else:
+                        assert isinstance(body, list)
                         self.worker.kv[(group, block)] = list(body)
             self.scheduler.kv_load_done(t.transfer_id, not failed, failed)
 
@@ -122,7 +139,7 @@ class Side:
         raise AssertionError("not done")
 
 
-async def prefill(msg: SubmitRequest, tier: Tier, lookahead: int = 3) -> Side:
+async def prefill(msg: SubmitRequest, tier: StateTier, lookahead: int = 3) -> Side:
     side = Side.build(tier, role="prefill")
     job = PrefillPolicy(lookahead, BS).job_for(msg)
     assert job is not None
@@ -178,7 +195,7 @@ def test_from_worker_serves_pd_roles_for_a_hybrid() -> None:
 
 
 async def test_role_both_never_stores_or_loads_a_state_chunk() -> None:
-    tier = Tier()
+    tier = StateTier()
     side = Side.build(tier, role="both")
     side.scheduler.add_request(submit("a", PROMPT, max_tokens=3))
     await side.run()
@@ -194,7 +211,7 @@ async def test_role_both_never_stores_or_loads_a_state_chunk() -> None:
 async def test_prefill_hands_over_the_state_at_its_end_and_decode_resumes_from_it(
     lookahead: int,
 ) -> None:
-    tier = Tier()
+    tier = StateTier()
     msg = submit("a", PROMPT, max_tokens=4)
     pre = await prefill(msg, tier, lookahead)
     handed = len(PROMPT) - max(1, lookahead)  # 20 or 22 tokens: 5 full blocks either way
@@ -202,7 +219,7 @@ async def test_prefill_hands_over_the_state_at_its_end_and_decode_resumes_from_i
     assert sorted(e for g, e in stored if g == 0) == [1, 2, 3, 4, 5]
     state_ends = sorted(e for g, e in stored if g == 1)
     assert state_ends and state_ends[-1] == handed // BS  # the state at the handed-over end
-    assert all(SPACE.parse(k).group == 1 for k, v in tier.payloads.items() if v[0] == "state")
+    assert all(SPACE.parse(k).group == (kind == "state") for k, (kind, _) in tier.bodies.items())
     decode = Side.build(tier, role="decode")
     decode.scheduler.add_request(msg)
     await decode.run()
@@ -210,7 +227,7 @@ async def test_prefill_hands_over_the_state_at_its_end_and_decode_resumes_from_i
     assert load.groups.count(0) == 5  # every attention chunk of the hit
     assert load.groups.count(1) == 1  # one state chunk: the one ending at the hit
     (state_key,) = [k for k, g in zip(load.keys, load.groups, strict=True) if g == 1]
-    assert tier.payloads[state_key] == ["state", tuple(PROMPT[: 5 * BS])]
+    assert tier.bodies[state_key] == ("state", tuple(PROMPT[: 5 * BS]))
     assert decode.connector.stats.external_hit_tokens == 5 * BS
     assert decode.worker.states_read > 0  # the resume read the loaded state (checked there)
     assert decode.client.outputs["a"] == [token_at("a", len(PROMPT) + i) for i in range(4)]
@@ -218,7 +235,7 @@ async def test_prefill_hands_over_the_state_at_its_end_and_decode_resumes_from_i
 
 
 async def test_a_decode_hit_without_its_state_chunk_is_shortened_to_the_last_stored_state() -> None:
-    tier = Tier()
+    tier = StateTier()
     msg = submit("a", PROMPT, max_tokens=3)
     pre = await prefill(msg, tier)
     state_ends = sorted(e for g, e in stored_groups(pre) if g == 1)
@@ -227,7 +244,7 @@ async def test_a_decode_hit_without_its_state_chunk_is_shortened_to_the_last_sto
     # Drop the state chunk at the handed-over end: the hit falls back to the previous one.
     ends = {k: e for k, e in pre.connector.recorded("a") if k.group == 1}
     dropped = max(ends, key=lambda k: ends[k])
-    del tier.payloads[SPACE.payload_key(dropped)]
+    tier.drop(SPACE.payload_key(dropped))
     assert len(last) == len(state_ends)
     decode = Side.build(tier, role="decode")
     decode.scheduler.add_request(msg)
@@ -238,11 +255,11 @@ async def test_a_decode_hit_without_its_state_chunk_is_shortened_to_the_last_sto
 
 
 async def test_a_decode_side_without_any_state_chunk_recomputes() -> None:
-    tier = Tier()
+    tier = StateTier()
     msg = submit("a", PROMPT, max_tokens=3)
     await prefill(msg, tier)
     for key in [k for k in tier.payloads if SPACE.parse(k).group == 1]:
-        del tier.payloads[key]
+        tier.drop(key)
     decode = Side.build(tier, role="decode")
     decode.scheduler.add_request(msg)
     await decode.run()

@@ -118,7 +118,7 @@ def test_a_state_chunk_stored_then_loaded_into_another_block_is_the_same_state(
         stored = wait_done(connector, wake, "store")
         assert stored.ok, stored.error
         payload = redis.Redis.from_url(redis_url).get(key("a", 1))
-        assert payload is not None
+        assert isinstance(payload, bytes)
         header, _ = read_header(payload)
         assert header.shape == (3, 1, 1, 1, state_elems(states[0]))
         assert header.dtype == torch.float32
