@@ -70,13 +70,9 @@ class SchedulerConfig(BaseModel):
 
         `settings.max_model_len` may only shrink the worker's context length (0 = the worker's).
         """
-        if settings.role != "both" and any(g.kind == "state" for g in ready.kv_groups):
-            # P/D hands prompts over through the offload tier, which stores attention groups
-            # only: a hybrid model's recurrent states would never reach the decode side.
-            raise ValueError(
-                f"P/D role {settings.role!r} cannot serve a hybrid model (its state KV cache "
-                "group is not stored by the offload tier): run the group with role 'both'"
-            )
+        # A prefill/decode role meeting a hybrid model's state group is served: P/D hands the
+        # state group over through the tier (services/scheduler/offload/connector.py,
+        # `transfer_state`) while the tier's prefix cache stays attention-only.
         max_model_len = ready.max_model_len
         if 0 < settings.max_model_len < max_model_len:
             max_model_len = settings.max_model_len

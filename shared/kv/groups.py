@@ -42,8 +42,11 @@ mode": a state saved at each block boundary, so prefix caching works for hybrids
   block id) beside the attention layers' per-block K/V, all indexed by the one pool's ids.
 - Order: state groups come after the attention groups (one state group: every state layer
   has the same state shape in the supported families).
-- State groups are transferable (P/D hands them over) but not storable: the Redis tier hashes
-  and stores attention groups only.
+- State groups are transferable (P/D hands them over) but not storable: the Redis tier's
+  prefix cache (role "both") hashes and stores attention groups only; a prefill role also
+  stores the state block at the end of each offer and a decode role loads the one ending at
+  its hit (services/scheduler/offload/connector.py, `transfer_state`). A state chunk's payload
+  is the block id's conv + SSM state of every state layer (services/worker/kv_offload/payload.py).
 """
 
 from __future__ import annotations

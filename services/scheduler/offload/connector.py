@@ -34,6 +34,13 @@ the end of the offer would need (its window coverage, widened by the tokens reta
 speculation: the store mask of services.scheduler.offload.window_scan); null blocks (dropped out
 of the window) are never offered.
 
+State groups (hybrid models) are transferable but not storable: with `transfer_state` (a P/D
+role) a state group takes part as a sliding window of one chunk (the entry rule: a hit of h
+tokens needs only the state block ending at h), so an offer stores the state block at its end,
+a lookup needs the state chunk at the hit end (the hit shortens to the largest boundary with a
+stored state) and a load reads that one chunk, the entries before it being the null block.
+Without it (role "both") state groups are left out and a hybrid never loads.
+
 Blocks under a load the worker has not answered are never freed: a request finishing (abort)
 meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
 drops its pending copies and reports them failed), so the blocks are freed at once.
@@ -49,7 +56,7 @@ from typing import Literal
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks
 from services.scheduler.kv.kv_cache_manager import KVCacheManager
-from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, StateSpec
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.load_allocation import allocate_for_load
 from services.scheduler.offload.load_cost import LoadCostModel
@@ -131,19 +138,29 @@ class OffloadConnector:
         store_admission: StoreAdmission | None = None,
         cost: LoadCostModel | None = None,
         chunk_bytes: int = 0,
+        transfer_state: bool = False,
     ) -> None:
         self.block_size = config.block_size
         # Only prefix-cacheable groups are hashed, stored and looked up ("transferable is not
-        # storable"); a request whose groups are not all cacheable never loads.
+        # storable"); a request whose groups are not all cacheable never loads. Under P/D
+        # (`transfer_state`: a prefill or decode role) the state groups of a hybrid model take
+        # part too: the prefill side stores the state block at the end of each offer, the
+        # decode side loads the one ending at its hit (a sliding window of one chunk).
         self.groups = [
-            g for g, group in enumerate(config.kv_cache_groups) if group.spec.prefix_cacheable
+            g
+            for g, group in enumerate(config.kv_cache_groups)
+            if group.spec.prefix_cacheable or (transfer_state and isinstance(group.spec, StateSpec))
+        ]
+        self.state_groups = [
+            g for g in self.groups if isinstance(config.kv_cache_groups[g].spec, StateSpec)
         ]
         self.all_groups_cacheable = len(self.groups) == len(config.kv_cache_groups)
         # Full attention loads every chunk of the hit, a sliding window only the chunks of its
-        # coverage (window + tokens retained for speculation, CONTRACTS.md) ending at the hit.
+        # coverage (window + tokens retained for speculation, CONTRACTS.md) ending at the hit,
+        # a state group only the chunk ending at the hit.
         self.windows = [_group_window(g, config) for g in self.groups]
         self.loads_supported = self.all_groups_cacheable and all(
-            isinstance(group.spec, FullAttentionSpec | SlidingWindowSpec)
+            isinstance(group.spec, FullAttentionSpec | SlidingWindowSpec | StateSpec)
             for group in config.kv_cache_groups
         )
         self.space = space
@@ -291,7 +308,9 @@ class OffloadConnector:
         ]
 
     def _load_bytes(self, num_chunks: int) -> int:
-        return num_chunks * len(self.groups) * self.chunk_bytes
+        # A state group moves one chunk per hit, whatever its length (costed as one chunk).
+        attention = len(self.groups) - len(self.state_groups)
+        return (num_chunks * attention + len(self.state_groups)) * self.chunk_bytes
 
     def _worth_looking_up(self, first: int, cap: int) -> bool:
         """Whether a hit of every block in [first, cap) could beat recomputing them: if not,
@@ -553,6 +572,10 @@ def _group_window(group: int, config: SchedulerConfig) -> GroupWindow:
     tokens it retains for speculation (`retained_tokens` of the one lookahead number,
     CONTRACTS.md), as does its store mask (the widened spec's coverage is the same number)."""
     spec = config.kv_cache_groups[group].spec
+    if isinstance(spec, StateSpec):
+        # The entry rule (shared/kv/groups.py): a hit of h tokens needs only the state block
+        # ending at h, i.e. a window of one chunk; speculation retains nothing in the tier.
+        return GroupWindow.sliding(group, 1, config.block_size)
     if not isinstance(spec, SlidingWindowSpec):
         return GroupWindow(group)
     retained = retained_tokens(config.lookahead_tokens)

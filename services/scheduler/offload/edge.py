@@ -191,6 +191,8 @@ class OffloadEdge:
             store_admission=self.admission,
             cost=self.cost,
             chunk_bytes=self.chunk_bytes,
+            # P/D hands a hybrid's state groups over; prefix caching stays attention-only.
+            transfer_state=self.settings.role != "both",
         )
         core.offload = self.connector
         self._counted.clear()

@@ -7,6 +7,13 @@ their KV through the offload tier and hands the request (the unchanged SubmitReq
 `handoff` stream; "decode" reads the `handoff` stream, loads the stored prefix like any offload
 hit, computes the rest of the prompt and decodes, streaming to the gateway as usual.
 
+Hybrid models (a recurrent-state group beside attention, shared/kv/groups.py): "transferable is
+not storable". Under a prefill or decode role the offload connector (`transfer_state`) also
+stores the state block at the end of each store offer (the state after exactly the offer's full
+blocks) and the decode side loads the one state block ending at its hit; a hit whose end has no
+stored state falls back to the largest block boundary that has one (or to no hit), never
+resuming from a missing state. Role "both" keeps the tier attention-only.
+
 Reads top-down:
 - `prefill_job`: what a prefill scheduler computes for a request (a truncated copy that samples
   nothing), and which step finished it;

@@ -96,7 +96,7 @@ class KVConnector:
         self.group_layers = self.blocks.group_layers
         self.device = first.device
         self.headers = [
-            PayloadHeader(key_space.model, first.dtype, self.blocks.chunk_shape(g))
+            PayloadHeader(key_space.model, self.blocks.group_dtype(g), self.blocks.chunk_shape(g))
             for g in range(len(groups))
         ]
         pinned = self.device.type == "cuda"
@@ -159,9 +159,12 @@ class KVConnector:
 
     @property
     def chunk_bytes(self) -> int:
-        """Payload bytes of one chunk (header + body; the largest group's): what the scheduler
-        offers the kvstore per chunk before any store has answered (WorkerReady)."""
-        return max(pool.payload_bytes for pool in self.pools)
+        """Payload bytes of one chunk (header + body; the largest attention group's): what the
+        scheduler offers the kvstore per chunk before any store has answered (WorkerReady).
+        State chunks (P/D only, one per handed-over prompt) are left out."""
+        return max(
+            pool.payload_bytes for g, pool in enumerate(self.pools) if not self.blocks.is_state(g)
+        )
 
     def has_ready_loads(self) -> bool:
         return bool(self._ready)
@@ -234,6 +237,10 @@ class KVConnector:
             return stage_chunks(whole, pool, slots) if slots else None
         if not slots:
             return None
+        if self.blocks.is_state(group):
+            states = self.blocks.gather(group, block_ids[: len(slots)])
+            assert states is not None
+            return stage_chunks(states, pool, slots)
         return gather_blocks(self.group_layers[group], block_ids[: len(slots)], pool, slots)
 
     # -- completion -------------------------------------------------------------------------

@@ -6,6 +6,11 @@ store's chunks come out of each rank's cache as its head shard and arrive at ran
 (head_shards.py); a load's whole chunks leave rank 0 and each rank writes its heads. At TP=1
 both are plain copies. Which chunks move is decided the same way on every rank: stores from
 the plan every rank ran (`store_groups`), loads from the list rank 0 sends its followers.
+
+State groups (a hybrid model's Mamba layers, after every attention group; moved by P/D only,
+shared/kv/groups.py): a chunk is one block id's recurrent state in every layer of the group,
+`[layers, 1, 1, 1, state_elems]` (per layer its conv state then its SSM state, flattened, in
+the pool's dtype: payload.py). Only at TP=1 (wiring.py leaves them out when sharded).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from services.worker.kv_offload.chunks import Chunk, ChunkCheck, by_group
 from services.worker.kv_offload.head_shards import KVHeadShards
 from services.worker.kv_offload.staging import scatter_blocks, take_blocks
 from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.state_cache import MambaState
 from shared.kv.offload_key import KeySpace
 from shared.protocol import KVTransfer, StepPlan
 
@@ -32,9 +38,20 @@ class GroupKVBlocks:
         layer_groups: list[list[int]] | None = None,
     ) -> None:
         groups = layer_groups or [list(range(len(kv_cache.layers)))]
-        self.group_layers = [[_kv_tensor(kv_cache, i) for i in layers] for layers in groups]
+        # Per group: its layers' K/V tensors, or (a state group) their per-block states.
+        self.state_layers: dict[int, list[MambaState]] = {}
+        self.group_layers: list[list[torch.Tensor]] = []
+        for g, layers in enumerate(groups):
+            entries = [kv_cache.layers[i] for i in layers]
+            if all(isinstance(e, MambaState) for e in entries):
+                if shards.sharded:
+                    raise ValueError("state groups move at TP=1 only (their heads are split)")
+                self.state_layers[g] = entries  # type: ignore[assignment]
+                self.group_layers.append([])
+                continue
+            self.group_layers.append([_kv_tensor(kv_cache, i) for i in layers])
         first = kv_cache.layers[groups[0][0]]  # an attention layer's K/V tensor
-        assert isinstance(first, torch.Tensor), "KV offload groups hold attention layers only"
+        assert isinstance(first, torch.Tensor), "the first KV offload group holds attention"
         _, _, self.block_size, local_heads, self.head_dim = first.shape
         if local_heads != len(shards.local):
             raise ValueError(
@@ -48,8 +65,19 @@ class GroupKVBlocks:
         self.write_kv = context_kv_writer(self.device)
         self.check = ChunkCheck(key_space, len(groups), kv_cache.num_blocks)
 
+    def is_state(self, group: int) -> bool:
+        return group in self.state_layers
+
+    def group_dtype(self, group: int) -> torch.dtype:
+        states = self.state_layers.get(group)
+        return states[0].dtype if states else self.dtype
+
     def chunk_shape(self, group: int) -> tuple[int, int, int, int, int]:
-        """A payload body of `group`: [layers, 2, block_size, all KV heads, head_dim]."""
+        """A payload body of `group`: [layers, 2, block_size, all KV heads, head_dim], or for a
+        state group [layers, 1, 1, 1, state_elems] (conv state then SSM state per layer)."""
+        states = self.state_layers.get(group)
+        if states is not None:
+            return (len(states), 1, 1, 1, state_elems(states[0]))
         return (self.num_layers[group], 2, self.block_size, self.shards.num_heads, self.head_dim)
 
     def store_groups(
@@ -63,11 +91,19 @@ class GroupKVBlocks:
     def gather(self, group: int, block_ids: list[int]) -> torch.Tensor | None:
         """A collective: whole chunks of `block_ids` [n, *chunk_shape] on rank 0 (the cache's
         device), None elsewhere."""
+        states = self.state_layers.get(group)
+        if states is not None:
+            return take_states(states, block_ids)
         return self.shards.gather(take_blocks(self.group_layers[group], block_ids))
 
     def insert(self, group: int, block_ids: list[int], chunks: torch.Tensor | None) -> None:
         """A collective: rank 0's whole `chunks` [n, *chunk_shape] (None elsewhere) into blocks
         `block_ids`, each rank writing its own heads."""
+        states = self.state_layers.get(group)
+        if states is not None:
+            assert chunks is not None  # state groups move at TP=1 only
+            put_states(states, block_ids, chunks)
+            return
         leading = (len(block_ids), self.num_layers[group], 2, self.block_size)
         local = self.shards.scatter(chunks, leading, self.head_dim, self.dtype, self.device)
         scatter_blocks(self.group_layers[group], block_ids, local, self.write_kv)
@@ -98,6 +134,36 @@ class KVFollower:
 
     def reset(self) -> None:
         """Nothing is pending here: rank 0 holds every transfer's state."""
+
+
+def state_elems(state: MambaState) -> int:
+    """Elements of one block id's state in one layer: its conv state, then its SSM state."""
+    return state.conv[0].numel() + state.ssm[0].numel()
+
+
+def take_states(states: list[MambaState], block_ids: list[int]) -> torch.Tensor:
+    """Blocks `block_ids` of the state layers `states` as state chunks
+    [n, layers, 1, 1, 1, state_elems] (a copy, on the states' device)."""
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=states[0].conv.device)
+    n = len(block_ids)
+    per_layer = [
+        torch.cat([state.conv[blocks].reshape(n, -1), state.ssm[blocks].reshape(n, -1)], dim=1)
+        for state in states
+    ]
+    return torch.stack(per_layer, dim=1).view(n, len(states), 1, 1, 1, -1)
+
+
+def put_states(states: list[MambaState], block_ids: list[int], chunks: torch.Tensor) -> None:
+    """Write state chunks [n, layers, 1, 1, 1, state_elems] into blocks `block_ids` of the
+    state layers `states`: the inverse of `take_states`."""
+    device = states[0].conv.device
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    n = len(block_ids)
+    flat = chunks.to(device).reshape(n, len(states), -1)
+    for i, state in enumerate(states):
+        conv_elems = state.conv[0].numel()
+        state.conv[blocks] = flat[:, i, :conv_elems].reshape(n, *state.conv.shape[1:])
+        state.ssm[blocks] = flat[:, i, conv_elems:].reshape(n, *state.ssm.shape[1:])
 
 
 def _kv_tensor(kv_cache: KVCache, layer: int) -> torch.Tensor:

@@ -9,6 +9,12 @@ one read per chunk and a store one SET (a payload exists completely or not at al
 all little-endian; the body is the raw tensor bytes in that shape (index 1 of the second axis:
 0 = K, 1 = V), `prod(shape) * itemsize` bytes exactly.
 
+A chunk of a state group (a hybrid model's Mamba layers, moved by P/D only: shared/kv/groups.py)
+has the same header with the shape `[layers, 1, 1, 1, state_elems]`: per state layer (ascending
+layer index) the block id's conv state `[conv_dim, d_conv - 1]` flattened, then its SSM state
+`[n_heads, head_dim, d_state]` flattened, `state_elems = conv_dim * (d_conv - 1) + n_heads *
+head_dim * d_state`, in the state pool's dtype (group_blocks.py packs and unpacks it).
+
 The key names carry the model and `LAYOUT_VERSION` too (`shared.kv.offload_key.KeySpace`),
 so different models or layouts never even address each other's values; the header is the second
 line of defence (a key written by a misconfigured worker, a truncated value) and it is checked
@@ -59,14 +65,20 @@ class PayloadHeader:
 
     model: str
     dtype: torch.dtype
-    shape: tuple[int, int, int, int, int]  # [layers, 2, block_size, kv_heads, head_dim]
+    # [layers, 2, block_size, kv_heads, head_dim]; a state chunk [layers, 1, 1, 1, state_elems]
+    shape: tuple[int, int, int, int, int]
     layout_version: int = LAYOUT_VERSION
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
             raise PayloadError(f"dtype {self.dtype} has no payload code")
-        if len(self.shape) != 5 or self.shape[1] != 2 or min(self.shape) < 1:
-            raise PayloadError(f"shape must be [layers, 2, block, heads, dim], got {self.shape}")
+        kv = len(self.shape) == 5 and self.shape[1] == 2
+        state = len(self.shape) == 5 and tuple(self.shape[1:4]) == (1, 1, 1)
+        if not (kv or state) or min(self.shape) < 1:
+            raise PayloadError(
+                "shape must be [layers, 2, block, heads, dim] or [layers, 1, 1, 1, state_elems], "
+                f"got {self.shape}"
+            )
 
     @property
     def body_bytes(self) -> int:

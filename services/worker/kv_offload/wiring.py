@@ -31,9 +31,9 @@ def layer_groups(config: Any) -> list[list[int]] | None:
     (`ModelConfig.kv_groups`), so a chunk's group index means the same thing to the scheduler
     and to this worker. None (one group of every layer) for a config that declares no groups.
 
-    State groups (hybrid models' Mamba layers) are left out: the tier stores attention groups
-    only (shared/kv/groups.py), and they come after every attention group, so the attention
-    groups keep their indices."""
+    State groups (hybrid models' Mamba layers) are left out: the tier's prefix cache stores
+    attention groups only (shared/kv/groups.py), and they come after every attention group, so
+    the attention groups keep their indices. `transfer_groups` adds them for P/D."""
     groups = getattr(config, "kv_groups", None)
     if not groups:
         return None
@@ -44,6 +44,19 @@ def layer_groups(config: Any) -> list[list[int]] | None:
             "cannot use it (turn the tier off)"
         )
     return attention
+
+
+def transfer_groups(config: Any) -> list[list[int]] | None:
+    """Every KV cache group this worker moves, in shared.kv.groups order: the attention groups
+    (`layer_groups`) and then the state groups of a hybrid model. A state group's chunks are
+    only ever asked for under P/D ("transferable is not storable": the scheduler's prefix
+    cache in the tier stays attention-only), and their payload is the state layout of
+    group_blocks.py. None (one group of every layer) for a config that declares no groups."""
+    attention = layer_groups(config)
+    if attention is None:
+        return None
+    state = [list(g.layer_indices) for g in config.kv_groups if g.kind == "state"]
+    return [*attention, *state]
 
 
 def head_shards(source: ModelSource, tp: TensorParallel) -> KVHeadShards | None:
@@ -92,7 +105,10 @@ def build_connector(
         key_space(settings, model_name),
         worker_id=settings.instance_id,
         worker_incarnation=worker_incarnation,
-        layer_groups=layer_groups(config),
+        # Sharded (TP > 1), the state tensors are split by Mamba head and the chunk collectives
+        # move K/V heads only: the state groups are left out there (a decode side's load of a
+        # state chunk then fails and it recomputes the prompt).
+        layer_groups=layer_groups(config) if shards is not None else transfer_groups(config),
         staging_bytes=settings.kv_staging_bytes,
         notify=notify,
         shards=shards,

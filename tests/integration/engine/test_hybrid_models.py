@@ -4,7 +4,8 @@ while the scheduler keeps the state group by shared/kv/groups.py's entry rule â€
 crossing several block boundaries, several requests of different lengths in one step,
 chunked prefill with a tiny token budget, prefix-cache hits (the state read from the shared
 cached block ending at the hit) and preemption under a small block pool. A worker with the
-KV offload tier enabled starts and serves, storing attention blocks only."""
+KV offload tier enabled starts and serves, and moves attention and state chunks when a plan
+asks (the scheduler asks for state chunks under P/D only: "transferable is not storable")."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import redis
 import torch
 
 from services.scheduler.config import kv_cache_groups_from
+from services.worker.kv_offload.payload import read_header
 from services.worker.kv_offload.wiring import build_connector, key_space, layer_groups
 from services.worker.loader import load_model
 from shared.config import WorkerSettings
@@ -131,7 +133,9 @@ def test_serves_with_the_offload_tier_which_stores_attention_blocks_only(
     try:
         prompts = _prompts(4, [10, 17])
         _check(family, prompts, engine.generate(prompts, GREEDY))
-        # a store of the attention group's blocks succeeds; a state-group chunk cannot be placed
+        # a store of the attention group's blocks succeeds, and so does a state-group chunk
+        # (P/D hands states over; role "both" never asks for one: the scheduler's connector),
+        # in the state layout [state layers, 1, 1, 1, conv + SSM elements]
         prompt = prompts["r1"]
         space = key_space(settings, "tiny-hybrid")
         chunk_keys = [
@@ -158,7 +162,13 @@ def test_serves_with_the_offload_tier_which_stores_attention_blocks_only(
             done += connector.drain_done()
             time.sleep(0.02)
         assert done and done[0].transfer_id == "s1", done
-        assert done[0].failed_keys == chunk_keys[2:] and not done[0].ok
-        assert redis.Redis.from_url(redis_url).exists(*chunk_keys[:2]) == 2
+        assert done[0].failed_keys == [] and done[0].ok, done[0].error
+        r = redis.Redis.from_url(redis_url)
+        assert r.exists(*chunk_keys) == 3
+        kv_header, _ = read_header(r.get(chunk_keys[0]))  # type: ignore[arg-type]
+        state_header, _ = read_header(r.get(chunk_keys[2]))  # type: ignore[arg-type]
+        assert kv_header.shape[1] == 2
+        num_state_layers = sum(t == "mamba" for t in config.layer_types)
+        assert state_header.shape[:4] == (num_state_layers, 1, 1, 1)
     finally:
         connector.close()
