@@ -126,7 +126,7 @@ def test_triton_state_layers_match_the_reference_on_mixed_steps(
     gen = np.random.default_rng(0)
     # block tables: r4 shares r0's first two blocks (a prefix hit of 8 tokens)
     table = {
-        "r0": [1, 2, 3, 0], "r1": [4, 5, 0, 0], "r2": [6, 7, 0, 0], "r3": [8, 9, 10, 11],
+        "r0": [1, 2, 3, 20], "r1": [4, 5, 19, 0], "r2": [6, 7, 0, 0], "r3": [8, 9, 10, 11],
         "r4": [1, 2, 12, 13], "r5": [14, 15, 16, 0], "r6": [17, 18, 0, 0],
     }  # fmt: skip
 
@@ -152,7 +152,11 @@ def test_triton_state_layers_match_the_reference_on_mixed_steps(
     # Step 3: decodes, r3 continues mid-block 6 -> 13 (head + tail: boundaries 8, 12), fresh
     # r6 of 5 between, r5 continues 3 -> 9 (head + tail): two launches.
     both(["r0", "r1", "r4", "r3", "r6", "r5"], [1, 1, 1, 7, 5, 6], [11, 7, 14, 13, 5, 9], 2)
-    # Step 4: decodes only (r3 at 13 -> 14, r5 at 9 -> 10, r0 at 11 -> 12: a boundary).
-    both(["r0", "r3", "r5"], [1, 1, 1], [12, 14, 10], launches=0)
+    # Step 4: decodes (r3 at 13 -> 14, r5 at 9 -> 10, r0 at 11 -> 12: a boundary) and r1's
+    # 2 tokens 7 -> 9: its end state's conv window reaches back into the block it read, which
+    # its boundary state (after 8) overwrites: wrong in one launch, right as head + tail.
+    both(["r0", "r3", "r5", "r1"], [1, 1, 1, 2], [12, 14, 10, 9], launches=2)
+    # Step 5: decodes only.
+    both(["r0", "r1", "r3"], [1, 1, 1], [13, 10, 15], launches=0)
     # the shared prefix block was read, never written: r0's state after 8 tokens still there
     assert calls.prefill > 0 and calls.decode > 0
