@@ -122,6 +122,14 @@ def test_triton_state_layers_match_the_reference_on_mixed_steps(
     mamba_layers = len(config.mamba_layers)
     assert mamba_layers and len(config.kv_groups) == 2
     ref, tri = (KVCache.allocate(config, NUM_BLOCKS, BS, torch.float32, "cpu") for _ in range(2))
+    # the same random states in both pools: a state read from a block not written first (a
+    # request's first token must read a zero state) shows
+    torch.manual_seed(7)
+    for a, b in zip(tri.layers, ref.layers, strict=True):
+        if isinstance(b, MambaState):
+            for pool in ("conv", "ssm"):
+                getattr(b, pool).copy_(torch.randn_like(getattr(b, pool)))
+                getattr(a, pool).copy_(getattr(b, pool))
     calls = Calls(monkeypatch)
     gen = np.random.default_rng(0)
     # block tables: r4 shares r0's first two blocks (a prefix hit of 8 tokens)
