@@ -17,11 +17,15 @@ import torch
 
 import kernels.mamba.decode_step as decode_step
 import kernels.mamba.prefill as prefill
+from services.scheduler.config import kv_cache_groups_from
 from services.worker.attention.groups import group_attention
 from services.worker.attention.state_metadata import PrefillSpan, StateMetadata, prefill_launches
 from services.worker.loader import load_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.state_cache import MambaState
+from shared.protocol import SamplingParams
+from tests.support.engine import InProcessEngine
+from tests.support.tiny_llama import reference_greedy
 from tests.support.tiny_models import make_tiny
 
 BS = 4
@@ -64,9 +68,10 @@ def test_a_span_continuing_mid_block_runs_as_head_and_tail() -> None:
 
 @pytest.fixture(scope="module", params=["bamba", "granitemoehybrid"])
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(checkpoint dir, transformers model, (our model, config))."""
     path: Path = tmp_path_factory.mktemp(request.param)
-    make_tiny(path, request.param)
-    return load_model(path, torch.float32, "cpu")
+    reference = make_tiny(path, request.param)
+    return path, reference, load_model(path, torch.float32, "cpu")
 
 
 class Calls:
@@ -118,7 +123,7 @@ def _assert_caches_equal(tri: KVCache, ref: KVCache) -> None:
 def test_triton_state_layers_match_the_reference_on_mixed_steps(
     hybrid: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, config = hybrid
+    _, _, (model, config) = hybrid
     mamba_layers = len(config.mamba_layers)
     assert mamba_layers and len(config.kv_groups) == 2
     ref, tri = (KVCache.allocate(config, NUM_BLOCKS, BS, torch.float32, "cpu") for _ in range(2))
@@ -168,3 +173,35 @@ def test_triton_state_layers_match_the_reference_on_mixed_steps(
     both(["r0", "r1", "r3"], [1, 1, 1], [13, 10, 15], launches=0)
     # the shared prefix block was read, never written: r0's state after 8 tokens still there
     assert calls.prefill > 0 and calls.decode > 0
+
+
+def test_engine_on_the_triton_state_path_equals_transformers(
+    hybrid: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real scheduler and runner (warmup, chunked prefill of 7 tokens a step beside
+    decodes, then a prefix-cache hit) with every StateMetadata built for the Triton path:
+    greedy tokens equal transformers' fp32 generate."""
+    path, reference, (model, config) = hybrid
+    build = StateMetadata.build.__func__  # type: ignore[attr-defined]
+
+    def triton_build(cls: type, *args: Any, triton: bool | None = None, **kwargs: Any) -> Any:
+        return build(cls, *args, triton=True, **kwargs)
+
+    monkeypatch.setattr(StateMetadata, "build", classmethod(triton_build))
+    calls = Calls(monkeypatch)
+    engine = InProcessEngine(
+        path, block_size=BS, model_and_config=(model, config), max_num_batched_tokens=7,
+        scheduler_options={"kv_cache_groups": kv_cache_groups_from(config.kv_groups, BS)},
+    )  # fmt: skip
+    engine.runner.warmup()
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = {f"r{i}": torch.randint(3, 500, (n,), generator=g).tolist() for i, n in
+               enumerate([13, 9, 1])}  # fmt: skip
+    out = engine.generate(prompts, greedy)
+    hit = {"r3": [*prompts["r0"][:12], 7, 8]}  # the first 12 tokens' blocks are cached
+    out.update(engine.generate(hit, greedy))
+    assert out["r3"].num_cached_tokens == 12
+    for rid, prompt in {**prompts, **hit}.items():
+        assert out[rid].token_ids == reference_greedy(reference, prompt, 5), rid
+    assert calls.decode > 0 and calls.prefill > 0
