@@ -34,15 +34,25 @@ def group_attention(
     block_size: int,
     device: torch.device,
     decode_kernel: CpuDecodeAttention | None = None,
+    state_triton: bool | None = None,
 ) -> list[AttentionMetadata | StateMetadata]:
     """One metadata per LAYER (layers of a group share the object), for the requests at batch
-    `rows` in flat-batch order; block_tables is the batch's [groups, max_reqs, max_blocks]."""
+    `rows` in flat-batch order; block_tables is the batch's [groups, max_reqs, max_blocks].
+    `state_triton`: the state layers run the Triton kernels (None: on CUDA; True on CPU runs
+    them under Triton's interpreter, as the kernel tests do)."""
     flat_rows = np.repeat(rows, query_lens)
     per_group: list[AttentionMetadata | StateMetadata] = []
     for g, group in enumerate(groups):
         if group.kind == "state":
             per_group.append(
-                StateMetadata.build(block_tables[g, rows], query_lens, seq_lens, block_size, device)
+                StateMetadata.build(
+                    block_tables[g, rows],
+                    query_lens,
+                    seq_lens,
+                    block_size,
+                    device,
+                    triton=state_triton,
+                )
             )
             continue
         blocks = block_tables[g, flat_rows, positions // block_size]

@@ -13,10 +13,17 @@ step's `StateMetadata` says (services/worker/attention/state_metadata.py: the en
   chunk size is the KV block size, not the checkpoint's `mamba_chunk_size`: the chunked
   algorithm is exact for any chunk size, only the rounding differs.)
 
-The math is mamba_ops.py (PyTorch, any device); Triton kernels can replace it later.
+The math is mamba_ops.py (PyTorch, any device) on the reference path. Where the worker runs
+Triton (CUDA; a StateMetadata built with `triton=True`), the conv + SSM run on the Triton
+kernels (kernels/mamba): the decode rows in one `mamba_decode_step` (slot tensors built on the
+host, no host sync: CUDA-graph capturable), the prefill spans in one or two `mamba_prefill`
+launches (StateMetadata's `launches`: boundary states included). Projections, the z gate and
+the gated RMSNorm are the same modules on both paths.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +39,9 @@ from services.worker.models.mamba_ops import (
 )
 from services.worker.runner.state_cache import MambaState
 from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kernels.mamba.params import MambaParams
 
 
 class GatedRMSNorm(nn.Module):
@@ -88,6 +98,9 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = projected.split(
             [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
         )
+        if meta.triton:
+            y = self._triton(xbc, dt, meta, cache)
+            return self.out_proj(self.norm(y.to(hidden.dtype), gate))  # type: ignore[no-any-return]
         A = -torch.exp(self.A_log.float())
         outputs = []
         if meta.num_decodes:
@@ -97,6 +110,49 @@ class Mamba2Mixer(nn.Module):
             outputs.append(self._span(xbc[rows], dt[rows], A, span, meta.block_size, cache))
         y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         return self.out_proj(self.norm(y.to(hidden.dtype), gate))  # type: ignore[no-any-return]
+
+    def kernel_params(self) -> MambaParams:
+        from kernels.mamba.params import MambaParams
+
+        return MambaParams(
+            conv_weight=self.conv1d.weight[:, 0],
+            conv_bias=self.conv1d.bias,
+            dt_bias=self.dt_bias,
+            A_log=self.A_log,
+            D=self.D,
+            n_groups=self.n_groups,
+            head_dim=self.head_dim,
+            d_state=self.d_state,
+        )
+
+    def _triton(
+        self, xbc: torch.Tensor, dt: torch.Tensor, meta: StateMetadata, cache: MambaState
+    ) -> torch.Tensor:
+        """y [T, intermediate] (before the gate) of every row through the Triton kernels."""
+        from kernels.mamba.decode_step import mamba_decode_step
+        from kernels.mamba.prefill import mamba_prefill
+
+        params = self.kernel_params()
+        d = meta.num_decodes
+        y = xbc.new_empty(xbc.shape[0], self.num_heads, self.head_dim)
+        if d:
+            assert meta.decode_read_slot is not None and meta.decode_write_slot is not None
+            y[:d] = mamba_decode_step(
+                xbc[:d], dt[:d], params, cache.conv, cache.ssm,
+                meta.decode_read_slot, meta.decode_write_slot,
+            )  # fmt: skip
+        for launch in meta.launches or ():
+            lo, hi = launch.lo, launch.hi  # flat rows (the spans' rows follow the decodes)
+            out = mamba_prefill(
+                xbc[lo:hi], dt[lo:hi], launch.cu_seqlens, params, cache.conv, cache.ssm,
+                launch.read_slot, launch.write_slot, launch.state_cu, launch.state_offsets,
+                launch.state_slots,
+            )  # fmt: skip
+            if launch.take is None:
+                y[lo:hi] = out
+            else:
+                y[lo:hi].index_copy_(0, launch.take, out.index_select(0, launch.take))
+        return y.reshape(-1, self.intermediate_size)
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         groups = self.n_groups * self.d_state

@@ -588,9 +588,13 @@ class ModelRunner:
             raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
         backend = self.attention_backend
         if self.has_state_group:
-            # The decode graphs hold one attention metadata and K/V tensors only; the state
-            # layers' gather/update/scatter runs eagerly (Triton kernels for it come later).
-            log.info("no CUDA graphs: a hybrid model's state layers run eagerly")
+            # The state layers' decode is graph-ready (mamba2.py: one mamba_decode_step per
+            # layer reading int32 read/write slot tensors built on the host, -1 = none), but
+            # a hybrid's attention layers run the per-group reference metadata
+            # (groups.group_attention), and DecodeGraphs holds one Triton attention metadata
+            # and K/V tensors only: capturing needs the attention group on the paged Triton
+            # metadata and static slot buffers per state group first.
+            log.info("no CUDA graphs: a hybrid model's attention runs the per-group path")
             return 0.0
         if not isinstance(backend, PagedKernelBackend):
             # Sliding-window groups run the reference path, which no graph holds: they were

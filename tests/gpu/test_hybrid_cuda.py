@@ -1,0 +1,126 @@
+"""Hybrid attention + Mamba2 models (tiny fp32 bamba and granitemoehybrid) on the CUDA worker
+through the real scheduler and runner (InProcessEngine): greedy tokens equal transformers'
+fp32 generate, with the state layers on the compiled Triton Mamba2 kernels (kernels/mamba:
+the decode step and the varlen chunked prefill, counted here) — several requests per step,
+chunked prefill ending mid-block (the head / tail prefill launches), a prefix-cache hit, and
+overlapped steps.
+
+CUDA graphs stay off for hybrids (model_runner.capture_cuda_graphs): the attention layers of a
+model with a state group run the per-group reference attention metadata, which DecodeGraphs
+does not hold; the test asserts that no graph was captured, so enabling them must update it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import kernels.mamba.decode_step as decode_step
+import kernels.mamba.prefill as prefill
+from services.scheduler.config import kv_cache_groups_from
+from services.worker.loader import load_model
+from shared.protocol import SamplingParams
+from tests.support.engine import InProcessEngine
+from tests.support.tiny_llama import reference_greedy
+from tests.support.tiny_models import make_tiny
+
+BS = 4
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+
+
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tmp_path_factory.mktemp(request.param)
+    reference = make_tiny(path, request.param)
+    return path, reference, load_model(path, torch.float32, "cuda")
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the Mamba kernels' entry points (the mixer imports them at each call)."""
+    counts = {"decode": 0, "prefill": 0}
+    step, launch = decode_step.mamba_decode_step, prefill.mamba_prefill
+
+    def counted_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counts["decode"] += 1
+        return step(*args, **kwargs)
+
+    def counted_prefill(*args: Any, **kwargs: Any) -> torch.Tensor:
+        counts["prefill"] += 1
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(decode_step, "mamba_decode_step", counted_step)
+    monkeypatch.setattr(prefill, "mamba_prefill", counted_prefill)
+    return counts
+
+
+def _engine(family: Any, **options: Any) -> InProcessEngine:
+    path, _, (model, config) = family
+    assert [g.kind for g in config.kv_groups] == ["full", "state"]
+    engine = InProcessEngine(
+        path,
+        block_size=BS,
+        model_and_config=(model, config),
+        scheduler_options={"kv_cache_groups": kv_cache_groups_from(config.kv_groups, BS)},
+        device="cuda",
+        **options,
+    )
+    engine.runner.warmup()
+    engine.runner.capture_cuda_graphs()
+    assert engine.runner.graphs is None  # hybrids decode eagerly (module docstring)
+    return engine
+
+
+def _prompts(seed: int, lengths: list[int], shared: int = 0) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, 500, (shared,), generator=generator).tolist()
+    return {
+        f"r{i}": prefix + torch.randint(3, 500, (n,), generator=generator).tolist()
+        for i, n in enumerate(lengths)
+    }
+
+
+def _check(family: Any, prompts: dict[str, list[int]], out: dict[str, Any]) -> None:
+    for rid, prompt in prompts.items():
+        assert out[rid].token_ids == reference_greedy(family[1], prompt, MAX_TOKENS), rid
+
+
+def test_batched_requests_equal_transformers(family: Any, calls: dict[str, int]) -> None:
+    engine = _engine(family)
+    calls.update(decode=0, prefill=0)
+    prompts = _prompts(0, [1, 5, 13, 24, 37])
+    _check(family, prompts, engine.generate(prompts, GREEDY))
+    assert calls["decode"] > 0 and calls["prefill"] > 0
+
+
+def test_chunked_prefill_with_a_tiny_budget(family: Any, calls: dict[str, int]) -> None:
+    """7 tokens a step: chunks continue mid-block across boundaries, beside decodes."""
+    engine = _engine(family, max_num_batched_tokens=7)
+    calls.update(decode=0, prefill=0)
+    prompts = _prompts(1, [30, 19, 3])
+    _check(family, prompts, engine.generate(prompts, GREEDY))
+    assert engine.max_tokens_per_step == 7
+    assert calls["decode"] > 0 and calls["prefill"] > 0
+
+
+def test_prefix_hit_reads_the_cached_state(family: Any, calls: dict[str, int]) -> None:
+    engine = _engine(family)
+    prompts = _prompts(2, [3, 9, 6], shared=26)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        out = engine.generate({rid: prompt}, GREEDY)
+        _check(family, {rid: prompt}, out)
+        if i:
+            assert out[rid].num_cached_tokens == 24, rid
+    assert engine.scheduler.kv.stats.hits > 0
+    assert calls["prefill"] > 0
+
+
+def test_overlapped_steps_equal_transformers(family: Any, calls: dict[str, int]) -> None:
+    engine = _engine(family, max_num_batched_tokens=9)
+    prompts = _prompts(5, [3, 17, 26])
+    _check(family, prompts, engine.generate(prompts, GREEDY, overlap=True))
+    assert engine.launched_ahead > 0
+    assert calls["decode"] > 0
