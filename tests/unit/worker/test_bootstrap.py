@@ -94,8 +94,8 @@ def test_hybrid_worker_starts_eager_announces_its_state_group_and_takes_the_tier
     tmp_path: Path, redis_url: str
 ) -> None:
     """A Bamba checkpoint: bf16 on CPU would compile, but the state layers run eagerly; the
-    scheduler hears both groups; the KV offload connector (tier on) takes the attention group
-    only."""
+    scheduler hears both groups; the KV offload connector (tier on) moves the attention group's
+    K/V and, for P/D only (the scheduler asks), the state group's per-block states."""
     from services.worker.kv_offload.wiring import build_connector
     from tests.support.tiny_models import make_tiny
 
@@ -109,6 +109,8 @@ def test_hybrid_worker_starts_eager_announces_its_state_group_and_takes_the_tier
     assert [g.kind for g in ready.kv_groups] == ["full", "state"]
     connector = build_connector(settings, runner.kv_cache, runner.config, "bamba", "inc")
     try:
-        assert [len(g) for g in connector.group_layers] == [1]  # the one attention layer
+        assert [len(g) for g in connector.group_layers] == [1, 0]  # one attention layer
+        assert not connector.blocks.is_state(0) and connector.blocks.is_state(1)
+        assert [len(s) for s in connector.blocks.state_layers.values()] == [3]  # 3 Mamba layers
     finally:
         connector.close()
