@@ -23,9 +23,9 @@ import torch
 from transformers import AutoTokenizer, BambaForCausalLM
 
 from tests.e2e.conftest import E2E_ENV
+from tests.e2e.hybrid_bamba import make_bamba_model
 from tests.support.mesh import Mesh
-from tests.support.tiny_llama import copy_tokenizer, random_prompt, reference_greedy
-from tests.support.tiny_models import make_tiny
+from tests.support.tiny_llama import random_prompt, reference_greedy
 
 BLOCK = 16
 MAX_TOKENS = 6
@@ -33,10 +33,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-bamba")
-    make_tiny(out, "bamba", seed=3, vocab_size=49152, max_position_embeddings=512)
-    copy_tokenizer(smollm2_dir, out)
-    return out
+    return make_bamba_model(tmp_path_factory, smollm2_dir, "tiny-bamba")
 
 
 @pytest.fixture(scope="module")
