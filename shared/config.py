@@ -244,6 +244,9 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # the device; services/worker/runner/in_flight.py). "auto": on for CUDA, off on CPU, where a
     # step is computed while it is launched and holding its result back would only add latency.
     overlap_steps: Literal["auto", "on", "off"] = "auto"
+    # CUDA: decode steps replay captured CUDA graphs (services/worker/accel/cuda_graphs.py);
+    # true runs every step eagerly (vLLM's --enforce-eager: debugging, graph-vs-eager timing).
+    enforce_eager: bool = False
     # Compile the forward with torch.compile on CPU (services/worker/accel/cpu_compile.py). "auto":
     # on where supported (bf16, dense models, no speculative decoding); start-up then takes
     # tens of seconds longer. "on" is "auto" that also logs why it cannot compile a model.

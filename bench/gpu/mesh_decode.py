@@ -207,6 +207,9 @@ def main() -> None:
         help="MESHLLM_STEP_TIMELINE of the worker: a line per step "
         "(python -m services.worker.runner.step_timeline_report FILE reads it)",
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="MESHLLM_ENFORCE_EAGER: no CUDA graphs"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch (best-of-N)")
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
@@ -225,6 +228,7 @@ def main() -> None:
         "MESHLLM_OVERLAP_STEPS": args.overlap,
         "MESHLLM_STEP_TIMELINE": os.path.abspath(args.timeline) if args.timeline else "",
         "MESHLLM_SCHEDULE_AHEAD": args.schedule_ahead,
+        "MESHLLM_ENFORCE_EAGER": str(args.enforce_eager).lower(),
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"

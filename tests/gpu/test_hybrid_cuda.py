@@ -12,13 +12,16 @@ group apart; with one group they agree. Released Bamba and
 Granite 4.0 checkpoints have one group. Two groups (the Triton kernels' group-to-head mapping)
 are compared with the CPU runner instead, which the CPU suite checks against transformers.
 
-CUDA graphs stay off for hybrids (model_runner.capture_cuda_graphs): the attention layers of a
-model with a state group run the per-group reference attention metadata, which DecodeGraphs
-does not hold; the test asserts that no graph was captured, so enabling them must update it.
+Decode-only steps replay CUDA graphs (accel/hybrid_graphs.py: the attention layers on the
+paged Triton metadata, the state layers' decode step reading static slot buffers), counted
+here as `calls["replays"]`; steps with prefill rows run eagerly (`calls["decode"]` counts
+their eager decode-step calls). The MoE granitemoehybrid decodes eagerly: the fused-MoE kernel
+checks the routed ids on the host, which a capture refuses (true of every MoE family).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +30,11 @@ import torch
 import kernels.mamba.decode_step as decode_step
 import kernels.mamba.prefill as prefill
 from services.scheduler.config import kv_cache_groups_from
+from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.loader import load_model
+from services.worker.runner.bootstrap import build_runner
+from shared.config import WorkerSettings
+from shared.model.source import ModelSource
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
 from tests.support.tiny_llama import reference_greedy
@@ -38,7 +45,7 @@ MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
 
 
-@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["bamba", "granitemoehybrid", "granitemoehybrid_dense"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp(request.param)
     reference = make_tiny(path, request.param, mamba_n_groups=1)  # module docstring
@@ -48,7 +55,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Calls of the Mamba kernels' entry points (the mixer imports them at each call)."""
-    counts = {"decode": 0, "prefill": 0}
+    counts = {"decode": 0, "prefill": 0, "replays": 0}
     step, launch = decode_step.mamba_decode_step, prefill.mamba_prefill
 
     def counted_step(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -64,7 +71,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
-def _engine(family: Any, **options: Any) -> InProcessEngine:
+def _engine(family: Any, calls: dict[str, int], **options: Any) -> InProcessEngine:
     path, _, (model, config) = family
     assert [g.kind for g in config.kv_groups] == ["full", "state"]
     engine = InProcessEngine(
@@ -77,7 +84,18 @@ def _engine(family: Any, **options: Any) -> InProcessEngine:
     )
     engine.runner.warmup()
     engine.runner.capture_cuda_graphs()
-    assert engine.runner.graphs is None  # hybrids decode eagerly (module docstring)
+    graphs = engine.runner.graphs
+    if config.num_experts:  # no MoE model captures graphs yet (module docstring)
+        assert graphs is None
+        return engine
+    assert isinstance(graphs, HybridDecodeGraphs)
+    replay = graphs.run_hybrid
+
+    def counted_replay(*args: Any) -> torch.Tensor:
+        calls["replays"] += 1
+        return replay(*args)
+
+    graphs.run_hybrid = counted_replay  # type: ignore[method-assign]
     return engine
 
 
@@ -96,17 +114,17 @@ def _check(family: Any, prompts: dict[str, list[int]], out: dict[str, Any]) -> N
 
 
 def test_batched_requests_equal_transformers(family: Any, calls: dict[str, int]) -> None:
-    engine = _engine(family)
-    calls.update(decode=0, prefill=0)
+    engine = _engine(family, calls)
+    calls.update(decode=0, prefill=0, replays=0)
     prompts = _prompts(0, [1, 5, 13, 24, 37])
     _check(family, prompts, engine.generate(prompts, GREEDY))
-    assert calls["decode"] > 0 and calls["prefill"] > 0
+    assert calls["replays" if engine.runner.graphs else "decode"] > 0 and calls["prefill"] > 0
 
 
 def test_chunked_prefill_with_a_tiny_budget(family: Any, calls: dict[str, int]) -> None:
     """7 tokens a step: chunks continue mid-block across boundaries, beside decodes."""
-    engine = _engine(family, max_num_batched_tokens=7)
-    calls.update(decode=0, prefill=0)
+    engine = _engine(family, calls, max_num_batched_tokens=7)
+    calls.update(decode=0, prefill=0, replays=0)
     prompts = _prompts(1, [30, 19, 3])
     _check(family, prompts, engine.generate(prompts, GREEDY))
     assert engine.max_tokens_per_step == 7
@@ -114,7 +132,7 @@ def test_chunked_prefill_with_a_tiny_budget(family: Any, calls: dict[str, int]) 
 
 
 def test_prefix_hit_reads_the_cached_state(family: Any, calls: dict[str, int]) -> None:
-    engine = _engine(family)
+    engine = _engine(family, calls)
     prompts = _prompts(2, [3, 9, 6], shared=26)
     for i, (rid, prompt) in enumerate(prompts.items()):
         out = engine.generate({rid: prompt}, GREEDY)
@@ -126,11 +144,11 @@ def test_prefix_hit_reads_the_cached_state(family: Any, calls: dict[str, int]) -
 
 
 def test_overlapped_steps_equal_transformers(family: Any, calls: dict[str, int]) -> None:
-    engine = _engine(family, max_num_batched_tokens=9)
+    engine = _engine(family, calls, max_num_batched_tokens=9)
     prompts = _prompts(5, [3, 17, 26])
     _check(family, prompts, engine.generate(prompts, GREEDY, overlap=True))
     assert engine.launched_ahead > 0
-    assert calls["decode"] > 0
+    assert calls["replays" if engine.runner.graphs else "decode"] > 0
 
 
 @pytest.mark.parametrize("name", ["bamba", "granitemoehybrid"])
@@ -160,3 +178,23 @@ def test_two_groups_equal_the_cpu_runner(
         outputs[device] = {rid: out[rid].token_ids for rid in prompts}
     assert outputs["cuda"] == outputs["cpu"]
     assert calls["decode"] > 0 and calls["prefill"] > 0
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_the_serving_worker_captures_hybrid_graphs_unless_told(
+    tmp_path: Path, enforce_eager: bool
+) -> None:
+    """build_runner (what the worker service runs) captures the hybrid decode graphs on CUDA;
+    MESHLLM_ENFORCE_EAGER keeps every step eager."""
+    make_tiny(tmp_path, "bamba")
+    settings = WorkerSettings(
+        model=str(tmp_path), device="cuda", dtype="float32", max_model_len=64,
+        kv_cache_bytes=2**22, block_size=BS, kv_offload=False,
+        enforce_eager=enforce_eager,
+    )  # fmt: skip
+    runner, _ = build_runner(ModelSource("bamba", tmp_path, tmp_path), settings, "inc")
+    if enforce_eager:
+        assert runner.graphs is None
+    else:
+        assert isinstance(runner.graphs, HybridDecodeGraphs)
+        assert set(runner.graphs.graphs) == set(runner.graphs.sizes)  # every size captured

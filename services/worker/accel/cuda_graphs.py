@@ -154,6 +154,7 @@ class DecodeGraphs:
                 "positions": ((rows,), torch.int64),
                 "slots": ((rows,), torch.int64),
                 "seq_lens": ((rows,), torch.int32),
+                **self.extra_inputs(rows),
                 "block_tables": ((rows, max_blocks_per_req), torch.int32),  # last: see _stage
             },
             device=dev,
@@ -162,6 +163,10 @@ class DecodeGraphs:
         self.token_index = torch.arange(rows, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    def extra_inputs(self, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Static input fields a subclass adds (staged before the block tables)."""
+        return {}
 
     # -- capture ----------------------------------------------------------------------------
 

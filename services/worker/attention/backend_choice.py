@@ -10,9 +10,10 @@ forward (spec/verify.py). A drafter that drafts a block of positions at once, ea
 the committed prefix (DFlash-style), must set `non_causal` here; the registry then refuses a
 path that cannot compute it instead of returning a causal result.
 
-The path follows the device and the groups: CUDA with one full-attention group runs the Triton
-kernels ("triton"); CPU, and sliding-window groups on any device (groups.py builds per-group
-reference metadata), run the reference path ("reference"). The backend is resolved when the
+The path follows the device and the groups: CUDA with full-attention groups (one, or beside a
+hybrid model's state group) runs the Triton kernels ("triton"); CPU, and sliding-window groups
+on any device (groups.py builds per-group reference metadata), run the reference path
+("reference"). The backend is resolved when the
 runner (or a drafter's private cache) is built, so a configuration no backend can serve fails
 at start-up with BackendCapabilityError, and a step only reads the resolved object.
 """
@@ -26,7 +27,7 @@ from kernels.attention.backends import (
     AttentionRequirements,
     select_backend,
 )
-from services.worker.attention.groups import needs_group_attention
+from services.worker.attention.groups import paged_attention_groups
 from services.worker.attention.reference import ReferenceAttention
 from shared.kv.groups import KVGroupSpec
 
@@ -50,7 +51,7 @@ def attention_requirements(
 
 
 def backend_name(device: torch.device | str, kv_groups: list[KVGroupSpec]) -> str:
-    if uses_triton(device) and not needs_group_attention(kv_groups):
+    if uses_triton(device) and paged_attention_groups(kv_groups):
         return "triton"
     return ReferenceAttention.name
 

@@ -121,6 +121,25 @@ def prefill_launches(spans: list[PrefillSpan], device: torch.device) -> list[Pre
     return launches
 
 
+def decode_blocks(
+    block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(read, write) block ids of one-token steps ending at `seq_lens` (the entry rule:
+    after n tokens the state is in entry ceil(n / bs) - 1; read at n = seq_len - 1, entry 0
+    where n == 0, which `decode_read_slots` masks), from the state group's table rows."""
+    rows = np.arange(len(seq_lens))
+    n = seq_lens - 1
+    read_entry = np.maximum(-(-n // block_size) - 1, 0)
+    write_entry = -(-seq_lens // block_size) - 1
+    return block_tables[rows, read_entry], block_tables[rows, write_entry]
+
+
+def decode_read_slots(read_blocks: np.ndarray, computed: np.ndarray) -> np.ndarray:
+    """The kernels' int32 read slots: the block, or -1 (a zero state) where nothing was
+    computed before the step."""
+    return np.where(computed > 0, read_blocks, -1).astype(np.int32)
+
+
 @dataclass
 class StateMetadata:
     """The state layers' plan of one step, shared by every state layer (the flat batch has its
@@ -140,6 +159,24 @@ class StateMetadata:
     @property
     def triton(self) -> bool:
         return self.launches is not None
+
+    @classmethod
+    def for_decode_graph(
+        cls, size: int, block_size: int, read_slot: torch.Tensor, write_slot: torch.Tensor
+    ) -> StateMetadata:
+        """A captured decode step's plan (accel/hybrid_graphs.py): `size` one-token rows on
+        the Triton path, reading the graph's static int32 slot buffers. The reference path's
+        block-id fields alias the slots: a graph never runs that path (`triton` is True)."""
+        return cls(
+            num_decodes=size,
+            block_size=block_size,
+            decode_read=read_slot,
+            decode_has_state=read_slot,
+            decode_write=write_slot,
+            decode_read_slot=read_slot,
+            decode_write_slot=write_slot,
+            launches=[],
+        )
 
     @classmethod
     def build(
@@ -162,12 +199,10 @@ class StateMetadata:
         num_decodes = int(ones.size)
         if num_decodes and ones[-1] != num_decodes - 1:
             raise ValueError("one-token requests must lead the flat batch")
-        rows = np.arange(num_decodes)
         n = starts[:num_decodes]
-        read_entry = np.maximum(-(-n // block_size) - 1, 0)
-        write_entry = -(-seq_lens[:num_decodes] // block_size) - 1
-        decode_read = block_tables[rows, read_entry]
-        decode_write = block_tables[rows, write_entry]
+        decode_read, decode_write = decode_blocks(
+            block_tables[:num_decodes], seq_lens[:num_decodes], block_size
+        )
         prefills = []
         offset = num_decodes
         for i in range(num_decodes, len(query_lens)):
@@ -183,7 +218,7 @@ class StateMetadata:
         has_state = torch.from_numpy((n > 0).astype(np.float32)).to(device=device, dtype=dtype)
         slots: dict[str, object] = {}
         if triton:
-            read_slot = np.where(n > 0, decode_read, -1).astype(np.int32)
+            read_slot = decode_read_slots(decode_read, n)
             slots = {
                 "decode_read_slot": torch.from_numpy(read_slot).to(device),
                 "decode_write_slot": torch.from_numpy(decode_write.astype(np.int32)).to(device),

@@ -162,6 +162,10 @@ class GraniteMoe(nn.Module):
         weights, ids = route(F.linear(x, self.router.layer.weight), self.top_k, renormalize=True)
         if self.recorder is not None:
             self.recorder.record(self.moe_index, ids)
+        if x.is_cuda and self.act == "silu":  # the fused-MoE kernel (SwiGLU), as moe.py does:
+            from kernels.layers.fused_moe import fused_moe  # no host sync, so graph-capturable
+
+            return fused_moe(x, self.input_linear.weight, self.output_linear.weight, weights, ids)
         return experts_grouped(
             x, self.input_linear.weight, self.output_linear.weight, weights, ids, self.act
         )

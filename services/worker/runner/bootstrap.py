@@ -136,7 +136,8 @@ def build_runner(
             warmup_s = runner.warmup()
     else:
         warmup_s = runner.warmup()
-    if device.type == "cuda":  # decode steps replay graphs; eager warm-up compiled the kernels
+    if device.type == "cuda" and not settings.enforce_eager:
+        # decode steps replay graphs; the eager warm-up compiled the kernels
         try:
             warmup_s += runner.capture_cuda_graphs()
         except RuntimeError:  # a model whose forward cannot be captured still serves, eagerly

@@ -36,6 +36,7 @@ from kernels.attention.backends import PagedKernelBackend
 from kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
+from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.groups import group_attention, needs_group_attention
@@ -46,7 +47,7 @@ from services.worker.attention.select import (
     build_attention_metadata,
     cpu_decode_kernel,
 )
-from services.worker.attention.state_metadata import StateMetadata
+from services.worker.attention.state_metadata import StateMetadata, decode_blocks, decode_read_slots
 from services.worker.models.base import CausalLM, split_aux_hidden
 from services.worker.runner.in_flight import InFlightTokens, PendingFeed, fed_id
 from services.worker.runner.input_batch import InputBatch, PlanError
@@ -486,21 +487,34 @@ class ModelRunner:
             )  # fmt: skip
             if layout is not None:
                 return self.verify_graphs.run(layout, tables)
+        hybrid = isinstance(self.graphs, HybridDecodeGraphs)
         if (
             self.graphs is not None
             and not eager
             and (inputs.num_drafts is None or not inputs.num_drafts.any())
-            and not needs_group_attention(self.kv_groups)
+            and (hybrid or not needs_group_attention(self.kv_groups))
             and self.graphs.fits(inputs.query_lens)
         ):
             input_ids = inputs.input_ids
             if inputs.fed is not None and inputs.flat_rows is not None:
                 input_ids = input_ids.copy()  # the fed tokens are read on the device
                 input_ids[inputs.fed] = fed_id(inputs.flat_rows[inputs.fed])
+            if isinstance(self.graphs, HybridDecodeGraphs):  # groups [full, state]: capture
+                read, write = decode_blocks(
+                    self.batch.block_tables[1, inputs.rows], inputs.seq_lens, self.block_size
+                )
+                return self.graphs.run_hybrid(
+                    input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables,
+                    decode_read_slots(read, inputs.seq_lens - 1), write.astype(np.int32),
+                )  # fmt: skip
             return self.graphs.run(
                 input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
             )
-        attn: AttentionMetadata | TritonAttentionMetadata | list[AttentionMetadata | StateMetadata]
+        attn: (
+            AttentionMetadata
+            | TritonAttentionMetadata
+            | list[AttentionMetadata | TritonAttentionMetadata | StateMetadata]
+        )
         if needs_group_attention(self.kv_groups):  # sliding windows, states: per-group tables
             attn = self._group_attention(
                 inputs.rows, inputs.query_lens, inputs.seq_lens, inputs.positions
@@ -523,7 +537,7 @@ class ModelRunner:
         seq_lens: np.ndarray,
         positions: np.ndarray,
         block_tables: np.ndarray | None = None,
-    ) -> list[AttentionMetadata | StateMetadata]:
+    ) -> list[AttentionMetadata | TritonAttentionMetadata | StateMetadata]:
         return group_attention(
             self.kv_groups,
             self.batch.block_tables if block_tables is None else block_tables,
@@ -534,6 +548,8 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.decode_kernel,
+            backend=self.attention_backend,
+            num_kv_heads=self.config.num_key_value_heads,
         )
 
     def model_forward(
@@ -542,7 +558,7 @@ class ModelRunner:
         positions: torch.Tensor,
         attn: AttentionMetadata
         | TritonAttentionMetadata
-        | Sequence[AttentionMetadata | StateMetadata],
+        | Sequence[AttentionMetadata | TritonAttentionMetadata | StateMetadata],
     ) -> torch.Tensor:
         """hidden [T, H]: the compiled forward where there is one (cpu_compile.py)."""
         if self.compiled is not None:
@@ -587,23 +603,16 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
         backend = self.attention_backend
-        if self.has_state_group:
-            # The state layers' decode is graph-ready (mamba2.py: one mamba_decode_step per
-            # layer reading int32 read/write slot tensors built on the host, -1 = none), but
-            # a hybrid's attention layers run the per-group reference metadata
-            # (groups.group_attention), and DecodeGraphs holds one Triton attention metadata
-            # and K/V tensors only: capturing needs the attention group on the paged Triton
-            # metadata and static slot buffers per state group first.
-            log.info("no CUDA graphs: a hybrid model's attention runs the per-group path")
-            return 0.0
         if not isinstance(backend, PagedKernelBackend):
             # Sliding-window groups run the reference path, which no graph holds: they were
             # never replayed (_forward), so none is captured.
             log.info("no CUDA graphs: the %r attention path runs eagerly", backend.name)
             return 0.0
+        if self.has_state_group:
+            return self._capture_hybrid_graphs(backend, sizes)
         self.graphs = DecodeGraphs(
             self.model,
-            self.kv_cache.attention_layers,  # every layer's (hybrids capture no graphs)
+            self.kv_cache.attention_layers,  # every layer's
             backend,
             max_num_reqs=self.batch.max_num_reqs,
             max_blocks_per_req=self.batch.max_blocks_per_req,
@@ -631,6 +640,35 @@ class ModelRunner:
                 self.verify_graphs = verify
             except RuntimeError:  # verify steps still run, eagerly
                 log.exception("CUDA graph capture of the verify steps failed: they run eagerly")
+        return seconds
+
+    def _capture_hybrid_graphs(self, backend: PagedKernelBackend, sizes: tuple[int, ...]) -> float:
+        """Decode graphs of a hybrid model (accel/hybrid_graphs.py): its groups must be one
+        full-attention group then one state group (what `_forward` stages)."""
+        kinds = [g.kind for g in self.kv_groups]
+        if kinds != ["full", "state"]:
+            log.info("no CUDA graphs: hybrid KV groups %s (graphs take [full, state])", kinds)
+            return 0.0
+        if getattr(self.model, "routed_experts", None) is not None:
+            # kernels/layers/fused_moe.py checks the routed ids on the host, which a capture
+            # refuses (no MoE model captures graphs yet)
+            log.info("no CUDA graphs: a hybrid MoE model's experts sync with the host")
+            return 0.0
+        graphs = HybridDecodeGraphs(
+            self.model,
+            self.kv_cache.layers,
+            backend,
+            block_size=self.block_size,
+            max_num_reqs=self.batch.max_num_reqs,
+            max_blocks_per_req=self.batch.max_blocks_per_req,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            sizes=sizes,
+            latest=self.feed.latest,
+            upload_stream=self.upload_stream,
+        )
+        seconds = graphs.capture()  # a failure: the bootstrap serves eagerly
+        self.graphs = graphs
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:
@@ -745,7 +783,11 @@ class ModelRunner:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         slot_mapping: np.ndarray,
-    ) -> AttentionMetadata | TritonAttentionMetadata | list[AttentionMetadata | StateMetadata]:
+    ) -> (
+        AttentionMetadata
+        | TritonAttentionMetadata
+        | list[AttentionMetadata | TritonAttentionMetadata | StateMetadata]
+    ):
         """The profile run's metadata: one for every layer, or per layer where the model has
         several groups (every group uses the same scratch table)."""
         if not needs_group_attention(self.kv_groups):

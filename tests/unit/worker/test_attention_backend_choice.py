@@ -18,11 +18,12 @@ from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
 from services.worker.spec.row_kv import RowKV
-from shared.kv.groups import kv_groups_for
+from shared.kv.groups import STATE, kv_groups_for
 from tests.support.tiny_llama import RANDOM_TINY_LLAMA
 
 FULL = kv_groups_for([None, None])
 WINDOWED = kv_groups_for([8, None])  # one sliding-window layer, one full
+HYBRID = kv_groups_for([STATE, None, STATE])  # Mamba2 layers around an attention layer
 
 
 def test_requirements_follow_the_configuration() -> None:
@@ -40,6 +41,10 @@ def test_the_path_of_each_device_and_grouping() -> None:
     assert isinstance(cuda, TritonPagedAttention)
     # Sliding-window groups build the reference path's metadata, on CUDA too (groups.py).
     assert isinstance(resolve_backend("cuda", WINDOWED, torch.bfloat16), ReferenceAttention)
+    # A hybrid's attention group runs the paged kernels (its decode graphs hold them).
+    assert [g.kind for g in HYBRID] == ["full", "state"]
+    assert isinstance(resolve_backend("cuda", HYBRID, torch.bfloat16), TritonPagedAttention)
+    assert isinstance(resolve_backend("cpu", HYBRID, torch.float32), ReferenceAttention)
     assert isinstance(resolve_backend("cpu", FULL, torch.float32), ReferenceAttention)
     assert isinstance(resolve_backend("cpu", WINDOWED, torch.float32), ReferenceAttention)
     # The Triton kernels quantize into an fp8 cache.
