@@ -1,6 +1,7 @@
-"""GGUF files of every new family, written as llama.cpp's converter writes them (tiny random
-weights, fp32): our loader reads the same config and weights as from the HF directory, and the
-runner's logits and greedy tokens equal transformers' on the original model."""
+"""GGUF files of every new family (the hybrid attention + Mamba2 ones included), written as
+llama.cpp's converter writes them (tiny random weights, fp32): our loader reads the same config
+and weights as from the HF directory, and the runner's logits and greedy tokens equal
+transformers' on the original model."""
 
 from __future__ import annotations
 
