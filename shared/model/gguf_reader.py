@@ -198,8 +198,8 @@ def iter_gguf(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, to
     arch = _field(reader, "general.architecture")
     if arch == "granitehybrid":
         arrays = ((t.name, _array(t)) for t in reader.tensors)
-        for name, array in hybrid_hf_tensors(arrays, config):
-            yield name, _torch(array)
+        for converted_name, converted in hybrid_hf_tensors(arrays, config):
+            yield converted_name, _torch(converted)
         return
     for tensor in reader.tensors:
         array = _array(tensor)
