@@ -92,7 +92,7 @@ def test_gguf_family_switches(
     assert moe.moe_layers == [0, 1, 2] and moe.moe_intermediate_size == 48
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "bamba", "granitemoehybrid"])
 def test_model_source_converts_gguf_through_our_reader(
     files: dict[str, tuple[Path, Any]],
     tmp_path_factory: pytest.TempPathFactory,
