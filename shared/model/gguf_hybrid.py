@@ -12,6 +12,9 @@ Granite's multipliers (`attention.scale`, `embedding_scale`, `residual_scale`, `
 for every GraniteMoeHybrid (transformers saves them, 1.0 included) and never for Bamba. It
 writes `rope.scaling.finetuned` = true only for Bamba: llama.cpp reads it as "apply RoPE", so
 a GraniteMoeHybrid file is "nope" unless it says true (llama.cpp's default when missing).
+Bamba rotates half of each head (transformers fixes partial_rotary_factor = 0.5); the file's
+`rope.dimension_count` says so only when the converter's input had IBM's `attn_rotary_emb`
+(else it is the whole head, which llama.cpp then rotates), so Bamba's factor is taken as 0.5.
 
 Tensors, undoing the converter: A = -exp(A_log) back to A_log; A and D [heads, 1] and the
 gated norm [groups, inner / groups] flattened; the conv1d weight [channels, kernel] given its
@@ -34,6 +37,7 @@ from shared.model.gguf_names import unpermute_rope_rows
 ARCH = "granitehybrid"
 BAMBA = "BambaForCausalLM"
 GRANITE = "GraniteMoeHybridForCausalLM"
+BAMBA_PARTIAL_ROTARY = 0.5
 _GRANITE_SCALES = ("attention.scale", "embedding_scale", "residual_scale", "logit_scale")
 
 _COMMON_LAYER = {
@@ -89,11 +93,16 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 
 
 def hybrid_hf_config(
-    get: Callable[[str], Any], hidden: int, head_dim: int, layers: int, tensor_names: set[str]
+    get: Callable[[str], Any],
+    hidden: int,
+    head_dim: int,
+    layers: int,
+    tensor_names: set[str],
+    rope: dict[str, Any],
 ) -> dict[str, Any]:
     """The HF keys of a `granitehybrid` file beyond the common ones; `get(key)` reads
-    `granitehybrid.<key>` (None when absent). A missing `attention.scale` is llama.cpp's
-    head_dim**-0.5."""
+    `granitehybrid.<key>` (None when absent), `rope` is the file's `rope_parameters`. A missing
+    `attention.scale` is llama.cpp's head_dim**-0.5."""
     kv = get("attention.head_count_kv")
     kv_per_layer = list(kv) if isinstance(kv, list) else [kv] * layers
     attention = [i for i, n in enumerate(kv_per_layer) if n]
@@ -118,8 +127,13 @@ def hybrid_hf_config(
     if not any(get(key) is not None for key in _GRANITE_SCALES):
         if not use_rope:
             raise UnsupportedModelError("granitehybrid without RoPE nor Granite scales")
-        bamba = {"architectures": [BAMBA], "model_type": "bamba", "attn_layer_indices": attention}
-        return {**hf, **bamba}
+        return {
+            **hf,
+            "architectures": [BAMBA],
+            "model_type": "bamba",
+            "attn_layer_indices": attention,
+            "rope_parameters": {**rope, "partial_rotary_factor": BAMBA_PARTIAL_ROTARY},
+        }
     experts = int(get("expert_count") or 0)
     return {
         **hf,

@@ -112,7 +112,8 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
         "dtype": "float32",
     }
     if arch == "granitehybrid":
-        hf.update(hybrid_hf_config(get, hidden, head_dim, layers, tensor_names))
+        rope = hf["rope_parameters"]
+        hf.update(hybrid_hf_config(get, hidden, head_dim, layers, tensor_names, rope))
         return hf
     hf["num_key_value_heads"] = int(get("attention.head_count_kv", heads))
     window = get("attention.sliding_window")

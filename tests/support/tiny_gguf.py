@@ -36,10 +36,11 @@ _GEMMA3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
 #: What llama.cpp's GraniteHybridModel cannot express, for every hybrid: the SSD chunk size (its
-#: scan has none: transformers' default 256 is read back). Bamba: its partial rotary factor
-#: (transformers fixes it at 0.5) reaches the file only as IBM's `attn_rotary_emb` (rope dims);
-#: without it the converter writes the full head dim. GraniteMoeHybrid: a hybrid always gets
-#: `rope.scaling.finetuned` = false, llama.cpp's "no RoPE", and the context 2**20.
+#: scan has none: transformers' default 256 is read back). GraniteMoeHybrid: a hybrid always
+#: gets `rope.scaling.finetuned` = false, llama.cpp's "no RoPE", and the context 2**20. (Bamba's
+#: partial rotary factor, fixed at 0.5 by transformers, reaches the file only as IBM's
+#: `attn_rotary_emb`, which a transformers-saved config lacks: the file then says the whole
+#: head, and the reader takes transformers' 0.5.)
 _HYBRID = {"mamba_chunk_size": 256}
 _GRANITE_HYBRID = {**_HYBRID, "position_embedding_type": "nope", "max_position_embeddings": 2**20}
 #: tiny family -> (GGUF architecture, overrides for make_tiny)
@@ -59,7 +60,7 @@ GGUF_FAMILIES: dict[str, tuple[gguf.MODEL_ARCH, dict[str, Any]]] = {
             "rope_parameters": _GEMMA3_ROPE,
         },
     ),
-    "bamba": (gguf.MODEL_ARCH.GRANITE_HYBRID, {**_HYBRID, "attn_rotary_emb": 8}),  # head_dim / 2
+    "bamba": (gguf.MODEL_ARCH.GRANITE_HYBRID, _HYBRID),
     "granitemoehybrid": (gguf.MODEL_ARCH.GRANITE_HYBRID, _GRANITE_HYBRID),
     "granitemoehybrid_dense": (gguf.MODEL_ARCH.GRANITE_HYBRID, _GRANITE_HYBRID),
 }

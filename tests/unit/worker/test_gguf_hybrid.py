@@ -37,7 +37,11 @@ def test_one_gguf_architecture_two_families(files: dict[str, Path]) -> None:
     bamba = _config(files["bamba"])
     assert bamba.architecture == BAMBA and bamba.model_type == "bamba"
     assert bamba.layer_types == ["mamba", "full_attention", "mamba", "mamba"]
-    assert bamba.use_rope and bamba.rope.partial_rotary_factor == 0.5  # attn_rotary_emb = 8
+    # The converter wrote the whole head (16) as rope dims (no attn_rotary_emb in a transformers
+    # config); Bamba rotates half of it, as transformers does.
+    rope_dims = GGUFReader(str(files["bamba"])).fields["granitehybrid.rope.dimension_count"]
+    assert rope_dims.contents() == 16
+    assert bamba.use_rope and bamba.rope.partial_rotary_factor == 0.5
     assert bamba.embedding_multiplier == 1.0 and bamba.attention_multiplier is None
     moe = _config(files["granitemoehybrid"])
     assert moe.architecture == GRANITE and moe.model_type == "granitemoehybrid"
