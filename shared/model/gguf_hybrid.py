@@ -104,15 +104,21 @@ def hybrid_hf_config(
     `granitehybrid.<key>` (None when absent), `rope` is the file's `rope_parameters`. A missing
     `attention.scale` is llama.cpp's head_dim**-0.5."""
     kv = get("attention.head_count_kv")
-    kv_per_layer = list(kv) if isinstance(kv, list) else [kv] * layers
+    kv_per_layer = [int(n) for n in kv] if isinstance(kv, list) else []
     attention = [i for i, n in enumerate(kv_per_layer) if n]
     mamba = [i for i in range(layers) if i not in attention]
+    if len(kv_per_layer) != layers or not mamba:
+        # the converter writes a file without mamba layers as granite / granitemoe
+        raise UnsupportedModelError(f"granitehybrid head_count_kv {kv!r}: no per-layer mamba 0s")
     n_heads, inner = int(get("ssm.time_step_rank")), int(get("ssm.inner_size"))
     if inner % hidden or inner % n_heads:
-        raise UnsupportedModelError(f"ssm.inner_size {inner} is not a multiple of {hidden}")
-    probe = mamba[0] if mamba else 0
+        raise UnsupportedModelError(
+            f"ssm.inner_size {inner} is not a multiple of the hidden size {hidden} and of "
+            f"ssm.time_step_rank {n_heads} (the mixer's heads)"
+        )
+    probe = mamba[0]
     hf: dict[str, Any] = {
-        "num_key_value_heads": max(int(n) for n in kv_per_layer),
+        "num_key_value_heads": max(kv_per_layer),
         "mamba_n_heads": n_heads,
         "mamba_d_head": inner // n_heads,
         "mamba_expand": inner // hidden,
