@@ -8,7 +8,8 @@ dequantized to fp32 with `gguf.quants.dequantize` (then cast to the serving dtyp
 
 Architectures (`general.architecture`, as llama.cpp's convert_hf_to_gguf.py writes them): llama
 (Llama; Mistral when a sliding window is set; Mixtral when it has experts), qwen2, qwen3,
-qwen2moe, qwen3moe, gemma3. Facts llama.cpp does not store are taken as llama.cpp assumes them:
+qwen2moe, qwen3moe, gemma3, granitehybrid (Bamba or GraniteMoeHybrid: attention + Mamba2
+layers, read by `gguf_hybrid`). Facts llama.cpp does not store are taken as llama.cpp assumes them:
 Qwen2-MoE does not renormalise its top-k routing weights, Qwen3-MoE and Mixtral do; Gemma3's
 every 6th layer is full attention, its sliding layers use RoPE base 10000, and its attention
 scale is head_dim**-0.5 (hidden/heads for the 62-layer 27B).
@@ -22,10 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from shared.model.config import ModelConfig, UnsupportedModelError
+from shared.model.gguf_hybrid import hybrid_hf_config, hybrid_hf_tensors
 from shared.model.gguf_names import (
     expert_hf_names,
     hf_name,
@@ -50,6 +52,8 @@ _ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    # Bamba or GraniteMoeHybrid, told apart by gguf_hybrid
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
 }
 #: whether the MoE renormalises its top-k weights when the file has no expert_weights_norm
 _NORM_TOPK_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -91,7 +95,7 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": heads,
         "head_dim": head_dim,
         "intermediate_size": int(
             get("feed_forward_length", 0) or get("expert_feed_forward_length")
@@ -107,6 +111,11 @@ def hf_config_from_gguf(reader: GGUFReader) -> dict[str, Any]:
         "eos_token_id": sorted(int(e) for e in eos if e is not None),
         "dtype": "float32",
     }
+    if arch == "granitehybrid":
+        rope = hf["rope_parameters"]
+        hf.update(hybrid_hf_config(get, hidden, head_dim, layers, tensor_names, rope))
+        return hf
+    hf["num_key_value_heads"] = int(get("attention.head_count_kv", heads))
     window = get("attention.sliding_window")
     num_experts = int(get("expert_count", 0) or 0)
     if arch == "llama" and window:
@@ -188,9 +197,13 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
 def iter_gguf(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, fp32 tensor in HF layout) for every tensor of the file (experts one by one)."""
     arch = _field(reader, "general.architecture")
+    if arch == "granitehybrid":
+        arrays = ((t.name, _array(t)) for t in reader.tensors)
+        for converted_name, converted in hybrid_hf_tensors(arrays, config):
+            yield converted_name, _torch(converted)
+        return
     for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        array = _array(tensor)
         experts = expert_hf_names(tensor.name, config.num_experts, arch)
         if experts is not None:
             if array.shape[0] != len(experts):
@@ -208,6 +221,12 @@ def iter_gguf(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, to
             arch, name, array, config.num_attention_heads, config.num_key_value_heads
         )
         yield name, _torch(array)
+
+
+def _array(tensor: ReaderTensor) -> np.ndarray:
+    """The tensor dequantized to fp32, in numpy (HF) dimension order."""
+    array = dequantize(tensor.data, tensor.tensor_type)
+    return array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
 def _torch(array: np.ndarray) -> torch.Tensor:

@@ -102,15 +102,16 @@ def ensure_gguf_converted(gguf: Path, cache_dir: Path, name: str | None = None) 
 
 
 def _convert(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    # transformers reads only plain Llama GGUFs faithfully (it turns Mixtral into a randomly
+    # initialised dense Llama); the other families go through the worker's GGUF reader.
+    from shared.model.gguf_convert import needs_own_reader, tokenizer, write_hf_dir
 
     log.info("converting %s to a cached safetensors copy in %s (once, ~20 s)", gguf.name, out)
     t0 = time.monotonic()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = tokenizer(gguf)
     log.info("conversion: tokenizer read (%.1f s); dequantizing weights", time.monotonic() - t0)
-    # transformers reads only plain Llama GGUFs faithfully (it turns Mixtral into a randomly
-    # initialised dense Llama); the other families go through the worker's GGUF reader.
-    from shared.model.gguf_convert import needs_own_reader, write_hf_dir
 
     if needs_own_reader(gguf):
         write_hf_dir(gguf, out)

@@ -9,11 +9,14 @@ norm weights stored as 1 + w. fp32 tensors, so loading must reproduce the weight
 `GGUF_FAMILIES` holds, per tiny family of tests/support/tiny_models.py, the GGUF architecture
 and the overrides that keep the tiny config within what a GGUF file expresses (llama.cpp stores
 no Qwen2 sliding-window layers, no Qwen-MoE dense layers, and fixes Gemma3's layer pattern,
-local RoPE base and attention scale).
+local RoPE base and attention scale). The hybrid attention + Mamba2 families (`granitehybrid`)
+are converted by tests/support/tiny_gguf_hybrid.py, llama.cpp's GraniteHybridModel; their
+overrides say what that converter cannot express.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -24,12 +27,22 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
+from tests.support import tiny_gguf_hybrid
+from tests.support.tiny_gguf_hybrid import llama_cpp_permute
 from tests.support.tiny_models import make_tiny
 
 _GEMMA3_ROPE = {
     "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
+#: What llama.cpp's GraniteHybridModel cannot express, for every hybrid: the SSD chunk size (its
+#: scan has none: transformers' default 256 is read back). GraniteMoeHybrid: a hybrid always
+#: gets `rope.scaling.finetuned` = false, llama.cpp's "no RoPE", and the context 2**20. (Bamba's
+#: partial rotary factor, fixed at 0.5 by transformers, reaches the file only as IBM's
+#: `attn_rotary_emb`, which a transformers-saved config lacks: the file then says the whole
+#: head, and the reader takes transformers' 0.5.)
+_HYBRID = {"mamba_chunk_size": 256}
+_GRANITE_HYBRID = {**_HYBRID, "position_embedding_type": "nope", "max_position_embeddings": 2**20}
 #: tiny family -> (GGUF architecture, overrides for make_tiny)
 GGUF_FAMILIES: dict[str, tuple[gguf.MODEL_ARCH, dict[str, Any]]] = {
     "qwen2": (gguf.MODEL_ARCH.QWEN2, {"use_sliding_window": False}),
@@ -47,6 +60,9 @@ GGUF_FAMILIES: dict[str, tuple[gguf.MODEL_ARCH, dict[str, Any]]] = {
             "rope_parameters": _GEMMA3_ROPE,
         },
     ),
+    "bamba": (gguf.MODEL_ARCH.GRANITE_HYBRID, _HYBRID),
+    "granitemoehybrid": (gguf.MODEL_ARCH.GRANITE_HYBRID, _GRANITE_HYBRID),
+    "granitemoehybrid_dense": (gguf.MODEL_ARCH.GRANITE_HYBRID, _GRANITE_HYBRID),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
@@ -55,40 +71,61 @@ CHAT_TEMPLATE = (
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
 
 
-def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute on Q/K rows."""
-    return (
-        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
 def make_tiny_gguf(directory: Path, family: str, seed: int = 0) -> tuple[Path, PreTrainedModel]:
     """(GGUF file, the transformers model it holds); the HF dir is `directory / "hf"`."""
     arch, overrides = GGUF_FAMILIES[family]
     model = make_tiny(directory / "hf", family, seed=seed, **overrides)
+    if arch == gguf.MODEL_ARCH.GRANITE_HYBRID:
+        _as_ibm_config(directory / "hf")
     path = directory / f"{family}.gguf"
     write_gguf(directory / "hf", model.config, arch, path)
     return path, model
+
+
+def _as_ibm_config(hf_dir: Path) -> None:
+    """GraniteMoeHybrid's layer types in IBM's spelling (mamba/attention), as its released
+    checkpoints have them: the converter looks for "attention" and would take transformers 5's
+    full_attention/linear_attention for all-mamba. transformers and our loader read both."""
+    file = hf_dir / "config.json"
+    hparams = json.loads(file.read_text())
+    if "layer_types" in hparams:
+        spelling = {"full_attention": "attention", "linear_attention": "mamba"}
+        hparams["layer_types"] = [spelling.get(t, t) for t in hparams["layer_types"]]
+        file.write_text(json.dumps(hparams, indent=2))
 
 
 def write_gguf(hf_dir: Path, config: Any, arch: gguf.MODEL_ARCH, path: Path) -> None:
     """Convert the saved checkpoint in `hf_dir` (as the converter does: from the files)."""
     name = gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(str(path), name)
-    _write_metadata(writer, config, name)
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    for hf_name, array in _converted_tensors(hf_dir, config, name):
-        base, _, kind = hf_name.rpartition(".")
-        gguf_base = names.get_name(base)
-        if gguf_base is None:
-            raise KeyError(f"gguf-py has no {name} name for {hf_name}")
-        writer.add_tensor(f"{gguf_base}.{kind}", np.ascontiguousarray(array, dtype=np.float32))
+    if arch == gguf.MODEL_ARCH.GRANITE_HYBRID:
+        hparams = json.loads((hf_dir / "config.json").read_text())
+        tiny_gguf_hybrid.write_metadata(writer, hparams)
+        tensors = tiny_gguf_hybrid.converted_tensors(hf_dir, hparams)
+    else:
+        _write_metadata(writer, config, name)
+        tensors = _gguf_named(_converted_tensors(hf_dir, config, name), arch, config)
+    _write_tokenizer(writer, config)
+    for gguf_name, array in tensors:
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _gguf_named(
+    tensors: list[tuple[str, np.ndarray]], arch: gguf.MODEL_ARCH, config: Any
+) -> list[tuple[str, np.ndarray]]:
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    out = []
+    for hf_name, array in tensors:
+        base, _, kind = hf_name.rpartition(".")
+        gguf_base = names.get_name(base)
+        if gguf_base is None:
+            raise KeyError(f"gguf-py has no {gguf.MODEL_ARCH_NAMES[arch]} name for {hf_name}")
+        out.append((f"{gguf_base}.{kind}", array))
+    return out
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config: Any, arch: str) -> None:
@@ -115,6 +152,9 @@ def _write_metadata(writer: gguf.GGUFWriter, config: Any, arch: str) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _write_tokenizer(writer: gguf.GGUFWriter, config: Any) -> None:
     tokens, types, merges = _byte_level_vocab(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")

@@ -1,6 +1,7 @@
-"""GGUF files of every new family, written as llama.cpp's converter writes them (tiny random
-weights, fp32): our loader reads the same config and weights as from the HF directory, and the
-runner's logits and greedy tokens equal transformers' on the original model."""
+"""GGUF files of every new family (the hybrid attention + Mamba2 ones included), written as
+llama.cpp's converter writes them (tiny random weights, fp32): our loader reads the same config
+and weights as from the HF directory, and the runner's logits and greedy tokens equal
+transformers' on the original model."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_gguf_family_switches(
     assert moe.moe_layers == [0, 1, 2] and moe.moe_intermediate_size == 48
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "bamba", "granitemoehybrid"])
 def test_model_source_converts_gguf_through_our_reader(
     files: dict[str, tuple[Path, Any]],
     tmp_path_factory: pytest.TempPathFactory,
