@@ -235,6 +235,16 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     port: int = 8002
     kv_cache_bytes: int = 0  # 0 = kv_cache_memory_fraction of free memory
     kv_cache_memory_fraction: float = 0.3
+    # Hybrid models (attention + Mamba2 layers): the state pool's blocks out of the KV cache
+    # budget (services/worker/runner/state_pool.py): MESHLLM_KV_STATE_BLOCKS if > 0, else
+    # max(a floor for max_num_seqs running requests and one step of max_num_batched_tokens,
+    # kv_state_memory_share of the budget), at most 0.9 of it; attention gets the rest.
+    kv_state_blocks: int = Field(0, ge=0)
+    kv_state_memory_share: float = Field(0.5, ge=0, le=0.9)
+    # The scheduler's batch bounds (the same MESHLLM_MAX_NUM_SEQS and
+    # MESHLLM_MAX_NUM_BATCHED_TOKENS): what the state pool's floor provides for.
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
     # "dummy": random weights at the shapes of MESHLLM_MODEL's config.json, no weight files read
     # (vLLM's --load-format dummy): benchmarks of large shapes behind the gateway, which still
     # needs the directory's tokenizer. "auto": the checkpoint's weights.

@@ -25,6 +25,10 @@ class SchedulerConfig(BaseModel):
     block_size: int = Field(default=16, ge=1)
     # Pool size, including the reserved null block 0.
     num_gpu_blocks: int = Field(default=1024, ge=2)
+    # The state pool of a hybrid model's state groups, including its own null block 0
+    # (WorkerReady.num_state_blocks). 0 = no state pool: state groups, if any, draw from the
+    # attention pool (a worker that announced none keeps both kinds under one id space).
+    num_state_blocks: int = Field(default=0, ge=0)
     max_num_seqs: int = Field(default=64, ge=1)  # running requests at most
     # Tokens computed per step, all requests together (the chunked-prefill budget).
     max_num_batched_tokens: int = Field(default=2048, ge=1)
@@ -62,6 +66,11 @@ class SchedulerConfig(BaseModel):
                     f"KV cache group block size {group.spec.block_size} != block_size "
                     f"{self.block_size}"
                 )
+        if self.num_state_blocks:
+            if self.num_state_blocks < 2:
+                raise ValueError("a state pool needs at least 2 blocks (1 is the null block)")
+            if not any(isinstance(g.spec, StateSpec) for g in self.kv_cache_groups):
+                raise ValueError(f"num_state_blocks={self.num_state_blocks} without a state group")
         return self
 
     @classmethod
@@ -79,6 +88,7 @@ class SchedulerConfig(BaseModel):
         return cls(
             block_size=ready.block_size,
             num_gpu_blocks=ready.num_kv_blocks,
+            num_state_blocks=ready.num_state_blocks,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             long_prefill_token_threshold=settings.long_prefill_token_threshold,

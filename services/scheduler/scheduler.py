@@ -433,12 +433,15 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         stats = self.kv.stats
+        state_pool = self.kv.state_pool
         return SchedulerSnapshot(
             step_id=self.step_id,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_usable_blocks=self.kv.num_usable_blocks,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            num_usable_blocks=self.kv.pool.num_usable_blocks,
+            num_free_state_blocks=state_pool.num_free_blocks if state_pool else 0,
+            num_usable_state_blocks=state_pool.num_usable_blocks if state_pool else 0,
             kv_usage_percent=100.0 * self.kv.usage,
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
@@ -630,13 +633,7 @@ class Scheduler:
             )
         # Peak KV slots: every token but the last sampled one (which finishes the request).
         peak = min(prompt_len + msg.sampling.max_tokens - 1, max_len - 1)
-        needed = self.kv.num_blocks_for_tokens(peak)
-        if needed > self.kv.num_usable_blocks:
-            return (
-                f"request needs up to {needed} KV blocks ({peak} tokens), more than the "
-                f"{self.kv.num_usable_blocks} the cache holds"
-            )
-        return None
+        return self.kv.too_large(peak)
 
 
 def _final_delta(

@@ -33,9 +33,9 @@ class SchedulerSnapshot:
     step_id: int
     num_running: int
     num_waiting: int
-    num_free_blocks: int
+    num_free_blocks: int  # the attention pool's
     num_usable_blocks: int
-    kv_usage_percent: float
+    kv_usage_percent: float  # the fuller pool's (KVCacheManager.usage)
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
@@ -43,3 +43,6 @@ class SchedulerSnapshot:
     num_finished: int
     num_aborted: int
     num_step_failures: int
+    # A hybrid model's state pool (0 = none: no state group, or one pool for both kinds).
+    num_free_state_blocks: int = 0
+    num_usable_state_blocks: int = 0

@@ -250,11 +250,12 @@ class SchedulerService(Service):
             return
         self.worker = ready
         log.info(
-            "worker %s (incarnation %s) ready: %d KV blocks of %d tokens",
+            "worker %s (incarnation %s) ready: %d KV blocks of %d tokens, %d state blocks",
             ready.worker_id,
             ready.incarnation,
             ready.num_kv_blocks,
             ready.block_size,
+            ready.num_state_blocks,
         )
         config = SchedulerConfig.from_worker(self.settings, ready)
         if self.core is None or self.core.config != config:

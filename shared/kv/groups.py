@@ -17,15 +17,15 @@ Rules both sides keep:
   entry p // block_size. Entries whose blocks fell entirely out of the window hold the null
   block id 0 (reserved by the scheduler's block pool, never allocated). The worker never reads
   or writes a position outside the window, so null entries are never touched.
-- Memory: each layer owns one `[2, num_blocks, block_size, kv_heads, head_dim]` tensor, whatever
-  its group, and block ids index the per-layer tensors, so all groups draw from one pool of
-  `num_blocks` ids on the scheduler side.
+- Memory: each attention layer owns one `[2, num_blocks, block_size, kv_heads, head_dim]`
+  tensor, whatever its group, and block ids index the per-layer tensors, so all attention
+  groups draw from one pool of `num_blocks` ids on the scheduler side.
 - An empty group list (`WorkerReady.kv_groups == []`) means one full-attention group over every
   layer: what workers announced before groups existed.
 
 State groups (`kind="state"`: the Mamba-style layers of hybrid models) keep, per request, one
-recurrent state instead of per-token K/V, in the same block ids as every other group ("align
-mode": a state saved at each block boundary, so prefix caching works for hybrids):
+recurrent state instead of per-token K/V, in block ids of their own state pool ("align mode":
+a state saved at each block boundary, so prefix caching works for hybrids):
 
 - Entry rule: after a request's first n tokens are computed, its state lives in block-table
   entry `ceil(n / block_size) - 1`, the entry of the block holding position n - 1. When n is a
@@ -39,7 +39,13 @@ mode": a state saved at each block boundary, so prefix caching works for hybrids
   earlier one for the null block (a sliding window of 2 positions, in effect), so a request
   holds at most ceil((1 + step tokens) / block_size) + 1 state blocks, whatever its length.
 - Memory: each state layer owns per-block state tensors (a conv state and an SSM state per
-  block id) beside the attention layers' per-block K/V, all indexed by the one pool's ids.
+  block id) of `num_state_blocks` blocks (WorkerReady), a pool apart from the attention pool's
+  `num_blocks`: a state group's ids index the state pool only, with its own null block 0, and
+  the scheduler hands them out of a BlockPool of its own (services/scheduler/kv). A state
+  block costs what thousands of attention tokens cost, so the worker sizes the state pool by
+  a rule (services/worker/runner/state_pool.py) instead of a state per attention block id.
+  (`num_state_blocks == 0` with a state group: a worker from before the state pool, whose
+  state groups share the attention pool's ids.)
 - Order: state groups come after the attention groups (one state group: every state layer
   has the same state shape in the supported families).
 - State groups are transferable (P/D hands them over) but not storable: the Redis tier's

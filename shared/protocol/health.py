@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shared.kv.groups import KVGroupSpec
 from shared.protocol.base import Message, Struct, register
@@ -61,6 +61,10 @@ class WorkerReady(Message):
     group: str = "0"
     model: str
     num_kv_blocks: int = Field(ge=1)
+    # A hybrid model's state pool (its state groups' block ids index it, null block 0
+    # included; services/worker/runner/kv_cache.py). 0 = none: no state group, or a worker from
+    # before the state pool, whose state groups share the `num_kv_blocks` ids.
+    num_state_blocks: int = Field(0, ge=0)
     block_size: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
     max_model_len: int = Field(ge=1)
@@ -72,3 +76,10 @@ class WorkerReady(Message):
     # scheduler offers stores to the kvstore with it from the first one on.
     kv_chunk_bytes: int = Field(0, ge=0)
     time: float = 0.0
+
+    @model_validator(mode="after")
+    def _state_pool_holds_a_block(self) -> WorkerReady:
+        # (That a state pool comes with a state group is the scheduler config's check.)
+        if self.num_state_blocks == 1:
+            raise ValueError("num_state_blocks is 0 or at least 2 (1 is the null block)")
+        return self

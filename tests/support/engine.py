@@ -38,6 +38,7 @@ class InProcessEngine:
         model_dir: Path | str,
         *,
         num_blocks: int = 512,
+        num_state_blocks: int | None = None,
         block_size: int = 16,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 64,
@@ -50,7 +51,10 @@ class InProcessEngine:
     ) -> None:
         model, config = model_and_config or load_model(model_dir, dtype, device)
         self.model, self.model_config = model, config
-        self.kv_cache = KVCache.allocate(config, num_blocks, block_size, dtype, device)
+        # A hybrid model's state pool: as many blocks as attention unless told (KVCache).
+        self.kv_cache = KVCache.allocate(
+            config, num_blocks, block_size, dtype, device, num_state_blocks
+        )
         max_model_len = min(config.max_position_embeddings, 4096)
         self.runner = ModelRunner(
             model,
@@ -65,6 +69,7 @@ class InProcessEngine:
             SchedulerConfig(
                 block_size=block_size,
                 num_gpu_blocks=num_blocks,
+                num_state_blocks=self.kv_cache.num_state_blocks,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,

@@ -1,4 +1,8 @@
-"""The physical KV block pool shared by every KV cache group.
+"""A physical block pool: the attention pool that every attention group (full, sliding window)
+draws from, or a hybrid model's state pool of its state groups (the worker sizes them apart:
+a state block holds one recurrent state per state layer, an attention block `block_size`
+tokens of K/V per attention layer; kv_cache_coordinator.py maps groups to pools). Each pool
+has its own id space, null block, prefix-cache map and LRU free queue.
 
 Invariants:
 - A block is in the free queue iff its ref_cnt is 0 (the null block is never in it).
@@ -7,9 +11,9 @@ Invariants:
 - The free queue is in LRU order: blocks are taken from the head, freed blocks are appended at
   the tail. A free block is "free" for admission purposes even if cached: taking it evicts it.
 
-Block 0 is reserved as the null block: never allocated, never freed. Groups that drop blocks
-(sliding window, later) point skipped table entries at it, and the worker may use it as padding.
-So `num_blocks` pool blocks give `num_blocks - 1` usable ones.
+Block 0 of each pool is reserved as the null block: never allocated, never freed. Groups that
+drop blocks (sliding window, state) point skipped table entries at it, and the worker may use
+it as padding. So `num_blocks` pool blocks give `num_blocks - 1` usable ones.
 """
 
 from __future__ import annotations

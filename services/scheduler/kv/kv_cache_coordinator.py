@@ -9,6 +9,13 @@ non-prefix-closed group at the agreed length until no group shortens it.
 
 Admission bound: a request's peak demand is the sum over groups of `max_blocks_held` (a
 sliding-window group holds a bounded number of blocks however long the request runs).
+
+Pools: attention groups draw block ids from the attention pool; state groups (recurrent
+states of hybrid models) from their own state pool when the worker sized one
+(`num_state_blocks`, SGLang's MambaPool beside its KV pool), else from the attention pool as
+well (a worker that announced no state pool keeps both kinds under one id space). Demand and
+free blocks are counted per pool: `blocks_needed` lists one count per pool in `pools` order,
+and a request fits only if every pool has its count free.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.scheduler.kv.block_pool import BlockPool, KVCacheBlock
-from services.scheduler.kv.kv_cache_spec import KVCacheGroup
+from services.scheduler.kv.kv_cache_spec import KVCacheGroup, StateSpec
 from services.scheduler.kv.single_type_manager import SingleTypeKVCacheManager, make_manager
 from shared.kv.block_hash import BlockHash
 
@@ -25,16 +32,29 @@ KVCacheBlocks = list[list[KVCacheBlock]]
 
 
 class KVCacheCoordinator:
-    def __init__(self, groups: Sequence[KVCacheGroup], pool: BlockPool, enable_caching: bool):
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroup],
+        pool: BlockPool,
+        enable_caching: bool,
+        state_pool: BlockPool | None = None,
+    ):
         if not groups:
             raise ValueError("at least one KV cache group is required")
         sizes = {g.spec.block_size for g in groups}
         if len(sizes) != 1:
             raise ValueError(f"all KV cache groups must share one block size, got {sorted(sizes)}")
+        is_state = [isinstance(g.spec, StateSpec) for g in groups]
+        if state_pool is not None and not any(is_state):
+            raise ValueError("a state pool without a state group")
         self.block_size = sizes.pop()
         self.pool = pool
+        #: The distinct pools, attention pool first; `pool_index[g]` is group g's.
+        self.pools: list[BlockPool] = [pool] if state_pool is None else [pool, state_pool]
+        self.pool_index = [int(state_pool is not None and s) for s in is_state]
         self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(g.spec, pool, i, enable_caching) for i, g in enumerate(groups)
+            make_manager(g.spec, self.pools[p], i, enable_caching)
+            for i, (g, p) in enumerate(zip(groups, self.pool_index, strict=True))
         ]
         self.num_groups = len(self.managers)
         self._dropping = [m for m in self.managers if m.drops_blocks]
@@ -75,22 +95,49 @@ class KVCacheCoordinator:
         num_blocks = length // block_size
         return [h[:num_blocks] for h in hits], length
 
+    def pool_of_group(self, group_id: int) -> BlockPool:
+        return self.pools[self.pool_index[group_id]]
+
+    def blocks_needed(
+        self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
+    ) -> list[int]:
+        """Blocks each pool (in `pools` order) loses when the request grows to `num_tokens`
+        slots with this prefix hit: exactly what `save_new_computed_blocks` +
+        `allocate_new_blocks` take from it."""
+        if self.num_groups == 1:
+            return [
+                self.managers[0].get_num_blocks_to_allocate(
+                    request_id, num_tokens, new_computed_blocks[0]
+                )
+            ]
+        needed = [0] * len(self.pools)
+        for manager, p, blocks in zip(
+            self.managers, self.pool_index, new_computed_blocks, strict=True
+        ):
+            needed[p] += manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+        return needed
+
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: KVCacheBlocks
     ) -> int:
-        if self.num_groups == 1:
-            return self.managers[0].get_num_blocks_to_allocate(
-                request_id, num_tokens, new_computed_blocks[0]
-            )
-        total = 0
-        for manager, blocks in zip(self.managers, new_computed_blocks, strict=True):
-            total += manager.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
-        return total
+        """`blocks_needed` over all pools together."""
+        return sum(self.blocks_needed(request_id, num_tokens, new_computed_blocks))
+
+    def fits(self, needed: Sequence[int]) -> bool:
+        """Whether every pool has its count of `needed` (a `blocks_needed` list) free."""
+        return all(n <= pool.num_free_blocks for n, pool in zip(needed, self.pools, strict=True))
+
+    def peak_blocks(self, num_tokens: int, max_step_tokens: int) -> list[int]:
+        """Blocks per pool a request of `num_tokens` slots holds at its peak with no prefix
+        hit, when a step computes at most `max_step_tokens` of its tokens."""
+        peak = [0] * len(self.pools)
+        for manager, p in zip(self.managers, self.pool_index, strict=True):
+            peak[p] += manager.max_blocks_held(num_tokens, max_step_tokens)
+        return peak
 
     def num_blocks_for_tokens(self, num_tokens: int, max_step_tokens: int) -> int:
-        """Blocks a request of `num_tokens` slots holds at its peak with no prefix hit, when a
-        step computes at most `max_step_tokens` of its tokens."""
-        return sum(m.max_blocks_held(num_tokens, max_step_tokens) for m in self.managers)
+        """`peak_blocks` over all pools together."""
+        return sum(self.peak_blocks(num_tokens, max_step_tokens))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self._dropping:

@@ -1,10 +1,17 @@
 """Request-level KV cache management: prefix lookup, admission estimates, allocation.
 
-The one invariant admission rests on: `estimate_blocks_to_allocate(...)` is exactly the number
-of blocks `allocate_slots(...)` with the same arguments takes out of the pool's free queue
-(new blocks plus prefix-hit blocks revived from the free queue). An over-estimate would starve
-a long request at the head of the queue forever; an under-estimate would over-commit the pool.
-Both calls go through the same per-group `get_num_blocks_to_allocate`, so they cannot drift.
+The one invariant admission rests on: `blocks_to_allocate(...)` is exactly the number of
+blocks `allocate_slots(...)` with the same arguments takes out of each pool's free queue
+(new blocks plus prefix-hit blocks revived from the free queue); `estimate_blocks_to_allocate`
+is their sum. An over-estimate would starve a long request at the head of the queue forever;
+an under-estimate would over-commit a pool. Both calls go through the same per-group
+`get_num_blocks_to_allocate`, so they cannot drift.
+
+Pools: the attention pool (`num_gpu_blocks`) and, for a hybrid model whose worker sized one,
+the state pool (`num_state_blocks`) that state groups draw from (kv_cache_coordinator.py). A
+request fits only if every pool has its share free: a full state pool blocks admission however
+many attention blocks are free, and the reverse. `usage` (the load reported for routing) is
+the fuller pool's.
 
 Prefix-cache registration happens at allocation (as in vLLM v1): `allocate_slots` registers
 every block that the planned step makes full, before the worker has written it. That is what
@@ -48,9 +55,15 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.max_step_tokens = config.max_num_batched_tokens
         self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
-        self.coordinator = KVCacheCoordinator(
-            config.kv_cache_groups, self.pool, config.enable_prefix_caching
+        self.state_pool = (
+            BlockPool(config.num_state_blocks, config.enable_prefix_caching)
+            if config.num_state_blocks
+            else None
         )
+        self.coordinator = KVCacheCoordinator(
+            config.kv_cache_groups, self.pool, config.enable_prefix_caching, self.state_pool
+        )
+        self.pools = self.coordinator.pools  # attention pool first
         self.stats = PrefixCacheStats()
         self._no_blocks = self.coordinator.empty_blocks()  # read-only "no prefix hit"
         # Blocks registered by allocations since the last `take_newly_cached` (not yet written).
@@ -58,15 +71,18 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+        """Free blocks of every pool together."""
+        return sum(pool.num_free_blocks for pool in self.pools)
 
     @property
     def num_usable_blocks(self) -> int:
-        return self.pool.num_usable_blocks
+        """Usable blocks of every pool together."""
+        return sum(pool.num_usable_blocks for pool in self.pools)
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """The fuller pool's usage: what bounds admission first."""
+        return max(pool.usage for pool in self.pools)
 
     def empty_blocks(self) -> KVCacheBlocks:
         return self.coordinator.empty_blocks()
@@ -91,10 +107,29 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_new_computed_tokens: int | None = None,
     ) -> int:
-        """Blocks `allocate_slots` with these arguments would take from the pool."""
+        """Blocks `allocate_slots` with these arguments would take, all pools together."""
+        return sum(
+            self.blocks_to_allocate(
+                request, num_new_tokens, new_computed_blocks, num_new_computed_tokens
+            )
+        )
+
+    def blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_new_computed_tokens: int | None = None,
+    ) -> list[int]:
+        """Blocks `allocate_slots` with these arguments would take from each pool (`pools`
+        order)."""
         blocks = new_computed_blocks or self._no_blocks
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
-        return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_tokens, blocks)
+        return self.coordinator.blocks_needed(request.request_id, num_tokens, blocks)
+
+    def fits(self, needed: list[int]) -> bool:
+        """Whether every pool has its count of a `blocks_to_allocate` list free."""
+        return self.coordinator.fits(needed)
 
     def allocate_slots(
         self,
@@ -107,7 +142,7 @@ class KVCacheManager:
         (including the prefix hit `new_computed_blocks`, for a request being admitted).
 
         Returns the newly allocated blocks per group (not the hit blocks; read-only lists), or
-        None, changing nothing, if the pool cannot supply them. On success, the blocks these
+        None, changing nothing, if a pool cannot supply its share. On success, the blocks these
         tokens make full are registered in the prefix cache (see the module docstring), so a
         request allocated after this one in the same step can hit them.
         """
@@ -118,10 +153,10 @@ class KVCacheManager:
             # Skipped blocks go back before counting, so they can serve this very allocation.
             coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
-        needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
-        if needed == 0 and new_computed_blocks is None:
+        needed = coordinator.blocks_needed(request_id, num_tokens, blocks)
+        if new_computed_blocks is None and not any(needed):
             new_blocks = self._no_blocks  # the common decode step: its last block has room
-        elif needed > self.pool.num_free_blocks:
+        elif not coordinator.fits(needed):
             return None
         else:
             if new_computed_blocks:
@@ -146,8 +181,12 @@ class KVCacheManager:
         return blocks
 
     def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Forget the prefix hashes of blocks whose KV was never written (a failed step)."""
-        self.pool.uncache_blocks(blocks)
+        """Forget the prefix hashes of blocks whose KV was never written (a failed step).
+        Each block goes back to its group's pool (the group is part of its cache key)."""
+        coordinator = self.coordinator
+        for block in blocks:
+            if block.block_hash is not None:
+                coordinator.pool_of_group(block.block_hash[1]).uncache_blocks((block,))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks made full by its first `num_computed_tokens` tokens,
@@ -168,12 +207,26 @@ class KVCacheManager:
         """Peak blocks of a request of `num_tokens` slots over all groups (admission bound)."""
         return self.coordinator.num_blocks_for_tokens(num_tokens, self.max_step_tokens)
 
+    def too_large(self, num_tokens: int) -> str | None:
+        """Why a request of `num_tokens` slots can never fit (its peak exceeds a pool's usable
+        blocks), or None."""
+        peak = self.coordinator.peak_blocks(num_tokens, self.max_step_tokens)
+        for i, (needed, pool) in enumerate(zip(peak, self.pools, strict=True)):
+            if needed > pool.num_usable_blocks:
+                kind = "state" if i else "KV"
+                return (
+                    f"request needs up to {needed} {kind} blocks ({num_tokens} tokens), more "
+                    f"than the {pool.num_usable_blocks} the cache holds"
+                )
+        return None
+
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
 
     def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+        for pool in self.pools:
+            pool.reset_prefix_cache()
 
     def _num_slots(
         self,

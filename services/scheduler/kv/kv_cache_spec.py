@@ -1,12 +1,13 @@
 """KV cache specs and groups.
 
 Every attention-like layer declares a spec; layers with equal specs form a KV cache group; each
-group gets its own block manager (see `single_type_manager`), and all groups draw physical
-blocks from ONE block pool: full attention, sliding window, and recurrent state (the Mamba-style
-layers of hybrid models, shared/kv/groups.py's "align mode").
+group gets its own block manager (see `single_type_manager`). Attention groups (full attention,
+sliding window) draw physical blocks from the attention pool; recurrent-state groups (the
+Mamba-style layers of hybrid models, shared/kv/groups.py's "align mode") from a state pool of
+their own when the worker announced one (`num_state_blocks`), else from the attention pool too.
 
 All groups share one block size for now, so one chained hash list per request serves every
-group (the pool keys cached blocks by (hash, group id), since the same prefix has a different
+group (a pool keys cached blocks by (hash, group id), since the same prefix has a different
 physical block in each group).
 """
 

@@ -1,4 +1,5 @@
-"""Per-group block managers: one per KV cache group, all drawing from one BlockPool.
+"""Per-group block managers: one per KV cache group, each drawing from its group's BlockPool
+(the attention pool, or a hybrid model's state pool for state groups: kv_cache_coordinator.py).
 
 A manager owns the block table of every request for its group. Block tables are append-only
 while a request runs (the worker indexes KV by table position, and a hit found earlier must not

@@ -351,11 +351,11 @@ class OffloadConnector:
         """The blocks the request holds before the loaded ones, per group: its local hit, and
         in a sliding group the null block wherever the hit's window does not reach (so the
         allocation takes exactly the blocks the load fills)."""
-        null = kv.pool.null_block
         held = [list(blocks) for blocks in hit_blocks]
         for window in self.windows:
             if window.coverage is None:
                 continue  # full attention holds its whole local hit
+            null = kv.coordinator.pool_of_group(window.group).null_block
             start = window.chunks(first, end).start
             blocks = held[window.group]
             blocks[:start] = [null] * min(start, len(blocks))

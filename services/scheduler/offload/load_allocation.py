@@ -8,8 +8,9 @@ allocated here without registration; `KVCacheManager.cache_blocks` registers the
 worker reported the load done.
 
 The admission invariant still holds: `blocks_for_load` is `estimate_blocks_to_allocate` with
-the same arguments, and `allocate_for_load` takes exactly that many blocks from the free queue
-(revived prefix-hit blocks plus new ones), through the same per-group managers.
+the same arguments, and `allocate_for_load` takes exactly that many blocks from the free queues
+(revived prefix-hit blocks plus new ones), through the same per-group managers; it checks each
+pool (attention, and a hybrid's state pool) against its own free blocks.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def allocate_for_load(
     """Attach the local prefix hit and allocate blocks for `num_load_tokens` loaded tokens after
     it; returns the new blocks per group, or None (changing nothing) when the pool lacks them.
     The request must hold no blocks yet (it is being admitted)."""
-    needed = blocks_for_load(kv, request, hit_blocks, num_hit_tokens, num_load_tokens)
-    if needed > kv.num_free_blocks:
+    needed = kv.blocks_to_allocate(request, num_load_tokens, hit_blocks, num_hit_tokens)
+    if not kv.fits(needed):
         return None
     coordinator = kv.coordinator
     coordinator.save_new_computed_blocks(request.request_id, hit_blocks)

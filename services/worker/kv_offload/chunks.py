@@ -17,7 +17,10 @@ Chunk = tuple[str, int, int]  # (payload key, group, block id)
 class ChunkCheck:
     key_space: KeySpace
     num_groups: int
-    num_blocks: int
+    num_blocks: int  # the attention pool's blocks
+    #: Groups whose ids index the state pool, and its size (a hybrid's state group).
+    state_groups: frozenset[int] = frozenset()
+    num_state_blocks: int = 0
 
     def split(self, transfer: KVTransfer) -> tuple[list[Chunk], list[str], str | None]:
         """Valid chunks, and the keys (with the first reason) this worker cannot move."""
@@ -39,7 +42,10 @@ class ChunkCheck:
     def problem(self, key: str, group: int, block: int) -> str | None:
         if not 0 <= group < self.num_groups:
             return f"group {group} outside this worker's {self.num_groups} group(s)"
-        if not 0 <= block < self.num_blocks:
+        if group in self.state_groups:
+            if not 0 <= block < self.num_state_blocks:
+                return f"block {block} outside the state pool's {self.num_state_blocks} blocks"
+        elif not 0 <= block < self.num_blocks:
             return f"block {block} outside the cache's {self.num_blocks} blocks"
         if not key.startswith(self.key_space.payload_prefix):
             return f"not a payload key of {self.key_space.payload_prefix}*"

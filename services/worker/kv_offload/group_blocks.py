@@ -8,7 +8,8 @@ both are plain copies. Which chunks move is decided the same way on every rank: 
 the plan every rank ran (`store_groups`), loads from the list rank 0 sends its followers.
 
 State groups (a hybrid model's Mamba layers, after every attention group; moved by P/D only,
-shared/kv/groups.py): a chunk is one block id's recurrent state in every layer of the group,
+shared/kv/groups.py): a chunk is one block id's recurrent state in every layer of the group
+(the id indexes the state pool: kv_cache.py),
 `[layers, 1, 1, 1, state_elems]` (per layer its conv state then its SSM state, flattened, in
 the pool's dtype: payload.py). Only at TP=1 (wiring.py leaves them out when sharded).
 """
@@ -63,7 +64,13 @@ class GroupKVBlocks:
         self.dtype = first.dtype
         self.device = first.device
         self.write_kv = context_kv_writer(self.device)
-        self.check = ChunkCheck(key_space, len(groups), kv_cache.num_blocks)
+        self.check = ChunkCheck(
+            key_space,
+            len(groups),
+            kv_cache.num_blocks,
+            frozenset(self.state_layers),
+            kv_cache.num_state_blocks,
+        )
 
     def is_state(self, group: int) -> bool:
         return group in self.state_layers

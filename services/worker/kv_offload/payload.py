@@ -11,8 +11,8 @@ all little-endian; the body is the raw tensor bytes in that shape (index 1 of th
 
 A chunk of a state group (a hybrid model's Mamba layers, moved by P/D only: shared/kv/groups.py)
 has the same header with the shape `[layers, 1, 1, 1, state_elems]`: per state layer (ascending
-layer index) the block id's conv state `[conv_dim, d_conv - 1]` flattened, then its SSM state
-`[n_heads, head_dim, d_state]` flattened, `state_elems = conv_dim * (d_conv - 1) + n_heads *
+layer index) the state-pool block's conv state `[conv_dim, d_conv - 1]` flattened, then its SSM
+state `[n_heads, head_dim, d_state]` flattened, `state_elems = conv_dim * (d_conv - 1) + n_heads *
 head_dim * d_state`, in the state pool's dtype (group_blocks.py packs and unpacks it).
 
 The key names carry the model and `LAYOUT_VERSION` too (`shared.kv.offload_key.KeySpace`),

@@ -20,11 +20,20 @@ from services.worker.models.random_init import (
     load_random_model,
 )
 from services.worker.parallel.group import SINGLE, TensorParallel
-from services.worker.runner.kv_cache import KVCache, KVCacheSizeError, budget_blocks
+from services.worker.runner.kv_cache import (
+    KVCache,
+    KVCacheSizeError,
+    budget_blocks,
+    bytes_per_block,
+    cache_budget,
+    state_block_bytes,
+)
 from services.worker.runner.model_runner import ModelRunner
+from services.worker.runner.state_pool import StatePoolPolicy, state_pool_blocks
 from services.worker.runner.step_timeline import StepTimeline
 from services.worker.spec import SpeculativeConfig
 from shared.config import WorkerSettings
+from shared.model.config import ModelConfig
 from shared.model.source import ModelSource
 from shared.protocol import WorkerReady
 
@@ -51,6 +60,40 @@ def check_parallel_settings(settings: WorkerSettings) -> None:
         return
     if settings.load_format == "dummy" or is_random_spec(settings.model):
         raise ValueError("random-weight models are not sharded: MESHLLM_TP=1")
+
+
+def size_pools(
+    config: ModelConfig, settings: WorkerSettings, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
+    """(attention blocks, state blocks) of the KV cache budget: a hybrid model's state pool
+    by state_pool.py's rule, attention the rest; (all of it, 0) without state layers."""
+    budget = cache_budget(device, settings.kv_cache_bytes, settings.kv_cache_memory_fraction)
+    num_state_blocks = 0
+    if per_state := state_block_bytes(config, dtype):
+        policy = StatePoolPolicy(
+            blocks=settings.kv_state_blocks,
+            share=settings.kv_state_memory_share,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        )
+        per_block = bytes_per_block(config, settings.block_size, dtype)
+        num_state_blocks = state_pool_blocks(
+            policy, budget, settings.block_size, per_state, per_block
+        )
+        if num_state_blocks < (floor := policy.floor(settings.block_size)):
+            log.warning(
+                "the KV cache budget holds %d state blocks, fewer than the %d that %d running "
+                "requests and steps of %d tokens can hold: expect preemptions, and refusals of "
+                "long prompts (raise MESHLLM_KV_CACHE_BYTES)",
+                num_state_blocks,
+                floor,
+                policy.max_num_seqs,
+                policy.max_num_batched_tokens,
+            )
+    num_blocks = budget_blocks(
+        config, settings.block_size, dtype, device, budget, num_state_blocks=num_state_blocks
+    )
+    return num_blocks, num_state_blocks
 
 
 def build_runner(
@@ -91,17 +134,14 @@ def build_runner(
         level = logging.WARNING if settings.cpu_compile == "on" else logging.INFO
         log.log(level, "forward not compiled: %s", why_not)
     max_model_len = settings.max_model_len or config.max_position_embeddings
-    num_blocks = budget_blocks(
-        config,
-        settings.block_size,
-        dtype,
-        device,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        memory_fraction=settings.kv_cache_memory_fraction,
-    )
+    num_blocks, num_state_blocks = size_pools(config, settings, dtype, device)
     # Ranks may hold different head counts and memory: the group holds what all ranks can.
     num_blocks = tp.min_int(num_blocks, device)
-    kv_cache = KVCache.allocate(config, num_blocks, settings.block_size, dtype, device)
+    if num_state_blocks:
+        num_state_blocks = tp.min_int(num_state_blocks, device)
+    kv_cache = KVCache.allocate(
+        config, num_blocks, settings.block_size, dtype, device, num_state_blocks
+    )
     # Block 0 is the scheduler's null block: the rest must hold one whole sequence, or the
     # context length the gateway advertises could never be served (vLLM refuses to start too).
     capacity = (kv_cache.num_blocks - 1) * kv_cache.block_size
@@ -145,7 +185,7 @@ def build_runner(
             runner.graphs = None
     log.info(
         "model %s loaded on %s as %s%s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
-        "tokens (%.0f MiB)",
+        "tokens, %d state blocks (%.0f MiB)",
         source.name,
         device,
         dtype,
@@ -154,6 +194,7 @@ def build_runner(
         warmup_s,
         kv_cache.num_blocks,
         kv_cache.block_size,
+        kv_cache.num_state_blocks,
         kv_cache.nbytes / 2**20,
     )
     ready = WorkerReady(
@@ -162,6 +203,7 @@ def build_runner(
         group=settings.group,
         model=source.name,
         num_kv_blocks=kv_cache.num_blocks,
+        num_state_blocks=kv_cache.num_state_blocks,
         block_size=kv_cache.block_size,
         vocab_size=config.vocab_size,
         max_model_len=max_model_len,

@@ -41,9 +41,15 @@ class InputBatch:
         max_model_len: int,
         block_size: int,
         num_kv_groups: int = 1,
-        num_cache_blocks: int = 0,
+        num_cache_blocks: int | list[int] = 0,
     ) -> None:
-        self.num_cache_blocks = num_cache_blocks  # block ids must be below it (0 = unchecked)
+        # Block ids of each group must be below its pool's size (0 = unchecked); an int bounds
+        # every group alike, a list each group (a hybrid's state group indexes the state pool).
+        if isinstance(num_cache_blocks, int):
+            num_cache_blocks = [num_cache_blocks] * num_kv_groups
+        if len(num_cache_blocks) != num_kv_groups:
+            raise ValueError(f"{len(num_cache_blocks)} pool sizes for {num_kv_groups} groups")
+        self.num_cache_blocks = num_cache_blocks
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -185,9 +191,10 @@ class InputBatch:
                 raise PlanError(
                     f"{request_id}: {end} blocks exceed {self.max_blocks_per_req} per request"
                 )
-            if self.num_cache_blocks and not 0 <= min(ids) <= max(ids) < self.num_cache_blocks:
+            bound = self.num_cache_blocks[group]
+            if bound and not 0 <= min(ids) <= max(ids) < bound:
                 raise PlanError(
-                    f"{request_id}: block ids {ids} outside [0, {self.num_cache_blocks})"
+                    f"{request_id}: block ids {ids} of group {group} outside [0, {bound})"
                 )
             self.block_tables[group, row, start:end] = ids
             self.num_blocks[group, row] = end

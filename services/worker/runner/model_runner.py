@@ -169,7 +169,11 @@ class ModelRunner:
             self.max_model_len,
             self.block_size,
             num_kv_groups=len(self.kv_groups),
-            num_cache_blocks=kv_cache.num_blocks,
+            # A state group's ids index the state pool, the others the attention pool.
+            num_cache_blocks=[
+                kv_cache.num_state_blocks if g.kind == "state" else kv_cache.num_blocks
+                for g in self.kv_groups
+            ],
         )
         # Routed experts of MoE models (services/worker/runner/routed_experts.py).
         self.routed_experts = RoutedExpertsTracker(getattr(model, "routed_experts", None))
@@ -789,7 +793,8 @@ class ModelRunner:
         | list[AttentionMetadata | TritonAttentionMetadata | StateMetadata]
     ):
         """The profile run's metadata: one for every layer, or per layer where the model has
-        several groups (every group uses the same scratch table)."""
+        several groups (every group uses the same scratch table, cut to the state pool's ids
+        for a state group)."""
         if not needs_group_attention(self.kv_groups):
             return self._metadata(
                 query_lens=query_lens,
@@ -798,6 +803,10 @@ class ModelRunner:
                 slot_mapping=slot_mapping,
             )
         tables = np.repeat(block_tables[None], len(self.kv_groups), axis=0)
+        last_state = self.kv_cache.num_state_blocks - 1  # the state pool may be the smaller
+        for g, group in enumerate(self.kv_groups):
+            if group.kind == "state":
+                np.minimum(tables[g], last_state, out=tables[g])
         starts = seq_lens - query_lens
         positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])
         rows = np.arange(len(query_lens))

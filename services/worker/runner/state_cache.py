@@ -1,11 +1,12 @@
 """Per-block recurrent states of a hybrid model's state (Mamba2) layers.
 
-A state layer owns, per block id of the one pool (shared/kv/groups.py), a conv state
-`[num_blocks, conv_dim, d_conv - 1]` (the last inputs of the causal conv) and an SSM state
-`[num_blocks, n_heads, head_dim, d_state]`; attention layers keep their per-token K/V tensors
-(kv_cache.py). Which block a step reads and writes follows the entry rule
-(services/worker/attention/state_metadata.py). Block ids index every layer's tensors alike,
-so one `num_blocks` sizes both kinds.
+A state layer owns, per block id of the state pool (shared/kv/groups.py), a conv state
+`[num_state_blocks, conv_dim, d_conv - 1]` (the last inputs of the causal conv) and an SSM
+state `[num_state_blocks, n_heads, head_dim, d_state]`; attention layers keep their per-token
+K/V tensors (kv_cache.py) in a pool of their own. Which block a step reads and writes follows
+the entry rule (services/worker/attention/state_metadata.py), over the state group's block
+table, whose ids index the state pool only (the scheduler hands them out of its state
+BlockPool); state_pool.py sizes the pool.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from shared.model.config import MambaConfig
 class MambaState:
     """One state layer's per-block states."""
 
-    conv: torch.Tensor  # [num_blocks, conv_dim, d_conv - 1]
-    ssm: torch.Tensor  # [num_blocks, n_heads, head_dim, d_state]
+    conv: torch.Tensor  # [num_state_blocks, conv_dim, d_conv - 1]
+    ssm: torch.Tensor  # [num_state_blocks, n_heads, head_dim, d_state]
 
     @classmethod
     def allocate(

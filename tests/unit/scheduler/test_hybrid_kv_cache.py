@@ -106,30 +106,36 @@ def manager(num_gpu_blocks: int = 200, prefix_caching: bool = True) -> KVCacheMa
 
 
 @contextmanager
-def blocks_taken(kv: KVCacheManager) -> Iterator[list[KVCacheBlock]]:
-    """Records every block taken out of the free queue (new or revived by a hit); blocks the
-    same call gives back (out of a window) are not subtracted, unlike a free-count delta."""
-    taken: list[KVCacheBlock] = []
-    pool = kv.pool
-    get_new, touch = pool.get_new_blocks, pool.touch
+def blocks_taken(kv: KVCacheManager) -> Iterator[list[list[KVCacheBlock]]]:
+    """Records, per pool (`kv.pools` order), every block taken out of its free queue (new or
+    revived by a hit); blocks the same call gives back (out of a window) are not subtracted,
+    unlike a free-count delta."""
+    taken: list[list[KVCacheBlock]] = [[] for _ in kv.pools]
+    originals = [(pool, pool.get_new_blocks, pool.touch) for pool in kv.pools]
+    for i, (pool, get_new, touch) in enumerate(originals):
 
-    def counting_get(n: int) -> list[KVCacheBlock]:
-        out = get_new(n)
-        taken.extend(out)
-        return out
+        def counting_get(
+            n: int, get_new: object = get_new, out: list[KVCacheBlock] = taken[i]
+        ) -> list[KVCacheBlock]:
+            blocks = get_new(n)  # type: ignore[operator]
+            out.extend(blocks)
+            return blocks
 
-    def counting_touch(blocks: object) -> None:
-        blocks = list(blocks)  # type: ignore[call-overload]
-        taken.extend(b for b in blocks if b.ref_cnt == 0 and not b.is_null)
-        touch(blocks)
+        def counting_touch(
+            blocks: object, touch: object = touch, out: list[KVCacheBlock] = taken[i]
+        ) -> None:
+            blocks = list(blocks)  # type: ignore[call-overload]
+            out.extend(b for b in blocks if b.ref_cnt == 0 and not b.is_null)
+            touch(blocks)  # type: ignore[operator]
 
-    pool.get_new_blocks = counting_get  # type: ignore[method-assign]
-    pool.touch = counting_touch  # type: ignore[method-assign]
+        pool.get_new_blocks = counting_get  # type: ignore[method-assign]
+        pool.touch = counting_touch  # type: ignore[method-assign]
     try:
         yield taken
     finally:
-        pool.get_new_blocks = get_new  # type: ignore[method-assign]
-        pool.touch = touch  # type: ignore[method-assign]
+        for pool, get_new, touch in originals:
+            pool.get_new_blocks = get_new  # type: ignore[method-assign]
+            pool.touch = touch  # type: ignore[method-assign]
 
 
 def allocate_checked(
@@ -139,10 +145,14 @@ def allocate_checked(
     hit: KVCacheBlocks | None = None,
     num_hit: int | None = None,
 ) -> int:
+    """Allocates, checking that each pool loses exactly its estimated blocks; returns the
+    estimate over all pools."""
     estimate = kv.estimate_blocks_to_allocate(req, num_new, hit, num_hit)
+    per_pool = kv.blocks_to_allocate(req, num_new, hit, num_hit)
+    assert sum(per_pool) == estimate
     with blocks_taken(kv) as taken:
         assert kv.allocate_slots(req, num_new, hit, num_hit) is not None
-    assert len(taken) == estimate
+    assert [len(t) for t in taken] == per_pool
     req.num_computed_tokens += (num_hit or 0) + num_new
     return estimate
 

@@ -1,6 +1,7 @@
-"""A recurrent-state (Mamba-style) group beside full attention on one pool: the hit rule (a
-state exactly at a block boundary), estimate == allocation on every path, a bounded number of
-state blocks however long a request runs, whole runs whose every state read is checked
+"""A recurrent-state (Mamba-style) group beside full attention, on its own state pool (the
+worker's layout) and on the attention pool (a worker that announced no state pool): the hit
+rule (a state exactly at a block boundary), estimate == allocation on every path, a bounded
+number of state blocks however long a request runs, whole runs whose every state read is checked
 (GroupWorker keeps each block's state), states written in a step never hit in that same step,
 and the offload tier storing attention groups only ("transferable is not storable")."""
 
@@ -47,11 +48,16 @@ def groups() -> list[KVCacheGroup]:
     ]
 
 
-def manager(num_gpu_blocks: int = 200) -> KVCacheManager:
+#: num_state_blocks of the configs: 0 = state groups on the attention pool, else a state pool.
+LAYOUTS = pytest.mark.parametrize("state_blocks", [0, 40], ids=["one-pool", "state-pool"])
+
+
+def manager(num_gpu_blocks: int = 200, state_blocks: int = 0) -> KVCacheManager:
     return KVCacheManager(
         SchedulerConfig(
             block_size=BS,
             num_gpu_blocks=num_gpu_blocks,
+            num_state_blocks=state_blocks,
             max_num_batched_tokens=64,
             kv_cache_groups=groups(),
         )
@@ -93,8 +99,9 @@ def test_state_spec_is_reusable_locally_but_not_storable() -> None:
 # ------------------------------------------------------------------ estimate == allocation
 
 
-def test_chunked_prefill_and_decode_keep_only_the_last_state_block() -> None:
-    kv = manager()
+@LAYOUTS
+def test_chunked_prefill_and_decode_keep_only_the_last_state_block(state_blocks: int) -> None:
+    kv = manager(state_blocks=state_blocks)
     req = request("a", list(range(70)))
     free = kv.num_free_blocks
     for chunk in (16, 16, 16, 16, 6):
@@ -111,8 +118,9 @@ def test_chunked_prefill_and_decode_keep_only_the_last_state_block() -> None:
     assert free - kv.num_free_blocks == len(table_full) + len(held_state)
 
 
-def test_prefix_hit_revives_one_state_block() -> None:
-    kv = manager()
+@LAYOUTS
+def test_prefix_hit_revives_one_state_block(state_blocks: int) -> None:
+    kv = manager(state_blocks=state_blocks)
     prefix = list(range(500, 532))  # 8 blocks
     first = request("a", [*prefix, 1, 2])
     allocate_checked(kv, first, 32)
@@ -154,8 +162,9 @@ def scheduler(num_gpu_blocks: int = 200, max_tokens: int = 8, **kw: object) -> S
     return Scheduler(config, "s0")
 
 
-def test_long_generation_reads_every_state_and_holds_few_blocks() -> None:
-    sched = scheduler(max_tokens=7)
+@LAYOUTS
+def test_long_generation_reads_every_state_and_holds_few_blocks(state_blocks: int) -> None:
+    sched = scheduler(max_tokens=7, num_state_blocks=state_blocks)
     worker = GroupWorker(BS, [None, STATE])
     sched.add_request(submit("a", list(range(20, 43)), max_tokens=120))
     client = ClientView()
@@ -172,11 +181,17 @@ def test_long_generation_reads_every_state_and_holds_few_blocks() -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
 
 
-def test_shared_prefixes_under_pressure_resume_from_the_right_states() -> None:
+@pytest.mark.parametrize(
+    ("num_gpu_blocks", "state_blocks"), [(48, 0), (36, 20), (200, 14)], ids=str
+)
+def test_shared_prefixes_under_pressure_resume_from_the_right_states(
+    num_gpu_blocks: int, state_blocks: int
+) -> None:
     """Preemption, chunking, state blocks returned mid-run and reused by others, and prefix
     hits on states left at block boundaries: every state any step reads is the state of
-    exactly the request's computed tokens."""
-    sched = scheduler(num_gpu_blocks=48, max_tokens=24)
+    exactly the request's computed tokens. With a state pool, either pool runs out first
+    (36 attention blocks; a 14-block state pool beside 200 attention blocks)."""
+    sched = scheduler(num_gpu_blocks=num_gpu_blocks, max_tokens=24, num_state_blocks=state_blocks)
     worker = GroupWorker(BS, [None, STATE])
     shared = list(range(300, 324))
     lengths = {}
@@ -193,12 +208,13 @@ def test_shared_prefixes_under_pressure_resume_from_the_right_states() -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
 
 
-def test_a_state_written_this_step_is_not_hit_in_the_same_step() -> None:
+@LAYOUTS
+def test_a_state_written_this_step_is_not_hit_in_the_same_step(state_blocks: int) -> None:
     """Two requests with one 16-token prefix arrive together: attention lets the second hit
     the first's blocks in the same step (its K/V is written before any read), a state cannot
     be read before it is computed, so the second prefills its prefix itself; a third, after
     that step, hits the first's state at the boundary."""
-    sched = scheduler(max_tokens=64)
+    sched = scheduler(max_tokens=64, num_state_blocks=state_blocks)
     worker = GroupWorker(BS, [None, STATE])
     prefix = list(range(700, 716))
     sched.add_request(submit("a", [*prefix, 1], max_tokens=4))
@@ -231,6 +247,7 @@ def test_the_tier_stores_attention_blocks_only_and_never_loads_a_hybrid() -> Non
     config = SchedulerConfig(
         block_size=BS,
         num_gpu_blocks=64,
+        num_state_blocks=32,
         max_num_batched_tokens=64,
         max_model_len=200,
         kv_cache_groups=groups(),

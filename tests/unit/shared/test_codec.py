@@ -287,6 +287,7 @@ SAMPLES: dict[str, Message] = {
             max_model_len=8192,
             eos_token_ids=[2],
             num_moe_layers=4,
+            num_state_blocks=97,
             kv_groups=kv_groups_for([8, 4, 8]),  # sliding groups: every field set
             kv_chunk_bytes=737_344,
             time=12.5,

@@ -16,7 +16,7 @@ from transformers.models.bamba.modeling_bamba import BambaMixer
 
 from services.worker.attention.state_metadata import PrefillSpan, StateMetadata
 from services.worker.models.mamba2 import Mamba2Mixer
-from services.worker.runner.kv_cache import KVCache, bytes_per_block
+from services.worker.runner.kv_cache import KVCache, bytes_per_block, state_block_bytes
 from services.worker.runner.state_cache import MambaState
 from shared.kv.groups import STATE
 from shared.model.config import ModelConfig, UnsupportedModelError
@@ -178,13 +178,15 @@ def test_hybrid_configs(tmp_path: Path) -> None:
     dense = ModelConfig.from_hf_dir(tmp_path / "dense")
     assert dense.num_experts == 0 and not dense.use_rope
     assert [g.kind for g in dense.kv_groups] == ["full", "state"]
-    # per block: K/V of 1 attention layer + both states of 3 mamba layers
+    # an attention block: K/V of 1 attention layer; a state block: both states of 3 mamba layers
     kv = 2 * BS * 2 * 16 * 4
     states = (192 * 3 + 8 * 16 * 16) * 4
-    assert bytes_per_block(bamba, BS, torch.float32) == kv + 3 * states
-    cache = KVCache.allocate(bamba, 5, BS, torch.float32, "cpu")
-    assert cache.nbytes == 5 * bytes_per_block(bamba, BS, torch.float32)
+    assert bytes_per_block(bamba, BS, torch.float32) == kv
+    assert state_block_bytes(bamba, torch.float32) == 3 * states
+    cache = KVCache.allocate(bamba, 5, BS, torch.float32, "cpu", num_state_blocks=3)
+    assert cache.nbytes == 5 * kv + 3 * 3 * states
     assert isinstance(cache.layers[0], MambaState) and len(cache.attention_layers) == 1
+    assert cache.layers[0].ssm.shape[0] == 3 and cache.attention_layers[0].shape[1] == 5
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ def hybrid_config() -> SchedulerConfig:
     return SchedulerConfig(
         block_size=BS,
         num_gpu_blocks=64,
+        num_state_blocks=24,  # the worker's layout: state ids index a state pool of their own
         max_num_batched_tokens=8,  # the prefill runs in several steps (boundaries mid-step)
         max_model_len=200,
         kv_cache_groups=groups(),
