@@ -4,7 +4,8 @@ its PyTorch reference.
 Layout (services/worker/models/moe.py): w13 [E, 2I, H] (rows [gate; up]), w2 [E, H, I].
 
 The (token, slot) pairs are sorted by expert and each expert's run is padded to a multiple of
-BLOCK_M (`align_pairs`), so every BLOCK_M rows of the sorted order belong to ONE expert. One
+BLOCK_M (`align_pairs`, on the device into a static worst-case size, so CUDA graphs capture MoE
+layers), so every BLOCK_M rows of the sorted order belong to ONE expert. One
 grouped-GEMM kernel then serves both projections: a program takes a BLOCK_M x BLOCK_N tile,
 loads its expert's weight tile once and its rows' activations by index (tokens for the first
 GEMM, pairs for the second), so no activation is copied into expert order. The second GEMM
@@ -51,6 +52,8 @@ def _moe_gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # past the last expert's run (align_pairs' static size): nothing to do
+        return
     pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pair < num_pairs
     if A_PER_TOKEN:  # noqa: SIM108 (a constexpr branch: one of them is compiled)
@@ -89,31 +92,33 @@ def _moe_gemm_kernel(
 def align_pairs(
     ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted pair indices [P] int32 padded with T*k, expert of each BLOCK_M block [P/BLOCK_M]).
+    """(sorted pair indices [M] int32 padded with T*k, expert of each BLOCK_M block [M/BLOCK_M]
+    int32, -1 for a block past the last expert's run).
 
     Pair p = t * k + slot. Each expert's pairs are contiguous and its run is padded up to a
-    multiple of block_m, so a block never mixes experts. (One host read of the per-expert counts
-    sizes the padding.)
+    multiple of block_m, so a block never mixes experts. Computed on the device only, into the
+    static worst-case size M = roundup(T*k + E * (block_m - 1), block_m) (vLLM's
+    moe_align_block_size bound): no host read of the per-expert counts, so a CUDA graph can
+    capture it; the kernel ends a block of expert -1 at once.
     """
     flat = ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
+    device = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = torch.cumsum(padded, 0)
+    run_start = run_end - padded
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    sorted_ids, block_expert = [], []
-    start = 0
-    for expert, count in enumerate(counts):
-        if not count:
-            continue
-        padded = -(-count // block_m) * block_m
-        run = torch.full((padded,), num_pairs, dtype=torch.int64, device=ids.device)
-        run[:count] = order[start : start + count]
-        sorted_ids.append(run)
-        block_expert.extend([expert] * (padded // block_m))
-        start += count
-    return (
-        torch.cat(sorted_ids).to(torch.int32),
-        torch.tensor(block_expert, dtype=torch.int32, device=ids.device),
-    )
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    size = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[run_start[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, size, block_m, device=device)
+    block_expert = torch.searchsorted(run_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_ids, block_expert.to(torch.int32)
 
 
 def _grouped_gemm(
@@ -181,7 +186,11 @@ def fused_moe(
     top_k = ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
-    if top_k < 1 or top_k > experts or int(ids.min()) < 0 or int(ids.max()) >= experts:
+    if top_k < 1 or top_k > experts:
+        raise ValueError(f"expert ids must be in [0, {experts}) with 1 <= k <= {experts}")
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and (int(ids.min()) < 0 or int(ids.max()) >= experts):  # a host read:
+        # checked outside CUDA graph captures (the router's top-k cannot leave the range)
         raise ValueError(f"expert ids must be in [0, {experts}) with 1 <= k <= {experts}")
     sorted_ids, block_expert = align_pairs(ids, experts)
     num_pairs = tokens * top_k

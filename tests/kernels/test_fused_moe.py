@@ -37,9 +37,20 @@ def test_kernel_equals_reference_and_grouped_path(
 def test_align_pairs_blocks_hold_one_expert_each() -> None:
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     sorted_ids, block_expert = align_pairs(ids, num_experts=4, block_m=4)
-    assert block_expert.tolist() == [0, 1, 2]  # expert 3 got nothing: no block
+    # expert 3 got nothing: no block; the static size (6 pairs + 4 experts x 3 pad, in blocks
+    # of 4: 20 rows) ends in blocks of expert -1 that the kernel skips
+    assert block_expert.tolist() == [0, 1, 2, -1, -1]
     pad = ids.numel()
-    assert sorted_ids.tolist() == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]
+    assert sorted_ids.tolist() == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad] + [pad] * 8
+
+
+def test_align_pairs_reads_nothing_back_to_the_host() -> None:
+    """The sizes depend only on the shapes (a CUDA graph can capture the alignment): two
+    routings of the same shape, one spread and one all on one expert, give equal sizes."""
+    spread = align_pairs(torch.tensor([[0, 1], [2, 3], [4, 5]]), num_experts=6, block_m=4)
+    skewed = align_pairs(torch.tensor([[5, 4], [5, 4], [5, 4]]), num_experts=6, block_m=4)
+    assert [t.shape for t in spread] == [t.shape for t in skewed]
+    assert skewed[1].tolist()[:2] == [4, 5] and set(skewed[1].tolist()[2:]) == {-1}
 
 
 def test_no_tokens_gives_an_empty_result(device: torch.device) -> None:
