@@ -9,6 +9,7 @@ from services.scheduler.kv.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
+    RingSpec,
     SlidingWindowSpec,
     StateSpec,
 )
@@ -118,6 +119,9 @@ def kv_cache_groups_from(groups: list[KVGroupSpec], block_size: int) -> list[KVC
             spec = FullAttentionSpec(block_size=block_size)
         elif group.kind == "state":
             spec = StateSpec(block_size=block_size)
+        elif group.kind == "ring":
+            assert group.ring_size is not None  # KVGroupSpec validates it
+            spec = RingSpec(block_size=block_size, ring_size=group.ring_size)
         else:
             assert group.sliding_window is not None  # KVGroupSpec validates it
             spec = SlidingWindowSpec(block_size=block_size, sliding_window=group.sliding_window)
