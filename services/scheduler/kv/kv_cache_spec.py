@@ -37,6 +37,12 @@ class KVCacheSpec(BaseModel):
         """Whether the scheduler's own prefix cache may register and reuse full blocks."""
         return self.prefix_cacheable
 
+    @property
+    def transferable(self) -> bool:
+        """Whether a P/D handoff may ship the group's blocks (every kind: a handoff moves one
+        request's KV at one point of its sequence, which needs no hash to name its contents)."""
+        return True
+
 
 class FullAttentionSpec(KVCacheSpec):
     """Every token attends to every earlier token: a request needs one slot per token, and any
