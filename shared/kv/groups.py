@@ -14,9 +14,10 @@ Rules both sides keep:
   key positions k with q - W < k <= q, i.e. the last W positions including its own.
 - Block-list length: for every group, including sliding-window ones (ring groups excepted:
   below), the scheduler keeps a request's block list LENGTH equal to ceil(tokens / block_size),
-  so position p always lives in entry p // block_size. Entries whose blocks fell entirely out of the window hold the null
-  block id 0 (reserved by the scheduler's block pool, never allocated). The worker never reads
-  or writes a position outside the window, so null entries are never touched.
+  so position p always lives in entry p // block_size. Entries whose blocks fell entirely out
+  of the window hold the null block id 0 (reserved by the scheduler's block pool, never
+  allocated). The worker never reads or writes a position outside the window, so null entries
+  are never touched.
 - Memory: each attention layer owns one `[2, num_blocks, block_size, kv_heads, head_dim]`
   tensor, whatever its group, and block ids index the per-layer tensors, so all attention
   groups draw from one pool of `num_blocks` ids on the scheduler side.
