@@ -9,6 +9,7 @@ from services.scheduler.kv.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
     KVCacheSpec,
+    RingSpec,
     SlidingWindowSpec,
     StateSpec,
 )
@@ -66,6 +67,11 @@ class SchedulerConfig(BaseModel):
                     f"KV cache group block size {group.spec.block_size} != block_size "
                     f"{self.block_size}"
                 )
+        if self.num_spec_tokens and any(isinstance(g.spec, RingSpec) for g in self.kv_cache_groups):
+            # Drafts written into a ring overwrite the oldest slots in place; a rejected draft
+            # cannot give them back, so a rollback would leave positions the next token reads
+            # overwritten (a ring has no lookahead slots to retain them).
+            raise ValueError("speculative decoding with a ring-buffer KV cache group")
         if self.num_state_blocks:
             if self.num_state_blocks < 2:
                 raise ValueError("a state pool needs at least 2 blocks (1 is the null block)")
@@ -118,6 +124,9 @@ def kv_cache_groups_from(groups: list[KVGroupSpec], block_size: int) -> list[KVC
             spec = FullAttentionSpec(block_size=block_size)
         elif group.kind == "state":
             spec = StateSpec(block_size=block_size)
+        elif group.kind == "ring":
+            assert group.ring_size is not None  # KVGroupSpec validates it
+            spec = RingSpec(block_size=block_size, ring_size=group.ring_size)
         else:
             assert group.sliding_window is not None  # KVGroupSpec validates it
             spec = SlidingWindowSpec(block_size=block_size, sliding_window=group.sliding_window)

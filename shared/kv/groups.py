@@ -12,11 +12,12 @@ Rules both sides keep:
   is the only place that decides this, so `StepPlan` block-id lists (one per group) line up.
 - Window semantics (transformers' `sliding_window_overlay`): a query at position q attends to
   key positions k with q - W < k <= q, i.e. the last W positions including its own.
-- Block-list length: for every group, including sliding-window ones, the scheduler keeps a
-  request's block list LENGTH equal to ceil(tokens / block_size), so position p always lives in
-  entry p // block_size. Entries whose blocks fell entirely out of the window hold the null
-  block id 0 (reserved by the scheduler's block pool, never allocated). The worker never reads
-  or writes a position outside the window, so null entries are never touched.
+- Block-list length: for every group, including sliding-window ones (ring groups excepted:
+  below), the scheduler keeps a request's block list LENGTH equal to ceil(tokens / block_size),
+  so position p always lives in entry p // block_size. Entries whose blocks fell entirely out
+  of the window hold the null block id 0 (reserved by the scheduler's block pool, never
+  allocated). The worker never reads or writes a position outside the window, so null entries
+  are never touched.
 - Memory: each attention layer owns one `[2, num_blocks, block_size, kv_heads, head_dim]`
   tensor, whatever its group, and block ids index the per-layer tensors, so all attention
   groups draw from one pool of `num_blocks` ids on the scheduler side.
@@ -53,29 +54,67 @@ a state saved at each block boundary, so prefix caching works for hybrids):
   stores the state block at the end of each offer and a decode role loads the one ending at
   its hit (services/scheduler/offload/connector.py, `transfer_state`). A state chunk's payload
   is the block id's conv + SSM state of every state layer (services/worker/kv_offload/payload.py).
+
+Ring groups (`kind="ring"`, `ring_size` R: a layer whose cache is a circular buffer of R token
+slots per request, declared per layer as `Ring(R)`) keep only the most recent positions, written
+in place over the oldest:
+
+- Slot rule: with n = ceil(R / block_size) ring blocks, position p lives in block-table entry
+  (p // block_size) % n at offset p % block_size, i.e. in slot p % (n * block_size) of the
+  ring (slot p % R when block_size divides R; otherwise the ring is R rounded up to whole
+  blocks, and holds at least the last R positions).
+- Block-list length: unlike every other kind, the table does NOT grow with the sequence: it
+  holds min(ceil(tokens / block_size), n) entries, allocated as positions first reach them and
+  never replaced, so a request holds at most n ring blocks however long it runs. Entry i for
+  i >= n is never sent; the worker maps a position to its entry by the slot rule.
+- Reads: a query at q reads the last R positions (q - R < k <= q). A step computing several
+  positions overwrites slots older positions of the same step still need, so an implementation
+  must read the ring's older positions before the step's writes land (or attend to the step's
+  own K/V from its inputs): the entry holding position p - n * block_size is the one p reuses.
+- Memory: ring layers' block ids index the attention pool (`num_blocks`), like full and
+  sliding-window groups.
+- Not prefix-cacheable: the contents of a ring block depend on which of the positions that map
+  to it was written last, which no block hash names, so a ring group never serves a prefix
+  hit (a model with a ring layer always starts from 0 in the local prefix cache) and the
+  tier's prefix cache never stores or looks one up. Transferable: P/D hands the ring over like
+  a sliding window of R positions (services/scheduler/offload/connector.py).
+- Order: ring groups after the sliding-window groups (ring sizes ascending), before the state
+  groups. No supported model family has a ring layer yet: the worker refuses a ring group at
+  start-up rather than run it as something else.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-KVGroupKind = Literal["full", "sliding_window", "state"]
+KVGroupKind = Literal["full", "sliding_window", "state", "ring"]
+
+
+class Ring(NamedTuple):
+    """A ring-buffer layer's cache kind for `kv_groups_for`: a circular buffer of `ring_size`
+    token slots per request (see the module docstring)."""
+
+    ring_size: int
+
+
 #: Per-layer cache kind for `kv_groups_for`: None = full attention, an int = a sliding window of
-#: that many positions, STATE = a recurrent-state (Mamba-style) layer.
+#: that many positions, STATE = a recurrent-state (Mamba-style) layer, Ring(R) = a ring buffer
+#: of R slots.
 STATE: Literal["state"] = "state"
-LayerCache = int | None | Literal["state"]
+LayerCache = int | None | Literal["state"] | Ring
 
 
 class KVGroupSpec(BaseModel):
-    """One KV cache group: its kind (full / sliding window / state), window (sliding only) and
-    member layers."""
+    """One KV cache group: its kind (full / sliding window / state / ring), window (sliding
+    only), ring size (ring only) and member layers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: KVGroupKind
     sliding_window: int | None = Field(default=None, ge=1)
+    ring_size: int | None = Field(default=None, ge=1)
     layer_indices: list[int]
 
     @model_validator(mode="after")
@@ -85,21 +124,32 @@ class KVGroupSpec(BaseModel):
                 f"kind={self.kind!r} with sliding_window={self.sliding_window}: a window is "
                 "given exactly for sliding_window groups"
             )
+        if (self.kind == "ring") != (self.ring_size is not None):
+            raise ValueError(
+                f"kind={self.kind!r} with ring_size={self.ring_size}: a ring size is given "
+                "exactly for ring groups"
+            )
         if not self.layer_indices:
             raise ValueError("a KV cache group holds at least one layer")
         return self
 
 
 def kv_groups_for(layer_windows: list[LayerCache]) -> list[KVGroupSpec]:
-    """Groups for per-layer cache kinds (None = full attention, int = window, STATE = state
-    layer), in the canonical order."""
+    """Groups for per-layer cache kinds (None = full attention, int = window, Ring(R) = ring
+    buffer, STATE = state layer), in the canonical order."""
     if not layer_windows:
         raise ValueError("a model has at least one layer")
     by_window: dict[int | None, list[int]] = {}
+    by_ring: dict[int, list[int]] = {}
     state_layers: list[int] = []
     for layer, window in enumerate(layer_windows):
         if isinstance(window, str):  # STATE
             state_layers.append(layer)
+            continue
+        if isinstance(window, Ring):
+            if window.ring_size < 1:
+                raise ValueError(f"layer {layer}: ring size {window.ring_size} must be >= 1")
+            by_ring.setdefault(window.ring_size, []).append(layer)
             continue
         if window is not None and window < 1:
             raise ValueError(f"layer {layer}: sliding window {window} must be >= 1")
@@ -111,6 +161,8 @@ def kv_groups_for(layer_windows: list[LayerCache]) -> list[KVGroupSpec]:
         layers = by_window[window]
         spec = KVGroupSpec(kind="sliding_window", sliding_window=window, layer_indices=layers)
         groups.append(spec)
+    for size in sorted(by_ring):
+        groups.append(KVGroupSpec(kind="ring", ring_size=size, layer_indices=by_ring[size]))
     if state_layers:
         groups.append(KVGroupSpec(kind="state", layer_indices=state_layers))
     return groups

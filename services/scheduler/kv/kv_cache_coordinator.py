@@ -7,6 +7,9 @@ is a different question (the window blocks before the shorter end must be cached
 HybridKVCacheCoordinator does, the lookup iterates to a fixed point, re-asking every
 non-prefix-closed group at the agreed length until no group shortens it.
 
+A ring-buffer group serves no hit at all (its entries hold whichever position was written
+last, which no block hash names), so with a ring group in the model every hit is 0.
+
 Admission bound: a request's peak demand is the sum over groups of `max_blocks_held` (a
 sliding-window group holds a bounded number of blocks however long the request runs).
 
@@ -59,6 +62,9 @@ class KVCacheCoordinator:
         self.num_groups = len(self.managers)
         self._dropping = [m for m in self.managers if m.drops_blocks]
         self.drops_blocks = bool(self._dropping)
+        # A group that never serves a hit (a ring buffer) makes every hit 0: the agreed length
+        # is a min over groups, and the ring's contents at any earlier length are gone.
+        self.serves_hits = all(m.serves_hits for m in self.managers)
 
     def empty_blocks(self) -> KVCacheBlocks:
         return [[] for _ in self.managers]
@@ -74,6 +80,8 @@ class KVCacheCoordinator:
         in the last pass and served all of it, so each list is an exact hit of that length.
         """
         block_size = self.block_size
+        if not self.serves_hits:
+            return self.empty_blocks(), 0
         if self.num_groups == 1:
             hit = self.managers[0].find_longest_cache_hit(block_hashes, max_length)
             return [hit], len(hit) * block_size

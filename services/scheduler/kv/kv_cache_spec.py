@@ -2,9 +2,10 @@
 
 Every attention-like layer declares a spec; layers with equal specs form a KV cache group; each
 group gets its own block manager (see `single_type_manager`). Attention groups (full attention,
-sliding window) draw physical blocks from the attention pool; recurrent-state groups (the
-Mamba-style layers of hybrid models, shared/kv/groups.py's "align mode") from a state pool of
-their own when the worker announced one (`num_state_blocks`), else from the attention pool too.
+sliding window, ring buffer) draw physical blocks from the attention pool; recurrent-state
+groups (the Mamba-style layers of hybrid models, shared/kv/groups.py's "align mode") from a
+state pool of their own when the worker announced one (`num_state_blocks`), else from the
+attention pool too.
 
 All groups share one block size for now, so one chained hash list per request serves every
 group (a pool keys cached blocks by (hash, group id), since the same prefix has a different
@@ -35,6 +36,12 @@ class KVCacheSpec(BaseModel):
     def locally_cacheable(self) -> bool:
         """Whether the scheduler's own prefix cache may register and reuse full blocks."""
         return self.prefix_cacheable
+
+    @property
+    def transferable(self) -> bool:
+        """Whether a P/D handoff may ship the group's blocks (every kind: a handoff moves one
+        request's KV at one point of its sequence, which needs no hash to name its contents)."""
+        return True
 
 
 class FullAttentionSpec(KVCacheSpec):
@@ -87,8 +94,26 @@ class StateSpec(KVCacheSpec):
         return True
 
 
+class RingSpec(KVCacheSpec):
+    """A ring buffer of `ring_size` token slots per request (shared/kv/groups.py's slot rule):
+    position p lives in table entry (p // block_size) % n_ring_blocks, so a request holds at
+    most `n_ring_blocks` blocks, written over in place, however long it runs.
+
+    Neither prefix-cacheable nor locally cacheable: a ring block's contents depend on which of
+    the positions mapped to it was written last, which no block hash names, so it can never
+    serve a hit. Transferable all the same (P/D ships the ring at the handoff point)."""
+
+    kind: Literal["ring"] = "ring"
+    ring_size: int = Field(ge=1)
+
+    @property
+    def n_ring_blocks(self) -> int:
+        """Blocks of the ring: its slots rounded up to whole blocks."""
+        return -(-self.ring_size // self.block_size)
+
+
 AttentionSpec = Annotated[
-    FullAttentionSpec | SlidingWindowSpec | StateSpec, Field(discriminator="kind")
+    FullAttentionSpec | SlidingWindowSpec | StateSpec | RingSpec, Field(discriminator="kind")
 ]
 
 

@@ -20,6 +20,7 @@ from services.scheduler.kv.block_pool import BlockPool, KVCacheBlock
 from services.scheduler.kv.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheSpec,
+    RingSpec,
     SlidingWindowSpec,
     StateSpec,
 )
@@ -33,6 +34,9 @@ class SingleTypeKVCacheManager(ABC):
     #: Whether every block-aligned prefix of a hit is itself a hit (true for full attention),
     #: so a shorter agreed length is served by truncating, without a new lookup.
     hit_prefix_closed: ClassVar[bool] = False
+    #: Whether the group can ever serve a prefix hit (a ring buffer cannot): without it no
+    #: group's hit is usable, so the coordinator's hit is 0 without a lookup.
+    serves_hits: ClassVar[bool] = True
 
     def __init__(
         self, spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool
@@ -295,10 +299,81 @@ class StateManager(SlidingWindowManager):
         super().free(request_id)
 
 
+class RingManager(SingleTypeKVCacheManager):
+    """A ring-buffer group (shared/kv/groups.py's slot rule): the table holds only the ring's
+    n = ceil(ring_size / block_size) blocks, entry (p // block_size) % n for position p. A
+    request gets a new block only when a position first reaches an entry (its first n blocks'
+    worth of tokens); after that every position reuses an entry, so the table never grows past
+    n and nothing is ever dropped before `free`.
+
+    Never a prefix hit, never registered: a ring entry holds whichever of its positions was
+    written last, and no block hash names that. So with a ring group in the model the
+    coordinator's agreed hit is always 0 (its fixed point takes the min over groups).
+    """
+
+    spec: RingSpec
+    drops_blocks = False
+    hit_prefix_closed = True  # an empty hit is trivially prefix-closed
+    serves_hits = False
+
+    def __init__(self, spec: RingSpec, pool: BlockPool, group_id: int, enable_caching: bool):
+        super().__init__(spec, pool, group_id, enable_caching)
+        self.n_ring_blocks = spec.n_ring_blocks
+
+    def entry_of(self, position: int) -> int:
+        """The table entry holding `position` (the slot rule)."""
+        return (position // self.block_size) % self.n_ring_blocks
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        return []
+
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        return min(-(-num_tokens // self.block_size), self.n_ring_blocks)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """The ring entries `num_tokens` positions reach that the request does not hold yet
+        (`new_computed_blocks` is always empty: a ring serves no hit)."""
+        if new_computed_blocks:
+            raise ValueError("a ring group serves no prefix hit")
+        held = len(self.req_to_blocks.get(request_id, ()))
+        return max(0, self.max_blocks_held(num_tokens, 0) - held)
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        if new_computed_blocks:
+            raise ValueError("a ring group serves no prefix hit")
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the ring to the entries `num_tokens` positions reach (at most n); returns only
+        the new blocks."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = self.max_blocks_held(num_tokens, 0) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(
+        self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> list[KVCacheBlock]:
+        return []  # no hash names a ring entry's contents
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Every ring entry is reused by a later position: nothing is ever skipped."""
+        return None
+
+
 MANAGER_BY_SPEC: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     StateSpec: StateManager,
+    RingSpec: RingManager,
 }
 
 

@@ -41,6 +41,14 @@ a lookup needs the state chunk at the hit end (the hit shortens to the largest b
 stored state) and a load reads that one chunk, the entries before it being the null block.
 Without it (role "both") state groups are left out and a hybrid never loads.
 
+Ring-buffer groups (shared/kv/groups.py) are transferable but never stored or hashed by the
+prefix cache either: role "both" leaves them out (and a model with one never loads), while a
+P/D role ships them as a sliding window of `ring_size` positions. A ring table holds only its
+n ring blocks, so chunk i lives in entry i % n, and only while no later position has reused
+it: an offer skips the chunks the computed tokens already overwrote (i < ceil(c / bs) - n),
+and a load writes chunk i into entry i % n of the freshly allocated ring (a ring never has a
+local hit, so a load always starts at chunk 0 and allocates the ring from entry 0).
+
 Blocks under a load the worker has not answered are never freed: a request finishing (abort)
 meanwhile is kept as an orphan until the answer. A worker reset voids every load (the worker
 drops its pending copies and reports them failed), so the blocks are freed at once.
@@ -56,7 +64,12 @@ from typing import Literal
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv.kv_cache_coordinator import KVCacheBlocks
 from services.scheduler.kv.kv_cache_manager import KVCacheManager
-from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec, StateSpec
+from services.scheduler.kv.kv_cache_spec import (
+    FullAttentionSpec,
+    RingSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.load_allocation import allocate_for_load
 from services.scheduler.offload.load_cost import LoadCostModel
@@ -143,14 +156,17 @@ class OffloadConnector:
         self.block_size = config.block_size
         # Only prefix-cacheable groups are hashed, stored and looked up ("transferable is not
         # storable"); a request whose groups are not all cacheable never loads. Under P/D
-        # (`transfer_state`: a prefill or decode role) the state groups of a hybrid model take
-        # part too: the prefill side stores the state block at the end of each offer, the
-        # decode side loads the one ending at its hit (a sliding window of one chunk).
-        self.groups = [
-            g
-            for g, group in enumerate(config.kv_cache_groups)
-            if group.spec.prefix_cacheable or (transfer_state and isinstance(group.spec, StateSpec))
-        ]
+        # (`transfer_state`: a prefill or decode role) every transferable group takes part: the
+        # state groups of a hybrid model (the prefill side stores the state block at the end of
+        # each offer, the decode side loads the one ending at its hit: a sliding window of one
+        # chunk) and ring groups (a sliding window of their ring).
+        self.groups = transfer_projection(config, transfer_state)
+        # Ring groups taking part: group -> its ring blocks (chunk i lives in entry i % n).
+        self.ring_blocks = {
+            g: spec.n_ring_blocks
+            for g in self.groups
+            if isinstance(spec := config.kv_cache_groups[g].spec, RingSpec)
+        }
         self.state_groups = [
             g for g in self.groups if isinstance(config.kv_cache_groups[g].spec, StateSpec)
         ]
@@ -160,7 +176,7 @@ class OffloadConnector:
         # a state group only the chunk ending at the hit.
         self.windows = [_group_window(g, config) for g in self.groups]
         self.loads_supported = self.all_groups_cacheable and all(
-            isinstance(group.spec, FullAttentionSpec | SlidingWindowSpec | StateSpec)
+            isinstance(group.spec, FullAttentionSpec | SlidingWindowSpec | StateSpec | RingSpec)
             for group in config.kv_cache_groups
         )
         self.space = space
@@ -353,8 +369,8 @@ class OffloadConnector:
         allocation takes exactly the blocks the load fills)."""
         held = [list(blocks) for blocks in hit_blocks]
         for window in self.windows:
-            if window.coverage is None:
-                continue  # full attention holds its whole local hit
+            if window.coverage is None or window.group in self.ring_blocks:
+                continue  # full attention holds its whole local hit; a ring holds no nulls
             null = kv.coordinator.pool_of_group(window.group).null_block
             start = window.chunks(first, end).start
             blocks = held[window.group]
@@ -387,7 +403,9 @@ class OffloadConnector:
                 chunks.append((key, (i + 1) * self.block_size))
                 names.append(self.space.payload_key(key))
                 groups.append(g)
-                block_ids.append(new_blocks[g][i - chunk_range.start].block_id)
+                ring = self.ring_blocks.get(g)
+                entry = i - chunk_range.start if ring is None else i % ring
+                block_ids.append(new_blocks[g][entry].block_id)
         tid = next(self._ids)
         transfer = KVTransfer(
             transfer_id=tid,
@@ -446,10 +464,18 @@ class OffloadConnector:
         state = self.states[rid]
         # The store mask: a chunk is worth storing only where a hit at `end` needs it.
         masks = [window.worth_storing(end) for window in self.windows]
+        # A ring still holds chunk i only if no computed position reused its entry.
+        ring_start = -(-request.num_computed_tokens // self.block_size)
         for i in range(begin, end):
             for window, mask in zip(self.windows, masks, strict=True):
                 g = window.group
-                block = tables[g][i]
+                ring = self.ring_blocks.get(g)
+                if ring is None:
+                    block = tables[g][i]
+                elif i >= ring_start - ring:
+                    block = tables[g][i % ring]
+                else:
+                    continue  # overwritten in the ring by a later position
                 if block.is_null or not mask[i]:
                     continue  # out of a sliding window: nothing a hit would read
                 key = OffloadKey(request.block_hashes[i], g)
@@ -567,6 +593,18 @@ class OffloadConnector:
         return state.recorded() if state is not None else []
 
 
+def transfer_projection(config: SchedulerConfig, transfer_state: bool) -> list[int]:
+    """The groups whose blocks the tier moves: the prefix-cacheable ones for the prefix cache
+    (role "both": never a state or ring group, which no block hash describes), every
+    transferable group for a P/D handoff (`transfer_state`), which ships a request's whole KV
+    at one point in its sequence. A transfer's block ids are projected onto these groups."""
+    return [
+        g
+        for g, group in enumerate(config.kv_cache_groups)
+        if group.spec.prefix_cacheable or (transfer_state and group.spec.transferable)
+    ]
+
+
 def _group_window(group: int, config: SchedulerConfig) -> GroupWindow:
     """How group `group` needs the chunks of a hit. A sliding group's coverage counts the
     tokens it retains for speculation (`retained_tokens` of the one lookahead number,
@@ -576,6 +614,10 @@ def _group_window(group: int, config: SchedulerConfig) -> GroupWindow:
         # The entry rule (shared/kv/groups.py): a hit of h tokens needs only the state block
         # ending at h, i.e. a window of one chunk; speculation retains nothing in the tier.
         return GroupWindow.sliding(group, 1, config.block_size)
+    if isinstance(spec, RingSpec):
+        # A hit of h tokens needs the ring's last positions before h, as a window of
+        # `ring_size` does; speculation is refused with a ring group (SchedulerConfig).
+        return GroupWindow.sliding(group, spec.ring_size, config.block_size)
     if not isinstance(spec, SlidingWindowSpec):
         return GroupWindow(group)
     retained = retained_tokens(config.lookahead_tokens)

@@ -15,7 +15,8 @@ hybrid model's state group) runs the Triton kernels ("triton"); CPU, and sliding
 on any device (groups.py builds per-group reference metadata), run the reference path
 ("reference"). The backend is resolved when the
 runner (or a drafter's private cache) is built, so a configuration no backend can serve fails
-at start-up with BackendCapabilityError, and a step only reads the resolved object.
+at start-up with BackendCapabilityError, and a step only reads the resolved object. A ring-buffer
+group (shared/kv/groups.py) has no path at all: refused there too (UnsupportedModelError).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kernels.attention.backends import (
 from services.worker.attention.groups import paged_attention_groups
 from services.worker.attention.reference import ReferenceAttention
 from shared.kv.groups import KVGroupSpec
+from shared.model.config import UnsupportedModelError
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -56,9 +58,27 @@ def backend_name(device: torch.device | str, kv_groups: list[KVGroupSpec]) -> st
     return ReferenceAttention.name
 
 
+def refuse_ring_groups(kv_groups: list[KVGroupSpec]) -> None:
+    """No attention path here implements a ring-buffer layer (shared/kv/groups.py: position p
+    in entry (p // block_size) % n, read before a step overwrites it); every path would index
+    the ring's table by p // block_size as full attention does and read past its n entries or
+    the wrong slots. So a model config with a ring group is refused at start-up rather than
+    run wrongly."""
+    rings = [g for g in kv_groups if g.kind == "ring"]
+    if rings:
+        layers = sorted(i for g in rings for i in g.layer_indices)
+        raise UnsupportedModelError(
+            f"ring-buffer KV cache groups (layers {layers}, ring sizes "
+            f"{sorted({g.ring_size for g in rings})}) are not supported by this worker's "
+            "attention"
+        )
+
+
 def resolve_backend(
     device: torch.device | str, kv_groups: list[KVGroupSpec], kv_dtype: torch.dtype
 ) -> AttentionBackend:
-    """The backend of this configuration, or BackendCapabilityError (fail closed)."""
+    """The backend of this configuration, or BackendCapabilityError (fail closed); a ring
+    group is refused (UnsupportedModelError) before any backend is asked."""
+    refuse_ring_groups(kv_groups)
     needs = attention_requirements(kv_groups, kv_dtype)
     return select_backend(backend_name(device, kv_groups), needs)

@@ -60,6 +60,8 @@ def group_attention(
     paged = backend if isinstance(backend, PagedKernelBackend) else None
     per_group: list[AttentionMetadata | TritonAttentionMetadata | StateMetadata] = []
     for g, group in enumerate(groups):
+        if group.kind == "ring":  # refused at start-up (backend_choice.refuse_ring_groups)
+            raise ValueError(f"group {g}: ring-buffer groups have no attention metadata")
         if group.kind == "state":
             per_group.append(
                 StateMetadata.build(

@@ -13,6 +13,13 @@ ceil(n / block_size) - 1 before anything of the step is written (a state written
 step cannot be read: the real worker reads states before computing), then boundary states and
 the final state are written. A read of the null block or of another prefix's state fails.
 
+A ring group (`Ring(R)`, shared/kv/groups.py's slot rule) keeps position p in entry
+(p // block_size) % n, n = ceil(R / block_size); its table may never hold more than n entries.
+Before the step's writes every request reads the ring positions the step's first query needs
+from the ring (the last R - 1 before it: a multi-token step overwrites older slots, so a real
+ring kernel reads them first, and takes the step's own K/V from its inputs); after the writes
+the ring must hold each of the last min(n * block_size, computed) positions.
+
 It samples `token_at(request_id, position)` and, for requests asking for routed experts,
 returns `row_at(position)` per computed position: with `hold_rows`, rows of chunks that sample
 nothing are kept and sent with the next sampled token; otherwise each such chunk sends them in
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.kv.groups import LayerCache
+from shared.kv.groups import LayerCache, Ring
 from shared.protocol import SampledTokens, StepPlan, StepResult
 from tests.unit.scheduler.worker_double import token_at
 
@@ -48,13 +55,14 @@ class Held:
 @dataclass
 class GroupWorker:
     block_size: int
-    windows: list[LayerCache]  # per group: None = full attention, int = window, "state"
+    windows: list[LayerCache]  # per group: None = full, int = window, "state", Ring(R)
     hold_rows: bool = False
     held: dict[str, Held] = field(default_factory=dict)
     kv: dict[tuple[int, int], list[int | None]] = field(default_factory=dict)
     states: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
     positions_read: int = 0
     states_read: int = 0
+    ring_positions_read: int = 0
 
     def run(self, plan: StepPlan) -> StepResult:
         for rid in [*plan.finished_request_ids, *plan.preempted_request_ids]:
@@ -73,11 +81,14 @@ class GroupWorker:
             assert cached.num_computed_tokens == held.num_computed
             for table, ids in zip(held.tables, cached.new_block_ids, strict=True):
                 table.extend(ids)
+        for rid in [*(n.request_id for n in plan.new_requests), *plan.num_scheduled_tokens]:
+            self._check_ring_tables(rid)
         spans = {
             rid: (self.held[rid].num_computed, n) for rid, n in plan.num_scheduled_tokens.items()
         }
         for rid, (start, _) in spans.items():
             self._read_states(rid, start)
+            self._read_rings(rid, start)
         for rid, (start, n) in spans.items():
             self._write(rid, start, start + n)
         sampled = [self._finish(rid, start, start + n) for rid, (start, n) in spans.items()]
@@ -101,6 +112,37 @@ class GroupWorker:
         assert table[index] != 0, f"group {group}: state of {num_tokens} tokens in the null block"
         return table[index]
 
+    def _ring_blocks(self, window: Ring) -> int:
+        return -(-window.ring_size // self.block_size)
+
+    def _check_ring_tables(self, rid: str) -> None:
+        held = self.held[rid]
+        for group, window in enumerate(self.windows):
+            if isinstance(window, Ring):
+                table = held.tables[group]
+                assert len(table) <= self._ring_blocks(window), f"{rid} g{group}: ring grew"
+                assert 0 not in table, f"{rid} g{group}: a null block in a ring"
+
+    def _ring_slot(self, group: int, held: Held, pos: int) -> list[int | None]:
+        window = self.windows[group]
+        assert isinstance(window, Ring)
+        table = held.tables[group]
+        entry = (pos // self.block_size) % self._ring_blocks(window)
+        assert entry < len(table), f"group {group}: no ring entry for position {pos}"
+        return self.kv.setdefault((group, table[entry]), [None] * self.block_size)
+
+    def _read_rings(self, rid: str, start: int) -> None:
+        """The positions before the step that its first query attends to, read before the
+        step overwrites any slot."""
+        held = self.held[rid]
+        for group, window in enumerate(self.windows):
+            if not isinstance(window, Ring):
+                continue
+            for pos in range(max(0, start - window.ring_size + 1), start):
+                got = self._ring_slot(group, held, pos)[pos % self.block_size]
+                assert got == held.tokens[pos], f"{rid} g{group}: stale ring slot at {pos}"
+                self.ring_positions_read += 1
+
     def _read_states(self, rid: str, start: int) -> None:
         held = self.held[rid]
         for group, window in enumerate(self.windows):
@@ -120,6 +162,10 @@ class GroupWorker:
                     entry = self._state_entry(group, held, n)
                     self.states[(group, entry)] = tuple(held.tokens[:n])
                 continue
+            if isinstance(window, Ring):
+                for pos in range(start, end):
+                    self._ring_slot(group, held, pos)[pos % self.block_size] = held.tokens[pos]
+                continue
             for pos in range(start, end):
                 self._slot(group, held, pos)[pos % self.block_size] = held.tokens[pos]
 
@@ -128,6 +174,12 @@ class GroupWorker:
         for group, window in enumerate(self.windows):  # reads after every write of the step
             if isinstance(window, str):
                 continue  # states were read before the step's writes
+            if isinstance(window, Ring):  # the ring holds the latest positions, each in place
+                span = self._ring_blocks(window) * self.block_size
+                for pos in range(max(0, end - span), end):
+                    got = self._ring_slot(group, held, pos)[pos % self.block_size]
+                    assert got == held.tokens[pos], f"{rid} g{group}: ring lost {pos}"
+                continue
             for q in range(start, end):
                 first = 0 if window is None else max(0, q - window + 1)
                 for pos in range(first, q + 1):

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from shared.codec import CodecError, decode, encode
-from shared.kv.groups import kv_groups_for
+from shared.kv.groups import Ring, kv_groups_for
 from shared.protocol import (
     MESSAGE_TYPES,
     AbortRequest,
@@ -288,7 +288,7 @@ SAMPLES: dict[str, Message] = {
             eos_token_ids=[2],
             num_moe_layers=4,
             num_state_blocks=97,
-            kv_groups=kv_groups_for([8, 4, 8]),  # sliding groups: every field set
+            kv_groups=kv_groups_for([8, 4, 8, Ring(16)]),  # sliding and ring: every field set
             kv_chunk_bytes=737_344,
             time=12.5,
         ),
@@ -298,17 +298,21 @@ SAMPLES: dict[str, Message] = {
 
 
 def fields_left_default(model: BaseModel, path: str = "") -> list[str]:
-    """Dotted paths of fields (recursively) whose value equals the field's default."""
+    """Dotted paths of fields (recursively) whose value equals the field's default. In a list
+    of models a field counts as populated when any item sets it (kind-exclusive fields such
+    as a KV group's `sliding_window` and `ring_size` cannot both be set in one item)."""
     left = []
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
         default = info.get_default(call_default_factory=True)
         if default is not PydanticUndefined and value == default:
             left.append(path + name)
-        items = value if isinstance(value, list) else [value]
-        for i, item in enumerate(items):
-            if isinstance(item, BaseModel):
-                left += fields_left_default(item, f"{path}{name}[{i}].")
+        items = [
+            v for v in (value if isinstance(value, list) else [value]) if isinstance(v, BaseModel)
+        ]
+        if items:
+            per_item = [set(fields_left_default(item, f"{path}{name}[].")) for item in items]
+            left += sorted(set.intersection(*per_item))
     return left
 
 
