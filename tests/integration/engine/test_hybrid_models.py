@@ -121,6 +121,25 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(family: Any) -> None
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_usable_blocks
 
 
+def test_a_long_prompt_with_a_partial_hit_is_scheduled_not_left_spinning(family: Any) -> None:
+    """CONTRACTS "Admission estimates equal allocations" at engine level: a 100-token prompt
+    whose first 40 tokens are cached needs 28 attention blocks (the pool's 29 usable hold it)
+    but only a few state blocks, while its state group spans 28 logical blocks — more than the
+    12-block state pool. An estimate of the logical span would never admit it (the engine
+    raises when the scheduler has work and plans nothing); the physical bound admits it, with
+    the partial hit, and its tokens equal transformers'."""
+    engine = _engine(family, num_blocks=30, num_state_blocks=12, max_num_batched_tokens=16)
+    prompts = _prompts(4, [0, 60], shared=40)
+    first = engine.generate({"r0": prompts["r0"]}, GREEDY)
+    long = engine.generate({"r1": prompts["r1"]}, GREEDY)
+    _check(family, prompts, {**first, **long})
+    assert long["r1"].num_cached_tokens == 40
+    total = len(prompts["r1"]) + MAX_TOKENS
+    assert -(-total // BS) > engine.kv_cache.num_state_blocks - 1  # logical span > state pool
+    kv = engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
 def test_serves_with_the_offload_tier_which_stores_attention_blocks_only(
     family: Any, redis_url: str
 ) -> None:
