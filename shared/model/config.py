@@ -286,6 +286,10 @@ class ModelConfig(BaseModel):
         hybrid = _hybrid_fields(known[0], hf, num_layers)
         window, layer_types = (None, []) if hybrid else _sliding_layers(hf, num_layers)
         rope, rope_local = parse_layer_ropes(hf)
+        if known[0] == "BambaForCausalLM" and not _states_partial_rotary(hf):
+            # BambaConfig's default is 0.5 ("hardcode for BC"), and config.json files saved by
+            # transformers 4.x omit it: without the key, half of each head rotates
+            rope = rope.model_copy(update={"partial_rotary_factor": 0.5})
         num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         eos = _merge_ids(hf.get("eos_token_id"), (generation or {}).get("eos_token_id"))
         fields: dict[str, Any] = dict(
@@ -448,6 +452,12 @@ def _sliding_layers(hf: dict[str, Any], num_layers: int) -> tuple[int | None, li
     else:
         slides = [True] * num_layers
     return window, ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def _states_partial_rotary(hf: dict[str, Any]) -> bool:
+    return "partial_rotary_factor" in hf or "partial_rotary_factor" in (
+        hf.get("rope_parameters") or {}
+    )
 
 
 def parse_layer_ropes(hf: dict[str, Any]) -> tuple[RopeScaling, RopeScaling | None]:

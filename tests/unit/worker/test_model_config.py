@@ -97,3 +97,26 @@ def test_heads_not_divisible_by_kv_heads() -> None:
 def test_missing_config_json(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         ModelConfig.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("saved", [None, 1.0])
+def test_bamba_rotates_half_of_each_head_unless_its_config_says(
+    tmp_path: Path, saved: float | None
+) -> None:
+    """transformers' BambaConfig defaults partial_rotary_factor to 0.5 (a config.json saved by
+    transformers 4.x has no such key) and keeps a stated one: so do we."""
+    from transformers import BambaConfig
+
+    from tests.support.tiny_models import make_tiny
+
+    make_tiny(tmp_path, "bamba")
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf.get("rope_parameters", {}).pop("partial_rotary_factor", None)
+    hf.pop("partial_rotary_factor", None)
+    if saved is not None:
+        hf["rope_parameters"] = {**hf.get("rope_parameters", {}), "partial_rotary_factor": saved}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    expected = 0.5 if saved is None else saved
+    theirs = BambaConfig.from_pretrained(tmp_path).rope_parameters
+    assert theirs["partial_rotary_factor"] == expected
+    assert ModelConfig.from_hf_dir(tmp_path).rope.partial_rotary_factor == expected
