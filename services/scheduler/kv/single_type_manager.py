@@ -61,10 +61,15 @@ class SingleTypeKVCacheManager(ABC):
         """Blocks holding the longest cached prefix of at most `max_length` tokens (block
         aligned). Nothing is touched: the result is only valid until the pool changes."""
 
+    def table_length(self, num_tokens: int) -> int:
+        """Entries of a request's block table covering `num_tokens` slots (one per block;
+        a ring's table stops at its ring)."""
+        return -(-num_tokens // self.block_size)
+
     def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
         """The most blocks one request of `num_tokens` slots ever holds in this group, when a
         step computes at most `max_step_tokens` of its tokens (admission's feasibility bound)."""
-        return -(-num_tokens // self.block_size)
+        return self.table_length(num_tokens)
 
     def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
@@ -76,7 +81,7 @@ class SingleTypeKVCacheManager(ABC):
         blocks, plus prefix-hit blocks that are currently free (touching takes them out of the
         free queue). Exactly what `save_new_computed_blocks` + `allocate_new_blocks` take."""
         blocks = self.req_to_blocks.get(request_id)
-        num_new = -(-num_tokens // self.block_size) - len(new_computed_blocks)
+        num_new = self.table_length(num_tokens) - len(new_computed_blocks)
         if blocks:
             num_new -= len(blocks)
         if num_new < 0:
@@ -103,7 +108,7 @@ class SingleTypeKVCacheManager(ABC):
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Grow the request's table to cover `num_tokens` slots; returns only the new blocks."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new = -(-num_tokens // self.block_size) - len(blocks)
+        num_new = self.table_length(num_tokens) - len(blocks)
         if num_new <= 0:
             return []
         new_blocks = self.pool.get_new_blocks(num_new)
@@ -329,35 +334,23 @@ class RingManager(SingleTypeKVCacheManager):
     ) -> list[KVCacheBlock]:
         return []
 
-    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
-        return min(-(-num_tokens // self.block_size), self.n_ring_blocks)
+    def table_length(self, num_tokens: int) -> int:
+        """The ring entries `num_tokens` positions reach (at most n): allocation, estimate and
+        admission bound all follow from it."""
+        return min(super().table_length(num_tokens), self.n_ring_blocks)
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> int:
-        """The ring entries `num_tokens` positions reach that the request does not hold yet
-        (`new_computed_blocks` is always empty: a ring serves no hit)."""
         if new_computed_blocks:
             raise ValueError("a ring group serves no prefix hit")
-        held = len(self.req_to_blocks.get(request_id, ()))
-        return max(0, self.max_blocks_held(num_tokens, 0) - held)
+        return super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks)
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
     ) -> None:
         if new_computed_blocks:
             raise ValueError("a ring group serves no prefix hit")
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the ring to the entries `num_tokens` positions reach (at most n); returns only
-        the new blocks."""
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new = self.max_blocks_held(num_tokens, 0) - len(blocks)
-        if num_new <= 0:
-            return []
-        new_blocks = self.pool.get_new_blocks(num_new)
-        blocks.extend(new_blocks)
-        return new_blocks
 
     def cache_blocks(
         self, request_id: str, block_hashes: Sequence[BlockHash], num_tokens: int

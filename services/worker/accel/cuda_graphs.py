@@ -231,14 +231,19 @@ class DecodeGraphs:
         latest[row], a token the host does not have yet (in_flight.py): the graph's first
         kernel reads it there (kernels/decode_chain/token_feed.py)."""
         n = len(input_ids)
-        size = padded_size(n, self.sizes)
-        if size is None or size not in self.graphs:
-            raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
+        size = self.graph_size(n)
         self._stage(n, size, input_ids, positions, slot_mapping, seq_lens, block_tables)
         self.graphs[size].replay()
         if self.replayed is not None:
             self.replayed.record()
         return self.outputs[size][:n]
+
+    def graph_size(self, n: int) -> int:
+        """The captured size that replays `n` decodes (ValueError: none)."""
+        size = padded_size(n, self.sizes)
+        if size is None or size not in self.graphs:
+            raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
+        return size
 
     def _stage(
         self,

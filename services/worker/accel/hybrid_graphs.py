@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kernels.attention.backends import PagedKernelBackend
-from services.worker.accel.cuda_graphs import DecodeGraphs, padded_size
+from services.worker.accel.cuda_graphs import DecodeGraphs
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.attention.state_metadata import StateMetadata
 from services.worker.models.base import CausalLM
@@ -78,9 +78,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         """`run` with the state layers' int32 read / write slots per row (-1: zero state /
         no write); `block_tables`: the attention group's rows."""
         n = len(input_ids)
-        size = padded_size(n, self.sizes)
-        if size is None:
-            raise ValueError(f"no captured graph holds {n} decodes (sizes {self.sizes})")
+        size = self.graph_size(n)
         host = self.inputs.host()
         host["state_read"][:n], host["state_write"][:n] = state_read, state_write
         self._pad_states(n, size)

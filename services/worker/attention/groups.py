@@ -15,6 +15,8 @@ decode graphs then capture); sliding-window groups always run the reference path
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -75,31 +77,21 @@ def group_attention(
             )
             continue
         blocks = block_tables[g, flat_rows, positions // block_size]
-        if paged is not None and group.sliding_window is None:
-            per_group.append(
-                TritonAttentionMetadata.build(
-                    query_lens=query_lens,
-                    seq_lens=seq_lens,
-                    block_tables=block_tables[g, rows],
-                    block_size=block_size,
-                    slot_mapping=blocks * block_size + positions % block_size,
-                    num_kv_heads=num_kv_heads,
-                    backend=paged,
-                    device=device,
-                )
-            )
-            continue
-        per_group.append(
-            AttentionMetadata.build(
-                query_lens=query_lens,
-                seq_lens=seq_lens,
-                block_tables=block_tables[g, rows],
-                block_size=block_size,
-                slot_mapping=blocks * block_size + positions % block_size,
-                device=device,
-                sliding_window=group.sliding_window,
-                decode_kernel=decode_kernel,
-            )
+        step: dict[str, Any] = dict(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=block_tables[g, rows],
+            block_size=block_size,
+            slot_mapping=blocks * block_size + positions % block_size,
+            device=device,
         )
+        meta: AttentionMetadata | TritonAttentionMetadata
+        if paged is not None and group.sliding_window is None:
+            meta = TritonAttentionMetadata.build(num_kv_heads=num_kv_heads, backend=paged, **step)
+        else:
+            meta = AttentionMetadata.build(
+                sliding_window=group.sliding_window, decode_kernel=decode_kernel, **step
+            )
+        per_group.append(meta)
     num_layers = sum(len(g.layer_indices) for g in groups)
     return [per_group[g] for g in layer_group_index(groups, num_layers)]

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -612,12 +612,7 @@ class ModelRunner:
             # never replayed (_forward), so none is captured.
             log.info("no CUDA graphs: the %r attention path runs eagerly", backend.name)
             return 0.0
-        if self.has_state_group:
-            return self._capture_hybrid_graphs(backend, sizes)
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.kv_cache.attention_layers,  # every layer's
-            backend,
+        options: dict[str, Any] = dict(
             max_num_reqs=self.batch.max_num_reqs,
             max_blocks_per_req=self.batch.max_blocks_per_req,
             max_model_len=self.max_model_len,
@@ -626,7 +621,19 @@ class ModelRunner:
             latest=self.feed.latest,
             upload_stream=self.upload_stream,
         )
-        seconds = self.graphs.capture()
+        graphs: DecodeGraphs
+        if self.has_state_group:  # accel/hybrid_graphs.py; _forward stages [full, state]
+            kinds = [g.kind for g in self.kv_groups]
+            if kinds != ["full", "state"]:
+                log.info("no CUDA graphs: hybrid KV groups %s (graphs take [full, state])", kinds)
+                return 0.0
+            graphs = HybridDecodeGraphs(
+                self.model, self.kv_cache.layers, backend, block_size=self.block_size, **options
+            )
+        else:
+            graphs = DecodeGraphs(self.model, self.kv_cache.attention_layers, backend, **options)
+        seconds = graphs.capture()  # a failure: the bootstrap serves eagerly
+        self.graphs = graphs
         if self.num_spec_tokens:
             verify = VerifyGraphs(
                 self.model,
@@ -644,30 +651,6 @@ class ModelRunner:
                 self.verify_graphs = verify
             except RuntimeError:  # verify steps still run, eagerly
                 log.exception("CUDA graph capture of the verify steps failed: they run eagerly")
-        return seconds
-
-    def _capture_hybrid_graphs(self, backend: PagedKernelBackend, sizes: tuple[int, ...]) -> float:
-        """Decode graphs of a hybrid model (accel/hybrid_graphs.py): its groups must be one
-        full-attention group then one state group (what `_forward` stages)."""
-        kinds = [g.kind for g in self.kv_groups]
-        if kinds != ["full", "state"]:
-            log.info("no CUDA graphs: hybrid KV groups %s (graphs take [full, state])", kinds)
-            return 0.0
-        graphs = HybridDecodeGraphs(
-            self.model,
-            self.kv_cache.layers,
-            backend,
-            block_size=self.block_size,
-            max_num_reqs=self.batch.max_num_reqs,
-            max_blocks_per_req=self.batch.max_blocks_per_req,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            sizes=sizes,
-            latest=self.feed.latest,
-            upload_stream=self.upload_stream,
-        )
-        seconds = graphs.capture()  # a failure: the bootstrap serves eagerly
-        self.graphs = graphs
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:

@@ -11,43 +11,22 @@ standing for Redis.
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-
 import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.offload.async_lookup import AsyncLookup
 from services.scheduler.offload.connector import OffloadConnector
-from services.scheduler.offload.store_admission import StoreAdmission
-from services.scheduler.pd import PrefillPolicy, prefilled_in_step
-from services.scheduler.scheduler import Scheduler
 from shared.config import SchedulerSettings
 from shared.kv.groups import STATE, KVGroupSpec
-from shared.protocol import StepPlan, SubmitRequest, WorkerReady
-from tests.unit.scheduler.driver import ClientView, submit
-from tests.unit.scheduler.group_worker import GroupWorker
+from shared.protocol import SubmitRequest, WorkerReady
+from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import SPACE, Tier
+from tests.unit.scheduler.pd.group_sides import Side, StateTier
 from tests.unit.scheduler.test_state_group import groups
 from tests.unit.scheduler.worker_double import token_at
 
 BS = 4
 PROMPT = list(range(300, 323))  # 23 tokens: N = 3 hands over 20 = 5 blocks
-
-
-@dataclass
-class StateTier(Tier):
-    """The tier with each chunk's body: ("kv", slot tokens) or ("state", the token tuple the
-    state stands for); `payloads` only marks presence for the probe."""
-
-    bodies: dict[str, tuple[str, object]] = field(default_factory=dict)
-
-    def put(self, key: str, kind: str, body: object) -> None:
-        self.payloads[key] = []
-        self.bodies[key] = (kind, body)
-
-    def drop(self, key: str) -> None:
-        del self.payloads[key], self.bodies[key]
 
 
 def hybrid_config() -> SchedulerConfig:
@@ -61,96 +40,12 @@ def hybrid_config() -> SchedulerConfig:
     )
 
 
-@dataclass
-class Side:
-    scheduler: Scheduler
-    worker: GroupWorker
-    lookup: AsyncLookup
-    tier: StateTier
-    client: ClientView = field(default_factory=ClientView)
-    plans: list[StepPlan] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, tier: StateTier, *, role: str) -> Side:
-        cfg = hybrid_config()
-        scheduler = Scheduler(cfg, role)
-        lookup = AsyncLookup(tier.verdicts, max_pending_s=2.0)
-        scheduler.offload = OffloadConnector(
-            cfg,
-            SPACE,
-            lookup,
-            role,
-            store=role != "decode",
-            store_admission=StoreAdmission("always"),
-            transfer_state=role != "both",
-        )
-        scheduler.prefill_only = role == "prefill"
-        return cls(scheduler, GroupWorker(BS, [None, STATE]), lookup, tier)
-
-    @property
-    def connector(self) -> OffloadConnector:
-        assert self.scheduler.offload is not None
-        return self.scheduler.offload
-
-    def store(self, plan: StepPlan) -> None:
-        """The worker's stores after the step: each chunk's block contents into the tier."""
-        for t in plan.kv_stores:
-            for key, group, block in zip(t.keys, t.groups, t.block_ids, strict=True):
-                if group == 1:
-                    self.tier.put(key, "state", self.worker.states[(group, block)])
-                else:
-                    slots = self.worker.kv[(group, block)]
-                    assert None not in slots
-                    self.tier.put(key, "kv", list(slots))
-
-    def load(self, plan: StepPlan) -> None:
-        for t in plan.kv_loads:
-            failed = [k for k in t.keys if k not in self.tier.payloads]
-            if not failed:
-                for key, group, block in zip(t.keys, t.groups, t.block_ids, strict=True):
-                    kind, body = self.tier.bodies[key]
-                    assert kind == ("state" if group == 1 else "kv")
-                    if group == 1:
-                        assert isinstance(body, tuple)
-                        self.worker.states[(group, block)] = body
-                    else:
-                        assert isinstance(body, list)
-                        self.worker.kv[(group, block)] = list(body)
-            self.scheduler.kv_load_done(t.transfer_id, not failed, failed)
-
-    async def step(self) -> StepPlan | None:
-        await asyncio.gather(*self.lookup.flush())
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return None
-        self.plans.append(plan)
-        out = self.scheduler.update_from_output(plan, self.worker.run(plan))
-        for stream, deltas in out.deltas.items():
-            for delta in deltas:
-                self.client.apply(stream, delta)
-        self.store(plan)
-        self.load(plan)
-        return plan
-
-    async def run(self) -> None:
-        for _ in range(500):
-            plan = await self.step()
-            if plan is None and not self.scheduler.has_work():
-                return
-        raise AssertionError("not done")
+def make_side(tier: StateTier, role: str) -> Side:
+    return Side.build(tier, hybrid_config(), [None, STATE], state_group=1, role=role)
 
 
 async def prefill(msg: SubmitRequest, tier: StateTier, lookahead: int = 3) -> Side:
-    side = Side.build(tier, role="prefill")
-    job = PrefillPolicy(lookahead, BS).job_for(msg)
-    assert job is not None
-    side.scheduler.add_request(job)
-    for _ in range(100):
-        plan = await side.step()
-        assert plan is not None
-        if prefilled_in_step(plan, {msg.request_id: len(job.prompt_token_ids)}):
-            return side
-    raise AssertionError("never prefilled")
+    return await make_side(tier, "prefill").prefill(msg, lookahead)
 
 
 def stored_groups(side: Side) -> list[tuple[int, int]]:
@@ -197,7 +92,7 @@ def test_from_worker_serves_pd_roles_for_a_hybrid() -> None:
 
 async def test_role_both_never_stores_or_loads_a_state_chunk() -> None:
     tier = StateTier()
-    side = Side.build(tier, role="both")
+    side = make_side(tier, "both")
     side.scheduler.add_request(submit("a", PROMPT, max_tokens=3))
     await side.run()
     side.scheduler.add_request(submit("b", PROMPT, max_tokens=3))
@@ -221,7 +116,7 @@ async def test_prefill_hands_over_the_state_at_its_end_and_decode_resumes_from_i
     state_ends = sorted(e for g, e in stored if g == 1)
     assert state_ends and state_ends[-1] == handed // BS  # the state at the handed-over end
     assert all(SPACE.parse(k).group == (kind == "state") for k, (kind, _) in tier.bodies.items())
-    decode = Side.build(tier, role="decode")
+    decode = make_side(tier, "decode")
     decode.scheduler.add_request(msg)
     await decode.run()
     (load,) = [t for plan in decode.plans for t in plan.kv_loads]
@@ -247,7 +142,7 @@ async def test_a_decode_hit_without_its_state_chunk_is_shortened_to_the_last_sto
     dropped = max(ends, key=lambda k: ends[k])
     tier.drop(SPACE.payload_key(dropped))
     assert len(last) == len(state_ends)
-    decode = Side.build(tier, role="decode")
+    decode = make_side(tier, "decode")
     decode.scheduler.add_request(msg)
     await decode.run()
     assert decode.connector.stats.external_hit_tokens == state_ends[-2] * BS
@@ -261,7 +156,7 @@ async def test_a_decode_side_without_any_state_chunk_recomputes() -> None:
     await prefill(msg, tier)
     for key in [k for k in tier.payloads if SPACE.parse(k).group == 1]:
         tier.drop(key)
-    decode = Side.build(tier, role="decode")
+    decode = make_side(tier, "decode")
     decode.scheduler.add_request(msg)
     await decode.run()
     assert all(not plan.kv_loads for plan in decode.plans)

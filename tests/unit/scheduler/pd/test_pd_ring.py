@@ -10,23 +10,14 @@ written into the wrong entry, or stored after being overwritten, fails the run.
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
-
 import pytest
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.offload.async_lookup import AsyncLookup
-from services.scheduler.offload.connector import OffloadConnector
-from services.scheduler.offload.store_admission import StoreAdmission
-from services.scheduler.pd import PrefillPolicy, prefilled_in_step
-from services.scheduler.scheduler import Scheduler
 from shared.kv.groups import STATE, Ring
-from shared.protocol import StepPlan, SubmitRequest
-from tests.unit.scheduler.driver import ClientView, submit
-from tests.unit.scheduler.group_worker import GroupWorker
+from shared.protocol import SubmitRequest
+from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import SPACE
-from tests.unit.scheduler.pd.test_pd_hybrid import StateTier
+from tests.unit.scheduler.pd.group_sides import Side, StateTier
 from tests.unit.scheduler.test_ring_group import FULL, N_RING, RING, RING_G, STATE_G, groups
 from tests.unit.scheduler.worker_double import token_at
 
@@ -45,95 +36,13 @@ def config(step_tokens: int) -> SchedulerConfig:
     )
 
 
-@dataclass
-class Side:
-    scheduler: Scheduler
-    worker: GroupWorker
-    lookup: AsyncLookup
-    tier: StateTier
-    client: ClientView = field(default_factory=ClientView)
-    plans: list[StepPlan] = field(default_factory=list)
-
-    @classmethod
-    def build(cls, tier: StateTier, *, role: str, step_tokens: int = 8) -> Side:
-        cfg = config(step_tokens)
-        scheduler = Scheduler(cfg, role)
-        lookup = AsyncLookup(tier.verdicts, max_pending_s=2.0)
-        scheduler.offload = OffloadConnector(
-            cfg,
-            SPACE,
-            lookup,
-            role,
-            store=role != "decode",
-            store_admission=StoreAdmission("always"),
-            transfer_state=role != "both",
-        )
-        scheduler.prefill_only = role == "prefill"
-        return cls(scheduler, GroupWorker(BS, [None, Ring(RING), STATE]), lookup, tier)
-
-    @property
-    def connector(self) -> OffloadConnector:
-        assert self.scheduler.offload is not None
-        return self.scheduler.offload
-
-    def store(self, plan: StepPlan) -> None:
-        """The worker's stores after the step: K/V slots (full and ring) or a state."""
-        for t in plan.kv_stores:
-            for key, group, block in zip(t.keys, t.groups, t.block_ids, strict=True):
-                if group == STATE_G:
-                    self.tier.put(key, "state", self.worker.states[(group, block)])
-                else:
-                    slots = self.worker.kv[(group, block)]
-                    assert None not in slots
-                    self.tier.put(key, "kv", list(slots))
-
-    def load(self, plan: StepPlan) -> None:
-        for t in plan.kv_loads:
-            failed = [k for k in t.keys if k not in self.tier.payloads]
-            if not failed:
-                for key, group, block in zip(t.keys, t.groups, t.block_ids, strict=True):
-                    kind, body = self.tier.bodies[key]
-                    if group == STATE_G:
-                        assert kind == "state" and isinstance(body, tuple)
-                        self.worker.states[(group, block)] = body
-                    else:
-                        assert kind == "kv" and isinstance(body, list)
-                        self.worker.kv[(group, block)] = list(body)
-            self.scheduler.kv_load_done(t.transfer_id, not failed, failed)
-
-    async def step(self) -> StepPlan | None:
-        await asyncio.gather(*self.lookup.flush())
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return None
-        self.plans.append(plan)
-        out = self.scheduler.update_from_output(plan, self.worker.run(plan))
-        for stream, deltas in out.deltas.items():
-            for delta in deltas:
-                self.client.apply(stream, delta)
-        self.store(plan)
-        self.load(plan)
-        return plan
-
-    async def run(self) -> None:
-        for _ in range(500):
-            plan = await self.step()
-            if plan is None and not self.scheduler.has_work():
-                return
-        raise AssertionError("not done")
+def make_side(tier: StateTier, role: str, step_tokens: int = 8) -> Side:
+    layers = [None, Ring(RING), STATE]
+    return Side.build(tier, config(step_tokens), layers, state_group=STATE_G, role=role)
 
 
 async def prefill(msg: SubmitRequest, tier: StateTier, lookahead: int, step_tokens: int) -> Side:
-    side = Side.build(tier, role="prefill", step_tokens=step_tokens)
-    job = PrefillPolicy(lookahead, BS).job_for(msg)
-    assert job is not None
-    side.scheduler.add_request(job)
-    for _ in range(100):
-        plan = await side.step()
-        assert plan is not None
-        if prefilled_in_step(plan, {msg.request_id: len(job.prompt_token_ids)}):
-            return side
-    raise AssertionError("never prefilled")
+    return await make_side(tier, "prefill", step_tokens).prefill(msg, lookahead)
 
 
 def ring_chunks_stored(side: Side) -> list[int]:
@@ -165,7 +74,7 @@ async def test_prefill_ships_the_ring_and_decode_resumes_from_it(
         for (kind, slots) in tier.bodies.values()
         if kind == "kv"
     )
-    decode = Side.build(tier, role="decode")
+    decode = make_side(tier, "decode")
     decode.scheduler.add_request(msg)
     await decode.run()
     (load,) = [t for plan in decode.plans for t in plan.kv_loads]
@@ -201,7 +110,7 @@ async def test_a_ring_chunk_overwritten_before_its_offer_is_never_stored() -> No
 
 async def test_role_both_never_stores_or_probes_a_ring_chunk() -> None:
     tier = StateTier()
-    side = Side.build(tier, role="both")
+    side = make_side(tier, "both")
     for rid in ("a", "b"):
         side.scheduler.add_request(submit(rid, PROMPT, max_tokens=3))
         await side.run()
