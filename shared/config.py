@@ -261,8 +261,8 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # on where supported (bf16, dense models, no speculative decoding); start-up then takes
     # tens of seconds longer. "on" is "auto" that also logs why it cannot compile a model.
     cpu_compile: Literal["auto", "on", "off"] = "auto"
-    # Decode attention on CPU (kernels/attention/cpu_decode.py): "auto" = the C++ kernel where
-    # a compiler builds it, else PyTorch; "kernel" = the kernel or fail; "torch" = PyTorch.
+    # Decode attention on CPU (meshllm_kernels/attention/cpu_decode.py): "auto" = the C++ kernel
+    # where a compiler builds it, else PyTorch; "kernel" = the kernel or fail; "torch" = PyTorch.
     cpu_attention: Literal["auto", "kernel", "torch"] = "auto"
     # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
     kv_offload: bool = True

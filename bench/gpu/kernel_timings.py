@@ -3,8 +3,8 @@
 torch SDPA, torch ops, one split):
 
 - HBM ceilings (device copy, read-only sum) of this run;
-- GEMV (kernels/decode_chain/gemv.py): a tile sweep per layer shape (graph time at 1 + 16 rows;
-  the winners print as the body of gemv.py's H200_CONFIGS), then 1/4/8/16 rows vs cuBLAS and
+- GEMV (meshllm_kernels/decode_chain/gemv.py): a tile sweep per layer shape (graph time at 1 + 16
+  rows; the winners print as the body of gemv.py's H200_CONFIGS), then 1/4/8/16 rows vs cuBLAS and
   the sum over one batch-1 decode step's weight products;
 - paged decode attention: a tile/split sweep at batch 1, 32k keys, then bf16 batch 1/8 at 32k,
   batch 64 at 4k, fp8 batch 1 at 32k;
@@ -34,14 +34,14 @@ from typing import Any
 import torch
 
 from bench.gpu.graph_timing import Report, copies_for, graph_ms, median_ms
-from kernels.attention.kv_insert import insert_kv, insert_qkv
-from kernels.attention.paged_decode import paged_decode_attention
-from kernels.attention.paged_prefill import paged_prefill_attention
-from kernels.attention.tile_step import AttentionTiles
-from kernels.decode_chain.gemv import GemvConfig, gemv, heuristic_config
-from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.runtime.staged_copy import CpuGpuBuffer
-from kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX
+from meshllm_kernels.attention.kv_insert import insert_kv, insert_qkv
+from meshllm_kernels.attention.paged_decode import paged_decode_attention
+from meshllm_kernels.attention.paged_prefill import paged_prefill_attention
+from meshllm_kernels.attention.tile_step import AttentionTiles
+from meshllm_kernels.decode_chain.gemv import GemvConfig, gemv, heuristic_config
+from meshllm_kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
+from meshllm_kernels.runtime.staged_copy import CpuGpuBuffer
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128

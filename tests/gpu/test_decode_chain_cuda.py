@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.decode_chain import DecodeChain, fused_attention_takes
 from services.worker.attention.select import build_attention_metadata
 from services.worker.models.random_init import build_random_model
@@ -53,8 +53,8 @@ def test_chain_is_bit_identical_to_the_layer_by_layer_forward(
 ) -> None:
     """splits: the decode split count forced (the graphs' choice from max_model_len), so the
     chain's attention runs from the qkv partials in one kernel
-    (kernels/decode_chain/decode_from_qkv.py); rows=5 gets there by itself (3 strided pieces at 2 kv
-    heads)."""
+    (meshllm_kernels/decode_chain/decode_from_qkv.py); rows=5 gets there by itself (3 strided pieces
+    at 2 kv heads)."""
     # On CUDA the model is built with the Triton layers, and the loader gives it the chain.
     model, config = build_random_model(SHAPE, torch.bfloat16, "cuda", std=0.05, seed=1)
     with torch.no_grad():

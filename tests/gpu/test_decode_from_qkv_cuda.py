@@ -1,4 +1,4 @@
-"""Decode attention from the qkv partials (kernels/decode_chain/decode_from_qkv.py) at the
+"""Decode attention from the qkv partials (meshllm_kernels/decode_chain/decode_from_qkv.py) at the
 Llama-3-8B attention shape on the GPU: bit-identical to the three launches it replaces (split-K
 reduce, RoPE + KV insert, strided decode), launch after launch (a race between the piece that writes
 the new token and the pieces that read would show as a difference in some launch), eagerly
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.kv_insert import insert_qkv
-from kernels.attention.paged_decode import paged_decode_attention
-from kernels.decode_chain.decode_from_qkv import decode_from_qkv
-from kernels.decode_chain.gemv import gemv, gemv_partials
+from meshllm_kernels.attention.kv_insert import insert_qkv
+from meshllm_kernels.attention.paged_decode import paged_decode_attention
+from meshllm_kernels.decode_chain.decode_from_qkv import decode_from_qkv
+from meshllm_kernels.decode_chain.gemv import gemv, gemv_partials
 from tests.kernels.rope_cache import cos_sin_cache
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, PAGE = 32, 8, 128, 4096, 16

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.dense_prefill import DENSE_PREFILL_CHOICES, dense_prefill_impl
 from services.worker.attention.select import TritonAttentionMetadata, rotary_attention
 

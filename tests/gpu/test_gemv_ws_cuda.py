@@ -1,17 +1,18 @@
-"""The one-row GEMV with its weight loads ahead of the PDL wait (kernels/decode_chain/gemv_ws.py) at
-the Llama-3-8B layer shapes: it takes the products kernels/decode_chain/gemv.py routes to it,
-matches an fp64 reference as the tensor-core kernel does, sums each split in the same K ranges, and
-is deterministic in a CUDA graph chain."""
+"""The one-row GEMV with its weight loads ahead of the PDL wait
+(meshllm_kernels/decode_chain/gemv_ws.py) at
+the Llama-3-8B layer shapes: it takes the products meshllm_kernels/decode_chain/gemv.py routes to
+it, matches an fp64 reference as the tensor-core kernel does, sums each split in the same K ranges,
+and is deterministic in a CUDA graph chain."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.decode_chain import gemv as gemv_mod
-from kernels.decode_chain.gemv import WS_CONFIGS, gemv, gemv_partials
-from kernels.runtime import tensor_checks
-from kernels.runtime.tensor_checks import sm_count
+from meshllm_kernels.decode_chain import gemv as gemv_mod
+from meshllm_kernels.decode_chain.gemv import WS_CONFIGS, gemv, gemv_partials
+from meshllm_kernels.runtime import tensor_checks
+from meshllm_kernels.runtime.tensor_checks import sm_count
 
 pytestmark = pytest.mark.skipif(
     not tensor_checks.supports_pdl(torch.device("cuda")), reason="TMA and PDL need sm_90+"

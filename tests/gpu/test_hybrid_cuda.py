@@ -1,6 +1,6 @@
 """Hybrid attention + Mamba2 models (tiny fp32 bamba and granitemoehybrid) on the CUDA worker
 through the real scheduler and runner (InProcessEngine): greedy tokens equal transformers' fp32
-generate, with the state layers on the compiled Triton Mamba2 kernels (kernels/mamba: the
+generate, with the state layers on the compiled Triton Mamba2 kernels (meshllm_kernels/mamba: the
 decode step and the varlen chunked prefill, counted here) — several requests per step, chunked
 prefill ending mid-block (the head / tail prefill launches), a prefix-cache hit, and overlapped
 steps.
@@ -16,7 +16,8 @@ Decode-only steps replay CUDA graphs (accel/hybrid_graphs.py: the attention laye
 paged Triton metadata, the state layers' decode step reading static slot buffers), counted
 here as `calls["replays"]`; steps with prefill rows run eagerly (`calls["decode"]` counts
 their eager decode-step calls). The MoE granitemoehybrid's experts run the fused-MoE kernel
-inside the graphs (its expert alignment is sized on the device: kernels/layers/fused_moe.py).
+inside the graphs (its expert alignment is sized on the device:
+meshllm_kernels/layers/fused_moe.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 import pytest
 import torch
 
-import kernels.mamba.decode_step as decode_step
-import kernels.mamba.prefill as prefill
+import meshllm_kernels.mamba.decode_step as decode_step
+import meshllm_kernels.mamba.prefill as prefill
 from services.scheduler.config import kv_cache_groups_from
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.loader import load_model

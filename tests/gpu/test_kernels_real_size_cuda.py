@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.attention.kv_insert import insert_kv, insert_qkv, kv_insert_reference
-from kernels.attention.paged_decode import paged_decode_attention, paged_decode_reference
-from kernels.attention.paged_prefill import paged_prefill_attention, paged_prefill_reference
-from kernels.decode_chain.gemv import gemv
-from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.runtime.staged_copy import CpuGpuBuffer, stage_to_device
-from kernels.runtime.tensor_checks import FP8_E4M3
+from meshllm_kernels.attention.kv_insert import insert_kv, insert_qkv, kv_insert_reference
+from meshllm_kernels.attention.paged_decode import paged_decode_attention, paged_decode_reference
+from meshllm_kernels.attention.paged_prefill import paged_prefill_attention, paged_prefill_reference
+from meshllm_kernels.decode_chain.gemv import gemv
+from meshllm_kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
+from meshllm_kernels.runtime.staged_copy import CpuGpuBuffer, stage_to_device
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 DEVICE = torch.device("cuda")

@@ -1,6 +1,6 @@
 """MoE families decode in CUDA graphs: the fused-MoE kernel's expert alignment is sized on the
-device (kernels/layers/fused_moe.py: no host read), so the decode graphs capture the MoE layers
-and replay them; greedy tokens equal transformers' (tiny random weights, fp32)."""
+device (meshllm_kernels/layers/fused_moe.py: no host read), so the decode graphs capture the MoE
+layers and replay them; greedy tokens equal transformers' (tiny random weights, fp32)."""
 
 from __future__ import annotations
 

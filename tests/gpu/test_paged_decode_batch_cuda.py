@@ -1,12 +1,12 @@
 """Decode attention at the batch-256 decode step's shape on the GPU: the launcher's single
-pass on its many-programs tiles (kernels.attention.paged_decode.single_pass_tiles) against the
-reference, at Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16, ragged lengths."""
+pass on its many-programs tiles (meshllm_kernels.attention.paged_decode.single_pass_tiles) against
+the reference, at Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16, ragged lengths."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.attention.paged_decode import (
+from meshllm_kernels.attention.paged_decode import (
     DECODE_TILES_MANY_PROGRAMS,
     paged_decode_attention,
     paged_decode_reference,

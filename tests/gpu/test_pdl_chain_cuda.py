@@ -1,4 +1,5 @@
-"""RMSNorm / GEMV / split-K reduce launched as the decode step's PDL chain (kernels/runtime/pdl.py):
+"""RMSNorm / GEMV / split-K reduce launched as the decode step's PDL chain
+(meshllm_kernels/runtime/pdl.py):
 each kernel waits for its predecessor's grid before reading, so the chain launched back to back
 computes exactly what it computes with every launch finished before the next is issued, eagerly
 and inside a CUDA graph."""
@@ -10,9 +11,9 @@ from typing import TypeVar
 import pytest
 import torch
 
-from kernels.decode_chain.gemv import GemvConfig, gemv
-from kernels.layers.rmsnorm import rmsnorm
-from kernels.runtime import tensor_checks
+from meshllm_kernels.decode_chain.gemv import GemvConfig, gemv
+from meshllm_kernels.layers.rmsnorm import rmsnorm
+from meshllm_kernels.runtime import tensor_checks
 
 pytestmark = pytest.mark.skipif(
     not tensor_checks.supports_pdl(torch.device("cuda")), reason="PDL needs sm_90+"

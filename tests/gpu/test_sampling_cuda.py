@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling.bitmask import pack_bitmask
-from kernels.sampling.gumbel_kernel import (
+from meshllm_kernels.sampling.bitmask import pack_bitmask
+from meshllm_kernels.sampling.gumbel_kernel import (
     gumbel_argmax_reference,
     gumbel_argmax_triton,
     gumbel_noise_reference,

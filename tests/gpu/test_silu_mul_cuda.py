@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layers.silu_mul import silu_mul, silu_mul_reference
+from meshllm_kernels.layers.silu_mul import silu_mul, silu_mul_reference
 from services.worker.accel.cuda_layers import TRITON, GemvGatedMLP
 
 INTERMEDIATE = 14336

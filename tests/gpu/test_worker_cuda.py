@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.select import build_attention_metadata
 from services.worker.loader.checkpoint_names import assemble
 from services.worker.models.layer_impls import REFERENCE

@@ -1,7 +1,7 @@
 """Kernel tests: compiled Triton on a GPU, Triton's interpreter on CPU tensors elsewhere.
 
-TRITON_INTERPRET must be set before triton (or any kernels.* module, whose @triton.jit runs at
-import) is imported, so it is set here, at collection time of this directory. On a machine with
+TRITON_INTERPRET must be set before triton (or any meshllm_kernels.* module, whose @triton.jit runs
+at import) is imported, so it is set here, at collection time of this directory. On a machine with
 CUDA the same tests run compiled on the GPU (the `device` fixture).
 """
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX, interpreting
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3, FP8_E4M3_MAX, interpreting
 
 
 @dataclass

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.backends import (
+from meshllm_kernels.attention.backends import (
     AttentionRequirements,
     BackendCapabilityError,
     TritonPagedAttention,
     select_backend,
 )
-from kernels.attention.paged_decode import paged_decode_attention, paged_decode_reference
-from kernels.attention.paged_prefill import paged_prefill_attention, paged_prefill_reference
+from meshllm_kernels.attention.paged_decode import paged_decode_attention, paged_decode_reference
+from meshllm_kernels.attention.paged_prefill import paged_prefill_attention, paged_prefill_reference
 from tests.kernels.paged_batch import make_paged_batch
 
 

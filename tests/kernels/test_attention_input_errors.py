@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.paged_decode import paged_decode_attention
-from kernels.attention.paged_prefill import paged_prefill_attention
-from kernels.runtime.tensor_checks import FP8_E4M3
+from meshllm_kernels.attention.paged_decode import paged_decode_attention
+from meshllm_kernels.attention.paged_prefill import paged_prefill_attention
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import PagedBatch, make_paged_batch
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_layers import TRITON
 from services.worker.accel.decode_chain import DecodeChain, chain_fits, chain_forward
 from services.worker.attention.select import build_attention_metadata
@@ -125,11 +125,11 @@ def test_fits_only_the_structure_it_runs(device) -> None:  # type: ignore[no-unt
 
 def test_chain_attention_from_qkv_partials_matches_layer_by_layer(device, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Triton metadata with the strided split-K decode: the chain runs each layer's attention
-    from the qkv partials in one kernel (kernels/decode_chain/decode_from_qkv.py)."""
+    from the qkv partials in one kernel (meshllm_kernels/decode_chain/decode_from_qkv.py)."""
     import dataclasses
 
-    from kernels.attention.paged_decode import STRIDED_MIN_SPLITS
-    from kernels.decode_chain import decode_from_qkv as fused_module
+    from meshllm_kernels.attention.paged_decode import STRIDED_MIN_SPLITS
+    from meshllm_kernels.decode_chain import decode_from_qkv as fused_module
     from services.worker.accel import decode_chain
     from services.worker.attention.select import TritonAttentionMetadata
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.attention.kv_insert import insert_qkv
-from kernels.attention.paged_decode import paged_decode_attention
-from kernels.decode_chain.decode_from_qkv import decode_from_qkv, decode_from_qkv_reference
-from kernels.decode_chain.gemv import GemvConfig, gemv, gemv_partials
-from kernels.runtime.tensor_checks import FP8_E4M3
+from meshllm_kernels.attention.kv_insert import insert_qkv
+from meshllm_kernels.attention.paged_decode import paged_decode_attention
+from meshllm_kernels.decode_chain.decode_from_qkv import decode_from_qkv, decode_from_qkv_reference
+from meshllm_kernels.decode_chain.gemv import GemvConfig, gemv, gemv_partials
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import make_paged_batch, tolerance
 from tests.kernels.rope_cache import cos_sin_cache
 

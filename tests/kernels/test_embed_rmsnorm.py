@@ -1,4 +1,5 @@
-"""The decode chain's first kernel (kernels/decode_chain/embed_rmsnorm.py): fed ids, embedding,
+"""The decode chain's first kernel (meshllm_kernels/decode_chain/embed_rmsnorm.py): fed ids,
+embedding,
 RMSNorm."""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_chain.embed_rmsnorm import embed_rmsnorm
-from kernels.decode_chain.token_feed import feed_token_ids_reference
-from kernels.layers.rmsnorm import rmsnorm
+from meshllm_kernels.decode_chain.embed_rmsnorm import embed_rmsnorm
+from meshllm_kernels.decode_chain.token_feed import feed_token_ids_reference
+from meshllm_kernels.layers.rmsnorm import rmsnorm
 from services.worker.runner.in_flight import fed_id
 
 

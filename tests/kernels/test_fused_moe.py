@@ -1,12 +1,12 @@
-"""kernels/layers/fused_moe.py: the Triton grouped-GEMM MoE equals its reference and the worker's
-grouped PyTorch path; every launcher check refuses bad input with a message."""
+"""meshllm_kernels/layers/fused_moe.py: the Triton grouped-GEMM MoE equals its reference and the
+worker's grouped PyTorch path; every launcher check refuses bad input with a message."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.layers.fused_moe import align_pairs, fused_moe, fused_moe_reference
+from meshllm_kernels.layers.fused_moe import align_pairs, fused_moe, fused_moe_reference
 from services.worker.models.moe import experts_grouped, route
 
 

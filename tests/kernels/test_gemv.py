@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_chain.gemv import GemvConfig, gemv, gemv_reference, heuristic_config
+from meshllm_kernels.decode_chain.gemv import GemvConfig, gemv, gemv_reference, heuristic_config
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -72,7 +72,7 @@ def test_gated_input_errors() -> None:
 
 def test_heuristic_reproduces_the_h200_sweep() -> None:
     """On 132 SMs the heuristic picks the split factors the H200 sweep found best."""
-    from kernels.decode_chain.gemv import H200_CONFIGS
+    from meshllm_kernels.decode_chain.gemv import H200_CONFIGS
 
     for (n, k), tuned in H200_CONFIGS.items():
         assert heuristic_config(n, k, 132).split_k == tuned.split_k, (n, k)

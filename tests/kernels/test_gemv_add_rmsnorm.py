@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_chain.gemv import GemvConfig, gemv, gemv_add_rmsnorm
-from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
+from meshllm_kernels.decode_chain.gemv import GemvConfig, gemv, gemv_add_rmsnorm
+from meshllm_kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
 
 CONFIGS = (
     None,

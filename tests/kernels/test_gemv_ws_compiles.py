@@ -1,10 +1,10 @@
-"""The warp-specialized one-row GEMV (kernels/decode_chain/gemv_ws.py) is Gluon, which Triton's
-interpreter does not run; its numbers are checked on the H200 (tests/gpu/test_gemv_ws_cuda.py).
-Here, on any machine, it is compiled for sm_90 with this Triton, in each form the decode chain
-launches (Gluon's API moves between releases; the H200 has Triton 3.6, CI a later one): the weight
-ring and x's buffer fit one SM's shared memory, the loader issues TMA loads, and only a chained
-launch waits for its predecessor. The compiler runs in a child process: this one has
-TRITON_INTERPRET set (tests/conftest.py), under which Gluon cannot compile."""
+"""The warp-specialized one-row GEMV (meshllm_kernels/decode_chain/gemv_ws.py) is Gluon, which
+Triton's interpreter does not run; its numbers are checked on the H200
+(tests/gpu/test_gemv_ws_cuda.py). Here, on any machine, it is compiled for sm_90 with this Triton,
+in each form the decode chain launches (Gluon's API moves between releases; the H200 has Triton 3.6,
+CI a later one): the weight ring and x's buffer fit one SM's shared memory, the loader issues TMA
+loads, and only a chained launch waits for its predecessor. The compiler runs in a child process:
+this one has TRITON_INTERPRET set (tests/conftest.py), under which Gluon cannot compile."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def compile_form(shape: tuple[int, int], partials: bool, gated: bool, pdl: bool)
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.decode_chain import gemv_ws
-    from kernels.decode_chain.gemv import WS_CONFIGS
-    from kernels.runtime.tensor_checks import next_power_of_2
+    from meshllm_kernels.decode_chain import gemv_ws
+    from meshllm_kernels.decode_chain.gemv import WS_CONFIGS
+    from meshllm_kernels.runtime.tensor_checks import next_power_of_2
 
     cfg = WS_CONFIGS[shape]
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)

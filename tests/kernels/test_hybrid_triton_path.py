@@ -1,5 +1,5 @@
 """A hybrid (attention + Mamba2) model's steps with its state layers on the Triton kernels
-(kernels/mamba, run here through Triton's interpreter) against the same steps on the torch
+(meshllm_kernels/mamba, run here through Triton's interpreter) against the same steps on the torch
 reference ops: the logits and every layer's cache (K/V and the per-block conv / SSM states)
 must agree after mixed steps — decode rows (one of them a request's first token), prefill
 spans crossing block boundaries, spans continuing mid-block (the head / tail launches of
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.mamba.decode_step as decode_step
-import kernels.mamba.prefill as prefill
+import meshllm_kernels.mamba.decode_step as decode_step
+import meshllm_kernels.mamba.prefill as prefill
 from services.scheduler.config import kv_cache_groups_from
 from services.worker.attention.groups import group_attention
 from services.worker.attention.state_metadata import PrefillSpan, StateMetadata, prefill_launches

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.kv_insert import (
+from meshllm_kernels.attention.kv_insert import (
     insert_kv,
     insert_qkv,
     kv_insert_reference,
     rope_reference,
     tokens_per_tile,
 )
-from kernels.runtime.tensor_checks import FP8_E4M3, interpreting
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3, interpreting
 from tests.kernels.rope_cache import cos_sin_cache
 
 CACHE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, FP8_E4M3]

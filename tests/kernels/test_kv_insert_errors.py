@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.kv_insert import insert_kv, insert_qkv
-from kernels.runtime.tensor_checks import FP8_E4M3
+from meshllm_kernels.attention.kv_insert import insert_kv, insert_qkv
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.rope_cache import cos_sin_cache
 
 T, HQ, HKV, D = 6, 4, 2, 16

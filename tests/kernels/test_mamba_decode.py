@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mamba.cases import random_batch, random_params, random_pools
-from kernels.mamba.decode_step import mamba_decode_step
-from kernels.mamba.reference import mamba_decode_step_reference, mamba_prefill_reference
+from meshllm_kernels.mamba.cases import random_batch, random_params, random_pools
+from meshllm_kernels.mamba.decode_step import mamba_decode_step
+from meshllm_kernels.mamba.reference import mamba_decode_step_reference, mamba_prefill_reference
 
 SHAPES = dict(n_heads=6, head_dim=3, n_groups=2, d_state=5, d_conv=4)
 # (model dtype, conv pool dtype, ssm pool dtype, atol/rtol of y and the ssm state)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mamba.cases import random_batch, random_params, random_pools
-from kernels.mamba.prefill import mamba_prefill
-from kernels.mamba.reference import mamba_prefill_reference
+from meshllm_kernels.mamba.cases import random_batch, random_params, random_pools
+from meshllm_kernels.mamba.prefill import mamba_prefill
+from meshllm_kernels.mamba.reference import mamba_prefill_reference
 from tests.kernels.test_mamba_decode import CONFIGS, assert_pools
 
 SHAPES = dict(n_heads=4, head_dim=3, n_groups=2, d_state=5, d_conv=4)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 import transformers.models.bamba.modeling_bamba as mb
 
-from kernels.mamba.cases import random_batch, random_params, random_pools
-from kernels.mamba.reference import mamba_decode_step_reference, mamba_prefill_reference
+from meshllm_kernels.mamba.cases import random_batch, random_params, random_pools
+from meshllm_kernels.mamba.reference import mamba_decode_step_reference, mamba_prefill_reference
 
 # 3 heads in 1 group... 4 heads in 2 groups, non-power-of-2 head_dim / d_state.
 SHAPES = dict(n_heads=4, head_dim=3, n_groups=2, d_state=5, d_conv=4)

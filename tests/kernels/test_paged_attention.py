@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.paged_prefill import (
+from meshllm_kernels.attention.paged_prefill import (
     attention_mask,
     paged_prefill_attention,
     paged_prefill_reference,
 )
-from kernels.runtime.tensor_checks import FP8_E4M3
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3
 from tests.kernels.paged_batch import make_paged_batch, tolerance
 
 # (seq_len, q_len): fresh prompt, extend after a prefix, single-token extend, long extend
@@ -94,7 +94,7 @@ def test_non_causal_draft_block_sees_the_whole_block(device) -> None:  # type: i
     batch.kv_cache[0] = 0.5  # every key equal: uniform attention over the visible keys
     out, ref = _run(batch, causal=False)
     causal_out, _ = _run(batch, causal=True)
-    from kernels.attention.paged_cache import gather_sequence_kv
+    from meshllm_kernels.attention.paged_cache import gather_sequence_kv
 
     _, v = gather_sequence_kv(batch.kv_cache, batch.block_tables[0], 10)
     torch.testing.assert_close(out[0], v.mean(0), atol=1e-5, rtol=0)

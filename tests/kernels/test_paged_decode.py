@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import paged_decode
-from kernels.attention.paged_decode import (
+from meshllm_kernels.attention import paged_decode
+from meshllm_kernels.attention.paged_decode import (
     DECODE_TILES_MANY_PROGRAMS,
     DECODE_TILES_SINGLE_PASS,
     MANY_PROGRAMS,
@@ -16,8 +16,8 @@ from kernels.attention.paged_decode import (
     paged_decode_reference,
     single_pass_tiles,
 )
-from kernels.runtime import completion_counters
-from kernels.runtime.tensor_checks import FP8_E4M3, interpreting
+from meshllm_kernels.runtime import completion_counters
+from meshllm_kernels.runtime.tensor_checks import FP8_E4M3, interpreting
 from tests.kernels.paged_batch import make_paged_batch, tolerance
 
 SEQ_LENS = [1, 37, 150, 64]  # one key only, ragged, long enough for many tiles, page-aligned
@@ -76,7 +76,7 @@ def test_fp8_cache(device, per_head_scale) -> None:  # type: ignore[no-untyped-d
 
 
 def test_decode_equals_prefill_of_one_token(device) -> None:  # type: ignore[no-untyped-def]
-    from kernels.attention.paged_prefill import paged_prefill_attention
+    from meshllm_kernels.attention.paged_prefill import paged_prefill_attention
 
     batch = _batch(device)
     cu = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=device)

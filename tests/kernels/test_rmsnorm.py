@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.runtime.tensor_checks import interpreting
+from meshllm_kernels.layers.rmsnorm import rmsnorm, rmsnorm_reference
+from meshllm_kernels.runtime.tensor_checks import interpreting
 
 
 def _assert_rounded_equal(out: torch.Tensor, ref: torch.Tensor) -> None:

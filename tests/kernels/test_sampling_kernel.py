@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.runtime import completion_counters
-from kernels.sampling import gumbel_kernel as sampling
-from kernels.sampling.bitmask import pack_bitmask
-from kernels.sampling.gumbel_kernel import (
+from meshllm_kernels.runtime import completion_counters
+from meshllm_kernels.sampling import gumbel_kernel as sampling
+from meshllm_kernels.sampling.bitmask import pack_bitmask
+from meshllm_kernels.sampling.gumbel_kernel import (
     gumbel_argmax_reference,
     gumbel_argmax_triton,
     gumbel_noise_reference,
 )
-from kernels.sampling.murmur3 import uniform32
+from meshllm_kernels.sampling.murmur3 import uniform32
 
 VOCAB = 3000  # three kernel chunks per row at small batches, a ragged last block
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.layers.silu_mul import BLOCK, silu_mul, silu_mul_reference
-from kernels.runtime.tensor_checks import interpreting
+from meshllm_kernels.layers.silu_mul import BLOCK, silu_mul, silu_mul_reference
+from meshllm_kernels.runtime.tensor_checks import interpreting
 
 ULP = {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 2**-23}
 

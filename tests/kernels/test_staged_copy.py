@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.runtime.staged_copy import CpuGpuBuffer, PackedCpuGpuBuffer, stage_to_device
+from meshllm_kernels.runtime.staged_copy import CpuGpuBuffer, PackedCpuGpuBuffer, stage_to_device
 
 
 class RecordingFence:

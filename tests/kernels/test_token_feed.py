@@ -1,4 +1,4 @@
-"""The decode graph's token feed (kernels/decode_chain/token_feed.py): ids -(row + 1) become
+"""The decode graph's token feed (meshllm_kernels/decode_chain/token_feed.py): ids -(row + 1) become
 latest[row]."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_chain.token_feed import feed_token_ids_, feed_token_ids_reference
+from meshllm_kernels.decode_chain.token_feed import feed_token_ids_, feed_token_ids_reference
 from services.worker.runner.in_flight import fed_id
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.paged_cache import CacheGeometry, fp8_scales, unit_scale
+from meshllm_kernels.attention.paged_cache import CacheGeometry, fp8_scales, unit_scale
 
 
 def test_one_tensor_per_device_holding_one(device: torch.device) -> None:

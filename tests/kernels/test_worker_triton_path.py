@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_graphs import DecodeGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
@@ -231,7 +231,7 @@ def test_padded_verify_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.
 
 
 def test_gemv_limits_restated_in_cuda_layers_match_the_kernel() -> None:
-    from kernels.decode_chain import gemv
+    from meshllm_kernels.decode_chain import gemv
     from services.worker.accel import cuda_layers
 
     assert cuda_layers.GEMV_MAX_ROWS == gemv.MAX_BATCH

@@ -1,6 +1,7 @@
 """The import rule of ARCHITECTURE.md, checked on the source: no service imports another
 service's package (`services.X` never imports `services.Y`), and neither `shared/` nor
-`kernels/` imports `services/`. What two services share lives in shared/ or kernels/.
+`meshllm_kernels/` imports `services/`. What two services share lives in shared/ or
+meshllm_kernels/.
 
 Every import counts: top level, inside functions, under `if TYPE_CHECKING:`, relative ones, and
 `importlib.import_module("...")` / `__import__("...")` with a literal name.
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ("services", "kernels", "shared")
+CHECKED = ("services", "meshllm_kernels", "shared")
 
 KNOWN_VIOLATIONS: set[str] = set()  # none: keep it that way
 
@@ -62,7 +63,7 @@ def violations(module: str, source: str, *, is_package: bool = False) -> list[st
         target = name.split(".")
         if target[0] != "services":
             continue
-        library = owner[0] in ("shared", "kernels")
+        library = owner[0] in ("shared", "meshllm_kernels")
         other_service = owner[0] == "services" and len(owner) > 1 and target[1:2] != owner[1:2]
         if library or other_service:
             bad.append(f"{module} -> {name}")
@@ -102,12 +103,20 @@ def test_the_tree_keeps_the_import_rule() -> None:
         ("services.kvstore.lru", "importlib.import_module('services.worker.service')", True),
         ("services.kvstore.service", "import_module('services.kvstore.lru')", False),
         ("services.gateway.frontend", "from services.gateway.api import errors", False),
-        ("services.gateway.frontend", "from shared.bus import Bus\nimport kernels", False),
+        ("services.gateway.frontend", "from shared.bus import Bus\nimport meshllm_kernels", False),
         ("shared.bus", "from services.gateway import frontend", True),
         ("shared.model.source", "def f():\n    import services\n", True),
         ("shared.protocol", "from .health import Heartbeat", False),
-        ("kernels.attention.paged_decode", "from services.worker.attention import select", True),
-        ("kernels.attention.paged_decode", "from kernels.runtime import tensor_checks", False),
+        (
+            "meshllm_kernels.attention.paged_decode",
+            "from services.worker.attention import select",
+            True,
+        ),
+        (
+            "meshllm_kernels.attention.paged_decode",
+            "from meshllm_kernels.runtime import tensor_checks",
+            False,
+        ),
     ],
 )
 def test_the_checker_catches_each_kind_of_import(module: str, source: str, bad: bool) -> None:

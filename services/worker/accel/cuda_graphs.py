@@ -8,12 +8,12 @@ extra rows padded. Steps with prefill chunks or draft tokens run eagerly (`fits`
 
 Static inputs: the graph reads its inputs from fixed device tensors (token ids, positions, KV
 slots, sequence lengths, block tables), typed views into one device allocation paired with one
-pinned host allocation (kernels.runtime.staged_copy.PackedCpuGpuBuffer). A step writes its values
-into the host views and uploads them in one asynchronous copy; the buffer's fence keeps the host
-from overwriting bytes still in flight. On CUDA the copy runs on its own stream (see
+pinned host allocation (meshllm_kernels.runtime.staged_copy.PackedCpuGpuBuffer). A step writes its
+values into the host views and uploads them in one asynchronous copy; the buffer's fence keeps the
+host from overwriting bytes still in flight. On CUDA the copy runs on its own stream (see
 `_stage`), and a token the previous step sampled but the host does not have yet is read on the
-device by the graph's first kernel (kernels/decode_chain/token_feed.py), so nothing sits between two
-steps' graphs in the compute stream but the sampling.
+device by the graph's first kernel (meshllm_kernels/decode_chain/token_feed.py), so nothing sits
+between two steps' graphs in the compute stream but the sampling.
 
 Padding rows are harmless by construction: slot -1 (kv_insert skips the write), sequence length
 1 over block 0 (the scheduler's null block, never handed to a request; reading it is safe),
@@ -34,8 +34,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels.attention.backends import PagedKernelBackend
-from kernels.runtime.staged_copy import PackedCpuGpuBuffer
+from meshllm_kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
 from services.worker.attention.select import TritonAttentionMetadata, decode_splits
 from services.worker.models.base import CausalLM
 
@@ -188,7 +188,8 @@ class DecodeGraphs:
         )
 
     def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
-        from kernels.decode_chain.token_feed import feed_token_ids_  # Triton: CUDA builds only
+        # Triton: CUDA builds only
+        from meshllm_kernels.decode_chain.token_feed import feed_token_ids_
 
         ids = self.static["input_ids"][:size]
         if self.latest is not None:
@@ -229,7 +230,7 @@ class DecodeGraphs:
         """Replay the graph for len(input_ids) decodes; returns hidden [n, H] (a view of the
         graph's static output: valid until the next replay). An id -(row + 1) stands for
         latest[row], a token the host does not have yet (in_flight.py): the graph's first
-        kernel reads it there (kernels/decode_chain/token_feed.py)."""
+        kernel reads it there (meshllm_kernels/decode_chain/token_feed.py)."""
         n = len(input_ids)
         size = self.graph_size(n)
         self._stage(n, size, input_ids, positions, slot_mapping, seq_lens, block_tables)

@@ -10,8 +10,8 @@ what the kernel does not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GE
 cuBLAS), a dtype mismatch, a norm over a non-contiguous tensor, an activation other than SiLU.
 
 Numerics: the RMSNorm kernel rounds exactly as transformers' Llama does (see
-kernels/layers/rmsnorm.py), the GEMV accumulates in fp32 and rounds once, so greedy tokens of an
-fp32 model equal the CPU reference, and bf16 logits stay within bf16 rounding of it.
+meshllm_kernels/layers/rmsnorm.py), the GEMV accumulates in fp32 and rounds once, so greedy tokens
+of an fp32 model equal the CPU reference, and bf16 logits stay within bf16 rounding of it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from services.worker.accel.decode_chain import DecodeChain
     from services.worker.models.base import CausalLM
 
-# kernels.decode_chain.gemv's limits, restated so importing this module does not import Triton
-# (the kernel modules bind to the compiler or the interpreter at import; see attention/select.py).
+# meshllm_kernels.decode_chain.gemv's limits, restated so importing this module does not import
+# Triton (the kernel modules bind to the compiler or the interpreter at import; see
+# attention/select.py).
 GEMV_MAX_ROWS = 16
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -40,7 +41,7 @@ class GemvLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _gemv_rows(x, self.weight):
-            from kernels.decode_chain.gemv import gemv
+            from meshllm_kernels.decode_chain.gemv import gemv
 
             out = gemv(x.contiguous(), self.weight)
             return out if self.bias is None else out + self.bias
@@ -60,21 +61,21 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 class GemvGatedMLP(GatedMLP):
     """GatedMLP whose decode-sized steps run silu(gate) * up inside the down projection's
-    GEMV (kernels.decode_chain.gemv `gated=True`): two elementwise launches and an [rows,
+    GEMV (meshllm_kernels.decode_chain.gemv `gated=True`): two elementwise launches and an [rows,
     intermediate] round trip fewer per layer. Larger steps run it as one kernel
-    (kernels.layers.silu_mul) instead of eager's two. SiLU models only; other activations take the
-    plain path."""
+    (meshllm_kernels.layers.silu_mul) instead of eager's two. SiLU models only; other activations
+    take the plain path."""
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
         if self.act is F.silu and gate_up.is_contiguous() and _gemv_rows(gate_up, down.weight):
-            from kernels.decode_chain.gemv import gemv
+            from meshllm_kernels.decode_chain.gemv import gemv
 
             out = gemv(gate_up, down.weight, gated=True)
             return out if down.bias is None else out + down.bias
         if self.act is F.silu and _silu_mul_takes(gate_up):
-            from kernels.layers.silu_mul import silu_mul
+            from meshllm_kernels.layers.silu_mul import silu_mul
 
             return down(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -102,7 +103,7 @@ class TritonRMSNorm(RMSNorm):
             return super().forward(x, residual)
         if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
             return super().forward(x, residual)
-        from kernels.layers.rmsnorm import rmsnorm
+        from meshllm_kernels.layers.rmsnorm import rmsnorm
 
         rows = x.view(-1, x.shape[-1])
         res = residual.view(-1, x.shape[-1]) if residual is not None else None

@@ -3,17 +3,18 @@ split-K reduce fused into the residual add and the RMSNorm that follows it.
 
 The layer-by-layer forward runs, per layer, RMSNorm(+residual), qkv GEMV, attention, o GEMV
 and its split-K reduce, RMSNorm(+residual), gate_up GEMV, down GEMV and its reduce. Here the o
-and down projections go through `kernels.decode_chain.gemv.gemv_add_rmsnorm`: the kernel that sums
-their partials also adds the residual stream and normalizes it with the norm that comes next (the
-layer's post-attention norm, the next layer's input norm, the final norm after the last layer),
-so each layer launches two kernels fewer and the residual stream never round-trips through a
+and down projections go through `meshllm_kernels.decode_chain.gemv.gemv_add_rmsnorm`: the kernel
+that sums their partials also adds the residual stream and normalizes it with the norm that comes
+next (the layer's post-attention norm, the next layer's input norm, the final norm after the last
+layer), so each layer launches two kernels fewer and the residual stream never round-trips through a
 separate reduce output. The rounding is the unfused chain's, step for step (bit-identical;
 tests/kernels/test_gemv_add_rmsnorm.py, tests/unit/worker/test_decode_chain.py).
 
 Where the step allows it (`fused_attention_takes`: all decodes, no window, the strided split-K
 decode, plain qkv projections), each layer's attention also runs from the qkv GEMV's split-K
-partials in one kernel (kernels/decode_chain/decode_from_qkv.py: the reduce, RoPE + KV insert and
-the decode attention; bit-identical to the three launches): 7 launches a layer instead of 9.
+partials in one kernel (meshllm_kernels/decode_chain/decode_from_qkv.py: the reduce, RoPE + KV
+insert and the decode attention; bit-identical to the three launches): 7 launches a layer instead of
+9.
 
 It needs the next norm's weight inside a layer, so it is a model-level forward: the loader sets
 `model.decode_chain = decode_chain_for(model)` (through cuda_layers.TRITON) on a plain
@@ -79,8 +80,8 @@ def chain_forward(
     kv_caches: list[torch.Tensor],
 ) -> torch.Tensor:
     """`model.forward` with the fused reduces: input_ids [T] (1..16) -> final normed hidden."""
-    from kernels.decode_chain.embed_rmsnorm import embed_rmsnorm
-    from kernels.decode_chain.gemv import gemv_add_rmsnorm
+    from meshllm_kernels.decode_chain.embed_rmsnorm import embed_rmsnorm
+    from meshllm_kernels.decode_chain.gemv import gemv_add_rmsnorm
 
     layers: Sequence[LlamaDecoderLayer] = model.layers  # type: ignore[assignment]
     first = layers[0].input_layernorm
@@ -147,9 +148,10 @@ def fused_attention_takes(
     model: LlamaForCausalLM, attn: AttentionMetadata | Sequence[AttentionMetadata], rows: int
 ) -> bool:
     """Whether this step's attention runs from the qkv partials in one kernel
-    (kernels/decode_chain/decode_from_qkv.py): one metadata for all layers, every row a decode, no
-    window, the strided split-K decode, and every layer's qkv without bias or q/k norm."""
-    from kernels.attention.paged_decode import strided_choice
+    (meshllm_kernels/decode_chain/decode_from_qkv.py): one metadata for all layers, every row a
+    decode, no window, the strided split-K decode, and every layer's qkv without bias or q/k
+    norm."""
+    from meshllm_kernels.attention.paged_decode import strided_choice
 
     if not isinstance(attn, TritonAttentionMetadata) or model.rotary_local is not None:
         return False
@@ -185,8 +187,8 @@ def fused_attention(
     """`attn.attend` for a step `fused_attention_takes`: the qkv GEMV's partials, then the
     reduce, RoPE + KV insert and decode attention in one launch; bit-identical. Row t's
     rotation is row positions[t] of cos_sin ([max_position, rotary_dim] = cos | sin)."""
-    from kernels.decode_chain.decode_from_qkv import decode_from_qkv
-    from kernels.decode_chain.gemv import gemv_partials
+    from meshllm_kernels.decode_chain.decode_from_qkv import decode_from_qkv
+    from meshllm_kernels.decode_chain.gemv import gemv_partials
 
     part = gemv_partials(normed, attn.qkv_proj.weight)
     assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None

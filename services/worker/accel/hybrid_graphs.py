@@ -4,7 +4,7 @@ The decode graphs of cuda_graphs.py, with every layer handed its own metadata: t
 layers one Triton metadata over the attention group's block tables (the same static buffers as
 a plain model's graph), the state layers one `StateMetadata` whose read / write slots are two
 more static int32 buffers (`state_read`, `state_write`), staged with the other inputs in the
-one upload. A one-token step of a state layer is one `mamba_decode_step` per layer (kernels/
+one upload. A one-token step of a state layer is one `mamba_decode_step` per layer (meshllm_kernels/
 mamba/decode_step.py), in place and capturable; which slots a row reads and writes follows
 the entry rule (state_metadata.decode_blocks), computed on the host by `run`.
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.attention.backends import PagedKernelBackend
 from services.worker.accel.cuda_graphs import DecodeGraphs
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.attention.state_metadata import StateMetadata

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.attention.backends import PagedKernelBackend
-from kernels.runtime.staged_copy import PackedCpuGpuBuffer
+from meshllm_kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
 from services.worker.accel.cuda_graphs import capture_graphs, graph_sizes, padded_size, upload
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.models.base import CausalLM

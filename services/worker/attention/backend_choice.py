@@ -1,5 +1,5 @@
 """Which attention backend a worker's forwards run on, asked of the registry once per
-configuration (kernels/attention/backends.py; CONTRACTS: "Non-causal draft blocks").
+configuration (meshllm_kernels/attention/backends.py; CONTRACTS: "Non-causal draft blocks").
 
 The requirements come from the configuration, not from a step: every step of a runner needs
 the same things. Sliding windows come from the model's KV cache groups, fp8 KV from the cache
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.backends import (
+from meshllm_kernels.attention.backends import (
     AttentionBackend,
     AttentionRequirements,
     select_backend,

@@ -31,7 +31,7 @@ def kernel_insert(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """The KV-only insert kernel, without rotation (Triton: CUDA, or its interpreter)."""
-    from kernels.attention.kv_insert import insert_kv
+    from meshllm_kernels.attention.kv_insert import insert_kv
 
     insert_kv(key, value, kv_cache, slot_mapping, None, None)
 

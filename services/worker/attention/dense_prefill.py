@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 
 __all__ = [
     "DENSE_PREFILL_CHOICES",

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.attention.backends import AttentionBackend, PagedKernelBackend
-from kernels.attention.cpu_decode import CpuDecodeAttention
+from meshllm_kernels.attention.backends import AttentionBackend, PagedKernelBackend
+from meshllm_kernels.attention.cpu_decode import CpuDecodeAttention
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.attention.state_metadata import StateMetadata

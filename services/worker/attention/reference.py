@@ -21,7 +21,7 @@ blocks however long the sequence is.
 `AttentionMetadata` is built once per step on the host per KV cache group and shared by the
 layers of that group.
 
-With a `decode_kernel` (kernels/attention/cpu_decode.py, the worker's default where a C++
+With a `decode_kernel` (meshllm_kernels/attention/cpu_decode.py, the worker's default where a C++
 compiler is present), the K/V write and the decode rows go through one C++ call that reads the
 cache in place instead of the gather + SDPA below (not for sliding windows); prefill spans take
 the same path as without it. The gather + SDPA code stays the reference the kernel is tested
@@ -37,16 +37,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backends import AttentionBackend, register_backend
+from meshllm_kernels.attention.backends import AttentionBackend, register_backend
 
 if TYPE_CHECKING:
-    from kernels.attention.cpu_decode import CpuDecodeAttention, DecodeStep
+    from meshllm_kernels.attention.cpu_decode import CpuDecodeAttention, DecodeStep
 
 
 @register_backend
 class ReferenceAttention(AttentionBackend):
-    """What this path declares to the backend registry (kernels/attention/backends.py): every
-    span's mask is causal (no non-causal draft blocks), sliding windows are honoured, and K/V
+    """What this path declares to the backend registry (meshllm_kernels/attention/backends.py):
+    every span's mask is causal (no non-causal draft blocks), sliding windows are honoured, and K/V
     are copied into the cache as they are (`write_kv`), so an fp8 cache, which needs a scale to
     quantize with, is refused rather than filled with unscaled values."""
 

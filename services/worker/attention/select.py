@@ -1,22 +1,22 @@
 """Which attention implementation a step uses: the Triton kernels on CUDA, PyTorch on CPU
-(with the C++ decode kernel of kernels/attention/cpu_decode.py where it builds).
+(with the C++ decode kernel of meshllm_kernels/attention/cpu_decode.py where it builds).
 
 The backend is resolved once per configuration (backend_choice.py: the registry of
-kernels/attention/backends.py, asked at start-up for what the runner's forwards need, failing
-closed). Each step's metadata carries it (`build_attention_metadata`): a paged kernel backend
-gives `TritonAttentionMetadata`, whose kernel calls are the backend's own entry points; the
+meshllm_kernels/attention/backends.py, asked at start-up for what the runner's forwards need,
+failing closed). Each step's metadata carries it (`build_attention_metadata`): a paged kernel
+backend gives `TritonAttentionMetadata`, whose kernel calls are the backend's own entry points; the
 reference backend gives the reference path's `AttentionMetadata`. The model then calls
 `rotary_attention`, which dispatches on the metadata's type, so every layer of a step takes the
 same path and a model file never tests the device itself.
 
-The Triton path fuses RoPE into the KV insert (kernels.attention.kv_insert: one launch rotates Q and
-K and writes K/V into the paged cache), then runs paged decode attention for the leading
-single-token rows and, for the prefill spans, dense flash attention where a span has no cached
-prefix (services/worker/attention/dense_prefill.py: bf16/fp16, no sliding window) and paged prefill
-attention for the spans that continue a cached prefix. It needs no host synchronisation:
-every length the launchers would otherwise read back (longest query, longest sequence, the
-split-K factor) is computed here on the host from the plan's numpy arrays. That is what lets
-the same code run inside a CUDA graph.
+The Triton path fuses RoPE into the KV insert (meshllm_kernels.attention.kv_insert: one launch
+rotates Q and K and writes K/V into the paged cache), then runs paged decode attention for the
+leading single-token rows and, for the prefill spans, dense flash attention where a span has no
+cached prefix (services/worker/attention/dense_prefill.py: bf16/fp16, no sliding window) and paged
+prefill attention for the spans that continue a cached prefix. It needs no host synchronisation:
+every length the launchers would otherwise read back (longest query, longest sequence, the split-K
+factor) is computed here on the host from the plan's numpy arrays. That is what lets the same code
+run inside a CUDA graph.
 
 RoPE: the model gathers cos/sin [T, 1, rotary_dim] for the step's positions once; the Triton
 path turns them into the kernel's [T, rotary_dim] table (cos halves | sin halves) once per
@@ -36,9 +36,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kernels.attention.backends import AttentionBackend, PagedKernelBackend
-from kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.attention.backends import AttentionBackend, PagedKernelBackend
+from meshllm_kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.attention.bound import LayerAttention
 from services.worker.attention.dense_prefill import DensePrefill, dense_prefill_impl
 from services.worker.attention.reference import AttentionMetadata, paged_attention, step_lengths
@@ -76,9 +76,10 @@ def cpu_decode_kernel(
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split-K factor of the decode kernel for this batch (any value is correct; see
-    kernels.attention.paged_decode), computed on the host so the launch needs no read-back."""
-    from kernels.attention.paged_decode import default_num_splits
-    from kernels.runtime.tensor_checks import sm_count
+    meshllm_kernels.attention.paged_decode), computed on the host so the launch needs no
+    read-back."""
+    from meshllm_kernels.attention.paged_decode import default_num_splits
+    from meshllm_kernels.runtime.tensor_checks import sm_count
 
     return default_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(device))
 
@@ -242,7 +243,7 @@ def rotary_attention(
         if isinstance(attn, LayerAttention):  # inside a compiled forward (cpu_compile.py)
             return attn.attend(q, k, v, kv_cache, scale)
         return paged_attention(q, k, v, kv_cache, attn, scale)
-    from kernels.attention.kv_insert import insert_qkv
+    from meshllm_kernels.attention.kv_insert import insert_qkv
 
     q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(tokens, num_kv_heads, head_dim)

@@ -13,8 +13,8 @@ step continues (n not a multiple of bs): a full block a step starts at the end o
 hit, or the previous step's boundary) stays immutable.
 
 On the Triton path (`triton=True`: CUDA, or a test under the interpreter) the plan also carries
-the kernels' slot tensors (kernels/mamba: -1 = zero state / no write), built here on the host
-so the mixer never reads block ids back from the device:
+the kernels' slot tensors (meshllm_kernels/mamba: -1 = zero state / no write), built here on the
+host so the mixer never reads block ids back from the device:
 
 - decode rows: `decode_read_slot` / `decode_write_slot` [D] int32 for `mamba_decode_step`;
 - prefill spans: one or two `PrefillLaunch`es of `mamba_prefill`. The kernel allows a

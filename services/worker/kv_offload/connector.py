@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kernels.runtime.staged_copy import CopyFence
+from meshllm_kernels.runtime.staged_copy import CopyFence
 from services.worker.kv_offload.chunks import Chunk
 from services.worker.kv_offload.group_blocks import GroupKVBlocks
 from services.worker.kv_offload.head_shards import KVHeadShards

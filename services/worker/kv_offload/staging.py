@@ -18,8 +18,8 @@ the store path: a store that finds too few free slots stages its head chunks and
 (the step never waits for slots, and so never for Redis).
 
 Loads (host -> device) go through the one staged-pinned copy helper
-(`kernels.runtime.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks` then
-writes the uploaded chunks into their blocks on the step thread, ordered on the same stream,
+(`meshllm_kernels.runtime.staged_copy.stage_to_device`) on the load thread, and `scatter_blocks`
+then writes the uploaded chunks into their blocks on the step thread, ordered on the same stream,
 through the write path of context-only KV (services/worker/attention/context_kv.py: the KV-only
 insert kernel on CUDA). (With the cache on the CPU there is no device: the assembled host tensor
 is written directly.)
@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from kernels.runtime.staged_copy import CopyFence
+from meshllm_kernels.runtime.staged_copy import CopyFence
 from services.worker.attention.context_kv import ContextKVWriter
 from services.worker.kv_offload.payload import PayloadHeader
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kernels.runtime.staged_copy import CopyFence
+from meshllm_kernels.runtime.staged_copy import CopyFence
 from shared.protocol import KVTransfer
 
 

@@ -40,7 +40,7 @@ from redis.backoff import NoBackoff
 from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.kv_offload.host_tier import HostTier
 from services.worker.kv_offload.payload import PayloadError, PayloadHeader, check_payload
 from services.worker.kv_offload.store_job import StoreJob, StorePiece

@@ -163,7 +163,8 @@ class GraniteMoe(nn.Module):
         if self.recorder is not None:
             self.recorder.record(self.moe_index, ids)
         if x.is_cuda and self.act == "silu":  # the fused-MoE kernel (SwiGLU), as moe.py does:
-            from kernels.layers.fused_moe import fused_moe  # no host sync, so graph-capturable
+            # no host sync, so graph-capturable
+            from meshllm_kernels.layers.fused_moe import fused_moe
 
             return fused_moe(x, self.input_linear.weight, self.output_linear.weight, weights, ids)
         return experts_grouped(

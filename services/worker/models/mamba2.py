@@ -15,8 +15,8 @@ step's `StateMetadata` says (services/worker/attention/state_metadata.py: the en
 
 The math is mamba_ops.py (PyTorch, any device) on the reference path. Where the worker runs
 Triton (CUDA; a StateMetadata built with `triton=True`), the conv + SSM run on the Triton
-kernels (kernels/mamba): the decode rows in one `mamba_decode_step` (slot tensors built on the
-host, no host sync: CUDA-graph capturable), the prefill spans in one or two `mamba_prefill`
+kernels (meshllm_kernels/mamba): the decode rows in one `mamba_decode_step` (slot tensors built on
+the host, no host sync: CUDA-graph capturable), the prefill spans in one or two `mamba_prefill`
 launches (StateMetadata's `launches`: boundary states included). Projections, the z gate and
 the gated RMSNorm are the same modules on both paths.
 """
@@ -41,7 +41,7 @@ from services.worker.runner.state_cache import MambaState
 from shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kernels.mamba.params import MambaParams
+    from meshllm_kernels.mamba.params import MambaParams
 
 
 class GatedRMSNorm(nn.Module):
@@ -112,7 +112,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y.to(hidden.dtype), gate))  # type: ignore[no-any-return]
 
     def kernel_params(self) -> MambaParams:
-        from kernels.mamba.params import MambaParams
+        from meshllm_kernels.mamba.params import MambaParams
 
         return MambaParams(
             conv_weight=self.conv1d.weight[:, 0],
@@ -129,8 +129,8 @@ class Mamba2Mixer(nn.Module):
         self, xbc: torch.Tensor, dt: torch.Tensor, meta: StateMetadata, cache: MambaState
     ) -> torch.Tensor:
         """y [T, intermediate] (before the gate) of every row through the Triton kernels."""
-        from kernels.mamba.decode_step import mamba_decode_step
-        from kernels.mamba.prefill import mamba_prefill
+        from meshllm_kernels.mamba.decode_step import mamba_decode_step
+        from meshllm_kernels.mamba.prefill import mamba_prefill
 
         params = self.kernel_params()
         d = meta.num_decodes

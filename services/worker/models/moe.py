@@ -118,7 +118,7 @@ class SparseMoeBlock(nn.Module):
         if self.recorder is not None:
             self.recorder.record(self.moe_index, ids)
         if x.is_cuda:
-            from kernels.layers.fused_moe import fused_moe
+            from meshllm_kernels.layers.fused_moe import fused_moe
 
             out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         else:

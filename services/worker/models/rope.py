@@ -122,7 +122,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(max_position, self.rotary_dim, dtype=dtype), False)
         half = self.rotary_dim // 2
         # cos | sin of the unique frequencies per position: the row a fused RoPE kernel reads
-        # (kernels/decode_chain/decode_from_qkv.py) by position, without a per-step lookup.
+        # (meshllm_kernels/decode_chain/decode_from_qkv.py) by position, without a per-step lookup.
         self.register_buffer("cos_sin", torch.empty(max_position, 2 * half, dtype=dtype), False)
         if self.cos.device.type != "meta":
             self.materialize(self.cos.device, dtype)

@@ -97,8 +97,8 @@ def _to_pinned(tensor: torch.Tensor | None, stream: torch.cuda.Stream) -> torch.
 
 def fed_id(rows: np.ndarray) -> np.ndarray:
     """The input ids that stand for latest[rows] in a decode graph's inputs: -(row + 1)
-    (kernels/decode_chain/token_feed.py and kernels/decode_chain/embed_rmsnorm.py read them on the
-    device)."""
+    (meshllm_kernels/decode_chain/token_feed.py and meshllm_kernels/decode_chain/embed_rmsnorm.py
+    read them on the device)."""
     return -np.asarray(rows, dtype=np.int64) - 1
 
 

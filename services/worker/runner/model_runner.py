@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kernels.attention.backends import PagedKernelBackend
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
@@ -427,7 +427,7 @@ class ModelRunner:
         else:
             last = hidden[self._to_device(last_rows)]
         # Waited for before the LM head, so the sampling's launch follows the LM head's directly
-        # (programmatic dependent launch, kernels/sampling/gumbel_kernel.py).
+        # (programmatic dependent launch, meshllm_kernels/sampling/gumbel_kernel.py).
         rows_t, positions = self._uploaded(sampler_rows)
         logits = self.compute_logits(last)
         rows = inputs.rows[sample_idx]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 
 
 class RowParams:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@
   p draws the same token whatever else is in the batch and in whichever batch slot it sits.
 
 Processing order and its reasons: transforms.py. The draw: gumbel.py (CPU) and
-kernels/sampling/gumbel_kernel.py (CUDA), bit-identical. Logprobs: logprobs.py.
+meshllm_kernels/sampling/gumbel_kernel.py (CUDA), bit-identical. Logprobs: logprobs.py.
 
 Optional stages (penalties, bias, truncation, ...) are skipped unless some request in the
 state uses them; the host-side sets below say which, so skipping costs no device sync. When a
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.runtime.staged_copy import stage_to_device
-from kernels.sampling.bitmask import allowed_mask
-from kernels.sampling.gumbel import gumbel_argmax
+from meshllm_kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.sampling.bitmask import allowed_mask
+from meshllm_kernels.sampling.gumbel import gumbel_argmax
 from services.worker.sampling.logprobs import model_logprobs, pick_logprobs
 from services.worker.sampling.row_params import RowParams
 from services.worker.sampling.row_tokens import RowTokens
@@ -354,7 +354,7 @@ class SamplingState:
         draw_index = bitmask_index if fused_bitmask is not None else None
         fed = False
         if work.is_cuda:  # one launch: the kernel reads the rows' temperature and seed itself
-            from kernels.sampling.gumbel_kernel import gumbel_argmax_triton
+            from meshllm_kernels.sampling.gumbel_kernel import gumbel_argmax_triton
 
             fed = feed is not None and bitmask is None
             token_ids = gumbel_argmax_triton(

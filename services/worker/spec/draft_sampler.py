@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.runner.input_batch import InputBatch
 from services.worker.sampling.state import GREEDY_TEMPERATURE, SamplingState
 from services.worker.spec.draws import DRAFT_POSITION_SALT, gumbel_draw

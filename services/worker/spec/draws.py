@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling.gumbel import gumbel_argmax
-from kernels.sampling.murmur3 import uniform32
+from meshllm_kernels.sampling.gumbel import gumbel_argmax
+from meshllm_kernels.sampling.murmur3 import uniform32
 
 DRAFT_POSITION_SALT = 1 << 30
 ACCEPT_POSITION_SALT = 1 << 31
@@ -35,7 +35,7 @@ def gumbel_draw(
     Per-row tensors ([B] each, on the scores' device); inv_T 0 is a plain argmax. The Triton
     kernel on CUDA (no host sync), its PyTorch reference elsewhere: the same tokens."""
     if scores.is_cuda:
-        from kernels.sampling.gumbel_kernel import gumbel_argmax_triton
+        from meshllm_kernels.sampling.gumbel_kernel import gumbel_argmax_triton
 
         return gumbel_argmax_triton(
             scores.contiguous(),

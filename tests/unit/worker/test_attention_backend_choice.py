@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention.backends import (
+from meshllm_kernels.attention.backends import (
     AttentionRequirements,
     BackendCapabilityError,
     TritonPagedAttention,

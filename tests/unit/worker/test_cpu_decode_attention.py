@@ -1,5 +1,5 @@
-"""The C++ decode attention (kernels/attention/cpu_decode.py) against the PyTorch reference path
-of services/worker/attention/reference.py, and its launcher's input checks."""
+"""The C++ decode attention (meshllm_kernels/attention/cpu_decode.py) against the PyTorch reference
+path of services/worker/attention/reference.py, and its launcher's input checks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention import cpu_decode as cpu_decode_attention
-from kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
+from meshllm_kernels.attention import cpu_decode as cpu_decode_attention
+from meshllm_kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
 from services.worker.attention.reference import AttentionMetadata, paged_attention
 from services.worker.attention.select import cpu_decode_kernel
 

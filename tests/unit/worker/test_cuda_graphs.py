@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, graph_sizes, padded_size
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.dense_prefill import (
     DensePrefill,
     dense_attention,

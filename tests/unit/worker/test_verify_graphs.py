@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention.backends import TritonPagedAttention
+from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.verify_graphs import VerifyGraphs, verify_layout
 from services.worker.models.random_init import build_random_model
 from services.worker.runner.kv_cache import KVCache

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling.bitmask import allowed_mask, pack_bitmask, unpack_bitmask
+from meshllm_kernels.sampling.bitmask import allowed_mask, pack_bitmask, unpack_bitmask
 
 
 def test_bit_layout_matches_xgrammar() -> None:

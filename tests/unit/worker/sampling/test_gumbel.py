@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from kernels.sampling.gumbel import (
+from meshllm_kernels.sampling.gumbel import (
     gumbel_argmax,
     gumbel_from_uniform,
     gumbel_noise,
     log_f32,
     row_argmax,
 )
-from kernels.sampling.murmur3 import uniform_from_bits
+from meshllm_kernels.sampling.murmur3 import uniform_from_bits
 
 
 def _ulp(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ def test_row_argmax_answers_as_torch_argmax(dtype: torch.dtype) -> None:
 
 
 def test_bitmask_restricts_the_draw() -> None:
-    from kernels.sampling.bitmask import pack_bitmask
+    from meshllm_kernels.sampling.bitmask import pack_bitmask
 
     logits = torch.zeros(4, 300)
     allowed = torch.zeros(2, 300, dtype=torch.bool)

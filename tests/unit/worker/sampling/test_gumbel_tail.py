@@ -22,8 +22,8 @@ import math
 import pytest
 import torch
 
-from kernels.sampling.gumbel import gumbel_argmax, gumbel_from_uniform
-from kernels.sampling.murmur3 import (
+from meshllm_kernels.sampling.gumbel import gumbel_argmax, gumbel_from_uniform
+from meshllm_kernels.sampling.murmur3 import (
     C1,
     C2,
     KEY_BYTES,

@@ -9,7 +9,7 @@ import mmh3
 import pytest
 import torch
 
-from kernels.sampling.murmur3 import (
+from meshllm_kernels.sampling.murmur3 import (
     DOMAIN,
     DOMAIN_64,
     murmur3_finish,

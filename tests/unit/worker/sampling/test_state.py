@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling.bitmask import pack_bitmask
+from meshllm_kernels.sampling.bitmask import pack_bitmask
 from services.worker.sampling import SamplingState
 from shared.protocol import SamplingParams
 from tests.unit.worker.sampling.stats import chi_square_pvalue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling.murmur3 import (
+from meshllm_kernels.sampling.murmur3 import (
     ONE_BELOW_F32,
     ONE_BELOW_F64,
     murmur3_words,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.sampling.gumbel import gumbel_argmax
+from meshllm_kernels.sampling.gumbel import gumbel_argmax
 from services.worker.runner.input_batch import InputBatch
 from services.worker.sampling import SamplingState
 from services.worker.spec.draft_sampler import DraftSampler

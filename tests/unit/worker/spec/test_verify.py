@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling.gumbel import gumbel_argmax
+from meshllm_kernels.sampling.gumbel import gumbel_argmax
 from services.worker.spec.verify import (
     accept_mask,
     accepted_tokens,
