@@ -264,6 +264,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # Decode attention on CPU (meshllm_kernels/attention/cpu_decode.py): "auto" = the C++ kernel
     # where a compiler builds it, else PyTorch; "kernel" = the kernel or fail; "torch" = PyTorch.
     cpu_attention: Literal["auto", "kernel", "torch"] = "auto"
+    # Entries in each of oneDNN's per-shape caches (services/worker/onednn_caches.py): bf16 CPU
+    # linears compile a primitive per token count, ~0.3 MB each; the libraries' default of 1,024
+    # let the worker's RSS creep for hours.
+    onednn_cache_entries: int = Field(128, ge=1)
     # KV offload data path (services/worker/kv_offload): stores and loads the scheduler asks for.
     kv_offload: bool = True
     kv_host_tier_bytes: int = Field(256 * 2**20, ge=0)  # host-memory LRU in front of Redis
