@@ -20,17 +20,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
 
 log = logging.getLogger(__name__)
 
 CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
-def bound_onednn_caches(entries: int, environ: MutableMapping[str, str] = os.environ) -> None:
+def bound_onednn_caches(entries: int) -> None:
     """Set both caches' capacity to `entries` where the environment does not already say."""
     if "torch" in sys.modules:
         log.warning("torch already imported: oneDNN's cache capacities are left as they are")
         return
     for name in CACHE_VARIABLES:
-        environ.setdefault(name, str(entries))
+        os.environ.setdefault(name, str(entries))
