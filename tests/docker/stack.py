@@ -64,6 +64,7 @@ class Stack:
 
     def container(self, service: str) -> Container:
         found = self.client.containers.list(
+            ignore_removed=True,
             all=True,
             filters={
                 "label": [

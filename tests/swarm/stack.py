@@ -92,10 +92,11 @@ class SwarmStack:
 
     def container(self, name: str, slot: int) -> Container:
         found = self.client.containers.list(
+            ignore_removed=True,
             filters={
                 "label": f"com.docker.swarm.service.name={service(name)}",
                 "status": "running",
-            }
+            },
         )
         mine = [
             c
@@ -139,7 +140,8 @@ class SwarmStack:
             svc = self.client.services.get(service(name))
             wanted = svc.attrs["Spec"]["Mode"]["Replicated"]["Replicas"]
             containers = self.client.containers.list(
-                filters={"label": f"com.docker.swarm.service.name={service(name)}"}
+                ignore_removed=True,
+                filters={"label": f"com.docker.swarm.service.name={service(name)}"},
             )
             healthy = [
                 c
@@ -205,7 +207,7 @@ def remove_stack() -> None:
     client = docker.from_env(timeout=120)
     label = f"com.docker.stack.namespace={STACK}"
     deadline = time.monotonic() + 120
-    while client.containers.list(all=True, filters={"label": label}):
+    while client.containers.list(all=True, filters={"label": label}, ignore_removed=True):
         if time.monotonic() > deadline:
             raise AssertionError(f"containers of {STACK} still there after docker stack rm")
         time.sleep(1)
