@@ -63,6 +63,10 @@ async def test_a_restarted_empty_redis_gets_the_tokenizer_info_back_and_grammars
     after = aioredis.Redis.from_url(redis_server.url)  # the old client's connection is dead
     try:
         await eventually(lambda: after.exists(name), "the tokenizer info re-published", 10)
+        # Its calls stream comes back when its read loop next meets the empty Redis (NOGROUP:
+        # the group is made again); until then a call is refused as "nobody serves" (503).
+        calls = grammar.service.streams.calls("grammar")
+        await eventually(lambda: after.exists(calls), "the calls stream made again", 10)
         compiled = await grammar.compile("json_schema", json.dumps(SCHEMA))
         fresh_scheduler = GrammarLoader(after, KEYS)  # knows no tokenizer yet
         loaded = await fresh_scheduler.load(compiled.key)
