@@ -5,7 +5,8 @@ are where prompt lookup pays: the answer repeats long spans of the prompt. Each 
 greedy through the real scheduler core and model runner (no bus), alternating plain and
 speculative runs so both see the same machine load; every speculative output is checked
 token-for-token against the plain one. Reported: tokens/s of each, the speed-up (median of
-the per-pair ratios), mean tokens per verification step, and acceptance per draft position.
+the per-pair ratios), mean tokens per verification step, acceptance per draft position, and
+the median wall and device time of a plain decode step and of a step that verifies drafts.
 `--batch B` runs B requests of a task at once (each prompt opens with its own number, so they
 are B different prompts). On CUDA (`--device cuda`, bf16) the runner is set up as the worker's
 (bootstrap.py): warmed up, decode steps and the steps that verify drafts replayed from CUDA
@@ -92,6 +93,10 @@ class Engine:
             if eager_verify:
                 self.runner.verify_graphs = None
         k = spec.num_spec_tokens if spec else 0
+        # (wall, device) ms of each step after the prefills: plain decode steps, and the steps
+        # that verify drafts (decode steps of a speculating engine without any draft count as
+        # decode).
+        self.step_ms: dict[str, list[tuple[float, float]]] = {"decode": [], "verify": []}
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_gpu_blocks=2048,
@@ -115,14 +120,31 @@ class Engine:
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         steps = 0
         while self.scheduler.has_work():
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             assert plan is not None
             out = self.scheduler.update_from_output(plan, self.runner.execute(plan))
+            kind = "verify" if plan.spec_token_ids else "decode"
+            if all(n == 1 for n in plan.num_scheduled_tokens.values()) or kind == "verify":
+                wall_ms = (time.perf_counter() - t0) * 1000.0
+                device_ms = self.runner.last_device_seconds * 1000.0
+                self.step_ms[kind].append((wall_ms, device_ms))
             steps += 1
             for deltas in out.deltas.values():
                 for delta in deltas:
                     tokens[delta.request_id] += delta.token_ids
         return [tokens[f"r{i}"] for i in range(len(prompts))], steps
+
+
+def step_medians(samples: list[tuple[float, float]]) -> dict[str, float] | None:
+    """Median wall and device ms of a kind of step (None when there was none)."""
+    if not samples:
+        return None
+    return {
+        "n": len(samples),
+        "wall_ms": round(statistics.median(w for w, _ in samples), 3),
+        "device_ms": round(statistics.median(d for _, d in samples), 3),
+    }
 
 
 def main() -> None:
@@ -212,6 +234,10 @@ def main() -> None:
                 "acceptance_rate": round(stats.acceptance_rate, 3),
                 "eager_verify_speedup": eager_speedup,
                 "same_tokens": same,
+                # the last repeat's steps: where a speculating step's time goes
+                "plain_decode_step": step_medians(plain.step_ms["decode"]),
+                "spec_decode_step": step_medians(engine.step_ms["decode"]),
+                "spec_verify_step": step_medians(engine.step_ms["verify"]),
             }
         )
     summary = {
@@ -239,6 +265,11 @@ def main() -> None:
             f"{r['plain_tok_s']:>9} {r['spec_tok_s']:>8} {r['speedup']:>7} "
             f"{r['tokens_per_step']:>8} {r['acceptance_rate']:>6} "
             f"{r['eager_verify_speedup'] or '-':>12} {r['same_tokens']!s:>5}"
+        )
+    for r in rows:
+        print(
+            f"{r['task']}: steps (n, wall ms, device ms) plain decode {r['plain_decode_step']}, "
+            f"spec decode {r['spec_decode_step']}, spec verify {r['spec_verify_step']}"
         )
     print(
         f"median speed-up {summary['speedup_median']}x; acceptance per draft position "

@@ -81,7 +81,7 @@ if [ "$MODE" = spec ]; then
     GGUF=$WEIGHTS/SmolLM2-135M-Instruct.Q4_1.gguf
     for batch in 1 16; do
         step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
-            --batch "$batch" --eager-verify --repeats 3 --out "$OUT/spec_ngram_b$batch.json"
+            --batch "$batch" --repeats 3 --out "$OUT/spec_ngram_b$batch.json"
     done
     step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" --concurrency 1 16 \
         --repeats 4 --out "$OUT/spec_serve.json"

@@ -87,9 +87,7 @@ class Drafter:
         self.config = config
         self.vocab_size = vocab_size
         self.book = ProposalBook(max_num_reqs)
-        self.proposer = NgramProposer(
-            config.num_spec_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft_model: DraftModelDrafter | None = None
         self.features: FeatureDrafter | None = None
         method = config.method
@@ -162,13 +160,11 @@ class Drafter:
                 ks[i] = min(self.config.num_spec_tokens, room)
         proposals: list[Proposal | None] = [None] * len(rows)
         if self.draft_model is None and self.features is None:  # prompt lookup: point masses
+            lengths = batch.num_tokens[rows]
+            found = self.proposer.propose(batch.token_ids, rows, lengths, ks)
             for i, row in enumerate(rows.tolist()):
                 if ks[i]:
-                    tokens = batch.token_ids[row, : int(batch.num_tokens[row])]
-                    drafts = self.proposer.propose(tokens, int(ks[i]))
-                    proposals[i] = Proposal(
-                        batch.row_req[row] or "", int(batch.num_tokens[row]), drafts
-                    )
+                    proposals[i] = Proposal(batch.row_req[row] or "", int(lengths[i]), found[i])
         else:
             features = self.features
             active = np.flatnonzero(

@@ -13,38 +13,56 @@ import numpy as np
 
 
 class NgramProposer:
-    def __init__(self, num_spec_tokens: int, min_n: int = 2, max_n: int = 4) -> None:
-        if not 1 <= min_n <= max_n or num_spec_tokens < 1:
-            raise ValueError(f"bad n-gram settings: k={num_spec_tokens}, n in [{min_n}, {max_n}]")
-        self.k = num_spec_tokens
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"bad n-gram settings: n in [{min_n}, {max_n}]")
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, tokens: np.ndarray, k: int | None = None) -> list[int]:
-        """Up to `k` (default K) drafts following the latest earlier match of the suffix of
-        `tokens`; empty when no n-gram of the suffix occurs earlier.
+    def propose(
+        self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray, ks: np.ndarray
+    ) -> list[list[int]]:
+        """Drafts for each row i of a batch: up to `ks[i]` tokens (0: none) following the
+        latest earlier match of the suffix of `token_ids[rows[i], :lengths[i]]`, empty when no
+        n-gram of the suffix occurs earlier.
 
-        One pass over the tokens finds every earlier occurrence of the last token; each is
-        then extended backwards (at most max_n - 1 more comparisons over the few candidates),
-        so a step's lookups cost O(length) each, not one window scan per n."""
-        k = self.k if k is None else k
-        length = len(tokens)
-        if k <= 0 or length - 1 < self.min_n:
-            return []
+        One comparison over the rows finds every earlier occurrence (row, end e) of each row's
+        last token; each is then extended backwards (at most max_n - 1 more comparisons over
+        the few candidates of all rows together), so a step's lookups cost a few array
+        operations for the whole batch, not a dozen per request."""
+        num_rows = len(lengths)
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        lengths = lengths.astype(np.int64)
+        live = (ks > 0) & (lengths - 1 >= self.min_n)
+        if not live.any():
+            return drafts
+        width = int(lengths[live].max())
+        tokens = token_ids[rows, :width]  # rows not live are masked below
+        last_pos = np.where(live, lengths - 1, 0)
+        last = tokens[np.arange(num_rows), last_pos]
+        before_last = np.arange(width)[None, :] < np.where(live, lengths - 1, 0)[:, None]
         # Candidate ends e < length - 1 of an earlier occurrence: tokens[e] == the last token.
-        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
-        if not ends.size:
-            return []
-        matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched backwards from e
-        alive = np.ones(ends.size, dtype=bool)
-        for d in range(1, min(self.max_n, length - 1)):
-            alive &= ends >= d
-            alive[alive] = tokens[ends[alive] - d] == tokens[length - 1 - d]
-            if not alive.any():
+        row, end = np.nonzero((tokens == last[:, None]) & before_last)  # row-major: e rises
+        if not row.size:
+            return drafts
+        row_last = last_pos[row]
+        matched = np.ones(row.size, dtype=np.int64)  # suffix tokens matched backwards from e
+        alive = np.ones(row.size, dtype=bool)
+        for d in range(1, self.max_n):
+            alive &= end >= d  # (so d <= end < length - 1)
+            at = np.flatnonzero(alive)
+            if not at.size:
                 break
+            alive[at] = tokens[row[at], end[at] - d] == tokens[row[at], row_last[at] - d]
             matched += alive
-        n = min(int(matched.max()), self.max_n)
-        if n < self.min_n:
-            return []
-        start = int(ends[matched >= n][-1]) + 1  # the most recent occurrence of the longest n
-        return tokens[start : start + k].tolist()  # type: ignore[no-any-return]
+        firsts = np.flatnonzero(np.diff(row, prepend=-1))  # each row's first candidate
+        rows_with = row[firsts]
+        n = np.minimum(np.maximum.reduceat(matched, firsts), self.max_n)
+        qualifies = matched >= np.repeat(n, np.diff(np.append(firsts, row.size)))
+        latest = np.maximum.reduceat(np.where(qualifies, np.arange(row.size), -1), firsts)
+        for r, n_r, at in zip(rows_with.tolist(), n.tolist(), latest.tolist(), strict=True):
+            if n_r >= self.min_n:
+                start = int(end[at]) + 1  # the most recent occurrence of the longest n
+                stop = min(start + int(ks[r]), int(lengths[r]))
+                drafts[r] = tokens[r, start:stop].tolist()
+        return drafts

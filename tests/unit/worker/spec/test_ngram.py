@@ -8,8 +8,14 @@ import pytest
 from services.worker.spec.ngram import NgramProposer
 
 
+def propose_one(proposer: NgramProposer, tokens: np.ndarray, k: int) -> list[int]:
+    """The proposal for a batch of one row."""
+    one = np.zeros(1, dtype=np.int64)
+    return proposer.propose(tokens[None, :], one, one + len(tokens), one + k)[0]
+
+
 def propose(tokens: list[int], k: int = 3, min_n: int = 1, max_n: int = 3) -> list[int]:
-    return NgramProposer(k, min_n, max_n).propose(np.array(tokens, dtype=np.int32))
+    return propose_one(NgramProposer(min_n, max_n), np.array(tokens, dtype=np.int32), k)
 
 
 def test_copies_what_followed_the_earlier_occurrence() -> None:
@@ -38,14 +44,14 @@ def test_drafts_are_cut_at_the_end_of_the_tokens_and_at_k() -> None:
     assert propose([3, 4, 3, 4], k=5, min_n=2) == [3, 4]
     assert propose([*range(10), 0, 1], k=4, min_n=2) == [2, 3, 4, 5]
     tokens = np.array([*range(10), 0, 1], dtype=np.int32)
-    assert NgramProposer(4, 1, 3).propose(tokens, k=0) == []
+    assert propose_one(NgramProposer(1, 3), tokens, k=0) == []
 
 
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
-        NgramProposer(3, min_n=3, max_n=2)
+        NgramProposer(min_n=3, max_n=2)
     with pytest.raises(ValueError):
-        NgramProposer(0)
+        NgramProposer(min_n=0, max_n=2)
 
 
 def window_scan(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
@@ -70,7 +76,29 @@ def test_the_single_pass_equals_the_window_scan_on_random_token_runs() -> None:
         min_n = int(rng.integers(1, 4))
         max_n = int(rng.integers(min_n, 7))
         k = int(rng.integers(1, 6))
-        got = NgramProposer(k, min_n, max_n).propose(tokens)
+        got = propose_one(NgramProposer(min_n, max_n), tokens, k)
         assert got == window_scan(tokens, k, min_n, max_n), (tokens.tolist(), k, min_n, max_n)
         proposed += bool(got)
     assert proposed > 1000  # the cases exercised the matching, not only the empty answer
+
+
+def test_a_batch_proposes_for_each_row_what_the_window_scan_finds_for_it_alone() -> None:
+    """Rows of different lengths and K (0 included) picked out of one array, with junk past
+    each row's end: no row's lookup sees another row's tokens or its own beyond its length."""
+    rng = np.random.default_rng(11)
+    proposed = 0
+    for _ in range(300):
+        num_rows = int(rng.integers(1, 9))
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 7))
+        token_ids = rng.integers(0, 4, (num_rows + 3, 48)).astype(np.int32)
+        rows = rng.permutation(num_rows + 3)[:num_rows]  # a batch's rows: any order, gaps
+        lengths = rng.integers(0, 48, num_rows)
+        ks = rng.integers(0, 6, num_rows)
+        got = NgramProposer(min_n, max_n).propose(token_ids, rows, lengths, ks)
+        for i in range(num_rows):
+            tokens = token_ids[rows[i], : lengths[i]]
+            want = window_scan(tokens, int(ks[i]), min_n, max_n) if ks[i] else []
+            assert got[i] == want, (tokens.tolist(), int(ks[i]), min_n, max_n)
+            proposed += bool(got[i])
+    assert proposed > 300
