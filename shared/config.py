@@ -146,6 +146,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     # 4: at 1 (Dynamo's default) one request of load outweighs a whole cached prompt, and on
     # prefix-heavy traffic the router then did no better than round robin (bench/RESULTS.md).
     kv_overlap_score_weight: float = Field(4.0, ge=0)
+    # kv: when the group the cost picks holds at least this many times (1 + the least load)
+    # requests, the least loaded groups compete instead (SGLang's balance thresholds): a prefix
+    # cached on one group never keeps another idle while it runs two or more. 0 = off.
+    kv_balance_ratio: float = Field(2.0, ge=0)
     # Load shedding: a group with this many requests queued (waiting, by its last beat, plus
     # those routed to it since) takes no more; with every group full, or this many queued in
     # all, a request gets 429 + Retry-After. 0 = no bound.

@@ -62,12 +62,7 @@ class GatewayService(Service):
         self.mesh = MeshView(settings.heartbeat_interval_s)
         self.mesh_reader: HeartbeatReader | None = None
         self.rpc: RpcClient | None = None
-        self.router = Router(
-            settings.router_policy,
-            overlap_weight=settings.kv_overlap_score_weight,
-            max_queued_per_group=settings.max_queued_per_group,
-            max_queued_total=settings.max_queued_total,
-        )
+        self.router = Router.from_settings(settings)
         self.kv_reader: KVEventsReader | None = None
 
     async def start(self) -> None:

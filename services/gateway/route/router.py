@@ -19,6 +19,13 @@ Policies (GatewaySettings.router_policy):
   a new or idle group out of the traffic. w = 0 is least_load;
 - `least_load`: the lowest load;
 - `round_robin`: the groups in turn, ignoring caches.
+Balance (kv): when the group the cost picks holds at least `kv_balance_ratio` x (1 + the least
+load) requests, the least loaded groups compete instead (by the same cost among them), like
+SGLang's cache-aware router switching to load balancing past its balance thresholds. Without
+it a long system prompt that every request shares, cached on one group, kept every other group
+idle: at w = 4 a cold group costs 4, more than the hot one with three requests running, and it
+never got the one request that would have cached the prompt there too (bench/RESULTS.md,
+multi-turn chat with a 1,500-token system prompt: all traffic on one of two groups).
 Ties go to the lower load, then the larger cached prefix, then in turn (so equal groups share
 the traffic). Lower load first: at w = 4 a short chat prompt whose first half is the template,
 cached on the old group only, costs the same there with two requests running as on a new idle
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.gateway.route.kv_index import KVIndex
+from shared.config import GatewaySettings
 from shared.kv.block_hash import BlockHash, extend_block_hashes
 from shared.protocol.health import GroupLoad
 
@@ -77,15 +85,27 @@ class Router:
         overlap_weight: float,
         max_queued_per_group: int,
         max_queued_total: int,
+        balance_ratio: float = 0.0,
     ) -> None:
         self.policy = policy
         self.overlap_weight = overlap_weight
+        self.balance_ratio = balance_ratio
         self.max_queued_per_group = max_queued_per_group
         self.max_queued_total = max_queued_total
         self.index = KVIndex()
         self._routed: dict[str, list[Routed]] = {}  # group -> requests this gateway routed
         self._by_id: dict[str, Routed] = {}  # the ones in flight, by request id
         self._turn = 0
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> Router:
+        return cls(
+            settings.router_policy,
+            overlap_weight=settings.kv_overlap_score_weight,
+            max_queued_per_group=settings.max_queued_per_group,
+            max_queued_total=settings.max_queued_total,
+            balance_ratio=settings.kv_balance_ratio,
+        )
 
     # --- load ----------------------------------------------------------------------------
 
@@ -189,6 +209,11 @@ class Router:
 
         costs = {c.group: cost(c) for c in ordered}
         best = min(costs.values())
+        if self.policy == "kv" and self.balance_ratio:
+            least = min(load for _, load, _ in costs.values())
+            if best[1] >= self.balance_ratio * (least + 1):  # the pick is that much busier
+                ordered = [c for c in ordered if costs[c.group][1] == least]
+                best = min(costs[c.group] for c in ordered)
         tied = [c for c in ordered if costs[c.group] == best]
         return tied[self._turn % len(tied)]
 

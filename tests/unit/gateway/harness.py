@@ -165,12 +165,7 @@ async def gateway_harness(
     )
     await rpc.start()
     grammars = GrammarClient(rpc, streams.calls("grammar"), settings.grammar_timeout_s)
-    router = Router(
-        settings.router_policy,
-        overlap_weight=settings.kv_overlap_score_weight,
-        max_queued_per_group=settings.max_queued_per_group,
-        max_queued_total=settings.max_queued_total,
-    )
+    router = Router.from_settings(settings)
     frontend = Frontend(settings, tokenizer, model, client, mesh, grammars, router, streams)
     app = FastAPI()
     app.include_router(openai_router(lambda: frontend))

@@ -143,6 +143,42 @@ def test_a_new_group_takes_light_chat_traffic_at_the_default_weight() -> None:
     assert route(running_on_old=2) == "1"
 
 
+def test_a_long_shared_prompt_cached_on_one_group_does_not_keep_the_other_idle() -> None:
+    """A 1,500-token system prompt every request shares, cached on group 0 only: at w = 4 an
+    empty group 1 costs 4 against 0.4 + load on group 0. Past the balance ratio (group 0 runs
+    2 >= 2 x (1 + 0)), the least loaded group takes the request; below it, the cache wins."""
+    prompt = [*PREFIX_A, 1, 2, 3, 4]  # 8 cached blocks + one of its own
+
+    def route(running_on_hot: int, ratio: float, idle_running: int = 0) -> str | None:
+        r = Router(
+            "kv", overlap_weight=4.0, max_queued_per_group=0, max_queued_total=0,
+            balance_ratio=ratio,
+        )  # fmt: skip
+        r.index.apply(event("0", stored=hashes(PREFIX_A), snapshot=True))
+        hot, other = cand("0", running=running_on_hot), cand("1", running=idle_running)
+        return r.choose([hot, other], prompt, None, 1.0).group
+
+    assert route(running_on_hot=1, ratio=2.0) == "0"
+    assert route(running_on_hot=2, ratio=2.0) == "1"
+    assert route(running_on_hot=3, ratio=0.0) == "0"  # 0: off, the old rule
+    # the other group busy too: the ratio is to 1 + its load
+    assert route(running_on_hot=3, ratio=2.0, idle_running=1) == "0"
+    assert route(running_on_hot=4, ratio=2.0, idle_running=1) == "1"
+
+
+def test_balance_picks_by_cost_among_the_least_loaded() -> None:
+    """Two idle groups, one with the prompt's prefix: the balanced choice still follows it."""
+    r = Router(
+        "kv", overlap_weight=4.0, max_queued_per_group=0, max_queued_total=0, balance_ratio=2.0
+    )
+    for g in ("0", "1", "2"):
+        r.index.apply(event(g, snapshot=True))
+    r.index.apply(event("0", stored=hashes(PREFIX_A)))
+    r.index.apply(event("2", stored=hashes(PREFIX_A[:16])))
+    groups = [cand("0", running=3), cand("1"), cand("2")]
+    assert r.choose(groups, [*PREFIX_A, 9], None, 1.0).group == "2"
+
+
 def test_zero_weight_is_least_load() -> None:
     r = router(weight=0.0)
     r.index.apply(event("1", stored=hashes(PREFIX_A)))
