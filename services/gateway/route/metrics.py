@@ -6,9 +6,11 @@ scrape of any gateway shows the whole mesh (the autoscaling signal: queue depth 
   num_requests_waiting, num_requests_running, kv_cache_usage_perc, per group);
 - group_cached_blocks: prefix blocks the group reported holding (the KV index);
 and this gateway's decisions:
-- router_decisions_total{policy, group}; requests_shed_total{reason} (429s past the queue
-  bounds); router_prompt_tokens_total and router_overlap_tokens_total (prompt tokens routed,
-  and of them those the chosen group held in cache when routed: the expected hit ratio).
+- router_decisions_total{policy, group}; router_balanced_total{group} (kv decisions the balance
+  rule gave a less loaded group than the cost chose); requests_shed_total{reason} (429s past
+  the queue bounds); router_prompt_tokens_total and router_overlap_tokens_total (prompt tokens
+  routed, and of them those the chosen group held in cache when routed: the expected hit
+  ratio).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ GROUP_CACHED_BLOCKS = Gauge(
 )
 ROUTER_DECISIONS = Counter(
     metric_name("router_decisions"), "Requests routed, by policy and group", ["policy", "group"]
+)
+ROUTER_BALANCED = Counter(
+    metric_name("router_balanced"),
+    "kv decisions the balance rule gave a less loaded group than the cost chose",
+    ["group"],
 )
 REQUESTS_SHED = Counter(
     metric_name("requests_shed"), "Requests refused with 429 past a queue bound", ["reason"]
@@ -64,5 +71,7 @@ def count_decision(decision: Decision) -> None:
         REQUESTS_SHED.labels("queue_full").inc()
         return
     ROUTER_DECISIONS.labels(decision.reason, decision.group).inc()
+    if decision.balanced:
+        ROUTER_BALANCED.labels(decision.group).inc()
     ROUTER_PROMPT_TOKENS.inc(decision.prompt_tokens)
     ROUTER_OVERLAP_TOKENS.inc(decision.overlap_tokens)

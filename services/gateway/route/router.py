@@ -66,6 +66,7 @@ class Decision:
     reason: str
     overlap_tokens: int = 0
     prompt_tokens: int = 0
+    balanced: bool = False  # kv: the balance rule took it from a busier group the cost chose
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Router:
             return Decision(None, f"every group has {self.max_queued_per_group} requests queued")
         hashes = self._hashes(open_, prompt, cache_salt)
         overlaps = {c.group: self.index.overlap(c.group, hashes.get(c.group, [])) for c in open_}
-        chosen = self._pick(open_, overlaps, hashes)
+        chosen, balanced = self._pick(open_, overlaps, hashes)
         block_size = self.index.block_size(chosen.group) or 1
         routed = Routed(request_id, now)
         self._routed.setdefault(chosen.group, []).append(routed)
@@ -184,6 +185,7 @@ class Router:
             self.policy,
             overlap_tokens=overlaps[chosen.group] * block_size,
             prompt_tokens=len(prompt),
+            balanced=balanced,
         )
 
     def _pick(
@@ -191,11 +193,12 @@ class Router:
         open_: list[Candidate],
         overlaps: dict[str, int],
         hashes: dict[str, list[BlockHash]],
-    ) -> Candidate:
+    ) -> tuple[Candidate, bool]:
+        """The chosen group, and whether the balance rule chose it."""
         ordered = sorted(open_, key=lambda c: c.group)
         self._turn += 1
         if self.policy == "round_robin":
-            return ordered[self._turn % len(ordered)]
+            return ordered[self._turn % len(ordered)], False
 
         def cost(c: Candidate) -> tuple[float, int, int]:
             """(cost, load, -overlap): the load counted once (each count is a pass over the
@@ -209,13 +212,15 @@ class Router:
 
         costs = {c.group: cost(c) for c in ordered}
         best = min(costs.values())
+        balanced = False
         if self.policy == "kv" and self.balance_ratio:
             least = min(load for _, load, _ in costs.values())
             if best[1] >= self.balance_ratio * (least + 1):  # the pick is that much busier
                 ordered = [c for c in ordered if costs[c.group][1] == least]
                 best = min(costs[c.group] for c in ordered)
+                balanced = True
         tied = [c for c in ordered if costs[c.group] == best]
-        return tied[self._turn % len(tied)]
+        return tied[self._turn % len(tied)], balanced
 
     def _hashes(
         self, candidates: list[Candidate], prompt: list[int], cache_salt: str | None

@@ -156,7 +156,9 @@ def test_a_long_shared_prompt_cached_on_one_group_does_not_keep_the_other_idle()
         )  # fmt: skip
         r.index.apply(event("0", stored=hashes(PREFIX_A), snapshot=True))
         hot, other = cand("0", running=running_on_hot), cand("1", running=idle_running)
-        return r.choose([hot, other], prompt, None, 1.0).group
+        decision = r.choose([hot, other], prompt, None, 1.0)
+        assert decision.balanced == (decision.group == "1")  # only the rule moves it here
+        return decision.group
 
     assert route(running_on_hot=1, ratio=2.0) == "0"
     assert route(running_on_hot=2, ratio=2.0) == "1"
@@ -167,16 +169,24 @@ def test_a_long_shared_prompt_cached_on_one_group_does_not_keep_the_other_idle()
 
 
 def test_balance_picks_by_cost_among_the_least_loaded() -> None:
-    """Two idle groups, one with the prompt's prefix: the balanced choice still follows it."""
-    r = Router(
-        "kv", overlap_weight=4.0, max_queued_per_group=0, max_queued_total=0, balance_ratio=2.0
-    )
-    for g in ("0", "1", "2"):
-        r.index.apply(event(g, snapshot=True))
-    r.index.apply(event("0", stored=hashes(PREFIX_A)))
-    r.index.apply(event("2", stored=hashes(PREFIX_A[:16])))
-    groups = [cand("0", running=3), cand("1"), cand("2")]
-    assert r.choose(groups, [*PREFIX_A, 9], None, 1.0).group == "2"
+    """The cost picks the busy group holding the whole prefix (0.44 + 2 against 4 x 7/9 on
+    group 2, which holds two of its nine blocks, and 4 on the empty group 1); past the ratio the
+    two idle groups compete, and the one with part of the prefix wins."""
+
+    def route(ratio: float) -> str | None:
+        r = Router(
+            "kv", overlap_weight=4.0, max_queued_per_group=0, max_queued_total=0,
+            balance_ratio=ratio,
+        )  # fmt: skip
+        for g in ("0", "1", "2"):
+            r.index.apply(event(g, snapshot=True))
+        r.index.apply(event("0", stored=hashes(PREFIX_A)))
+        r.index.apply(event("2", stored=hashes(PREFIX_A[:8])))
+        groups = [cand("0", running=2), cand("1"), cand("2")]
+        return r.choose(groups, [*PREFIX_A, 9], None, 1.0).group
+
+    assert route(ratio=0.0) == "0"
+    assert route(ratio=2.0) == "2"
 
 
 def test_zero_weight_is_least_load() -> None:
