@@ -120,19 +120,6 @@ struct Shape {
 constexpr int kMaxChunks = 8;  // head_dim up to 128
 constexpr int kMaxGroup = 4;   // query heads computed together; larger groups go 4 at a time
 
-// Calls visit(t, row) for key positions t = 0..len-1 of a sequence, `row` pointing at KV head
-// `head` of that position in `cache` (K or V), block by block through the block table.
-template <typename T, typename Visit>
-inline void for_each_position(const T* cache, const int64_t* table, int64_t len, const Shape& s,
-                              int64_t head, Visit visit) {
-    const int64_t row = s.kv_heads * s.head_dim;
-    for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
-        const int64_t count = len - start < s.block_size ? len - start : s.block_size;
-        const T* block = cache + table[b] * s.block_size * row + head * s.head_dim;
-        for (int64_t j = 0; j < count; j++) visit(start + j, block + j * row);
-    }
-}
-
 // In place: each of `rows` rows of scores (len valid of `padded`) -> softmax probabilities
 // (the padding becomes 0).
 inline void softmax_rows(float* scores, int rows, int64_t len, int64_t padded) {
@@ -201,14 +188,34 @@ void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t*
     }
     softmax_rows(scores, G, len, padded);
     Floats acc[G][C] = {};
-    for_each_position(cache_v, table, len, s, head, [&](int64_t t, const T* row) {
-        Floats value[C];
-        for (int c = 0; c < C; c++) value[c] = load(row + c * kWidth);
-        for (int g = 0; g < G; g++) {
-            const float p = scores[g * padded + t];
-            for (int c = 0; c < C; c++) acc[g][c] += p * value[c];
+    constexpr int kRows = C <= 4 ? 4 : 1;
+    // Several value rows at a time where a block has them left (more loads in flight; 4 while
+    // they and the accumulators fit the registers), then one.
+    for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
+        const int64_t count = len - start < s.block_size ? len - start : s.block_size;
+        const T* block = cache_v + table[b] * s.block_size * kv_row + head * s.head_dim;
+        int64_t j = 0;
+        for (; j + kRows <= count; j += kRows) {
+            Floats value[kRows][C];
+            for (int r = 0; r < kRows; r++)
+                for (int c = 0; c < C; c++)
+                    value[r][c] = load(block + (j + r) * kv_row + c * kWidth);
+            for (int g = 0; g < G; g++) {
+                const float* p = scores + g * padded + start + j;
+                for (int r = 0; r < kRows; r++)  // the one-row order: the same sums
+                    for (int c = 0; c < C; c++) acc[g][c] += p[r] * value[r][c];
+            }
         }
-    });
+        for (; j < count; j++) {
+            const T* row = block + j * kv_row;
+            Floats value[C];
+            for (int c = 0; c < C; c++) value[c] = load(row + c * kWidth);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[g * padded + start + j];
+                for (int c = 0; c < C; c++) acc[g][c] += p * value[c];
+            }
+        }
+    }
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) store(out + g * s.head_dim + c * kWidth, acc[g][c]);
 }
