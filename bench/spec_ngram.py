@@ -6,7 +6,9 @@ greedy through the real scheduler core and model runner (no bus), alternating pl
 speculative runs so both see the same machine load; every speculative output is checked
 token-for-token against the plain one. Reported: tokens/s of each, the speed-up (median of
 the per-pair ratios), mean tokens per verification step, acceptance per draft position, and
-the median wall and device time of a plain decode step and of a step that verifies drafts.
+the median wall and device time of a plain decode step and of a step that verifies drafts
+(with a drafter the step's device span ends after its drafts are proposed, so there "device"
+includes the host's lookup).
 `--batch B` runs B requests of a task at once (each prompt opens with its own number, so they
 are B different prompts). On CUDA (`--device cuda`, bf16) the runner is set up as the worker's
 (bootstrap.py): warmed up, decode steps and the steps that verify drafts replayed from CUDA
@@ -124,11 +126,11 @@ class Engine:
             plan = self.scheduler.schedule()
             assert plan is not None
             out = self.scheduler.update_from_output(plan, self.runner.execute(plan))
-            kind = "verify" if plan.spec_token_ids else "decode"
-            if all(n == 1 for n in plan.num_scheduled_tokens.values()) or kind == "verify":
+            verify = bool(plan.spec_token_ids)
+            if verify or all(n == 1 for n in plan.num_scheduled_tokens.values()):
                 wall_ms = (time.perf_counter() - t0) * 1000.0
                 device_ms = self.runner.last_device_seconds * 1000.0
-                self.step_ms[kind].append((wall_ms, device_ms))
+                self.step_ms["verify" if verify else "decode"].append((wall_ms, device_ms))
             steps += 1
             for deltas in out.deltas.values():
                 for delta in deltas:

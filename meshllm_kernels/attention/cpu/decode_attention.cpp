@@ -144,9 +144,60 @@ inline void softmax_rows(float* scores, int rows, int64_t len, int64_t padded) {
     }
 }
 
+// Calls visit(start, block, count) for each block of a sequence's `len` key positions: `start`
+// the first position in it, `block` pointing at KV head `head` of that position in `cache` (K or
+// V), `count` the positions it holds.
+template <typename T, typename Visit>
+inline void for_each_block(const T* cache, const int64_t* table, int64_t len, const Shape& s,
+                           int64_t head, Visit visit) {
+    const int64_t row = s.kv_heads * s.head_dim;
+    for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
+        const int64_t count = len - start < s.block_size ? len - start : s.block_size;
+        visit(start, cache + table[b] * s.block_size * row + head * s.head_dim, count);
+    }
+}
+
+// Scores of R consecutive keys (rows `row` elements apart) for each query head: R = 4 shares one
+// reduction among the four dot products of a head, R = 1 is one horizontal sum.
+template <typename T, int C, int G, int R>
+inline void score_keys(const Floats (&query)[G][C], const T* keys, int64_t row, float* scores,
+                       int64_t padded) {
+    static_assert(R == 1 || R == 4);
+    Floats key[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) key[r][c] = load(keys + r * row + c * kWidth);
+    for (int g = 0; g < G; g++) {
+        Floats dot[R];
+        for (int r = 0; r < R; r++) {
+            dot[r] = query[g][0] * key[r][0];
+            for (int c = 1; c < C; c++) dot[r] += query[g][c] * key[r][c];
+        }
+        if constexpr (R == 4) {
+            const Floats4 sums = horizontal_sums(dot[0], dot[1], dot[2], dot[3]);
+            std::memcpy(scores + g * padded, &sums, sizeof sums);
+        } else {
+            scores[g * padded] = horizontal_sum(dot[0]);
+        }
+    }
+}
+
+// acc[g] += p[g][r] * value row r for R consecutive value rows, row by row (the one-row order).
+template <typename T, int C, int G, int R>
+inline void accumulate_values(const T* values, int64_t row, const float* probs, int64_t padded,
+                              Floats (&acc)[G][C]) {
+    Floats value[R][C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) value[r][c] = load(values + r * row + c * kWidth);
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[g][c] += probs[g * padded + r] * value[r][c];
+}
+
 // Query heads q[0..G) sharing KV head `head` of one sequence: out[g] = softmax(q_g . K) V.
 // G and C (head_dim / kWidth) are compile-time, so queries, K/V rows and accumulators stay in
-// registers. `scores` holds G * padded floats, `padded` = len rounded up to kWidth.
+// registers. `scores` holds G * padded floats, `padded` = len rounded up to kWidth. Both passes
+// take four rows of a block at a time where it has four left (more loads in flight; the value
+// pass only while its rows and the accumulators fit the registers, head_dim <= 64), then one.
 template <typename T, int C, int G>
 void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t* table,
                   int64_t len, const Shape& s, int64_t head, float scale, float* scores,
@@ -154,68 +205,24 @@ void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t*
     Floats query[G][C];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) query[g][c] = load(q + g * s.head_dim + c * kWidth) * scale;
-    // Scores four keys at a time where a block has four left (one reduction for the four dot
-    // products of each query head), then one at a time.
-    const int64_t kv_row = s.kv_heads * s.head_dim;
-    for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
-        const int64_t count = len - start < s.block_size ? len - start : s.block_size;
-        const T* block = cache_k + table[b] * s.block_size * kv_row + head * s.head_dim;
+    const int64_t row = s.kv_heads * s.head_dim;
+    for_each_block(cache_k, table, len, s, head, [&](int64_t start, const T* block, int64_t count) {
         int64_t j = 0;
-        for (; j + 4 <= count; j += 4) {
-            Floats key[4][C];
-            for (int r = 0; r < 4; r++)
-                for (int c = 0; c < C; c++) key[r][c] = load(block + (j + r) * kv_row + c * kWidth);
-            for (int g = 0; g < G; g++) {
-                Floats dot[4];
-                for (int r = 0; r < 4; r++) {
-                    dot[r] = query[g][0] * key[r][0];
-                    for (int c = 1; c < C; c++) dot[r] += query[g][c] * key[r][c];
-                }
-                const Floats4 sums = horizontal_sums(dot[0], dot[1], dot[2], dot[3]);
-                std::memcpy(scores + g * padded + start + j, &sums, sizeof sums);
-            }
-        }
-        for (; j < count; j++) {
-            const T* row = block + j * kv_row;
-            Floats key[C];
-            for (int c = 0; c < C; c++) key[c] = load(row + c * kWidth);
-            for (int g = 0; g < G; g++) {
-                Floats dot = query[g][0] * key[0];
-                for (int c = 1; c < C; c++) dot += query[g][c] * key[c];
-                scores[g * padded + start + j] = horizontal_sum(dot);
-            }
-        }
-    }
+        for (; j + 4 <= count; j += 4)
+            score_keys<T, C, G, 4>(query, block + j * row, row, scores + start + j, padded);
+        for (; j < count; j++)
+            score_keys<T, C, G, 1>(query, block + j * row, row, scores + start + j, padded);
+    });
     softmax_rows(scores, G, len, padded);
     Floats acc[G][C] = {};
     constexpr int kRows = C <= 4 ? 4 : 1;
-    // Several value rows at a time where a block has them left (more loads in flight; 4 while
-    // they and the accumulators fit the registers), then one.
-    for (int64_t start = 0, b = 0; start < len; start += s.block_size, b++) {
-        const int64_t count = len - start < s.block_size ? len - start : s.block_size;
-        const T* block = cache_v + table[b] * s.block_size * kv_row + head * s.head_dim;
+    for_each_block(cache_v, table, len, s, head, [&](int64_t start, const T* block, int64_t count) {
         int64_t j = 0;
-        for (; j + kRows <= count; j += kRows) {
-            Floats value[kRows][C];
-            for (int r = 0; r < kRows; r++)
-                for (int c = 0; c < C; c++)
-                    value[r][c] = load(block + (j + r) * kv_row + c * kWidth);
-            for (int g = 0; g < G; g++) {
-                const float* p = scores + g * padded + start + j;
-                for (int r = 0; r < kRows; r++)  // the one-row order: the same sums
-                    for (int c = 0; c < C; c++) acc[g][c] += p[r] * value[r][c];
-            }
-        }
-        for (; j < count; j++) {
-            const T* row = block + j * kv_row;
-            Floats value[C];
-            for (int c = 0; c < C; c++) value[c] = load(row + c * kWidth);
-            for (int g = 0; g < G; g++) {
-                const float p = scores[g * padded + start + j];
-                for (int c = 0; c < C; c++) acc[g][c] += p * value[c];
-            }
-        }
-    }
+        for (; j + kRows <= count; j += kRows)
+            accumulate_values<T, C, G, kRows>(block + j * row, row, scores + start + j, padded, acc);
+        for (; j < count; j++)
+            accumulate_values<T, C, G, 1>(block + j * row, row, scores + start + j, padded, acc);
+    });
     for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) store(out + g * s.head_dim + c * kWidth, acc[g][c]);
 }

@@ -38,9 +38,9 @@ class NgramProposer:
             return drafts
         width = int(lengths[live].max())
         tokens = token_ids[rows, :width]  # rows not live are masked below
-        last_pos = np.where(live, lengths - 1, 0)
+        last_pos = np.where(live, lengths - 1, 0)  # 0 for rows not live: no position before
         last = tokens[np.arange(num_rows), last_pos]
-        before_last = np.arange(width)[None, :] < np.where(live, lengths - 1, 0)[:, None]
+        before_last = np.arange(width)[None, :] < last_pos[:, None]
         # Candidate ends e < length - 1 of an earlier occurrence: tokens[e] == the last token.
         row, end = np.nonzero((tokens == last[:, None]) & before_last)  # row-major: e rises
         if not row.size:
