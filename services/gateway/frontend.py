@@ -77,7 +77,7 @@ class Frontend:
         429 + Retry-After when every group's queue is full (the router's bounds)."""
         now = time.time()
         routable = self.mesh.routable(self.model.name, now)
-        self.router.forget({r.group for r in self.mesh.schedulers(now)})
+        self.router.forget(self.mesh.groups())
         candidates = [Candidate(r.group, r.load, r.last_beat) for r in routable if r.load]
         export_groups(candidates, self.router)
         if not candidates:

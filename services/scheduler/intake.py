@@ -180,8 +180,15 @@ class Intake:
             if not self.engine.worker_alive():
                 await asyncio.sleep(WORKER_WAIT_S)
                 continue
-            streams = [*self.own_streams, *await self._adopt(self.peers.not_serving(time.time()))]
-            deliveries = await self.bus.read_group(self.group, streams, count=256, block_ms=1000)
+            deliveries = await self.bus.read_group(
+                self.group, self.own_streams, count=256, block_ms=1000
+            )
+            # Peers' streams without waiting, with the view as it is after the wait: a read
+            # left blocking on the stream of a group that was not serving when it began would
+            # take the requests routed to it once it serves (a new group's first ones).
+            peers = await self._adopt(self.peers.not_serving(time.time()))
+            if peers:
+                deliveries += await self.bus.read_group(self.group, peers, count=256, block_ms=None)
             await self.accept(deliveries)
 
     async def _adopt(self, groups: list[str]) -> list[str]:

@@ -37,9 +37,17 @@ class SchedulerRecord:
     last_beat: float
     interval_s: float
     load: GroupLoad | None = None  # None: a scheduler older than load reports
+    ready_since: float | None = None  # the first beat of its current ready run
 
     def alive(self, now: float) -> bool:
         return now - self.last_beat < ALIVE_INTERVALS * self.interval_s
+
+    def settled(self, now: float) -> bool:
+        """Ready for at least one beat interval. While a group is not ready, the other groups'
+        schedulers read its stream (services/scheduler/peer_groups.py); its first ready beat
+        reaches them when it reaches this gateway, so a request routed to it at once could be
+        taken by a peer that has not yet seen that beat. One interval later they have."""
+        return self.ready_since is not None and now - self.ready_since >= self.interval_s
 
     def serves(self, model: str) -> bool:
         # A beat without a model comes from a scheduler older than the field; a mesh serves one
@@ -73,6 +81,10 @@ class MeshView:
         held = self._schedulers.get(beat.instance_id)
         if held is not None and beat.time < held.last_beat:
             return False
+        ready_since = None
+        if beat.ready:
+            same_run = held is not None and held.incarnation == beat.incarnation
+            ready_since = held.ready_since if same_run and held.ready_since else beat.time
         record = SchedulerRecord(
             instance_id=beat.instance_id,
             incarnation=beat.incarnation,
@@ -83,6 +95,7 @@ class MeshView:
             last_beat=beat.time,
             interval_s=beat.interval_s or self.default_interval_s,
             load=beat.load,
+            ready_since=ready_since,
         )
         self._schedulers[beat.instance_id] = record
         self._forget(beat.time)
@@ -94,14 +107,20 @@ class MeshView:
             (r for r in self._schedulers.values() if r.alive(now)), key=lambda r: r.instance_id
         )
 
+    def groups(self) -> set[str]:
+        """Every group a record is held for, alive or not: a group leaves only when its records
+        are forgotten (FORGET_INTERVALS), not when a beat is late (its cache is still there)."""
+        return {r.group for r in self._schedulers.values()}
+
     def routable(self, model: str, now: float) -> list[SchedulerRecord]:
-        """The alive, ready schedulers serving `model` whole that report their load: the
-        groups a gateway routes requests to (services/gateway/route). Prefill/decode groups
-        and older schedulers read the shared requests stream instead."""
+        """The alive schedulers serving `model` whole, ready for a beat interval (`settled`),
+        that report their load: the groups a gateway routes requests to
+        (services/gateway/route). Prefill/decode groups and older schedulers read the shared
+        requests stream instead, as every ready group does while none is settled."""
         return [
             r
             for r in self.schedulers(now)
-            if r.serves(model) and r.ready and r.role in ("", "both") and r.load is not None
+            if r.serves(model) and r.settled(now) and r.role in ("", "both") and r.load is not None
         ]
 
     def serving(self, model: str, now: float) -> Serving:

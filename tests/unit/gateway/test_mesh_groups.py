@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway.mesh.groups import ALIVE_INTERVALS, MeshView
+from services.gateway.mesh.groups import ALIVE_INTERVALS, FORGET_INTERVALS, MeshView
 from services.gateway.mesh.heartbeat_reader import history_for, history_start_id
 from shared.protocol import Heartbeat
 
@@ -53,6 +53,33 @@ def test_a_beat_expires_after_three_of_its_intervals() -> None:
     late = v.serving(MODEL, 100.0 + ALIVE_INTERVALS * 0.5)
     assert not late.ok and "(0 schedulers alive)" in late.reason
     assert v.schedulers(101.5) == []
+
+
+def test_a_group_late_to_beat_is_not_alive_but_has_not_left() -> None:
+    # The router keeps what it knows of the group's cache through a late beat: the group
+    # leaves only when its record is forgotten, many intervals later.
+    v = view(beat(100.0), beat(100.0, instance_id="s1", group="1"))
+    v.observe(beat(100.0 + ALIVE_INTERVALS + 1, instance_id="s1", group="1"))
+    assert [r.group for r in v.schedulers(100.0 + ALIVE_INTERVALS + 1)] == ["1"]
+    assert v.groups() == {"0", "1"}
+    v.observe(beat(100.0 + FORGET_INTERVALS + 1, instance_id="s1", group="1"))
+    assert v.groups() == {"1"}
+
+
+def test_a_group_is_routed_to_one_interval_after_its_first_ready_beat() -> None:
+    # Until then the other groups may still be reading its stream as a not-ready group's.
+    loads = {"load": {"num_waiting": 0, "num_running": 0, "kv_usage": 0.0, "max_num_seqs": 8}}
+    v = view(beat(100.0, ready=False, **loads), beat(101.0, **loads))
+    assert v.serving(MODEL, 101.1).ok  # it can serve: a 503 would be wrong
+    assert v.routable(MODEL, 101.9) == []
+    assert [r.group for r in v.routable(MODEL, 102.0)] == ["0"]
+    v.observe(beat(102.0, **loads))
+    assert [r.group for r in v.routable(MODEL, 102.1)] == ["0"]  # still the run begun at 101
+    v.observe(beat(103.0, incarnation="b", **loads))  # restarted: a new run
+    assert v.routable(MODEL, 103.5) == []
+    v.observe(beat(104.0, ready=False, incarnation="b", **loads))
+    v.observe(beat(105.0, incarnation="b", **loads))
+    assert v.routable(MODEL, 105.5) == [] and v.routable(MODEL, 106.0) != []
 
 
 def test_a_beat_without_an_interval_expires_by_the_gateways_own() -> None:
