@@ -11,7 +11,11 @@ def test_startup_objects_are_frozen_and_later_garbage_still_collected() -> None:
     try:
         startup = [[i] for i in range(10_000)]  # alive "at start-up"
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= len(startup)
+        # Frozen objects that die leave the count (another thread's, in a shared test process):
+        # it may only shrink, and never below the start-up objects still alive.
+        assert frozen >= gc.get_freeze_count() >= len(startup)
+        tracked = {id(o) for o in gc.get_objects()}  # the collector's generations, not frozen
+        assert not any(id(o) in tracked for o in startup)
         assert gc.get_count()[2] == 0  # a full collection ran first
 
         class Cycle:
@@ -21,6 +25,7 @@ def test_startup_objects_are_frozen_and_later_garbage_still_collected() -> None:
         later.self = later  # type: ignore[attr-defined]
         del later
         assert gc.collect() >= 1  # garbage made after start-up is still found
-        assert gc.get_freeze_count() == frozen  # and the frozen objects stay out of the scans
+        # and the frozen objects stay out of the scans: none came back, none was added
+        assert len(startup) <= gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
