@@ -8,7 +8,8 @@ token-for-token against the plain one. Reported: tokens/s of each, the speed-up 
 the per-pair ratios), mean tokens per verification step, acceptance per draft position, and
 the median wall and device time of a plain decode step and of a step that verifies drafts
 (with a drafter the step's device span ends after its drafts are proposed, so there "device"
-includes the host's lookup).
+includes the host's lookup), and the time of one lookup for the whole batch at the end of the
+outputs, with the C++ search and the NumPy one.
 `--batch B` runs B requests of a task at once (each prompt opens with its own number, so they
 are B different prompts). On CUDA (`--device cuda`, bf16) the runner is set up as the worker's
 (bootstrap.py): warmed up, decode steps and the steps that verify drafts replayed from CUDA
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.scheduler.config import SchedulerConfig
@@ -40,6 +42,7 @@ from services.worker.loader import load_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
 from services.worker.spec import SpeculativeConfig
+from services.worker.spec.ngram import NgramProposer
 from shared.config import ModelSettings
 from shared.model.source import resolve_model
 from shared.protocol import SamplingParams, SubmitRequest
@@ -136,6 +139,33 @@ class Engine:
                 for delta in deltas:
                     tokens[delta.request_id] += delta.token_ids
         return [tokens[f"r{i}"] for i in range(len(prompts))], steps
+
+
+def lookup_us(
+    sequences: list[list[int]], k: int, min_n: int, max_n: int, repeats: int = 500
+) -> dict[str, float]:
+    """Median microseconds of one n-gram lookup for the whole batch (each row: a request's
+    prompt and output), with the C++ search and with the NumPy one (the host's work after
+    every step of a speculating engine, between the GPU's steps)."""
+    width = max(len(s) for s in sequences)
+    token_ids = np.zeros((len(sequences), width), dtype=np.int32)
+    for i, seq in enumerate(sequences):
+        token_ids[i, : len(seq)] = seq
+    rows = np.arange(len(sequences))
+    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
+    ks = np.full(len(sequences), k, dtype=np.int64)
+    out: dict[str, float] = {}
+    for name, native in (("cpp", True), ("numpy", False)):
+        proposer = NgramProposer(min_n, max_n, native=native)
+        if native and proposer.lookup is None:
+            continue  # no compiler here
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            proposer.propose(token_ids, rows, lengths, ks)
+            times.append(time.perf_counter() - t0)
+        out[name] = round(statistics.median(times) * 1e6, 1)
+    return out
 
 
 def step_medians(samples: list[tuple[float, float]]) -> dict[str, float] | None:
@@ -240,6 +270,12 @@ def main() -> None:
                 "plain_decode_step": step_medians(plain.step_ms["decode"]),
                 "spec_decode_step": step_medians(engine.step_ms["decode"]),
                 "spec_verify_step": step_medians(engine.step_ms["verify"]),
+                "lookup_us": lookup_us(
+                    [p + t for p, t in zip(prompts, plain_tokens, strict=True)],
+                    args.k,
+                    args.min_n,
+                    args.max_n,
+                ),
             }
         )
     summary = {
@@ -271,7 +307,8 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['task']}: steps (n, wall ms, device ms) plain decode {r['plain_decode_step']}, "
-            f"spec decode {r['spec_decode_step']}, spec verify {r['spec_verify_step']}"
+            f"spec decode {r['spec_decode_step']}, spec verify {r['spec_verify_step']}; "
+            f"one batch lookup (us) {r['lookup_us']}"
         )
     print(
         f"median speed-up {summary['speedup_median']}x; acceptance per draft position "

@@ -6,11 +6,10 @@ Why a kernel here: at the sizes a CPU worker serves (a few sequences of a few hu
 the reference path spends a decode layer on op dispatch and block copies, not arithmetic, so a
 kernel that reads the blocks where they lie is faster at every length a CPU worker serves.
 
-The library is compiled once per machine with the system C++ compiler (`$CXX`, else g++;
-`-O3 -march=native -fopenmp`) into `<cache>/cpu_kernels/`, named by a hash of the source, the
-compiler's version and the CPU's flags, and loaded with ctypes. Its OpenMP loop runs in torch's
-own thread team: the library's `libgomp.so.1` resolves to the one torch already loaded, so
-`torch.set_num_threads` sets its width and no second team competes for the cores.
+The library is compiled once per machine with the system C++ compiler (`-O3 -march=native
+-fopenmp`; meshllm_kernels/runtime/cpu_library.py) and loaded with ctypes. Its OpenMP loop runs
+in torch's own thread team: the library's `libgomp.so.1` resolves to the one torch already
+loaded, so `torch.set_num_threads` sets its width and no second team competes for the cores.
 
 No compiler, or a build that fails: `load()` raises KernelUnavailable with the reason, and the
 worker keeps the reference path.
@@ -20,20 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from meshllm_kernels.runtime.cpu_library import KernelUnavailable, load_library
 from meshllm_kernels.runtime.tensor_checks import check_shape, check_tensor
 
-log = logging.getLogger(__name__)
+__all__ = ["CpuDecodeAttention", "DecodeStep", "KernelUnavailable", "load", "supports"]
 
 SOURCE = Path(__file__).parent / "cpu" / "decode_attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -45,51 +38,6 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _ARGTYPES = [_P, _I, _P, _P, _I, _P, _I, _I, _P, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float]
 _ARGTYPES += [_P, _I]
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded on this machine (the message says why)."""
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "meshllm"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.machine()
-
-
-def _library_path(compiler: str, cache_dir: Path) -> Path:
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    key = hashlib.sha256(SOURCE.read_bytes())
-    for part in (version, _cpu_flags(), " ".join(FLAGS)):
-        key.update(part.encode())
-    return cache_dir / "cpu_kernels" / f"decode_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile into a temporary file beside `target`, then rename: concurrent builders (test
-    processes, workers) each finish with a whole library in place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True
-        )
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -284,14 +232,5 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def load(cache_dir: Path | None = None) -> CpuDecodeAttention:
     """Build (once per machine) and load the kernel; KernelUnavailable says why not."""
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        raise KernelUnavailable(f"no C++ compiler ({compiler}; set CXX or install g++)")
-    try:
-        path = _library_path(compiler, cache_dir or default_cache_dir())
-        if not path.exists():
-            log.info("building the CPU decode attention kernel: %s", path)
-            _build(compiler, path)
-        return CpuDecodeAttention(ctypes.CDLL(str(path)), path)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise KernelUnavailable(f"cannot build or load {SOURCE.name}: {exc}") from exc
+    library, path = load_library(SOURCE, FLAGS, cache_dir)
+    return CpuDecodeAttention(library, path)

@@ -5,31 +5,62 @@ The last n tokens (n from `max_n` down to `min_n`) are searched for earlier in t
 the drafts. Copy-heavy answers (quoting, editing given code) accept most of them. The longest
 n wins because a longer matched context predicts the continuation better; the most recent
 occurrence wins because the text near the end is the likeliest to be copied next.
+
+The search runs between a step's end and the next one's launch, on the host, for the whole
+batch: in C++ (meshllm_kernels/spec/ngram_lookup.cpp, one pass per row) where a compiler built
+it, else as a few NumPy array operations over the batch (~0.2 ms at batch 16, against ~0.02).
+Both give the same drafts.
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+from meshllm_kernels.runtime.cpu_library import KernelUnavailable
+from meshllm_kernels.spec import ngram_lookup
+
+log = logging.getLogger(__name__)
 
 
 class NgramProposer:
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 2, max_n: int = 4, native: bool = True) -> None:
+        """`native`: search with the C++ library when it builds (else, or False: NumPy)."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"bad n-gram settings: n in [{min_n}, {max_n}]")
         self.min_n = min_n
         self.max_n = max_n
+        self.lookup: ngram_lookup.NgramLookup | None = None
+        if native:
+            try:
+                self.lookup = ngram_lookup.load()
+            except KernelUnavailable as exc:
+                log.warning("n-gram search in NumPy: %s", exc)
 
     def propose(
         self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray, ks: np.ndarray
     ) -> list[list[int]]:
         """Drafts for each row i of a batch: up to `ks[i]` tokens (0: none) following the
-        latest earlier match of the suffix of `token_ids[rows[i], :lengths[i]]`, empty when no
-        n-gram of the suffix occurs earlier.
+        latest earlier match of the suffix of `token_ids[rows[i], :lengths[i]]` (int32),
+        empty when no n-gram of the suffix occurs earlier."""
+        if self.lookup is None:
+            return self.propose_numpy(token_ids, rows, lengths, ks)
+        starts, counts = self.lookup(token_ids, rows, lengths, ks, self.min_n, self.max_n)
+        return [
+            token_ids[row, start : start + count].tolist() if count else []
+            for row, start, count in zip(
+                rows.tolist(), starts.tolist(), counts.tolist(), strict=True
+            )
+        ]
 
-        One comparison over the rows finds every earlier occurrence (row, end e) of each row's
-        last token; each is then extended backwards (at most max_n - 1 more comparisons over
-        the few candidates of all rows together), so a step's lookups cost a few array
-        operations for the whole batch, not a dozen per request."""
+    def propose_numpy(
+        self, token_ids: np.ndarray, rows: np.ndarray, lengths: np.ndarray, ks: np.ndarray
+    ) -> list[list[int]]:
+        """`propose` in NumPy. One comparison over the rows finds every earlier occurrence
+        (row, end e) of each row's last token; each is then extended backwards (at most
+        max_n - 1 more comparisons over the few candidates of all rows together), so a step's
+        lookups cost a few array operations for the whole batch, not a dozen per request."""
         num_rows = len(lengths)
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         lengths = lengths.astype(np.int64)
