@@ -75,8 +75,15 @@ log = logging.getLogger(__name__)
 
 ABORTED_MEMORY = 10_000  # ids of aborts whose request has not (yet) been seen
 CLAIM_REFRESH_S = 2.0
+"""How often held entries' idle time is refreshed (and idle ones claimed), at most: a quarter
+of `claim_idle_ms` where that is shorter, so a live scheduler's entries never reach the idle
+time at which a peer takes them (`claim_refresh_s`)."""
 HEARTBEAT_READ_MS = 1000
 WORKER_WAIT_S = 0.2  # the requests loop's poll for a live worker
+
+
+def claim_refresh_s(claim_idle_ms: int) -> float:
+    return min(CLAIM_REFRESH_S, claim_idle_ms / 4000)
 
 
 class Engine(Protocol):
@@ -217,7 +224,7 @@ class Intake:
         requests) and take over entries idle past `claim_idle_ms` (a dead scheduler's)."""
         redis = self.bus.redis
         while not stopping.is_set():
-            await asyncio.sleep(CLAIM_REFRESH_S)
+            await asyncio.sleep(claim_refresh_s(self.settings.claim_idle_ms))
             if not self.engine.worker_alive():
                 # Our entries age while the worker is gone (no refresh), so a live group
                 # claims them once idle past claim_idle_ms; we let go of them then.

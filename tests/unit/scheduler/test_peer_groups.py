@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.scheduler.intake import CLAIM_REFRESH_S, claim_refresh_s
 from services.scheduler.peer_groups import PeerGroups
 from shared.protocol import Heartbeat
 
@@ -43,3 +44,11 @@ def test_an_older_beat_does_not_undo_a_newer_one() -> None:
     peers.beat(beat("1", 10))
     peers.beat(beat("1", 9, ready=False))
     assert peers.not_serving(10.1) == []
+
+
+def test_a_live_schedulers_entries_are_refreshed_well_within_the_claim_idle_time() -> None:
+    # A refresh every CLAIM_REFRESH_S with claim_idle_ms = 2000 (tests/e2e) let an entry held
+    # for a 2 s generation reach the idle time at which a peer claims it from a live group.
+    assert claim_refresh_s(15_000) == CLAIM_REFRESH_S
+    for idle_ms in (400, 2_000, 3_000, 8_000):
+        assert claim_refresh_s(idle_ms) * 1000 <= idle_ms / 4
