@@ -240,9 +240,7 @@ class SamplingState:
                 f"rows {tuple(rows.shape)} and token_ids {tuple(token_ids.shape)} must be "
                 "1-D of the same length"
             )
-        if not self.min_tokens_stops and self.output_counts is None:
-            # Nothing reads the counts: num_output only gates min_tokens, and a row that gets
-            # a min_tokens stop has it set by add_request. Five launches a step saved.
+        if not self.counts_outputs:
             return
         valid = (token_ids >= 0) & (token_ids < self.vocab_size)
         self.num_output.index_add_(0, rows, valid.to(torch.int64))
@@ -254,6 +252,14 @@ class SamplingState:
             )
 
     # ---- the step ----------------------------------------------------------------------
+
+    @property
+    def counts_outputs(self) -> bool:
+        """Whether `record_sampled` records anything: only min_tokens stops and the penalties'
+        output counts read what it counts (num_output gates min_tokens, and a row that gets a
+        min_tokens stop has it set by add_request). Otherwise it is skipped: five launches a
+        step saved, and a verify step's upload of its tokens."""
+        return bool(self.min_tokens_stops) or self.output_counts is not None
 
     @property
     def rows_repeatable(self) -> bool:

@@ -66,18 +66,23 @@ def verify_and_sample(
     ids = [inputs.request_ids[i] for i in sample_idx]
     rows = inputs.rows[sample_idx]
     k = inputs.num_drafts[sample_idx]
+    counts = k + 1  # logits rows of each request, request-major: positions T .. T + k
+    req = np.repeat(np.arange(len(k)), counts)
+    j = np.arange(len(req)) - (np.cumsum(counts) - counts)[req]
     ends = np.cumsum(inputs.query_lens)[sample_idx]  # flat end (exclusive) of each request
-    first_flat = ends - 1 - k  # flat row that samples position T (the first new token)
-    flat = np.concatenate([np.arange(f, f + n + 1) for f, n in zip(first_flat, k, strict=True)])
-    logits = runner.compute_logits(hidden[runner._to_device(flat)])
+    flat = (ends - 1 - k)[req] + j  # the hidden row that samples position T + j
     bitmask, bitmask_first = bitmask_rows(plan, ids, k, runner.device)
     verified = batch.num_tokens[rows].copy()  # T: tokens known before this step's drafts
     checks = RejectionChecks.find(runner, rows, verified, k)
 
     grammar = (bitmask, bitmask_first)
     if not checks.proposals and sampler.rows_repeatable:
-        draws, logprobs, top = _draw_at_once(runner, logits, rows, verified, k, grammar)
+        # one upload for the gather and the sampler's state rows and positions
+        staged = runner._to_device(np.stack([flat, rows[req], verified[req] + j]))
+        logits = runner.compute_logits(hidden[staged[0]])
+        draws, logprobs, top = _draw_at_once(runner, logits, staged, k, grammar, req, j)
     else:
+        logits = runner.compute_logits(hidden[runner._to_device(flat)])
         draws, logprobs, top = _draw_by_position(runner, logits, rows, verified, k, grammar, checks)
     decided = checks.decide(runner, rows, verified)
 
@@ -101,9 +106,9 @@ def verify_and_sample(
         rec_rows += [row] * len(tokens)
         rec_tokens += tokens
         result.append(_sampled(request_id, tokens, batch.sampling[row], logprobs[i], top, i, k))
-    runner.sampler.record_sampled(
-        runner._to_device(np.array(rec_rows)), runner._to_device(np.array(rec_tokens))
-    )
+    if sampler.counts_outputs:
+        recorded = runner._to_device(np.array([rec_rows, rec_tokens]))
+        sampler.record_sampled(recorded[0], recorded[1])
     return result
 
 
@@ -140,21 +145,26 @@ def _sample(
 def _draw_at_once(
     runner: ModelRunner,
     logits: torch.Tensor,
-    rows: np.ndarray,
-    verified: np.ndarray,
+    staged: torch.Tensor,
     k: np.ndarray,
     grammar: Grammar,
+    req: np.ndarray,
+    j: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, Top]:
     """Every (request, position) draw in one sampler call over the logits as they are laid
-    out (request-major), where the sampler allows a state row more than once per call (no
-    per-entry stage: SamplingState.rows_repeatable) and no draw needs its distribution kept
-    (no rejection check). Each row draws with its own (row, position) noise: the same tokens
-    as one call per position."""
-    counts = k + 1
-    starts = np.cumsum(counts) - counts
-    req = np.repeat(np.arange(len(k)), counts)
-    j = np.arange(int(counts.sum())) - starts[req]
-    out = _sample(runner, logits, rows, verified, grammar, req, j)
+    out (request-major: logits row m is request req[m] at position j[m]; `staged` rows 1 and
+    2 are its state row and position on the device), where the sampler allows a state row more
+    than once per call (no per-entry stage: SamplingState.rows_repeatable) and no draw needs
+    its distribution kept (no rejection check). Each row draws with its own (row, position)
+    noise: the same tokens as one call per position."""
+    starts = np.cumsum(k + 1) - (k + 1)
+    bitmask, first = grammar
+    index = None
+    if bitmask is not None:
+        index = runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
+    out = runner.sampler.sample(
+        logits, staged[1], staged[2], bitmask if index is not None else None, bitmask_index=index
+    )
     draws = np.full((len(k), int(k.max()) + 1), -1, dtype=np.int64)
     draws[req, j] = out.token_ids.to("cpu", torch.int64).numpy()
     logprobs = np.zeros(draws.shape, dtype=np.float32)
