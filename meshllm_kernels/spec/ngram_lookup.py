@@ -41,9 +41,15 @@ class NgramLookup:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(start, count) of each row's drafts in its row of `token_ids` [R, W] int32 (count
         0: none)."""
-        spread = token_ids.ndim == 2 and token_ids.shape[1] > 1 and token_ids.strides[1] != 4
-        if token_ids.dtype != np.int32 or token_ids.ndim != 2 or spread or token_ids.strides[0] % 4:
-            raise ValueError("token_ids must be int32 [R, W] with unit column stride")
+        if token_ids.dtype != np.int32 or token_ids.ndim != 2:
+            raise ValueError(
+                f"token_ids must be int32 [R, W], not {token_ids.dtype} {token_ids.shape}"
+            )
+        # a row's tokens side by side (a one-column or empty array has any column stride)
+        if (token_ids.shape[1] > 1 and token_ids.strides[1] != 4) or token_ids.strides[0] % 4:
+            raise ValueError(
+                f"token_ids must hold each row's tokens side by side: {token_ids.strides}"
+            )
         rows, lengths, ks = (np.ascontiguousarray(a, dtype=np.int64) for a in (rows, lengths, ks))
         n = len(rows)
         if not len(lengths) == len(ks) == n:

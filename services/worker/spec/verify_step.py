@@ -127,19 +127,26 @@ def _sample(
     return_probs: bool = False,
 ) -> SamplerOutput:
     """One sampler call: logits row i is request req[i] at draft position j (j[i]): its state
-    row, position T + j and grammar bitmask row (first + j, -1 where unconstrained)."""
-    bitmask, first = grammar
-    index = None
-    if bitmask is not None:
-        index = runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
+    row, position T + j and grammar bitmask row (`_bitmask_index`)."""
     return runner.sampler.sample(
         logits,
         runner._to_device(rows[req]),
         runner._to_device(verified[req] + j),
-        bitmask if index is not None else None,
-        bitmask_index=index,
+        grammar[0],
+        bitmask_index=_bitmask_index(runner, grammar, req, j),
         return_probs=return_probs,
     )
+
+
+def _bitmask_index(
+    runner: ModelRunner, grammar: Grammar, req: np.ndarray, j: np.ndarray | int
+) -> torch.Tensor | None:
+    """Each logits row's grammar bitmask row (its request's first + j, -1 where
+    unconstrained), on the device; None without a bitmask."""
+    bitmask, first = grammar
+    if bitmask is None:
+        return None
+    return runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
 
 
 def _draw_at_once(
@@ -158,13 +165,8 @@ def _draw_at_once(
     its distribution kept (no rejection check). Each row draws with its own (row, position)
     noise: the same tokens as one call per position."""
     starts = np.cumsum(k + 1) - (k + 1)
-    bitmask, first = grammar
-    index = None
-    if bitmask is not None:
-        index = runner._to_device(np.where(first[req] >= 0, first[req] + j, -1))
-    out = runner.sampler.sample(
-        logits, staged[1], staged[2], bitmask if index is not None else None, bitmask_index=index
-    )
+    index = _bitmask_index(runner, grammar, req, j)
+    out = runner.sampler.sample(logits, staged[1], staged[2], grammar[0], bitmask_index=index)
     draws = np.full((len(k), int(k.max()) + 1), -1, dtype=np.int64)
     draws[req, j] = out.token_ids.to("cpu", torch.int64).numpy()
     logprobs = np.zeros(draws.shape, dtype=np.float32)
