@@ -19,8 +19,16 @@ of the step's outputs: its final hidden state (EAGLE, MTP) or its fused auxiliar
   drafts staying on the device until the proposal is complete (no host sync in the loop).
 
 Positions the target never computed for this request (a prefix-cache hit, KV received from a
-prefill worker) have no features, so the head's KV there is stale: drafts get worse, never
-wrong, because verification never accepts a draft the target's distribution does not allow.
+prefill worker) have no features. Before its first pair, a row's head KV there is filled from
+the tokens alone (`_fill`: each pair (0, t[p+1]), a zero feature), so it never holds what an
+earlier request of the row wrote into the same pool blocks. Drafts then depend on the
+request's own tokens and on which of its positions the target computed, nothing else: with
+sampled drafts (rejection sampling) a seeded request gives the same tokens whatever ran before
+it or beside it, for a given prefix-cache hit (a cold and a warm run of the same seed may
+differ, both distributed exactly as the target). Such drafts are worse than from real
+features, never wrong: verification never accepts a draft the target's distribution does not
+allow. The fill costs one head forward over the hit's tokens (the head's layers only), in
+chunks of at most FILL_CHUNK tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ from services.worker.spec.draft_sampler import DraftSampler, upload_ints
 from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map
 from shared.model.config import ModelConfig
+
+#: the most head positions one forward of `FeatureDrafter._fill` covers
+FILL_CHUNK = 2048
 
 
 class FeatureHead(Protocol):
@@ -105,6 +116,9 @@ class FeatureDrafter:
         self.last = torch.zeros(max_num_reqs, head.hidden_size, dtype=dtype, device=device)
         self.ready_req: list[str | None] = [None] * max_num_reqs
         self.ready_len = np.full(max_num_reqs, -1, dtype=np.int64)
+        # Per row: head positions [0, written) hold pairs of the row's request (observed or
+        # filled); 0 when the row is (re)assigned.
+        self.written = np.zeros(max_num_reqs, dtype=np.int64)
 
     @torch.inference_mode()
     def observe(
@@ -135,7 +149,10 @@ class FeatureDrafter:
         )
         index = upload_ints(flat, hidden.device)
         features = self.head.target_features(hidden[index], aux[index] if aux is not None else None)
+        for i in np.flatnonzero(self.written[rows] < starts).tolist():  # first pairs after a hit
+            self._fill(batch, int(rows[i]), int(self.written[rows[i]]), int(starts[i]), features)
         g = self._forward(rows, starts, ends, upload_ints(tokens, self.device), features)
+        self.written[rows] = ends
         at_newest = ends == batch.num_tokens[rows] - 1
         newest = np.flatnonzero(at_newest)
         if newest.size:
@@ -151,6 +168,18 @@ class FeatureDrafter:
         """The row's request left the batch: its head KV is free."""
         self.kv.release(row)
         self.ready_req[row] = None
+        self.written[row] = 0
+
+    def _fill(self, batch: InputBatch, row: int, start: int, end: int, like: torch.Tensor) -> None:
+        """Head positions [start, end) of `row`, which the target computed no features for:
+        pairs (zero feature, t[p+1]), in chunks (`like`: a feature tensor, for width and
+        dtype)."""
+        rows = np.array([row], dtype=np.int64)
+        for lo in range(start, end, FILL_CHUNK):
+            hi = min(lo + FILL_CHUNK, end)
+            tokens = upload_ints(batch.token_ids[row, lo + 1 : hi + 1], self.device)
+            zeros = like.new_zeros((hi - lo, like.shape[1]))
+            self._forward(rows, np.array([lo]), np.array([hi]), tokens, zeros)
 
     def ready(self, batch: InputBatch, row: int) -> bool:
         """The row's kept output stands for its current tokens (a proposal can start)."""

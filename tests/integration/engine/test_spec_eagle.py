@@ -32,6 +32,7 @@ from services.worker.spec.eagle import EagleHead, random_eagle_head, save_eagle_
 from services.worker.spec.feature_drafter import FeatureDrafter
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
+from tests.support.spec_heads import write_eagle_head
 
 TEXTS = {"a": "The capital of France is", "b": "ha ha ha ha ha ha ha ha"}  # b: repeats
 NEW_TOKENS = 8
@@ -136,3 +137,44 @@ def fresh_drafts(
     draws = DraftSampler(sampler, batch, np.array([0]), np.array([k]), vocab)
     drafter.propose(batch, draws)
     return draws.drafts()[0], drafter.last[0].clone()
+
+
+def test_a_prefix_hit_drafts_from_the_request_own_tokens_only(setup, tmp_path) -> None:
+    """A prefix-cache hit leaves the head positions of the cached tokens without target
+    features. What the head holds there must not be what an earlier request of the same row
+    wrote into the same pool blocks: a seeded sampled request (sampled drafts, rejection
+    sampling) drafts from the same head outputs, and so gives the same tokens, after an
+    unrelated request used its row as after none. The head's layers here are far enough from
+    zero (std 0.02, as the e2e suite's) for its attention to see those positions."""
+    target_dir, target, _, _, _ = setup
+    head_dir = write_eagle_head(target_dir, tmp_path / "eagle", identity=True)
+    spec = SpeculativeConfig(method="eagle", model=str(head_dir), num_spec_tokens=K)
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    cached, other = (
+        tokenizer.encode(" ".join([text] * n)).ids
+        for text, n in (("The old mill by the river ground wheat for the village.", 8), ("ha", 200))
+    )
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    outputs, heads = [], []
+    for before in ([cached, other], [cached]):
+        engine = InProcessEngine(target_dir, model_and_config=target, speculative=spec)
+        for i, prompt in enumerate(before):  # one at a time: each takes row 0 and its blocks
+            engine.generate({f"warm{i}": prompt}, GREEDY)
+        drafter = engine.runner.drafter
+        assert drafter is not None and drafter.features is not None
+        eagle, kept = drafter.features, []
+        propose = eagle.propose
+
+        def recording(batch, draws, eagle=eagle, propose=propose, kept=kept):
+            kept.append(eagle.last[draws.rows].clone())  # what the drafts come from
+            propose(batch, draws)
+
+        eagle.propose = recording  # type: ignore[method-assign]
+        drafted = engine.scheduler.spec.stats.num_draft_tokens
+        out = engine.generate({"seeded": cached}, seeded)["seeded"]
+        assert out.num_cached_tokens >= 48
+        assert engine.scheduler.spec.stats.num_draft_tokens > drafted  # its drafts verified
+        outputs.append(out.token_ids)
+        heads.append(torch.cat(kept))
+    assert outputs[0] == outputs[1]
+    torch.testing.assert_close(heads[0], heads[1], rtol=1e-5, atol=1e-6)
