@@ -20,7 +20,7 @@
 #      against the scheduler-direct path, datasets, request rates, 8k/32k prompts).
 #   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
 #      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
-#      bench.gpu.spec_serve through the gateway.
+#      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
 # kernel_timings.json, mesh_decode.json, transformers.json, gateway_serve.json. Each step runs
 # under what is left of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot
@@ -79,11 +79,11 @@ if [ "$MODE" = spec ]; then
     if [ -d .weights0 ]; then bash bench/gpu/weights.sh stash 0 "$WEIGHTS"; fi
     bash bench/gpu/weights.sh join "$WEIGHTS" || exit 1
     GGUF=$WEIGHTS/SmolLM2-135M-Instruct.Q4_1.gguf
-    for batch in 1 16; do
+    for batch in ${SPEC_BATCHES:-1 16}; do
         step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
             --batch "$batch" --repeats 3 --out "$OUT/spec_ngram_b$batch.json"
     done
-    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" --concurrency 1 16 \
+    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" --concurrency ${SPEC_BATCHES:-1 16} \
         --repeats 4 --out "$OUT/spec_serve.json"
 fi
 if [ "$MODE" = serve ]; then
