@@ -26,7 +26,7 @@ from services.worker.loader import load_model
 from services.worker.runner.input_batch import InputBatch
 from services.worker.runner.kv_cache import KVCache
 from services.worker.sampling import SamplingState
-from services.worker.spec import SpeculativeConfig
+from services.worker.spec import SpeculativeConfig, feature_drafter
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.eagle import EagleHead, random_eagle_head, save_eagle_head
 from services.worker.spec.feature_drafter import FeatureDrafter
@@ -139,42 +139,65 @@ def fresh_drafts(
     return draws.drafts()[0], drafter.last[0].clone()
 
 
-def test_a_prefix_hit_drafts_from_the_request_own_tokens_only(setup, tmp_path) -> None:
-    """A prefix-cache hit leaves the head positions of the cached tokens without target
-    features. What the head holds there must not be what an earlier request of the same row
-    wrote into the same pool blocks: a seeded sampled request (sampled drafts, rejection
-    sampling) drafts from the same head outputs, and so gives the same tokens, after an
-    unrelated request used its row as after none. The head's layers here are far enough from
-    zero (std 0.02, as the e2e suite's) for its attention to see those positions."""
-    target_dir, target, _, _, _ = setup
-    head_dir = write_eagle_head(target_dir, tmp_path / "eagle", identity=True)
+def seeded_after_warmup(setup, head_dir, before: list[list[int]], prompt: list[int]):
+    """(tokens, the head outputs each proposal came from) of a seeded sampled `prompt` in an
+    engine that first ran `before` greedily, one at a time (each takes row 0 and its blocks)."""
+    target_dir, target = setup[0], setup[1]
     spec = SpeculativeConfig(method="eagle", model=str(head_dir), num_spec_tokens=K)
+    engine = InProcessEngine(target_dir, model_and_config=target, speculative=spec)
+    for i, warm in enumerate(before):
+        engine.generate({f"warm{i}": warm}, GREEDY)
+    drafter = engine.runner.drafter
+    assert drafter is not None and drafter.features is not None
+    eagle, kept = drafter.features, []
+    propose = eagle.propose
+
+    def recording(batch, draws):
+        kept.append(eagle.last[draws.rows].clone())  # what the drafts come from
+        propose(batch, draws)
+
+    eagle.propose = recording  # type: ignore[method-assign]
+    drafted = engine.scheduler.spec.stats.num_draft_tokens
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    out = engine.generate({"seeded": prompt}, seeded)["seeded"]
+    assert out.num_cached_tokens >= 48
+    assert engine.scheduler.spec.stats.num_draft_tokens > drafted  # its drafts verified
+    return out.token_ids, torch.cat(kept)
+
+
+@pytest.fixture(scope="module")
+def hit_case(setup, tmp_path_factory):
+    """A head whose layers are far enough from zero (std 0.02, as the e2e suite's) for its
+    attention to see a hit's positions; a prompt of 6 blocks and an unrelated longer one."""
+    target_dir = setup[0]
+    head_dir = write_eagle_head(target_dir, tmp_path_factory.mktemp("eagle02") / "h", identity=True)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     cached, other = (
         tokenizer.encode(" ".join([text] * n)).ids
         for text, n in (("The old mill by the river ground wheat for the village.", 8), ("ha", 200))
     )
-    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
-    outputs, heads = [], []
-    for before in ([cached, other], [cached]):
-        engine = InProcessEngine(target_dir, model_and_config=target, speculative=spec)
-        for i, prompt in enumerate(before):  # one at a time: each takes row 0 and its blocks
-            engine.generate({f"warm{i}": prompt}, GREEDY)
-        drafter = engine.runner.drafter
-        assert drafter is not None and drafter.features is not None
-        eagle, kept = drafter.features, []
-        propose = eagle.propose
+    return head_dir, cached, other
 
-        def recording(batch, draws, eagle=eagle, propose=propose, kept=kept):
-            kept.append(eagle.last[draws.rows].clone())  # what the drafts come from
-            propose(batch, draws)
 
-        eagle.propose = recording  # type: ignore[method-assign]
-        drafted = engine.scheduler.spec.stats.num_draft_tokens
-        out = engine.generate({"seeded": cached}, seeded)["seeded"]
-        assert out.num_cached_tokens >= 48
-        assert engine.scheduler.spec.stats.num_draft_tokens > drafted  # its drafts verified
-        outputs.append(out.token_ids)
-        heads.append(torch.cat(kept))
-    assert outputs[0] == outputs[1]
-    torch.testing.assert_close(heads[0], heads[1], rtol=1e-5, atol=1e-6)
+def test_a_prefix_hit_drafts_from_the_request_own_tokens_only(setup, hit_case) -> None:
+    """A prefix-cache hit leaves the head positions of the cached tokens without target
+    features. What the head holds there must not be what an earlier request of the same row
+    wrote into the same pool blocks: a seeded sampled request (sampled drafts, rejection
+    sampling) drafts from the same head outputs, and so gives the same tokens, after an
+    unrelated request used its row as after none."""
+    head_dir, cached, other = hit_case
+    tokens, heads = seeded_after_warmup(setup, head_dir, [cached, other], cached)
+    alone_tokens, alone_heads = seeded_after_warmup(setup, head_dir, [cached], cached)
+    assert tokens == alone_tokens
+    torch.testing.assert_close(heads, alone_heads, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fill_in_chunks_equals_one_pass(setup, hit_case, monkeypatch) -> None:
+    """The hit's positions filled a few at a time (FILL_CHUNK 7, which divides no block, so
+    the last chunk is a partial one) give the head the state one pass gives."""
+    head_dir, cached, _ = hit_case
+    one_pass = seeded_after_warmup(setup, head_dir, [cached], cached)
+    monkeypatch.setattr(feature_drafter, "FILL_CHUNK", 7)
+    chunked = seeded_after_warmup(setup, head_dir, [cached], cached)
+    assert chunked[0] == one_pass[0]
+    torch.testing.assert_close(chunked[1], one_pass[1], rtol=1e-4, atol=1e-5)
