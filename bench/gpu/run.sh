@@ -83,8 +83,9 @@ if [ "$MODE" = spec ]; then
         step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
             --batch "$batch" --repeats 3 --out "$OUT/spec_ngram_b$batch.json"
     done
-    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" --concurrency ${SPEC_BATCHES:-1 16} \
-        --repeats 4 --out "$OUT/spec_serve.json"
+    # shellcheck disable=SC2086 # SPEC_BATCHES is a list of numbers: one argument each
+    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" \
+        --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 --out "$OUT/spec_serve.json"
 fi
 if [ "$MODE" = serve ]; then
     step gateway-serve 540 python3 -m bench.gpu.gateway_serve --tokenizer .tokenizer \

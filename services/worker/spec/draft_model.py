@@ -59,14 +59,12 @@ class DraftModelDrafter:
         self.to_draft = to_draft_table(self.vocab_map, target_vocab_size)
         dtype = next(model.parameters()).dtype
         self.kv = RowKV(model.config, max_num_reqs, max_model_len, block_size, dtype, self.device)
-        self.computed = np.zeros(max_num_reqs, dtype=np.int64)  # verified tokens in draft KV
         self.owner: list[str | None] = [None] * max_num_reqs
 
     def release(self, row: int) -> None:
         """The row's request left the batch: its draft KV is free."""
         self.kv.release(row)
         self.owner[row] = None
-        self.computed[row] = 0
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, draws: DraftSampler) -> None:
@@ -78,7 +76,7 @@ class DraftModelDrafter:
                 self.owner[row] = batch.row_req[row]
         # Catch up on the verified tokens; the last one's logits give draft 1.
         ends = batch.num_tokens[rows]
-        starts = np.minimum(self.computed[rows], ends - 1)
+        starts = np.minimum(self.kv.written[rows], ends - 1)  # verified tokens in draft KV
         tokens = np.concatenate(
             [batch.token_ids[r, s:e] for r, s, e in zip(rows.tolist(), starts, ends, strict=True)]
         )
@@ -86,7 +84,7 @@ class DraftModelDrafter:
             tokens = self.to_draft[tokens]
         flat = upload_ints(tokens, self.device)
         logits = self._step(rows, starts, ends, flat)
-        self.computed[rows] = ends
+        self.kv.written[rows] = ends
         ids = draws.draw(logits, np.arange(len(rows)))
         for j in range(1, int(ks.max())):
             more = np.flatnonzero(ks > j)

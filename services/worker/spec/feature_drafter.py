@@ -116,9 +116,6 @@ class FeatureDrafter:
         self.last = torch.zeros(max_num_reqs, head.hidden_size, dtype=dtype, device=device)
         self.ready_req: list[str | None] = [None] * max_num_reqs
         self.ready_len = np.full(max_num_reqs, -1, dtype=np.int64)
-        # Per row: head positions [0, written) hold pairs of the row's request (observed or
-        # filled); 0 when the row is (re)assigned.
-        self.written = np.zeros(max_num_reqs, dtype=np.int64)
 
     @torch.inference_mode()
     def observe(
@@ -149,10 +146,11 @@ class FeatureDrafter:
         )
         index = upload_ints(flat, hidden.device)
         features = self.head.target_features(hidden[index], aux[index] if aux is not None else None)
-        for i in np.flatnonzero(self.written[rows] < starts).tolist():  # first pairs after a hit
-            self._fill(batch, int(rows[i]), int(self.written[rows[i]]), int(starts[i]), features)
+        written = self.kv.written  # head positions holding pairs of the row's request
+        for i in np.flatnonzero(written[rows] < starts).tolist():  # first pairs after a hit
+            self._fill(batch, int(rows[i]), int(written[rows[i]]), int(starts[i]), features)
         g = self._forward(rows, starts, ends, upload_ints(tokens, self.device), features)
-        self.written[rows] = ends
+        written[rows] = ends
         at_newest = ends == batch.num_tokens[rows] - 1
         newest = np.flatnonzero(at_newest)
         if newest.size:
@@ -168,7 +166,6 @@ class FeatureDrafter:
         """The row's request left the batch: its head KV is free."""
         self.kv.release(row)
         self.ready_req[row] = None
-        self.written[row] = 0
 
     def _fill(self, batch: InputBatch, row: int, start: int, end: int, like: torch.Tensor) -> None:
         """Head positions [start, end) of `row`, which the target computed no features for:

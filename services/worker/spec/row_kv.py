@@ -46,6 +46,10 @@ class RowKV:
         self.blocks_per_row = -(-max_model_len // block_size)
         self.tables = np.zeros((max_num_reqs, self.blocks_per_row), dtype=np.int64)
         self.num_row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per row: positions [0, written) hold the KV of the row's current request (what its
+        # drafter computed from the request's own tokens); past it, whatever the pool blocks
+        # held before. 0 when the row's request leaves (`release`).
+        self.written = np.zeros(max_num_reqs, dtype=np.int64)
         self.cache = KVCache.allocate(config, INITIAL_BLOCKS, block_size, dtype, device)
         # One full-attention group over the drafter's own layers, causal, in the model dtype:
         # the backend is resolved once, here (backend_choice.py).
@@ -68,6 +72,7 @@ class RowKV:
         n = int(self.num_row_blocks[row])
         self.free.extend(self.tables[row, :n].tolist()[::-1])
         self.num_row_blocks[row] = 0
+        self.written[row] = 0
 
     def metadata(
         self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray, positions: np.ndarray
