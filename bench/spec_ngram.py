@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshllm_kernels.runtime.compile_watch import CompileWatch
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.loader import load_model
@@ -101,7 +102,12 @@ class Engine:
         # (wall, device) ms of each step after the prefills: plain decode steps, and the steps
         # that verify drafts (decode steps of a speculating engine without any draft count as
         # decode).
-        self.step_ms: dict[str, list[tuple[float, float]]] = {"decode": [], "verify": []}
+        self.step_ms: dict[str, list[tuple[float, float]]] = {
+            "decode": [],
+            "verify": [],
+            "prefill": [],
+        }
+        self.generate_ms = 0.0  # the last generate's wall time
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_gpu_blocks=2048,
@@ -124,21 +130,32 @@ class Engine:
             )
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         steps = 0
+        started = time.perf_counter()
         while self.scheduler.has_work():
             t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             assert plan is not None
             out = self.scheduler.update_from_output(plan, self.runner.execute(plan))
-            verify = bool(plan.spec_token_ids)
-            if verify or all(n == 1 for n in plan.num_scheduled_tokens.values()):
-                wall_ms = (time.perf_counter() - t0) * 1000.0
-                device_ms = self.runner.last_device_seconds * 1000.0
-                self.step_ms["verify" if verify else "decode"].append((wall_ms, device_ms))
+            if plan.spec_token_ids:
+                kind = "verify"
+            elif all(n == 1 for n in plan.num_scheduled_tokens.values()):
+                kind = "decode"
+            else:
+                kind = "prefill"
+            wall_ms = (time.perf_counter() - t0) * 1000.0
+            self.step_ms[kind].append((wall_ms, self.runner.last_device_seconds * 1000.0))
             steps += 1
             for deltas in out.deltas.values():
                 for delta in deltas:
                     tokens[delta.request_id] += delta.token_ids
+        self.generate_ms = (time.perf_counter() - started) * 1000.0
         return [tokens[f"r{i}"] for i in range(len(prompts))], steps
+
+    def wall_split(self) -> dict[str, float]:
+        """The last generate's wall ms: summed per kind of step, and outside the steps."""
+        split = {kind: round(sum(w for w, _ in ms), 1) for kind, ms in self.step_ms.items()}
+        split["outside"] = round(self.generate_ms - sum(split.values()), 1)
+        return split
 
 
 def lookup_us(
@@ -209,7 +226,9 @@ def main() -> None:
         prompt_lookup_min=args.min_n,
         prompt_lookup_max=args.max_n,
     )
+    watch = CompileWatch().install()
     Engine(model, config, None, args.device).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    watch.mark_warm()  # compiles from here on land in a timed run
 
     rows: list[dict[str, Any]] = []
     accepted_per_pos = [0] * args.k
@@ -270,6 +289,9 @@ def main() -> None:
                 "plain_decode_step": step_medians(plain.step_ms["decode"]),
                 "spec_decode_step": step_medians(engine.step_ms["decode"]),
                 "spec_verify_step": step_medians(engine.step_ms["verify"]),
+                "plain_prefill_steps": step_medians(plain.step_ms["prefill"]),
+                "plain_wall_split_ms": plain.wall_split(),
+                "spec_wall_split_ms": engine.wall_split(),
                 "lookup_us": lookup_us(
                     [p + t for p, t in zip(prompts, plain_tokens, strict=True)],
                     args.k,
@@ -286,6 +308,9 @@ def main() -> None:
         "batch": args.batch,
         "speedup_median": round(statistics.median(r["speedup"] for r in rows), 2),
         "acceptance_per_position": [round(n / max(num_drafts, 1), 3) for n in accepted_per_pos],
+        "compiles_in_timed_runs": [
+            (c.kernel, round(c.seconds * 1000.0, 1)) for c in watch.after_warmup()
+        ],
         "tasks": rows,
     }
     if args.out:
@@ -308,11 +333,13 @@ def main() -> None:
         print(
             f"{r['task']}: steps (n, wall ms, device ms) plain decode {r['plain_decode_step']}, "
             f"spec decode {r['spec_decode_step']}, spec verify {r['spec_verify_step']}; "
-            f"one batch lookup (us) {r['lookup_us']}"
+            f"one batch lookup (us) {r['lookup_us']}; prefill steps {r['plain_prefill_steps']}; "
+            f"wall ms per kind plain {r['plain_wall_split_ms']} spec {r['spec_wall_split_ms']}"
         )
     print(
         f"median speed-up {summary['speedup_median']}x; acceptance per draft position "
-        f"{summary['acceptance_per_position']}"
+        f"{summary['acceptance_per_position']}; Triton compiles in the timed runs (ms) "
+        f"{summary['compiles_in_timed_runs']}"
     )
 
 

@@ -20,6 +20,7 @@ from services.worker.models.random_init import (
     load_random_model,
 )
 from services.worker.parallel.group import SINGLE, TensorParallel
+from services.worker.runner.compile_stalls import watch_compiles
 from services.worker.runner.kv_cache import (
     KVCache,
     KVCacheSizeError,
@@ -165,6 +166,8 @@ def build_runner(
     )
     if settings.step_timeline:
         runner.timeline = StepTimeline(settings.step_timeline, device)
+    if device.type == "cuda":  # Triton compiles after the warm-up are logged as stalls
+        runner.compile_watch = watch_compiles()
     if compiled:
         log.info("compiling the forward (torch.compile, CPU): this takes a while at start-up")
         try:
@@ -183,6 +186,8 @@ def build_runner(
         except RuntimeError:  # a model whose forward cannot be captured still serves, eagerly
             log.exception("CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None
+    if runner.compile_watch is not None:
+        runner.compile_watch.mark_warm()
     log.info(
         "model %s loaded on %s as %s%s in %.1f s (warm-up %.2f s); KV cache: %d blocks of %d "
         "tokens, %d state blocks (%.0f MiB)",

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.runtime.compile_watch import CompileWatch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
@@ -217,6 +218,9 @@ class ModelRunner:
         self.last_device_seconds = 0.0
         # MESHLLM_STEP_TIMELINE: a line per step with its host and device marks.
         self.timeline: StepTimeline | None = None
+        # CUDA: Triton compiles of this process, those after the warm-up logged as stalls
+        # (runner/compile_stalls.py, installed by bootstrap.py).
+        self.compile_watch: CompileWatch | None = None
 
     # -- one step ---------------------------------------------------------------------------
 
