@@ -62,8 +62,8 @@ async def _always_ready() -> bool:
 
 
 def scrape(mesh: Mesh) -> dict[str, float]:
-    """Histogram sums and counts of the scheduler's step and overhead metrics, and the
-    worker's device-busy seconds."""
+    """Histogram sums and counts of the scheduler's step and overhead metrics, the worker's
+    device-busy seconds, and its Triton compiles after the warm-up (serving stalls)."""
     text = httpx.get(f"{mesh.url('scheduler')}/metrics", timeout=10).text
     text += httpx.get(f"{mesh.url('worker')}/metrics", timeout=10).text
     values: dict[str, float] = {}
@@ -73,6 +73,9 @@ def scrape(mesh: Mesh) -> dict[str, float]:
                 key = f"meshllm:{name}{suffix}"
                 if line.startswith(key + " ") or line.startswith(key + "{"):
                     values[name + suffix] = float(line.rsplit(" ", 1)[1])
+        for name in ("worker_jit_compiles_total", "worker_jit_compile_seconds_total"):
+            if line.startswith(f'meshllm:{name}{{phase="serving"}} '):
+                values[name] = float(line.rsplit(" ", 1)[1])
     return values
 
 
@@ -171,6 +174,9 @@ async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) 
         # share of the run's wall time the GPU had no step queued: the mesh's cost per step
         # once steps overlap (execute_ms then spans the wait behind the previous step)
         "device_idle_fraction": round(1 - busy_s / wall, 4) if busy_s else None,
+        # Triton compiles in this run (the worker's warm-up did not cover them) and their time
+        "jit_compiles": int(delta.get("worker_jit_compiles_total", 0.0)),
+        "jit_compile_s": round(delta.get("worker_jit_compile_seconds_total", 0.0), 2),
         # greedy tokens of every request, in request order: equal digests = identical outputs
         "tokens_sha256": hashlib.sha256(
             json.dumps([tokens_of[rid] for rid in arrivals]).encode()
