@@ -23,6 +23,7 @@ allow it (`merge_counters`); elsewhere the reduce kernel merges them, after the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -325,9 +326,12 @@ def few_programs(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
 def strided_choice(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
     """Whether split-K without a window runs the strided kernel: at STRIDED_MIN_SPLITS pieces
     or more, or at any split count with few programs."""
-    return num_splits >= STRIDED_MIN_SPLITS or few_programs(
-        num_seqs, num_kv_heads, sm_count(device)
-    )
+    return strided_at(num_seqs, num_kv_heads, num_splits, sm_count(device))
+
+
+def strided_at(num_seqs: int, num_kv_heads: int, num_splits: int, num_sms: int) -> bool:
+    """strided_choice on a device of `num_sms` streaming multiprocessors."""
+    return num_splits >= STRIDED_MIN_SPLITS or few_programs(num_seqs, num_kv_heads, num_sms)
 
 
 def single_pass_tiles(num_seqs: int, num_kv_heads: int, cache_element_size: int) -> AttentionTiles:
@@ -344,6 +348,47 @@ def strided_tiles(head_dim: int, cache_element_size: int) -> AttentionTiles:
     3 stages (K and V double-buffered)."""
     keys = STRIDED_TILE_BYTES // (next_power_of_2(head_dim) * cache_element_size)
     return AttentionTiles(block_n=min(128, max(16, next_power_of_2(keys))), num_stages=3)
+
+
+@dataclass(frozen=True)
+class LaunchChoice:
+    """What a decode launch runs besides its grid: the kernel (strided or not), its split
+    count and tiles. Each distinct choice is a kernel specialization of its own, compiled the
+    first time it is launched (decode_variants.py lists those serving can meet)."""
+
+    num_splits: int
+    strided: bool
+    tiles: AttentionTiles
+
+
+def launch_choice(
+    num_seqs: int,
+    num_kv_heads: int,
+    num_splits: int,
+    window: int,
+    head_dim: int,
+    cache_element_size: int,
+    num_sms: int,
+    *,
+    strided: bool | None = None,
+    tiles: AttentionTiles | None = None,
+) -> LaunchChoice:
+    """The kernel and tiles of a launch at `num_splits` pieces: the strided kernel at
+    STRIDED_MIN_SPLITS pieces or with few programs (`strided` pins it), never with a window or
+    one piece; tiles as `tiles` pins them, else the kernel's measured ones."""
+    if strided is None:
+        strided = strided_at(num_seqs, num_kv_heads, num_splits, num_sms)
+    strided = strided and num_splits > 1 and window == 0
+    if tiles is None:
+        if interpreting():
+            tiles = INTERPRETER_TILES
+        elif strided:
+            tiles = strided_tiles(head_dim, cache_element_size)
+        elif num_splits > 1:
+            tiles = DECODE_TILES
+        else:
+            tiles = single_pass_tiles(num_seqs, num_kv_heads, cache_element_size)
+    return LaunchChoice(num_splits, strided, tiles)
 
 
 def paged_decode_attention(
@@ -409,21 +454,11 @@ def paged_decode_attention(
         assert max_seq_len is not None  # read back above when neither was given
         span = min(max_seq_len, window) if window else max_seq_len
         num_splits = default_num_splits(num_seqs, geo.num_kv_heads, span, sm_count(device))
-
-    if strided is None:
-        strided = strided_choice(num_seqs, geo.num_kv_heads, num_splits, device)
-    use_strided = strided and num_splits > 1 and window == 0
-    if tiles is None:
-        if interpreting():
-            tiles = INTERPRETER_TILES
-        elif use_strided:
-            tiles = strided_tiles(head_dim, kv_cache.element_size())
-        else:
-            tiles = (
-                DECODE_TILES
-                if num_splits > 1
-                else single_pass_tiles(num_seqs, geo.num_kv_heads, kv_cache.element_size())
-            )
+    choice = launch_choice(
+        num_seqs, geo.num_kv_heads, num_splits, window, head_dim, kv_cache.element_size(),
+        sm_count(device), strided=strided, tiles=tiles,
+    )  # fmt: skip
+    use_strided, tiles = choice.strided, choice.tiles
     tiles.check()
     group = num_heads // geo.num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from meshllm_kernels.runtime.staged_copy import stage_to_device
+from services.worker.attention.table_width import table_width
 
 __all__ = [
     "DENSE_PREFILL_CHOICES",
@@ -119,7 +120,7 @@ class DensePrefill:
         if not fresh.all():
             rest = ~fresh
             q_lens, lens = query_lens[rest], seq_lens[rest]
-            width = int(-(-lens.max() // block_size))
+            width = table_width(lens, block_size, block_tables.shape[1])
             paged = PagedSpans(
                 rows=_device_rows(_span_rows(starts[rest], q_lens), device),
                 block_tables=_upload(block_tables[rest, :width], device, np.int32),

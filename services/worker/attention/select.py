@@ -42,6 +42,7 @@ from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.attention.bound import LayerAttention
 from services.worker.attention.dense_prefill import DensePrefill, dense_prefill_impl
 from services.worker.attention.reference import AttentionMetadata, paged_attention, step_lengths
+from services.worker.attention.table_width import table_width
 from services.worker.models.rope import apply_rotary
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class TritonAttentionMetadata:
         )
         if num_decodes:
             lens = seq_lens[:num_decodes]
-            width = int(-(-lens.max() // block_size))
+            width = table_width(lens, block_size, block_tables.shape[1])
             meta.decode_block_tables = _upload(block_tables[:num_decodes, :width], device, np.int32)
             meta.decode_seq_lens = _upload(lens, device, np.int32)
             meta.decode_max_seq_len = int(lens.max())
@@ -163,7 +164,7 @@ class TritonAttentionMetadata:
             )
         if num_decodes < len(query_lens):
             q_lens, lens = query_lens[num_decodes:], seq_lens[num_decodes:]
-            width = int(-(-lens.max() // block_size))
+            width = table_width(lens, block_size, block_tables.shape[1])
             tables = block_tables[num_decodes:, :width]
             meta.prefill_block_tables = _upload(tables, device, np.int32)
             meta.prefill_cu_seqlens_q = _upload(

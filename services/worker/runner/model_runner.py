@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from meshllm_kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.attention.backends import PagedKernelBackend, TritonPagedAttention
 from meshllm_kernels.runtime.compile_watch import CompileWatch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
+from meshllm_kernels.runtime.tensor_checks import sm_count
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
@@ -49,6 +50,7 @@ from services.worker.attention.select import (
     cpu_decode_kernel,
 )
 from services.worker.attention.state_metadata import StateMetadata, decode_blocks, decode_read_slots
+from services.worker.attention.table_width import WIDTH_MULTIPLE
 from services.worker.models.base import CausalLM, split_aux_hidden
 from services.worker.runner.in_flight import InFlightTokens, PendingFeed, fed_id
 from services.worker.runner.input_batch import InputBatch, PlanError
@@ -797,5 +799,45 @@ class ModelRunner:
     def warmup(self) -> float:
         """A small profile run (first-call allocations, kernel selection). A compiled forward
         is compiled here: its one graph (unbacked token count) then serves every step size,
-        1-token decodes included, so no request waits for a compile."""
-        return self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
+        1-token decodes included, so no request waits for a compile. On the Triton kernels,
+        every decode-attention specialization an eager step can choose is compiled too
+        (decode_variants.py)."""
+        seconds = self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
+        return seconds + self._compile_decode_variants()
+
+    def _compile_decode_variants(self) -> float:
+        """CUDA, Triton backend, one full-attention group, a 16-bit cache: launch each
+        decode-attention choice once (tables as wide as the eager steps' and the graphs')."""
+        cache = self.kv_cache.attention_layers
+        if (
+            self.device.type != "cuda"
+            or not isinstance(self.attention_backend, TritonPagedAttention)
+            or needs_group_attention(self.kv_groups)
+            or not cache
+            or cache[0].element_size() != 2
+        ):
+            return 0.0
+        # imported here: a CPU worker has no Triton (tests/unit/worker/test_imports_without_triton)
+        from meshllm_kernels.attention.decode_variants import (
+            compile_decode_variants,
+            decode_variants,
+        )
+
+        kv_heads, head_dim = cache[0].shape[-2], cache[0].shape[-1]
+        variants = decode_variants(
+            kv_heads, head_dim, 2, sm_count(self.device), self.batch.max_num_reqs,
+            self.max_model_len,
+        )  # fmt: skip
+        capacity = self.batch.max_blocks_per_req
+        widths = {min(capacity, WIDTH_MULTIPLE), capacity}
+        dtype = next(self.model.parameters()).dtype
+        seconds = compile_decode_variants(
+            cache[0], self.config.num_attention_heads, dtype, variants, widths
+        )
+        log.info(
+            "decode attention: %d kernel choices x %d table widths compiled in %.1f s",
+            len(variants),
+            len(widths),
+            seconds,
+        )
+        return seconds

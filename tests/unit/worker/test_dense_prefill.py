@@ -15,6 +15,7 @@ from services.worker.attention.dense_prefill import (
     split_prefill_spans,
 )
 from services.worker.attention.select import TritonAttentionMetadata
+from services.worker.attention.table_width import table_width
 
 BLOCK = 4
 
@@ -53,7 +54,8 @@ def test_split_rows_slots_and_paged_rest() -> None:
     paged = split.paged
     assert paged is not None and paged.rows == slice(4, 6)
     assert paged.cu_seqlens_q.tolist() == [0, 2] and paged.seq_lens.tolist() == [7]
-    assert paged.max_seqlen_q == 2 and paged.block_tables.tolist() == [[9, 10]]
+    # its 2 blocks, in a table as wide as the capacity (4 < 16 columns: table_width.py)
+    assert paged.max_seqlen_q == 2 and paged.block_tables.tolist() == [[9, 10, 11, 12]]
 
 
 def test_all_fresh_is_one_slice_and_no_paged_rest() -> None:
@@ -102,3 +104,22 @@ def test_attend_gathers_this_steps_cache_rows() -> None:
     flat = cache.view(2, -1, 2, 16)[:, torch.from_numpy(slots)]
     expected = reference_attention(q, flat[0], flat[1], [4, 1], 0.25)
     torch.testing.assert_close(split.attend("sdpa", q, cache, 0.25), expected)
+
+
+def test_eager_tables_are_as_wide_as_a_multiple_of_16_blocks_or_the_capacity() -> None:
+    """Triton specializes the kernels on the table's row stride being 1 or a multiple of 16:
+    eager tables take widths of one class (services/worker/attention/table_width.py)."""
+    assert table_width(np.array([1]), 4, 100) == 16  # one block: not a width of 1
+    assert table_width(np.array([3, 65]), 4, 100) == 32  # 17 blocks
+    assert table_width(np.array([64]), 4, 100) == 16  # exactly 16
+    assert table_width(np.array([399]), 4, 100) == 100  # 100 blocks: the capacity
+    wide = np.arange(1, 1 + 2 * 40).reshape(2, 40)
+    meta = TritonAttentionMetadata.build(
+        query_lens=np.array([1, 3]), seq_lens=np.array([9, 3]), block_tables=wide,
+        block_size=BLOCK, slot_mapping=np.array([8, 40, 41, 42]), num_kv_heads=2,
+        device="cpu", backend=TritonPagedAttention(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert meta.decode_block_tables is not None and meta.prefill_block_tables is not None
+    assert meta.decode_block_tables.shape == (1, 16)
+    assert meta.prefill_block_tables.shape == (1, 16)
+    assert meta.decode_block_tables[0, :3].tolist() == [1, 2, 3]  # the row's own blocks first
