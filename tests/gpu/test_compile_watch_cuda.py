@@ -36,3 +36,28 @@ def test_a_new_specialization_is_one_compile_after_the_warmup() -> None:
     assert [c.kernel for c in stalls] == ["_scaled_copy"]
     assert stalls[0].seconds > 0
     assert len(watch.compiles) == 2
+
+
+def test_the_sampler_compiles_once_for_every_batch_size() -> None:
+    """The Gumbel sampler's chunk count depends on the batch size; it must not make a new
+    specialization (BLOCK_CHUNKS fixed per vocabulary, num_chunks not specialized): on the
+    H200 each new class of batch size held a serving step ~0.5 s."""
+    from meshllm_kernels.sampling.gumbel_kernel import gumbel_argmax_triton
+
+    vocab = 128_256
+    watch = CompileWatch().install()
+    try:
+        for i, batch in enumerate((1, 9, 17, 33, 64, 80, 113, 128, 256)):
+            g = torch.Generator(device="cuda").manual_seed(i)
+            logits = torch.randn(batch, vocab, device="cuda", generator=g)
+            inv_t = torch.zeros(batch, device="cuda")  # greedy: the argmax, whatever the chunks
+            seeds = torch.arange(batch, dtype=torch.int64, device="cuda") + 7
+            positions = torch.arange(batch, dtype=torch.int64, device="cuda")
+            got = gumbel_argmax_triton(logits, inv_t, seeds, positions)
+            assert torch.equal(got, logits.argmax(-1)), batch
+            watch.mark_warm()  # compiled at the first batch size, never again
+        torch.cuda.synchronize()
+    finally:
+        watch.uninstall()
+    # (the first batch size may find the kernel compiled by an earlier test of this process)
+    assert watch.installed and watch.after_warmup() == []
