@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from meshllm_kernels.runtime import completion_counters
+from meshllm_kernels.runtime.specialization import jit_options
 from meshllm_kernels.runtime.tensor_checks import (
     INDEX_DTYPES,
     MODEL_DTYPES,
@@ -155,7 +156,14 @@ def _uniform_and_gumbel(prefix, tokens):
 # num_chunks depends on the batch size: not specialized on (whether it is 1 or a multiple of
 # 16), and BLOCK_CHUNKS fixed per vocabulary, so that a batch of a size not met before launches
 # the compiled kernel instead of compiling another (a serving step held ~0.5 s on the H200).
-@triton.jit(do_not_specialize=["num_chunks"])
+# Nor is the alignment of the per-row arrays: the worker passes rows and positions as the two
+# rows of one upload, so the positions start 16-byte aligned at even batch sizes only.
+@triton.jit(
+    **jit_options(
+        values=["num_chunks"],
+        alignments=["state_row_ptr", "position_ptr", "bitmask_index_ptr"],
+    )
+)
 def _gumbel_argmax_kernel(
     logits_ptr,
     logits_row_stride,

@@ -61,3 +61,46 @@ def test_the_sampler_compiles_once_for_every_batch_size() -> None:
         watch.uninstall()
     # (the first batch size may find the kernel compiled by an earlier test of this process)
     assert watch.installed and watch.after_warmup() == []
+
+
+def test_no_draw_compiles_after_the_sampler_warmup() -> None:
+    """After compile_draws (the runner's warm-up), no request the sampler serves compiles the
+    draw again: a feed, a grammar bitmask, an fp32 copy for top_p or logprobs, odd and even
+    batches with rows and positions as the two rows of one upload (positions 16-byte aligned
+    at even batch sizes only)."""
+    from meshllm_kernels.sampling.bitmask import pack_bitmask
+    from services.worker.sampling import SamplingState
+    from services.worker.sampling.draw_variants import compile_draws
+    from shared.protocol import SamplingParams
+
+    vocab = 49_152
+    state = SamplingState(64, vocab, "cuda")
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=3),
+        SamplingParams(temperature=0.8, seed=4, top_p=0.9),
+        SamplingParams(temperature=0.0, logprobs=2),
+    ]
+    for row, p in enumerate(params):
+        state.add_request(row, p, [5, 6], [])
+    feed = torch.zeros(64, dtype=torch.int64, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    watch = CompileWatch().install()
+    try:
+        compile_draws(state, torch.randn(2, vocab, device="cuda", generator=g).bfloat16())
+        watch.mark_warm()
+        for rows in ([0], [0, 1], [0, 1, 3], [1, 2], [0, 1, 2], [3], [2]):
+            batch = len(rows)
+            packed = torch.tensor([rows, [7 + r for r in rows]], device="cuda")
+            logits = torch.randn(batch, vocab, device="cuda", generator=g).bfloat16()
+            state.sample(logits, packed[0], packed[1], feed=feed)
+            allowed = torch.zeros(batch, vocab, dtype=torch.bool)
+            allowed[:, :100] = True
+            out = state.sample(
+                logits, packed[0], packed[1], pack_bitmask(allowed).cuda(), feed=feed
+            )
+            assert bool((out.token_ids < 100).all())
+        torch.cuda.synchronize()
+    finally:
+        watch.uninstall()
+    assert [c.kernel for c in watch.after_warmup()] == []

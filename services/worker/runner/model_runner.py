@@ -58,6 +58,7 @@ from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.routed_experts import RoutedExpertsTracker
 from services.worker.runner.step_timeline import StepMarks, StepTimeline
 from services.worker.sampling import SamplerOutput, SamplingState
+from services.worker.sampling.draw_variants import compile_draws
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.drafts import Drafter, stage_drafts
 from services.worker.spec.verify_step import verify_and_sample
@@ -801,9 +802,24 @@ class ModelRunner:
         is compiled here: its one graph (unbacked token count) then serves every step size,
         1-token decodes included, so no request waits for a compile. On the Triton kernels,
         every decode-attention specialization an eager step can choose is compiled too
-        (decode_variants.py)."""
+        (decode_variants.py), and on CUDA every draw the sampler can launch
+        (sampling/draw_variants.py)."""
         seconds = self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
-        return seconds + self._compile_decode_variants()
+        return seconds + self._compile_decode_variants() + self._compile_draws()
+
+    @torch.inference_mode()
+    def _compile_draws(self) -> float:
+        """CUDA: launch each draw specialization once, over logits of this runner's LM head."""
+        if self.device.type != "cuda":
+            return 0.0
+        started = time.perf_counter()
+        dtype = next(self.model.parameters()).dtype
+        rows = min(2, self.batch.max_num_reqs)
+        hidden = torch.zeros(rows, self.config.hidden_size, dtype=dtype, device=self.device)
+        count = compile_draws(self.sampler, self.compute_logits(hidden))
+        seconds = time.perf_counter() - started
+        log.info("sampler: %d draw variants compiled in %.1f s", count, seconds)
+        return seconds
 
     def _compile_decode_variants(self) -> float:
         """CUDA, Triton backend, one full-attention group, a 16-bit cache: launch each
