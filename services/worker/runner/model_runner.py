@@ -802,10 +802,11 @@ class ModelRunner:
         is compiled here: its one graph (unbacked token count) then serves every step size,
         1-token decodes included, so no request waits for a compile. On the Triton kernels,
         every decode-attention specialization an eager step can choose is compiled too
-        (decode_variants.py), and on CUDA every draw the sampler can launch
+        (decode_variants.py) and the paged prefill at each table width (prefill_variants.py),
+        and on CUDA every draw the sampler can launch
         (sampling/draw_variants.py)."""
         seconds = self.profile_run(num_tokens=min(64, self.max_model_len), num_decodes=4)
-        return seconds + self._compile_decode_variants() + self._compile_draws()
+        return seconds + self._compile_attention_variants() + self._compile_draws()
 
     @torch.inference_mode()
     def _compile_draws(self) -> float:
@@ -821,9 +822,10 @@ class ModelRunner:
         log.info("sampler: %d draw variants compiled in %.1f s", count, seconds)
         return seconds
 
-    def _compile_decode_variants(self) -> float:
+    def _compile_attention_variants(self) -> float:
         """CUDA, Triton backend, one full-attention group, a 16-bit cache: launch each
-        decode-attention choice once (tables as wide as the eager steps' and the graphs')."""
+        decode-attention choice once, and the paged prefill kernel (the spans that continue a
+        cached prefix), at the table widths of the eager steps and the graphs."""
         cache = self.kv_cache.attention_layers
         if (
             self.device.type != "cuda"
@@ -838,6 +840,7 @@ class ModelRunner:
             compile_decode_variants,
             decode_variants,
         )
+        from meshllm_kernels.attention.prefill_variants import compile_prefill_variants
 
         kv_heads, head_dim = cache[0].shape[-2], cache[0].shape[-1]
         variants = decode_variants(
@@ -847,11 +850,12 @@ class ModelRunner:
         capacity = self.batch.max_blocks_per_req
         widths = {min(capacity, WIDTH_MULTIPLE), capacity}
         dtype = next(self.model.parameters()).dtype
-        seconds = compile_decode_variants(
-            cache[0], self.config.num_attention_heads, dtype, variants, widths
-        )
+        heads = self.config.num_attention_heads
+        seconds = compile_decode_variants(cache[0], heads, dtype, variants, widths)
+        seconds += compile_prefill_variants(cache[0], heads, dtype, widths)
         log.info(
-            "decode attention: %d kernel choices x %d table widths compiled in %.1f s",
+            "attention: %d decode kernel choices and the paged prefill x %d table widths "
+            "compiled in %.1f s",
             len(variants),
             len(widths),
             seconds,
