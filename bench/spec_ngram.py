@@ -17,11 +17,13 @@ graphs (services/worker/accel/verify_graphs.py), as in the worker; `--eager-veri
 a third engine whose verify steps run eagerly (the cost the verify graphs remove). In bf16 a
 near-tie may flip between the verify and decode kernels: `same_tokens` says whether the outputs
 matched (on CPU, fp32, they must). `--model` serves another
-checkpoint (an HF directory or a .gguf file) than the embedded SmolLM2.
+checkpoint (an HF directory or a .gguf file) than the embedded SmolLM2. `--kernel-profile` (CUDA)
+adds one plain and one speculative run of the first task under the PyTorch profiler: each
+kernel's calls and device time (graph replays included), where a verify step's time goes.
 
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
                                [--threads 1] [--device cpu|cuda] [--batch 1] [--model PATH]
-                               [--eager-verify] [--json] [--out FILE]
+                               [--eager-verify] [--kernel-profile] [--json] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +188,30 @@ def lookup_us(
     return out
 
 
+def kernel_profile(run: Any, top: int = 30) -> list[dict[str, Any]]:
+    """The device kernels of `run()` (CUDA graph replays included), the `top` ones by total
+    device time: name, calls, total and mean microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [
+        {
+            "kernel": name[:90],
+            "calls": len(times),
+            "total_us": round(sum(times), 1),
+            "mean_us": round(sum(times) / len(times), 2),
+        }
+        for name, times in rows
+    ]
+
+
 def step_medians(samples: list[tuple[float, float]]) -> dict[str, float] | None:
     """Median wall and device ms of a kind of step (None when there was none)."""
     if not samples:
@@ -208,6 +235,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--model", default="", help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--eager-verify", action="store_true")
+    parser.add_argument(
+        "--kernel-profile",
+        action="store_true",
+        help="CUDA: also profile one plain and one speculative run of the first task per kernel",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="", help="also write the JSON summary here")
     args = parser.parse_args()
@@ -231,6 +263,7 @@ def main() -> None:
     watch.mark_warm()  # compiles from here on land in a timed run
 
     rows: list[dict[str, Any]] = []
+    profiles: dict[str, list[dict[str, Any]]] = {}
     accepted_per_pos = [0] * args.k
     num_drafts = 0
     for name, text in TASKS.items():
@@ -267,6 +300,14 @@ def main() -> None:
             ratios.append(t_plain / t_spec)
             plain_tps.append(sum(len(t) for t in plain_tokens) / t_plain)
             spec_tps.append(total / t_spec)
+        if args.kernel_profile and args.device == "cuda" and not rows:
+            # engines built (warmed up, graphs captured) outside the profile: generate only
+            runs = {"plain": Engine(model, config, None, args.device)}
+            runs["spec"] = Engine(model, config, spec, args.device)
+            profiles = {
+                kind: kernel_profile(partial(e.generate, prompts, params))
+                for kind, e in runs.items()
+            }
         stats = engine.scheduler.spec.stats
         num_drafts += stats.num_drafts
         for i, n in enumerate(stats.accepted_per_pos[: args.k]):
@@ -312,6 +353,7 @@ def main() -> None:
             (c.kernel, round(c.seconds * 1000.0, 1)) for c in watch.after_warmup()
         ],
         "tasks": rows,
+        "kernel_profile": profiles,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2))

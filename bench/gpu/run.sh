@@ -20,7 +20,9 @@
 #      against the scheduler-direct path, datasets, request rates, 8k/32k prompts).
 #   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
 #      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
-#      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only).
+#      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only);
+#      spec_ngram_b*.json also holds each kernel's device time in one plain and one speculative
+#      run of the edit task (`kernel_profile`).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
 # kernel_timings.json, mesh_decode.json, transformers.json, gateway_serve.json. Each step runs
 # under what is left of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot
@@ -81,7 +83,7 @@ if [ "$MODE" = spec ]; then
     GGUF=$WEIGHTS/SmolLM2-135M-Instruct.Q4_1.gguf
     for batch in ${SPEC_BATCHES:-1 16}; do
         step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
-            --batch "$batch" --repeats 3 --out "$OUT/spec_ngram_b$batch.json"
+            --batch "$batch" --repeats 3 --kernel-profile --out "$OUT/spec_ngram_b$batch.json"
     done
     # shellcheck disable=SC2086 # SPEC_BATCHES is a list of numbers: one argument each
     step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" \
