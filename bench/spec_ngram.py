@@ -23,7 +23,8 @@ kernel's calls and device time (graph replays included), where a verify step's t
 
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
                                [--threads 1] [--device cpu|cuda] [--batch 1] [--model PATH]
-                               [--eager-verify] [--kernel-profile] [--json] [--out FILE]
+                               [--eager-verify] [--kernel-profile] [--gemv-max-rows 16]
+                               [--json] [--out FILE]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from meshllm_kernels.runtime.compile_watch import CompileWatch
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
+from services.worker.accel.cuda_layers import set_gemv_max_rows
 from services.worker.loader import load_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
@@ -236,6 +238,13 @@ def main() -> None:
     parser.add_argument("--model", default="", help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--eager-verify", action="store_true")
     parser.add_argument(
+        "--gemv-max-rows",
+        type=int,
+        default=16,
+        help="CUDA: steps of up to this many rows run the GEMV + decode chain (the worker's "
+        "MESHLLM_GEMV_MAX_ROWS; 96 takes batch-16 verify steps of K = 5)",
+    )
+    parser.add_argument(
         "--kernel-profile",
         action="store_true",
         help="CUDA: also profile one plain and one speculative run of the first task per kernel",
@@ -244,6 +253,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the JSON summary here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    set_gemv_max_rows(args.gemv_max_rows)
 
     source = resolve_model(args.model, ModelSettings().model_cache_dir)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -347,6 +357,7 @@ def main() -> None:
         "threads": args.threads,
         "device": args.device,
         "batch": args.batch,
+        "gemv_max_rows": args.gemv_max_rows,
         "speedup_median": round(statistics.median(r["speedup"] for r in rows), 2),
         "acceptance_per_position": [round(n / max(num_drafts, 1), 3) for n in accepted_per_pos],
         "compiles_in_timed_runs": [

@@ -258,6 +258,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # the device; services/worker/runner/in_flight.py). "auto": on for CUDA, off on CPU, where a
     # step is computed while it is launched and holding its result back would only add latency.
     overlap_steps: Literal["auto", "on", "off"] = "auto"
+    # CUDA: steps of up to this many tokens run the Triton GEMV and the decode chain
+    # (services/worker/accel/cuda_layers.py), larger ones cuBLAS. 16: the batches its tiles were
+    # tuned for on the H200; up to 128 to compare the two at 17-128 rows (bench/RESULTS.md).
+    gemv_max_rows: int = Field(16, ge=1, le=128)
     # CUDA: decode steps replay captured CUDA graphs (services/worker/accel/cuda_graphs.py);
     # true runs every step eagerly (vLLM's --enforce-eager: debugging, graph-vs-eager timing).
     enforce_eager: bool = False

@@ -216,6 +216,12 @@ def main() -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="MESHLLM_ENFORCE_EAGER: no CUDA graphs"
     )
+    parser.add_argument(
+        "--gemv-max-rows",
+        type=int,
+        default=16,
+        help="MESHLLM_GEMV_MAX_ROWS: steps of up to this many rows run the GEMV + decode chain",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch (best-of-N)")
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
@@ -235,6 +241,7 @@ def main() -> None:
         "MESHLLM_STEP_TIMELINE": os.path.abspath(args.timeline) if args.timeline else "",
         "MESHLLM_SCHEDULE_AHEAD": args.schedule_ahead,
         "MESHLLM_ENFORCE_EAGER": str(args.enforce_eager).lower(),
+        "MESHLLM_GEMV_MAX_ROWS": str(args.gemv_max_rows),
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"
@@ -252,6 +259,7 @@ def main() -> None:
         "model": args.model,
         "async_scheduling": args.async_scheduling == "true",
         "overlap_steps": args.overlap,
+        "gemv_max_rows": args.gemv_max_rows,
         "runs": [],
     }
     mesh = Mesh(services=("scheduler", "worker"), env=env)

@@ -22,7 +22,10 @@
 #      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
 #      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only);
 #      spec_ngram_b*.json also holds each kernel's device time in one plain and one speculative
-#      run of the edit task (`kernel_profile`).
+#      run of the edit task (`kernel_profile`); MESHLLM_GEMV_MAX_ROWS=96 runs its verify steps
+#      (16 x 6 rows) on the GEMV + decode chain, in-process and through the gateway.
+#   6. rows (only when asked for): bench.gpu.mesh_decode at batch 32 and 64 with steps past 16
+#      rows on cuBLAS, then on the GEMV + decode chain (--gemv-max-rows 16 / 64).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
 # kernel_timings.json, mesh_decode.json, transformers.json, gateway_serve.json. Each step runs
 # under what is left of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot
@@ -30,7 +33,7 @@
 # `bench` ~5 min.
 set -uo pipefail
 MODE=${1:-all}
-case $MODE in all | tests | bench | serve | spec) ;; *) echo "usage: $0 [all|tests|bench|serve|spec]" >&2; exit 2 ;; esac
+case $MODE in all | tests | bench | serve | spec | rows) ;; *) echo "usage: $0 [all|tests|bench|serve|spec|rows]" >&2; exit 2 ;; esac
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-/tmp/meshllm-gpu}
@@ -83,11 +86,20 @@ if [ "$MODE" = spec ]; then
     GGUF=$WEIGHTS/SmolLM2-135M-Instruct.Q4_1.gguf
     for batch in ${SPEC_BATCHES:-1 16}; do
         step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
-            --batch "$batch" --repeats 3 --kernel-profile --out "$OUT/spec_ngram_b$batch.json"
+            --batch "$batch" --repeats 3 --kernel-profile \
+            --gemv-max-rows "${MESHLLM_GEMV_MAX_ROWS:-16}" --out "$OUT/spec_ngram_b$batch.json"
     done
     # shellcheck disable=SC2086 # SPEC_BATCHES is a list of numbers: one argument each
     step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" \
         --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 --out "$OUT/spec_serve.json"
+fi
+if [ "$MODE" = rows ]; then
+    # The GEMV + decode chain against cuBLAS past 16 rows: the same mesh_decode at batch 32 and
+    # 64 with steps of up to 16 rows (cuBLAS above) and up to 64 rows on the GEMV.
+    for rows in 16 64; do
+        step "mesh-decode-rows$rows" 200 python3 -m bench.gpu.mesh_decode --batches 32 64 \
+            --repeats 2 --gemv-max-rows "$rows" --out "$OUT/mesh_decode_rows$rows.json"
+    done
 fi
 if [ "$MODE" = serve ]; then
     step gateway-serve 540 python3 -m bench.gpu.gateway_serve --tokenizer .tokenizer \

@@ -1,10 +1,13 @@
-"""Decode GEMV / skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..16, and its reference.
+"""Decode GEMV / skinny GEMM: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..128, and its reference.
 
 At decode batch sizes the weights dominate the bytes moved (W is N*K, x and y are M*(N+K)), so
 the kernel is bound by weight bandwidth: every weight element is read exactly once, in
-16-byte-wide rows along K, and nothing else is re-read from HBM (x is tiny and stays in L2).
+16-byte-wide rows along K, and nothing else is re-read from HBM (x is small and stays in L2).
 The product is computed as W_tile @ x^T so the big dimension N feeds the tensor cores' M side
-and the batch, padded to 16, their N side; accumulation is fp32.
+and the batch, padded to 16 (up to 16 rows: the tiles tuned on the H200) or to the next power
+of two, their N side; accumulation is fp32. Past 16 rows the x tile grows with the batch, so
+fewer pipeline stages fit in shared memory (`_rows_launch`); the serving path routes steps of
+more than 16 rows here only where the worker is told to (services/worker/accel/cuda_layers.py).
 
 Too few output tiles (N / BLOCK_N) to fill the GPU are made up for by split-K: SPLIT_K
 programs share a tile, each covering a K range, writing fp32 partials [SPLIT_K, M, N] that a
@@ -37,7 +40,9 @@ from meshllm_kernels.runtime.tensor_checks import (
     supports_pdl,
 )
 
-MAX_BATCH = 16
+MAX_BATCH = 128
+TUNED_BATCH = 16  # the BLOCK_M of the H200 sweeps below: every batch up to it
+SMEM_BUDGET = 200 * 1024  # bytes of pipeline buffers a program may use (228 KB on Hopper)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -290,15 +295,29 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
             use_partials=part is not None, gated=g.gated, pdl=g.pdl,
         )  # fmt: skip
         return
+    block_m, num_warps, num_stages = _rows_launch(m, cfg, x.element_size())
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
         x, weight, out, part if part is not None else out, m, n, k, g.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PARTIALS=part is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_PARTIALS=part is not None,
         EVEN_K=k % g.k_per_split == 0 and g.k_per_split % cfg.block_k == 0,
         EVEN_N=n % cfg.block_n == 0,
         FP32_DOT=interpreting() or x.dtype == torch.float32, GATED=g.gated, PDL=g.pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(g.pdl),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(g.pdl),
     )  # fmt: skip
+
+
+def _rows_launch(m: int, cfg: GemvConfig, element_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, warps, stages) for m rows: the tuned launch up to 16 rows; past it the batch
+    padded to a power of two, a warp per 2,048 accumulator elements (at least the config's),
+    and as many of the config's stages as fit SMEM_BUDGET with both tiles (W and x) per stage."""
+    if m <= TUNED_BATCH:
+        return TUNED_BATCH, cfg.num_warps, cfg.num_stages
+    block_m = next_power_of_2(m)
+    num_warps = max(cfg.num_warps, min(8, cfg.block_n * block_m // 2048))
+    per_stage = (cfg.block_n + block_m) * cfg.block_k * element_size
+    return block_m, num_warps, max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
 
 
 def _partials(g: _GemvLaunch) -> torch.Tensor:
@@ -317,7 +336,7 @@ def gemv(
     *,
     gated: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16) times weight [N, K] transposed; returns [M, N] in x's dtype.
+    """x [M, K] (M <= 128) times weight [N, K] transposed; returns [M, N] in x's dtype.
 
     gated: x is [M, 2K], a gated MLP's [gate | up], and the product is silu(gate) * up times
     weight^T (the down projection with its activation fused into the loads of x: no

@@ -33,7 +33,7 @@ BLOCK = 16
 
 
 def _step(rows: int):  # type: ignore[no-untyped-def]
-    lens = np.array([40 + 23 * r for r in range(rows)])
+    lens = np.array([40 + (23 * r) % 450 for r in range(rows)])  # below max_position_embeddings
     width = int(lens.max()) // BLOCK + 1
     tables = np.arange(rows * width).reshape(rows, width)
     positions = lens - 1
@@ -85,3 +85,34 @@ def test_chain_is_bit_identical_to_the_layer_by_layer_forward(
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, plain)
+
+
+@pytest.mark.parametrize("rows", [17, 40, 64, 96])
+def test_past_16_rows_the_chain_is_bit_identical_where_the_worker_routes_it(rows: int) -> None:
+    """settings.gemv_max_rows raised (cuda_layers.set_gemv_max_rows): the GEMV at 17-128 rows
+    (BLOCK_M the next power of two) through the chain equals the layer-by-layer Triton forward
+    bit for bit, and each row is within bf16 rounding of the cuBLAS forward it replaces."""
+    from services.worker.accel import cuda_layers
+
+    model, config = build_random_model(SHAPE, torch.bfloat16, "cuda", std=0.05, seed=1)
+    chain = model.decode_chain
+    assert isinstance(chain, DecodeChain)
+    cache = KVCache.allocate(config, rows * 32, BLOCK, torch.bfloat16, "cuda")
+    for layer_cache in cache.layers:
+        layer_cache.normal_()
+    caches = [copy.deepcopy(cache) for _ in range(3)]
+    ids, positions, meta = _step(rows)
+    try:
+        cuda_layers.set_gemv_max_rows(128)
+        assert chain.takes(ids)
+        with torch.inference_mode():
+            fused = model(ids, positions, meta, caches[0].layers)
+            model.decode_chain = None
+            plain = model(ids, positions, meta, caches[1].layers)
+            cuda_layers.set_gemv_max_rows(cuda_layers.GEMV_MAX_ROWS)  # cuBLAS past 16 rows
+            cublas = model(ids, positions, meta, caches[2].layers)
+    finally:
+        model.decode_chain = chain
+        cuda_layers.set_gemv_max_rows(cuda_layers.GEMV_MAX_ROWS)
+    assert torch.equal(fused, plain)
+    torch.testing.assert_close(fused.float(), cublas.float(), rtol=5e-2, atol=5e-2)

@@ -67,7 +67,7 @@ def _decode_step(model: LlamaForCausalLM, cache: KVCache, seq_lens: list[int]): 
     return ids, torch.as_tensor(positions, device=device), meta
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 20])
 def test_chain_matches_layer_by_layer(device, rows) -> None:  # type: ignore[no-untyped-def]
     model = _model(device)
     assert isinstance(model.decode_chain, DecodeChain)
@@ -75,7 +75,8 @@ def test_chain_matches_layer_by_layer(device, rows) -> None:  # type: ignore[no-
     for layer_cache in cache.layers:  # an earlier context, the same in both runs
         layer_cache.normal_(0, 1, generator=torch.Generator(device).manual_seed(1))
     other = copy.deepcopy(cache)
-    ids, positions, meta = _decode_step(model, cache, [9, 14, 5][:rows])
+    lens = [[9, 14, 5, 11, 7][r % 5] for r in range(rows)]
+    ids, positions, meta = _decode_step(model, cache, lens)
     with torch.inference_mode():
         fused = chain_forward(model, ids, positions, meta, cache.layers)
         model.decode_chain = None  # the same model, layer by layer
@@ -88,7 +89,7 @@ def test_chain_matches_layer_by_layer(device, rows) -> None:  # type: ignore[no-
 
 def test_chain_is_the_models_forward_on_the_steps_it_takes(device) -> None:  # type: ignore[no-untyped-def]
     """forward hands a step to the decode chain exactly when the chain takes it: on CUDA, 1..16
-    rows; the rest (CPU tensors here, 17 rows) runs layer by layer."""
+    rows by default; the rest (CPU tensors here, 17 rows) runs layer by layer."""
     model = _model(device)
     chain = model.decode_chain
     assert chain is not None
@@ -103,6 +104,31 @@ def test_chain_is_the_models_forward_on_the_steps_it_takes(device) -> None:  # t
     assert calls == ([1, 16] if device.type == "cuda" else [])
     assert chain.takes(ids[:16]) == (device.type == "cuda") and not chain.takes(ids)
     assert chain.reads_fed_ids(16) and not chain.reads_fed_ids(17)
+
+
+def test_the_worker_may_route_more_rows_to_the_chain(device) -> None:  # type: ignore[no-untyped-def]
+    """settings.gemv_max_rows (cuda_layers.set_gemv_max_rows): steps up to that many rows run
+    the chain and the GEMV, the graphs of those sizes read fed ids from the chain."""
+    from services.worker.accel import cuda_layers
+
+    model = _model(device)
+    chain = model.decode_chain
+    assert chain is not None
+    cache = KVCache.allocate(model.config, 40 * 4, BLOCK, torch.float32, device)
+    ids, _, _ = _decode_step(model, cache, [4 + r % 9 for r in range(40)])
+    cuda = device.type == "cuda"
+    try:
+        cuda_layers.set_gemv_max_rows(32)
+        assert chain.takes(ids[:32]) == cuda and not chain.takes(ids[:33])
+        assert chain.reads_fed_ids(32) and not chain.reads_fed_ids(33)
+        x = torch.randn(32, 64, device=device)
+        assert cuda_layers._gemv_rows(x, x.new_empty(8, 64)) == cuda
+        assert not cuda_layers._gemv_rows(torch.cat([x, x[:1]]), x.new_empty(8, 64))
+        with pytest.raises(ValueError, match=r"1\.\.128"):
+            cuda_layers.set_gemv_max_rows(129)
+    finally:
+        cuda_layers.set_gemv_max_rows(cuda_layers.GEMV_MAX_ROWS)
+    assert cuda_layers.gemv_max_rows() == 16 and not chain.reads_fed_ids(17)
 
 
 def test_fits_only_the_structure_it_runs(device) -> None:  # type: ignore[no-untyped-def]

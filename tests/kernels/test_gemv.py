@@ -12,7 +12,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("batch", [1, 3, 16, 17, 40, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_fp32_product(device, batch, dtype) -> None:  # type: ignore[no-untyped-def]
     # N and K deliberately not multiples of the tiles: masked edges on both.
@@ -25,6 +25,21 @@ def test_matches_fp32_product(device, batch, dtype) -> None:  # type: ignore[no-
         assert out.shape == (batch, 200) and out.dtype == dtype
         assert _relative_error(out, ref) < (8e-3 if dtype == torch.bfloat16 else 1e-3), config
         torch.testing.assert_close(out, gemv_reference(x, weight), rtol=2e-2, atol=2e-2)
+
+
+def test_rows_past_the_tuned_batch_pad_to_a_power_of_two_within_shared_memory() -> None:
+    """Up to 16 rows the tuned launch; past it BLOCK_M is the next power of two, the warps
+    grow with the accumulator and the stages shrink until both tiles fit the budget."""
+    from meshllm_kernels.decode_chain.gemv import SMEM_BUDGET, _rows_launch
+
+    cfg = GemvConfig(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4)
+    assert _rows_launch(1, cfg, 2) == _rows_launch(16, cfg, 2) == (16, 4, 4)
+    assert _rows_launch(17, cfg, 2)[0] == 32 and _rows_launch(64, cfg, 2)[0] == 64
+    for m in (17, 33, 64, 100, 128):
+        block_m, warps, stages = _rows_launch(m, cfg, 2)
+        assert block_m >= m and warps >= 4 and stages >= 1
+        assert (128 + block_m) * 128 * 2 * stages <= SMEM_BUDGET
+    assert _rows_launch(128, cfg, 2) == (128, 8, 3)
 
 
 def test_split_k_is_deterministic_and_agrees_with_one_pass(device) -> None:  # type: ignore[no-untyped-def]
@@ -84,7 +99,7 @@ def test_heuristic_reproduces_the_h200_sweep() -> None:
 @pytest.mark.parametrize(
     ("exc", "message", "x_shape", "w_shape", "w_dtype"),
     [
-        (ValueError, "1..16 rows, got 17", (17, 64), (32, 64), torch.bfloat16),
+        (ValueError, r"1\.\.128 rows, got 129", (129, 64), (32, 64), torch.bfloat16),
         (ValueError, "x has K = 64", (2, 64), (32, 48), torch.bfloat16),
         (TypeError, "weight has dtype torch.float16", (2, 64), (32, 64), torch.float16),
         (ValueError, "weight must have 2 dimensions", (2, 64), (32, 64, 1), torch.bfloat16),

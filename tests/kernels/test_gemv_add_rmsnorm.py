@@ -16,7 +16,7 @@ CONFIGS = (
 )
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gated", [False, True])
 def test_equals_product_then_residual_norm(device, rows, dtype, gated) -> None:  # type: ignore[no-untyped-def]

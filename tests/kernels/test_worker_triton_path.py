@@ -234,5 +234,6 @@ def test_gemv_limits_restated_in_cuda_layers_match_the_kernel() -> None:
     from meshllm_kernels.decode_chain import gemv
     from services.worker.accel import cuda_layers
 
-    assert cuda_layers.GEMV_MAX_ROWS == gemv.MAX_BATCH
+    assert cuda_layers.GEMV_KERNEL_MAX_ROWS == gemv.MAX_BATCH
+    assert cuda_layers.GEMV_MAX_ROWS == gemv.TUNED_BATCH  # the default: the tuned batches
     assert cuda_layers.GEMV_DTYPES == gemv.WEIGHT_DTYPES

@@ -6,7 +6,7 @@ gated MLP's larger steps.
 model families build their Linear, RMSNorm and GatedMLP from it, and get these subclasses of
 the reference modules (same parameters, same state_dict names), plus the decode chain
 (decode_chain.py) where the loaded model fits it. Each forward still falls back to PyTorch for
-what the kernel does not take: CPU tensors, more than `GEMV_MAX_ROWS` rows (a GEMM's job:
+what the kernel does not take: CPU tensors, more than `gemv_max_rows()` rows (a GEMM's job:
 cuBLAS), a dtype mismatch, a norm over a non-contiguous tensor, an activation other than SiLU.
 
 Numerics: the RMSNorm kernel rounds exactly as transformers' Llama does (see
@@ -32,12 +32,32 @@ if TYPE_CHECKING:
 # meshllm_kernels.decode_chain.gemv's limits, restated so importing this module does not import
 # Triton (the kernel modules bind to the compiler or the interpreter at import; see
 # attention/select.py).
-GEMV_MAX_ROWS = 16
+GEMV_KERNEL_MAX_ROWS = 128
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Steps of up to this many rows run the GEMV and the decode chain, larger ones cuBLAS: 16, the
+# batches the GEMV's tiles were tuned for on the H200, unless the worker is told otherwise
+# (settings.gemv_max_rows, `set_gemv_max_rows`; up to GEMV_KERNEL_MAX_ROWS).
+GEMV_MAX_ROWS = 16
+_gemv_max_rows = GEMV_MAX_ROWS
+
+
+def gemv_max_rows() -> int:
+    """The most rows a step may have for the GEMV and the decode chain to run it."""
+    return _gemv_max_rows
+
+
+def set_gemv_max_rows(rows: int) -> None:
+    """Route steps of up to `rows` rows (1..GEMV_KERNEL_MAX_ROWS) to the GEMV and the decode
+    chain; set before the CUDA graphs are captured (each graph keeps the path it captured)."""
+    global _gemv_max_rows
+    if not 1 <= rows <= GEMV_KERNEL_MAX_ROWS:
+        raise ValueError(f"gemv_max_rows must be in 1..{GEMV_KERNEL_MAX_ROWS}, got {rows}")
+    _gemv_max_rows = rows
 
 
 class GemvLinear(nn.Linear):
-    """nn.Linear whose skinny products (decode batches of <= 16 rows) run the Triton GEMV."""
+    """nn.Linear whose skinny products (decode-sized steps: `gemv_max_rows`) run the Triton
+    GEMV."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _gemv_rows(x, self.weight):
@@ -49,11 +69,11 @@ class GemvLinear(nn.Linear):
 
 
 def _gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The GEMV takes x: on CUDA, [rows, K] with 1..GEMV_MAX_ROWS rows, weight's dtype."""
+    """The GEMV takes x: on CUDA, [rows, K] with 1..gemv_max_rows() rows, weight's dtype."""
     return (
         x.is_cuda
         and x.dim() == 2
-        and 1 <= x.shape[0] <= GEMV_MAX_ROWS
+        and 1 <= x.shape[0] <= _gemv_max_rows
         and x.dtype == weight.dtype
         and x.dtype in GEMV_DTYPES
     )

@@ -20,8 +20,9 @@ It needs the next norm's weight inside a layer, so it is a model-level forward: 
 `model.decode_chain = decode_chain_for(model)` (through cuda_layers.TRITON) on a plain
 `LlamaForCausalLM` (Llama, Mistral, Qwen2/3) built with the CUDA layers of cuda_layers.py, with
 no bias on o/down and a SiLU MLP (`chain_fits`); other families and models keep None. The
-model's `forward` hands it the steps it `takes`: 1..16 rows on CUDA (the GEMV's range); larger
-steps run the layer-by-layer forward (cuBLAS GEMMs).
+model's `forward` hands it the steps it `takes`: 1..16 rows on CUDA (the GEMV's tuned range; more
+where the worker raises `gemv_max_rows`); larger steps run the layer-by-layer forward (cuBLAS
+GEMMs).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import torch.nn.functional as F
 
 from services.worker.accel.cuda_layers import (
     GEMV_DTYPES,
-    GEMV_MAX_ROWS,
     GemvGatedMLP,
     GemvLinear,
     TritonRMSNorm,
+    gemv_max_rows,
 )
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.attention.select import TritonAttentionMetadata
@@ -79,7 +80,7 @@ def chain_forward(
     attn: AttentionMetadata | Sequence[AttentionMetadata],
     kv_caches: list[torch.Tensor],
 ) -> torch.Tensor:
-    """`model.forward` with the fused reduces: input_ids [T] (1..16) -> final normed hidden."""
+    """`model.forward` with the fused reduces: input_ids [T] (1..128) -> final normed hidden."""
     from meshllm_kernels.decode_chain.embed_rmsnorm import embed_rmsnorm
     from meshllm_kernels.decode_chain.gemv import gemv_add_rmsnorm
 
@@ -201,8 +202,10 @@ def fused_attention(
 
 
 def chain_takes(input_ids: torch.Tensor) -> bool:
-    """A step the chain runs: on CUDA, 1..GEMV_MAX_ROWS tokens."""
-    return input_ids.is_cuda and input_ids.dim() == 1 and 1 <= input_ids.shape[0] <= GEMV_MAX_ROWS
+    """A step the chain runs: on CUDA, 1..gemv_max_rows() tokens."""
+    return (
+        input_ids.is_cuda and input_ids.dim() == 1 and 1 <= input_ids.shape[0] <= gemv_max_rows()
+    )
 
 
 class DecodeChain:
@@ -219,7 +222,7 @@ class DecodeChain:
     def reads_fed_ids(self, num_tokens: int) -> bool:
         """Whether a CUDA decode graph of `num_tokens` rows runs the chain, whose first kernel
         reads fed token ids itself (TritonAttentionMetadata.fed_tokens; cuda_graphs.py)."""
-        return not self.model.aux_hidden_layers and 1 <= num_tokens <= GEMV_MAX_ROWS
+        return not self.model.aux_hidden_layers and 1 <= num_tokens <= gemv_max_rows()
 
     def forward(
         self,

@@ -13,6 +13,7 @@ import time
 import torch
 
 from services.worker.accel.cpu_compile import compile_supported
+from services.worker.accel.cuda_layers import set_gemv_max_rows
 from services.worker.loader import load_model, prepare_for_device
 from services.worker.models.random_init import (
     RANDOM_SCHEME,
@@ -152,6 +153,7 @@ def build_runner(
             f"{max_model_len}: raise MESHLLM_KV_CACHE_BYTES (or "
             f"MESHLLM_KV_CACHE_MEMORY_FRACTION) or lower MESHLLM_MAX_MODEL_LEN"
         )
+    set_gemv_max_rows(settings.gemv_max_rows)  # before the warm-up and the graph capture
     runner = ModelRunner(
         model,
         config,
