@@ -36,16 +36,16 @@ def draw_variants(model_dtype: torch.dtype) -> list[DrawVariant]:
 
 
 def compile_draws(sampler: SamplingState, logits: torch.Tensor) -> int:
-    """Launch the draw once per variant on scratch tensors shaped as `sample` passes them:
+    """Launch the draw once per variant with tensors laid out as `sample` passes them:
     `logits` is an LM head output of the runner ([rows, vocab], its dtype and strides), the
-    state tables are copies of the sampler's (same dtypes), so nothing of the sampler changes.
+    temperature and seed tables are the sampler's own columns (their strides are specialized
+    on; the kernel only reads them), the rest scratch, so nothing of the sampler changes.
     Returns the number of variants launched."""
     from meshllm_kernels.sampling.gumbel_kernel import gumbel_argmax_triton
 
     batch, vocab = logits.shape
     device = logits.device
-    inv_temperature = torch.zeros_like(sampler.inv_temperature)  # greedy rows
-    seeds = torch.zeros_like(sampler.seed)
+    inv_temperature, seeds = sampler.inv_temperature, sampler.seed
     rows = torch.arange(batch, dtype=torch.int64, device=device)
     positions = torch.arange(batch, dtype=torch.int64, device=device)
     feed = torch.zeros(sampler.max_num_reqs, dtype=torch.int64, device=device)

@@ -32,13 +32,16 @@ def test_compile_draws_launches_each_variant_on_scratch_tensors(
     from meshllm_kernels.sampling import gumbel_kernel
 
     state = SamplingState(4, V)
-    state.add_request(1, SamplingParams(temperature=0.7, seed=11), [1, 2], [])
+    state.add_request(3, SamplingParams(temperature=0.7, seed=11), [1, 2], [])
     before = (state.inv_temperature.clone(), state.seed.clone())
     launched: list[tuple[torch.dtype, int, bool, bool, bool]] = []
     real = gumbel_kernel.gumbel_argmax_triton
 
-    def recording(logits: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        bitmask = args[3] if len(args) > 3 else None
+    def recording(logits: torch.Tensor, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        inv_temperature, seeds, _, bitmask = (*args, None)[:4]
+        # the sampler's own columns, as sample() passes them: their strides are specialized on
+        assert inv_temperature.stride() == state.inv_temperature.stride()
+        assert seeds.stride() == state.seed.stride()
         launched.append(
             (
                 logits.dtype,
@@ -49,7 +52,7 @@ def test_compile_draws_launches_each_variant_on_scratch_tensors(
             )
         )
         out = real(logits, *args, **kwargs)  # type: ignore[arg-type]
-        assert torch.equal(out, logits.float().argmax(-1))  # greedy scratch rows
+        assert torch.equal(out, logits.float().argmax(-1))  # rows 0 and 1 are greedy
         return out
 
     monkeypatch.setattr(gumbel_kernel, "gumbel_argmax_triton", recording)
