@@ -1,6 +1,7 @@
-"""The decode-attention specializations compiled at start-up
-(meshllm_kernels/attention/decode_variants.py): the list holds every choice a serving step can
-make, and the warm-up launches each of them at each table width."""
+"""The attention specializations compiled at start-up: the decode list
+(meshllm_kernels/attention/decode_variants.py) holds every choice a serving step can make, and
+the warm-up launches each of them, and the paged prefill (prefill_variants.py), at each table
+width."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from meshllm_kernels.attention import decode_variants as dv
 from meshllm_kernels.attention import paged_decode
+from meshllm_kernels.attention import prefill_variants as pv
 from meshllm_kernels.attention.paged_decode import default_num_splits, launch_choice
 from tests.kernels.paged_batch import make_paged_batch
 
@@ -43,14 +45,20 @@ def test_the_list_is_every_choice_serving_makes(
     assert len({c.num_splits for c in listed}) > 2  # the shapes do reach several split counts
 
 
-def test_the_warmup_launches_each_choice_at_each_width(
-    device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def one_sequence_cache(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a paged fp16 cache of one sequence: 8 query heads over 2 kv heads of 32, a copy)."""
     batch = make_paged_batch(
         [5], [1], num_heads=8, num_kv_heads=2, head_dim=32, page=16, dtype=torch.float16,
         device=device,
     )  # fmt: skip
-    cache = batch.kv_cache.clone()
+    return batch.kv_cache.clone(), batch.kv_cache
+
+
+def test_the_warmup_launches_each_choice_at_each_width(
+    one_sequence_cache: tuple[torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache, original = one_sequence_cache
     launches: list[tuple[Any, ...]] = []
     real = dv.paged_decode_attention
 
@@ -66,4 +74,24 @@ def test_the_warmup_launches_each_choice_at_each_width(
     assert seconds > 0
     expected = {(c.num_splits, c.strided, c.tiles, w) for c in variants for w in (16, 44)}
     assert set(launches) == expected and len(launches) == len(expected)
-    assert torch.equal(cache, batch.kv_cache)  # read, never written
+    assert torch.equal(cache, original)  # read, never written
+
+
+def test_the_warmup_launches_the_paged_prefill_at_each_width(
+    one_sequence_cache: tuple[torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """meshllm_kernels/attention/prefill_variants.py: one causal launch per table width."""
+    cache, original = one_sequence_cache
+    launches: list[tuple[Any, ...]] = []
+    real = pv.paged_prefill_attention
+
+    def recorded(q, kv_cache, tables, cu, lens, **kw):  # type: ignore[no-untyped-def]
+        out = real(q, kv_cache, tables, cu, lens, **kw)
+        assert torch.isfinite(out).all()
+        launches.append((tables.shape[1], kw["causal"], q.dtype, tuple(q.shape)))
+        return out
+
+    monkeypatch.setattr(pv, "paged_prefill_attention", recorded)
+    assert pv.compile_prefill_variants(cache, 8, torch.float16, {16, 44}) > 0
+    assert sorted(launches) == [(w, True, torch.float16, (1, 8, 32)) for w in (16, 44)]
+    assert torch.equal(cache, original)  # read, never written
