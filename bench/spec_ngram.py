@@ -17,9 +17,10 @@ graphs (services/worker/accel/verify_graphs.py), as in the worker; `--eager-veri
 a third engine whose verify steps run eagerly (the cost the verify graphs remove). In bf16 a
 near-tie may flip between the verify and decode kernels: `same_tokens` says whether the outputs
 matched (on CPU, fp32, they must). `--model` serves another
-checkpoint (an HF directory or a .gguf file) than the embedded SmolLM2. `--kernel-profile` (CUDA)
+checkpoint (an HF directory or a .gguf file) than the embedded SmolLM2. `--kernel-profile`
 adds one plain and one speculative run of the first task under the PyTorch profiler: each
-kernel's calls and device time (graph replays included), where a verify step's time goes.
+kernel's calls and device time (graph replays included), where a verify step's time goes, and
+the host operators by their own host time (what an eager prefill step spends its time on).
 
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
                                [--threads 1] [--device cpu|cuda] [--batch 1] [--model PATH]
@@ -190,28 +191,49 @@ def lookup_us(
     return out
 
 
-def kernel_profile(run: Any, top: int = 30) -> list[dict[str, Any]]:
-    """The device kernels of `run()` (CUDA graph replays included), the `top` ones by total
-    device time: name, calls, total and mean microseconds."""
+def kernel_profile(run: Any, top: int = 30) -> dict[str, list[dict[str, Any]]]:
+    """`run()` under the PyTorch profiler: its device kernels (CUDA graph replays included),
+    the `top` ones by total device time (name, calls, total and mean microseconds), and its
+    host operators (aten ops, CUDA runtime calls, Triton launches), the `top` ones by their
+    own host time. Graph replays launch few host ops, so the eager steps (prefill chunks)
+    dominate the host list: where an eager step's host time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         run()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
     rows = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return [
-        {
-            "kernel": name[:90],
-            "calls": len(times),
-            "total_us": round(sum(times), 1),
-            "mean_us": round(sum(times) / len(times), 2),
-        }
-        for name, times in rows
-    ]
+    host = sorted(
+        (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+        key=lambda e: -e.self_cpu_time_total,
+    )[:top]
+    return {
+        "kernels": [
+            {
+                "kernel": name[:90],
+                "calls": len(times),
+                "total_us": round(sum(times), 1),
+                "mean_us": round(sum(times) / len(times), 2),
+            }
+            for name, times in rows
+        ],
+        "host_ops": [
+            {
+                "op": e.key[:90],
+                "calls": e.count,
+                "self_us": round(e.self_cpu_time_total, 1),
+                "total_us": round(e.cpu_time_total, 1),
+            }
+            for e in host
+        ],
+    }
 
 
 def step_medians(samples: list[tuple[float, float]]) -> dict[str, float] | None:
@@ -247,7 +269,8 @@ def main() -> None:
     parser.add_argument(
         "--kernel-profile",
         action="store_true",
-        help="CUDA: also profile one plain and one speculative run of the first task per kernel",
+        help="also profile one plain and one speculative run of the first task: each device "
+        "kernel's time (CUDA) and the host operators' own time",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="", help="also write the JSON summary here")
@@ -273,7 +296,7 @@ def main() -> None:
     watch.mark_warm()  # compiles from here on land in a timed run
 
     rows: list[dict[str, Any]] = []
-    profiles: dict[str, list[dict[str, Any]]] = {}
+    profiles: dict[str, dict[str, list[dict[str, Any]]]] = {}
     accepted_per_pos = [0] * args.k
     num_drafts = 0
     for name, text in TASKS.items():
@@ -310,7 +333,7 @@ def main() -> None:
             ratios.append(t_plain / t_spec)
             plain_tps.append(sum(len(t) for t in plain_tokens) / t_plain)
             spec_tps.append(total / t_spec)
-        if args.kernel_profile and args.device == "cuda" and not rows:
+        if args.kernel_profile and not rows:
             # engines built (warmed up, graphs captured) outside the profile: generate only
             runs = {"plain": Engine(model, config, None, args.device)}
             runs["spec"] = Engine(model, config, spec, args.device)
