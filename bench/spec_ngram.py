@@ -25,6 +25,7 @@ the host operators by their own host time (what an eager prefill step spends its
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
                                [--threads 1] [--device cpu|cuda] [--batch 1] [--model PATH]
                                [--eager-verify] [--kernel-profile] [--gemv-max-rows 16]
+                               [--prefill-graph-tokens 0]
                                [--json] [--out FILE]
 """
 
@@ -92,6 +93,7 @@ class Engine:
         spec: SpeculativeConfig | None,
         device: str = "cpu",
         eager_verify: bool = False,
+        prefill_graph_tokens: int = 0,
     ) -> None:
         max_len = min(config.max_position_embeddings, 4096)
         dtype = next(model.parameters()).dtype
@@ -101,7 +103,7 @@ class Engine:
         )
         if device == "cuda":  # as the worker sets it up (bootstrap.py)
             self.runner.warmup()
-            self.runner.capture_cuda_graphs()
+            self.runner.capture_cuda_graphs(prefill_tokens=prefill_graph_tokens)
             if eager_verify:
                 self.runner.verify_graphs = None
         k = spec.num_spec_tokens if spec else 0
@@ -260,6 +262,13 @@ def main() -> None:
     parser.add_argument("--model", default="", help="HF directory or .gguf (default: SmolLM2)")
     parser.add_argument("--eager-verify", action="store_true")
     parser.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=0,
+        help="CUDA: prefill and mixed steps of up to this many tokens replay CUDA graphs (the "
+        "worker's MESHLLM_PREFILL_GRAPH_TOKENS; 0 = eager)",
+    )
+    parser.add_argument(
         "--gemv-max-rows",
         type=int,
         default=16,
@@ -291,8 +300,11 @@ def main() -> None:
         prompt_lookup_min=args.min_n,
         prompt_lookup_max=args.max_n,
     )
+    engine_of = partial(
+        Engine, model, config, device=args.device, prefill_graph_tokens=args.prefill_graph_tokens
+    )
     watch = CompileWatch().install()
-    Engine(model, config, None, args.device).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+    engine_of(None).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
     watch.mark_warm()  # compiles from here on land in a timed run
 
     rows: list[dict[str, Any]] = []
@@ -310,16 +322,16 @@ def main() -> None:
         ratios, plain_tps, spec_tps, eager_ratios = [], [], [], []
         same = True
         for _ in range(args.repeats):
-            plain = Engine(model, config, None, args.device)
+            plain = engine_of(None)
             t0 = time.perf_counter()
             plain_tokens, _ = plain.generate(prompts, params)
             t_plain = time.perf_counter() - t0
-            engine = Engine(model, config, spec, args.device)
+            engine = engine_of(spec)
             t0 = time.perf_counter()
             spec_tokens, steps = engine.generate(prompts, params)
             t_spec = time.perf_counter() - t0
             if args.eager_verify:
-                eager = Engine(model, config, spec, args.device, eager_verify=True)
+                eager = engine_of(spec, eager_verify=True)
                 t0 = time.perf_counter()
                 eager.generate(prompts, params)
                 eager_ratios.append(t_plain / (time.perf_counter() - t0))
@@ -335,8 +347,8 @@ def main() -> None:
             spec_tps.append(total / t_spec)
         if args.kernel_profile and not rows:
             # engines built (warmed up, graphs captured) outside the profile: generate only
-            runs = {"plain": Engine(model, config, None, args.device)}
-            runs["spec"] = Engine(model, config, spec, args.device)
+            runs = {"plain": engine_of(None)}
+            runs["spec"] = engine_of(spec)
             profiles = {
                 kind: kernel_profile(partial(e.generate, prompts, params))
                 for kind, e in runs.items()
@@ -381,6 +393,7 @@ def main() -> None:
         "device": args.device,
         "batch": args.batch,
         "gemv_max_rows": args.gemv_max_rows,
+        "prefill_graph_tokens": args.prefill_graph_tokens,
         "speedup_median": round(statistics.median(r["speedup"] for r in rows), 2),
         "acceptance_per_position": [round(n / max(num_drafts, 1), 3) for n in accepted_per_pos],
         "compiles_in_timed_runs": [

@@ -262,6 +262,11 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # (services/worker/accel/cuda_layers.py), larger ones cuBLAS. 16: the batches its tiles were
     # tuned for on the H200; up to 128 to compare the two at 17-128 rows (bench/RESULTS.md).
     gemv_max_rows: int = Field(16, ge=1, le=128)
+    # CUDA: prefill and mixed steps of up to this many tokens replay CUDA graphs too
+    # (services/worker/accel/prefill_graphs.py; 0 = eager). For small models, whose eager
+    # forward is launch-bound (SmolLM2: ~15 ms a prefill step on the H200 against ~1.2 ms a
+    # decode step from its graph); a large model's launches hide behind its GPU work.
+    prefill_graph_tokens: int = Field(0, ge=0)
     # CUDA: decode steps replay captured CUDA graphs (services/worker/accel/cuda_graphs.py);
     # true runs every step eagerly (vLLM's --enforce-eager: debugging, graph-vs-eager timing).
     enforce_eager: bool = False

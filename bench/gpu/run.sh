@@ -23,7 +23,8 @@
 #      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only);
 #      spec_ngram_b*.json also holds each kernel's device time in one plain and one speculative
 #      run of the edit task (`kernel_profile`); MESHLLM_GEMV_MAX_ROWS=96 runs its verify steps
-#      (16 x 6 rows) on the GEMV + decode chain, in-process and through the gateway.
+#      (16 x 6 rows) on the GEMV + decode chain, MESHLLM_PREFILL_GRAPH_TOKENS=2048 its prompt
+#      chunks from CUDA graphs, in-process and through the gateway.
 #   6. rows (only when asked for): bench.gpu.mesh_decode at batch 32 and 64 with steps past 16
 #      rows on cuBLAS, then on the GEMV + decode chain (--gemv-max-rows 16 / 64).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
@@ -87,11 +88,14 @@ if [ "$MODE" = spec ]; then
     for batch in ${SPEC_BATCHES:-1 16}; do
         step "spec-ngram-b$batch" 150 python3 -m bench.spec_ngram --device cuda --model "$GGUF" \
             --batch "$batch" --repeats 3 --kernel-profile \
-            --gemv-max-rows "${MESHLLM_GEMV_MAX_ROWS:-16}" --out "$OUT/spec_ngram_b$batch.json"
+            --gemv-max-rows "${MESHLLM_GEMV_MAX_ROWS:-16}" \
+            --prefill-graph-tokens "${MESHLLM_PREFILL_GRAPH_TOKENS:-0}" \
+            --out "$OUT/spec_ngram_b$batch.json"
     done
     # shellcheck disable=SC2086 # SPEC_BATCHES is a list of numbers: one argument each
     step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" \
-        --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 --out "$OUT/spec_serve.json"
+        --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 \
+        --prefill-graph-tokens "${MESHLLM_PREFILL_GRAPH_TOKENS:-0}" --out "$OUT/spec_serve.json"
 fi
 if [ "$MODE" = rows ]; then
     # The GEMV + decode chain against cuBLAS past 16 rows: the same mesh_decode at batch 32 and

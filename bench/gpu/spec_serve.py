@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=0,
+        help="MESHLLM_PREFILL_GRAPH_TOKENS of both meshes (prefill/mixed steps from graphs)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, c=1, 16 tokens")
     args = parser.parse_args()
     if args.dry_run:
@@ -73,6 +80,8 @@ def main() -> None:
         "MESHLLM_MAX_MODEL_LEN": "1024",
         "MESHLLM_MAX_NUM_SEQS": str(max(args.concurrency)),
         "MESHLLM_LOG_JSON": "false",
+        "MESHLLM_PREFILL_GRAPH_TOKENS": str(args.prefill_graph_tokens),
+        "MESHLLM_GEMV_MAX_ROWS": os.environ.get("MESHLLM_GEMV_MAX_ROWS", "16"),
     }
     if not args.dry_run:
         env["MESHLLM_KV_CACHE_BYTES"] = str(4 * 2**30)
@@ -106,7 +115,14 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-    result = {"k": args.k, "max_tokens": args.max_tokens, "repeats": args.repeats, "runs": rows}
+    result = {
+        "k": args.k,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "prefill_graph_tokens": args.prefill_graph_tokens,
+        "gemv_max_rows": int(env["MESHLLM_GEMV_MAX_ROWS"]),
+        "runs": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -16,6 +16,7 @@ import torch
 
 from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.accel.cuda_graphs import DecodeGraphs
+from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.reference import AttentionMetadata
@@ -226,6 +227,42 @@ def test_padded_verify_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.
         b = graphs.forward(4, graphs.metadata(4))
     assert b.shape[0] == 16
     torch.testing.assert_close(b[torch.from_numpy(layout.gather)], a, rtol=1e-4, atol=1e-4)
+    for layer_ref, layer_tri in zip(ref.layers, tri.layers, strict=True):
+        torch.testing.assert_close(layer_tri, layer_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_prefill_rows_leave_real_rows_and_cache_unchanged(model: torch.nn.Module) -> None:
+    """A mixed step (a decode, a chunk extending a cached prefix, a fresh prompt) run as the
+    prefill graph runs it: padded to 16 tokens by a pad sequence, every request one
+    paged-prefill span. The real rows and the cache equal the eager reference step."""
+    ref, tri = _caches(model)
+    tables = np.array([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 0, 0]])
+    lens = [7, 3]
+    tokens = np.random.default_rng(4).integers(0, 128, sum(lens)).tolist()
+    _step(model, ref, AttentionMetadata, lens, lens, tables[:2], tokens)
+    _step(model, tri, AttentionMetadata, lens, lens, tables[:2], tokens)
+    query_lens = np.array([1, 4, 5])  # a decode, 4 tokens onto 3 cached, a fresh prompt of 5
+    seq_lens = np.array([8, 7, 5])
+    new = np.random.default_rng(5).integers(0, 128, int(query_lens.sum()))
+    a = _step(model, ref, AttentionMetadata, query_lens, seq_lens, tables, new.tolist())
+    starts = seq_lens - query_lens
+    positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])
+    rows = np.repeat(np.arange(3), query_lens)
+    slots = tables[rows, positions // BLOCK] * BLOCK + positions % BLOCK
+    graphs = PrefillGraphs(
+        model, tri.layers, TritonPagedAttention(), max_tokens=16, max_num_reqs=4,
+        max_blocks_per_req=4, block_size=BLOCK, device=model.embed_tokens.weight.device,
+    )  # fmt: skip
+    graphs.graphs = dict.fromkeys(graphs.sizes)  # type: ignore[arg-type]  (captured on CUDA)
+    layout = graphs.layout(query_lens, seq_lens, new, positions, slots)
+    assert layout is not None and layout.size == 16
+    graphs.stage(layout, tables)
+    assert graphs.static["slots"][10:].tolist() == [-1] * 6  # the pad writes no KV
+    assert graphs.static["seq_lens"].tolist() == [8, 7, 5, 6, 0]  # the pad: its own 6 keys
+    with torch.inference_mode():
+        b = graphs.forward(16, graphs.metadata(16))
+    assert b.shape[0] == 16
+    torch.testing.assert_close(b[:10], a, rtol=1e-4, atol=1e-4)
     for layer_ref, layer_tri in zip(ref.layers, tri.layers, strict=True):
         torch.testing.assert_close(layer_tri, layer_ref, rtol=1e-5, atol=1e-5)
 

@@ -203,9 +203,7 @@ def fused_attention(
 
 def chain_takes(input_ids: torch.Tensor) -> bool:
     """A step the chain runs: on CUDA, 1..gemv_max_rows() tokens."""
-    return (
-        input_ids.is_cuda and input_ids.dim() == 1 and 1 <= input_ids.shape[0] <= gemv_max_rows()
-    )
+    return input_ids.is_cuda and input_ids.dim() == 1 and 1 <= input_ids.shape[0] <= gemv_max_rows()
 
 
 class DecodeChain:

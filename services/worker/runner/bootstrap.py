@@ -184,7 +184,7 @@ def build_runner(
     if device.type == "cuda" and not settings.enforce_eager:
         # decode steps replay graphs; the eager warm-up compiled the kernels
         try:
-            warmup_s += runner.capture_cuda_graphs()
+            warmup_s += runner.capture_cuda_graphs(prefill_tokens=settings.prefill_graph_tokens)
         except RuntimeError:  # a model whose forward cannot be captured still serves, eagerly
             log.exception("CUDA graph capture failed: decode steps run eagerly")
             runner.graphs = None

@@ -39,6 +39,7 @@ from meshllm_kernels.runtime.tensor_checks import sm_count
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
+from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
 from services.worker.attention.groups import group_attention, needs_group_attention
@@ -203,6 +204,9 @@ class ModelRunner:
         # that verify drafts (accel/verify_graphs.py).
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        # CUDA, when asked for (capture_cuda_graphs' prefill_tokens): small prefill and mixed
+        # steps replay graphs too (accel/prefill_graphs.py).
+        self.prefill_graphs: PrefillGraphs | None = None
         # KV offload (services/worker/kv_offload): None = no stores/loads, the runner as before.
         # Ranks 1..N-1 of a tensor-parallel group hold a KVFollower: their heads of each chunk.
         self.kv_connector: KVConnector | KVFollower | None = None
@@ -478,9 +482,10 @@ class ModelRunner:
         return sampled
 
     def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:
-        """hidden [T, H] of the step: a CUDA graph replay for decode-only steps and for steps
-        that verify drafts (every request at most k + 1 tokens) of a captured size, otherwise
-        an eager forward. Eager too when the step records routed experts (the hooks run in
+        """hidden [T, H] of the step: a CUDA graph replay for decode-only steps, for steps
+        that verify drafts (every request at most k + 1 tokens) of a captured size and, where
+        captured, for prefill and mixed steps of up to the largest prefill graph's tokens;
+        otherwise an eager forward. Eager too when the step records routed experts (the hooks run in
         Python) or the model has sliding-window groups (the graphs hold one full-attention
         metadata)."""
         tables = self.batch.block_tables[0, inputs.rows]
@@ -521,6 +526,20 @@ class ModelRunner:
             return self.graphs.run(
                 input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, tables
             )
+        if (
+            self.prefill_graphs is not None
+            and not eager
+            and (inputs.num_drafts is None or not inputs.num_drafts.any())
+            and not needs_group_attention(self.kv_groups)
+        ):
+            prefill = self.prefill_graphs.layout(
+                inputs.query_lens, inputs.seq_lens, inputs.input_ids, inputs.positions,
+                inputs.slot_mapping,
+            )  # fmt: skip
+            if prefill is not None:
+                self.prefill_graphs.stage(prefill, tables)
+                self._feed_ids(self.prefill_graphs.static["input_ids"], inputs)
+                return self.prefill_graphs.replay(prefill)
         attn: (
             AttentionMetadata
             | TritonAttentionMetadata
@@ -608,8 +627,11 @@ class ModelRunner:
             **arrays,  # type: ignore[arg-type]
         )
 
-    def capture_cuda_graphs(self, sizes: tuple[int, ...] = GRAPH_SIZES) -> float:
-        """Capture decode graphs, and with a drafter the verify graphs (CUDA only; after
+    def capture_cuda_graphs(
+        self, sizes: tuple[int, ...] = GRAPH_SIZES, prefill_tokens: int = 0
+    ) -> float:
+        """Capture decode graphs, with a drafter the verify graphs, and with `prefill_tokens`
+        the graphs of prefill and mixed steps of up to that many tokens (CUDA only; after
         warmup). Returns seconds taken."""
         if self.device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, the runner is on {self.device}")
@@ -658,6 +680,23 @@ class ModelRunner:
                 self.verify_graphs = verify
             except RuntimeError:  # verify steps still run, eagerly
                 log.exception("CUDA graph capture of the verify steps failed: they run eagerly")
+        if prefill_tokens and not self.has_state_group:
+            prefill = PrefillGraphs(
+                self.model,
+                self.kv_cache.attention_layers,
+                backend,
+                max_tokens=prefill_tokens,
+                max_num_reqs=self.batch.max_num_reqs,
+                max_blocks_per_req=self.batch.max_blocks_per_req,
+                block_size=self.block_size,
+                device=self.device,
+                upload_stream=self.upload_stream,
+            )
+            try:
+                seconds += prefill.capture()
+                self.prefill_graphs = prefill
+            except RuntimeError:  # prefill and mixed steps still run, eagerly
+                log.exception("CUDA graph capture of the prefill steps failed: they run eagerly")
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:
