@@ -23,15 +23,14 @@ into the static ids on the device before the replay (the runner's feed).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
-from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
-from services.worker.accel.cuda_graphs import capture_graphs, graph_sizes, padded_size, upload
+from services.worker.accel.cuda_graphs import capture_graphs, graph_sizes, padded_size
+from services.worker.accel.span_graphs import SpanGraphs
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.models.base import CausalLM
 
@@ -87,7 +86,7 @@ def prefill_layout(
     return PrefillLayout(size, tokens, ids, pos, slots, cu, lens)
 
 
-class PrefillGraphs:
+class PrefillGraphs(SpanGraphs):
     """Captured forwards of steps of up to S tokens (any split into requests) of one model."""
 
     def __init__(
@@ -104,35 +103,24 @@ class PrefillGraphs:
         sizes: tuple[int, ...] = PREFILL_SIZES,
         upload_stream: torch.cuda.Stream | None = None,
     ) -> None:
-        self.capacity = max_blocks_per_req * block_size
         if max_tokens < 1:
             raise ValueError(f"prefill graphs need max_tokens >= 1, got {max_tokens}")
-        self.model = model
-        self.kv_layers = kv_layers
-        self.backend = backend
-        self.device = torch.device(device)
-        self.sizes = graph_sizes(min(max_tokens, self.capacity), sizes)
+        self.capacity = max_blocks_per_req * block_size
         self.num_seqs = max_num_reqs + 1  # every request a span, then the pad
-        self.upload_stream = upload_stream
-        self.replayed = torch.cuda.Event() if upload_stream is not None else None
-        self.num_kv_heads = model.config.num_key_value_heads
-        tokens = self.sizes[-1]
-        self.inputs = PackedCpuGpuBuffer(
-            {
-                "input_ids": ((tokens,), torch.int64),
-                "positions": ((tokens,), torch.int64),
-                "slots": ((tokens,), torch.int64),
-                "cu_seqlens_q": ((self.num_seqs + 1,), torch.int32),
-                "seq_lens": ((self.num_seqs,), torch.int32),
-                "block_tables": ((self.num_seqs, max_blocks_per_req), torch.int32),  # last
-            },
-            device=self.device,
-        )
-        self.static = self.inputs.gpu
-        self.token_index = torch.arange(tokens, dtype=torch.int64, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.replays: Counter[int] = Counter()  # steps run from each size's graph
+        chosen = graph_sizes(min(max_tokens, self.capacity), sizes)
+        tokens = chosen[-1]
+        fields = {
+            "input_ids": ((tokens,), torch.int64),
+            "positions": ((tokens,), torch.int64),
+            "slots": ((tokens,), torch.int64),
+            "cu_seqlens_q": ((self.num_seqs + 1,), torch.int32),
+            "seq_lens": ((self.num_seqs,), torch.int32),
+            "block_tables": ((self.num_seqs, max_blocks_per_req), torch.int32),  # last
+        }
+        super().__init__(
+            model, kv_layers, backend, sizes=chosen, fields=fields, tokens=tokens, device=device,
+            upload_stream=upload_stream,
+        )  # fmt: skip
 
     def metadata(self, size: int) -> TritonAttentionMetadata:
         """Metadata over the static buffers: `size` tokens, one span per sequence."""
@@ -187,27 +175,16 @@ class PrefillGraphs:
     def replay(self, layout: PrefillLayout) -> torch.Tensor:
         """Replay the graph of `layout.size` (staged first); returns hidden [T, H] of the real
         tokens in the step's flat order (a view of the graph's static output)."""
-        self.graphs[layout.size].replay()
-        if self.replayed is not None:
-            self.replayed.record()
-        self.replays[layout.size] += 1
-        return self.outputs[layout.size][: layout.num_tokens]
+        return self._replay(layout.size)[: layout.num_tokens]
 
     def stage(self, layout: PrefillLayout, block_tables: np.ndarray) -> None:
-        """Write the padded step into the host buffers and upload it in one copy (on the
-        upload stream on CUDA, as the decode graphs do). Table rows past the step's requests
-        are zeros: the pad sequence's keys all lie in block 0."""
-        host = self.inputs.host()
-        size = layout.size
-        host["input_ids"][:size] = layout.input_ids
-        host["positions"][:size] = layout.positions
-        host["slots"][:size] = layout.slots
-        host["cu_seqlens_q"][:] = layout.cu_seqlens_q
-        host["seq_lens"][:] = layout.seq_lens
-        tables = host["block_tables"]
-        n = len(block_tables)
-        width = min(block_tables.shape[1], tables.shape[1])
-        tables[:n, :width] = block_tables[:, :width]
-        tables[:n, width:] = 0
-        tables[n : n + 1] = 0  # the pad sequence's row
-        upload(self, self.inputs.end("block_tables", n + 1))
+        """Write the padded step into the host buffers and upload it in one copy; the table
+        row after the step's requests, the pad sequence's, is zeros (its keys in block 0)."""
+        step = {
+            "input_ids": layout.input_ids,
+            "positions": layout.positions,
+            "slots": layout.slots,
+            "cu_seqlens_q": layout.cu_seqlens_q,
+            "seq_lens": layout.seq_lens,
+        }
+        self._stage(layout.size, step, block_tables, len(block_tables) + 1)

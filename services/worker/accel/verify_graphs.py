@@ -27,15 +27,14 @@ or a padded length past the block table runs eagerly (`layout` returns None).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
-from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
-from services.worker.accel.cuda_graphs import capture_graphs, graph_sizes, padded_size, upload
+from services.worker.accel.cuda_graphs import capture_graphs, graph_sizes, padded_size
+from services.worker.accel.span_graphs import SpanGraphs
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.models.base import CausalLM
 
@@ -94,7 +93,7 @@ def verify_layout(
     return VerifyLayout(size, ids, pos, slots, lens, gather)
 
 
-class VerifyGraphs:
+class VerifyGraphs(SpanGraphs):
     """Captured verification forwards (R requests x (k + 1) tokens) of one model and KV cache."""
 
     def __init__(
@@ -113,37 +112,26 @@ class VerifyGraphs:
     ) -> None:
         if num_spec_tokens < 1:
             raise ValueError(f"verify graphs need num_spec_tokens >= 1, got {num_spec_tokens}")
-        self.model = model
-        self.kv_layers = kv_layers
-        self.backend = backend
         self.width = num_spec_tokens + 1
         self.capacity = max_blocks_per_req * block_size
-        self.device = torch.device(device)
         # Up to the largest listed size: past it a step is long enough to pay its launches.
-        self.sizes = graph_sizes(min(max_num_reqs, sizes[-1]), sizes)
-        self.upload_stream = upload_stream
-        self.replayed = torch.cuda.Event() if upload_stream is not None else None
-        self.num_kv_heads = model.config.num_key_value_heads
-        rows = self.sizes[-1]
+        chosen = graph_sizes(min(max_num_reqs, sizes[-1]), sizes)
+        rows = chosen[-1]
         tokens = rows * self.width
-        self.inputs = PackedCpuGpuBuffer(
-            {
-                "input_ids": ((tokens,), torch.int64),
-                "positions": ((tokens,), torch.int64),
-                "slots": ((tokens,), torch.int64),
-                "seq_lens": ((rows,), torch.int32),
-                "block_tables": ((rows, max_blocks_per_req), torch.int32),  # last: see stage
-            },
-            device=self.device,
-        )
-        self.static = self.inputs.gpu
-        self.token_index = torch.arange(tokens, dtype=torch.int64, device=self.device)
+        fields = {
+            "input_ids": ((tokens,), torch.int64),
+            "positions": ((tokens,), torch.int64),
+            "slots": ((tokens,), torch.int64),
+            "seq_lens": ((rows,), torch.int32),
+            "block_tables": ((rows, max_blocks_per_req), torch.int32),  # last: see stage
+        }
+        super().__init__(
+            model, kv_layers, backend, sizes=chosen, fields=fields, tokens=tokens, device=device,
+            upload_stream=upload_stream,
+        )  # fmt: skip
         self.cu_seqlens_q = torch.arange(
             0, tokens + 1, self.width, dtype=torch.int32, device=self.device
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.replays: Counter[int] = Counter()  # verify steps run from each size's graph
 
     def metadata(self, size: int) -> TritonAttentionMetadata:
         """Metadata over the static buffers' first `size` requests: one prefill span each."""
@@ -206,26 +194,16 @@ class VerifyGraphs:
         """Replay the graph of `layout.size`; returns hidden [T, H] of the real tokens, in the
         step's flat order (gathered from the graph's static output)."""
         self.stage(layout, block_tables)
-        self.graphs[layout.size].replay()
-        if self.replayed is not None:
-            self.replayed.record()
-        self.replays[layout.size] += 1
+        out = self._replay(layout.size)
         gather = torch.from_numpy(layout.gather).to(self.device, non_blocking=True)
-        return self.outputs[layout.size][gather]
+        return out[gather]
 
     def stage(self, layout: VerifyLayout, block_tables: np.ndarray) -> None:
-        """Write the padded step into the host buffers and upload it in one copy (on the
-        upload stream on CUDA, as DecodeGraphs does)."""
-        host = self.inputs.host()
-        tokens = layout.size * self.width
-        host["input_ids"][:tokens] = layout.input_ids
-        host["positions"][:tokens] = layout.positions
-        host["slots"][:tokens] = layout.slots
-        host["seq_lens"][: layout.size] = layout.seq_lens
-        tables = host["block_tables"]
-        n = len(block_tables)
-        width = min(block_tables.shape[1], tables.shape[1])
-        tables[:n, :width] = block_tables[:, :width]
-        tables[:n, width:] = 0
-        tables[n : layout.size] = 0
-        upload(self, self.inputs.end("block_tables", layout.size))
+        """Write the padded step into the host buffers and upload it in one copy."""
+        step = {
+            "input_ids": layout.input_ids,
+            "positions": layout.positions,
+            "slots": layout.slots,
+            "seq_lens": layout.seq_lens,
+        }
+        self._stage(layout.size * self.width, step, block_tables, layout.size)

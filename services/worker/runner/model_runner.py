@@ -663,40 +663,28 @@ class ModelRunner:
             graphs = DecodeGraphs(self.model, self.kv_cache.attention_layers, backend, **options)
         seconds = graphs.capture()  # a failure: the bootstrap serves eagerly
         self.graphs = graphs
+        spans: dict[str, Any] = dict(
+            max_num_reqs=self.batch.max_num_reqs,
+            max_blocks_per_req=self.batch.max_blocks_per_req,
+            block_size=self.block_size,
+            device=self.device,
+            upload_stream=self.upload_stream,
+        )
+        layers = self.kv_cache.attention_layers
         if self.num_spec_tokens:
             verify = VerifyGraphs(
-                self.model,
-                self.kv_cache.attention_layers,
-                backend,
-                num_spec_tokens=self.num_spec_tokens,
-                max_num_reqs=self.batch.max_num_reqs,
-                max_blocks_per_req=self.batch.max_blocks_per_req,
-                block_size=self.block_size,
-                device=self.device,
-                upload_stream=self.upload_stream,
+                self.model, layers, backend, num_spec_tokens=self.num_spec_tokens, **spans
             )
-            try:
-                seconds += verify.capture()
+            taken = _capture(verify, "verify steps")
+            if taken is not None:
+                seconds += taken
                 self.verify_graphs = verify
-            except RuntimeError:  # verify steps still run, eagerly
-                log.exception("CUDA graph capture of the verify steps failed: they run eagerly")
         if prefill_tokens and not self.has_state_group:
-            prefill = PrefillGraphs(
-                self.model,
-                self.kv_cache.attention_layers,
-                backend,
-                max_tokens=prefill_tokens,
-                max_num_reqs=self.batch.max_num_reqs,
-                max_blocks_per_req=self.batch.max_blocks_per_req,
-                block_size=self.block_size,
-                device=self.device,
-                upload_stream=self.upload_stream,
-            )
-            try:
-                seconds += prefill.capture()
+            prefill = PrefillGraphs(self.model, layers, backend, max_tokens=prefill_tokens, **spans)
+            taken = _capture(prefill, "prefill and mixed steps")
+            if taken is not None:
+                seconds += taken
                 self.prefill_graphs = prefill
-            except RuntimeError:  # prefill and mixed steps still run, eagerly
-                log.exception("CUDA graph capture of the prefill steps failed: they run eagerly")
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:
@@ -900,3 +888,13 @@ class ModelRunner:
             seconds,
         )
         return seconds
+
+
+def _capture(graphs: VerifyGraphs | PrefillGraphs, steps: str) -> float | None:
+    """Capture `graphs`: the seconds taken, or None when it failed (logged; those steps then
+    run eagerly)."""
+    try:
+        return graphs.capture()
+    except RuntimeError:
+        log.exception("CUDA graph capture of the %s failed: they run eagerly", steps)
+        return None
