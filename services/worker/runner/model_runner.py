@@ -679,7 +679,7 @@ class ModelRunner:
             if taken is not None:
                 seconds += taken
                 self.verify_graphs = verify
-        if prefill_tokens and not self.has_state_group:
+        if prefill_tokens and not needs_group_attention(self.kv_groups):  # as _forward replays
             prefill = PrefillGraphs(self.model, layers, backend, max_tokens=prefill_tokens, **spans)
             taken = _capture(prefill, "prefill and mixed steps")
             if taken is not None:
