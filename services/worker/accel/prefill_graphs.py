@@ -16,10 +16,10 @@ sequence: token 0 at position 0, KV slot -1 (kv_insert skips the write), S - T k
 kernel with one span per request (a decode is a span of one) over a table of max_num_reqs + 1
 sequences; the sequences after the pad are empty spans. `max_seqlen_q` = S sizes the grid for
 any split of S tokens: programs past their span's end return at once (max_num_reqs x S / 64 x
-heads of them a layer, a few microseconds for a small model, another reason this is for those). Every row is independent
-in every kernel but the attention, and the pad sequence attends only to itself, so pads cannot
-change real rows. A token the previous step sampled that the host does not have yet is written
-into the static ids on the device before the replay (the runner's feed).
+heads of them a layer, a few microseconds for a small model, another reason this is for those).
+Every row is independent in every kernel but the attention, and the pad sequence attends only to
+itself, so pads cannot change real rows. A token the previous step sampled that the host does
+not have yet is written into the static ids on the device before the replay (the runner's feed).
 """
 
 from __future__ import annotations
