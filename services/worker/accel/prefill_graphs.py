@@ -65,12 +65,13 @@ def prefill_layout(
 ) -> PrefillLayout | None:
     """The padded layout of a step of len(query_lens) requests in a graph of `size` tokens and
     `num_seqs` sequences, or None where it does not fit: more tokens than `size`, no sequence
-    left for the pad, or a sequence (the pad's included) past `capacity` keys."""
+    left for the pad, or a sequence (the pad's included) past `capacity` keys. No requests: all
+    pad (what the graphs are captured over)."""
     q = np.asarray(query_lens, dtype=np.int64)
     n, tokens = len(q), int(q.sum())
-    if n == 0 or tokens > size or n + 1 > num_seqs or q.min() < 1:
+    if tokens > size or n + 1 > num_seqs or (n and q.min() < 1):
         return None
-    if int(np.max(seq_lens)) > capacity or size - tokens > capacity:
+    if int(np.max(seq_lens, initial=0)) > capacity or size - tokens > capacity:
         return None
     ids = np.zeros(size, dtype=np.int64)
     pos = np.zeros(size, dtype=np.int64)
@@ -146,13 +147,12 @@ class PrefillGraphs(SpanGraphs):
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every size (largest first, one memory pool); returns seconds."""
-        size = self.sizes[-1]
-        cu = np.full(self.num_seqs + 1, size, dtype=np.int64)
-        cu[0] = 0
-        lens = np.zeros(self.num_seqs, dtype=np.int64)
-        lens[0] = size  # all pad: one sequence of `size` keys over block 0
-        zeros = np.zeros(size, dtype=np.int64)
-        pad_only = PrefillLayout(size, 0, zeros, zeros, zeros - 1, cu, lens)
+        none = np.zeros(0, dtype=np.int64)
+        pad_only = prefill_layout(
+            none, none, none, none, none, size=self.sizes[-1], num_seqs=self.num_seqs,
+            capacity=self.capacity,
+        )  # fmt: skip
+        assert pad_only is not None  # sizes stop at the capacity
         self.stage(pad_only, np.zeros((0, 1), dtype=np.int32))
         return capture_graphs(self, "prefill")
 
