@@ -148,10 +148,9 @@ class PrefillGraphs(SpanGraphs):
     def capture(self) -> float:
         """Capture every size (largest first, one memory pool); returns seconds."""
         none = np.zeros(0, dtype=np.int64)
-        pad_only = prefill_layout(
-            none, none, none, none, none, size=self.sizes[-1], num_seqs=self.num_seqs,
-            capacity=self.capacity,
-        )  # fmt: skip
+        pad_only = prefill_layout(  # no requests: all pad
+            *[none] * 5, size=self.sizes[-1], num_seqs=self.num_seqs, capacity=self.capacity
+        )
         assert pad_only is not None  # sizes stop at the capacity
         self.stage(pad_only, np.zeros((0, 1), dtype=np.int32))
         return capture_graphs(self, "prefill")
