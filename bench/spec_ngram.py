@@ -21,10 +21,15 @@ checkpoint (an HF directory or a .gguf file) than the embedded SmolLM2. `--kerne
 adds one plain and one speculative run of the first task under the PyTorch profiler: each
 kernel's calls and device time (graph replays included), where a verify step's time goes, and
 the host operators by their own host time (what an eager prefill step spends its time on).
+`--step-marks` splits the last repeat's verify steps (and the plain engine's decode steps) by
+the runner's host marks, the worker's step timeline (step_timeline.py): median ms of each
+phase (inputs, forward queued, draws on the host, acceptance, drafts proposed), and on CUDA
+the device's own time for the forward.
 
     python -m bench.spec_ngram [--k 5] [--min-n 2] [--max-n 5] [--max-tokens 128] [--repeats 3]
                                [--threads 1] [--device cpu|cuda] [--batch 1] [--model PATH]
                                [--eager-verify] [--kernel-profile] [--gemv-max-rows 16]
+                               [--step-marks]
                                [--prefill-graph-tokens 0]
                                [--json] [--out FILE]
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -49,6 +55,8 @@ from services.worker.accel.cuda_layers import set_gemv_max_rows
 from services.worker.loader import load_model
 from services.worker.runner.kv_cache import KVCache
 from services.worker.runner.model_runner import ModelRunner
+from services.worker.runner.step_timeline import StepTimeline
+from services.worker.runner.step_timeline_report import phase_medians
 from services.worker.spec import SpeculativeConfig
 from services.worker.spec.ngram import NgramProposer
 from shared.config import ModelSettings
@@ -94,6 +102,7 @@ class Engine:
         device: str = "cpu",
         eager_verify: bool = False,
         prefill_graph_tokens: int = 0,
+        marks_dir: str = "",
     ) -> None:
         max_len = min(config.max_position_embeddings, 4096)
         dtype = next(model.parameters()).dtype
@@ -106,6 +115,11 @@ class Engine:
             self.runner.capture_cuda_graphs(prefill_tokens=prefill_graph_tokens)
             if eager_verify:
                 self.runner.verify_graphs = None
+        # --step-marks: the worker's step timeline (MESHLLM_STEP_TIMELINE) into a scratch file
+        self.timeline_path: Path | None = None
+        if marks_dir:
+            self.timeline_path = Path(tempfile.mkstemp(suffix=".jsonl", dir=marks_dir)[1])
+            self.runner.timeline = StepTimeline(str(self.timeline_path), self.runner.device)
         k = spec.num_spec_tokens if spec else 0
         # (wall, device) ms of each step after the prefills: plain decode steps, and the steps
         # that verify drafts (decode steps of a speculating engine without any draft count as
@@ -158,6 +172,15 @@ class Engine:
                     tokens[delta.request_id] += delta.token_ids
         self.generate_ms = (time.perf_counter() - started) * 1000.0
         return [tokens[f"r{i}"] for i in range(len(prompts))], steps
+
+    def phase_split(self, kind: str) -> dict[str, float] | None:
+        """With --step-marks: the median ms between the host marks of the `kind` steps of
+        this engine's runs (step_timeline_report.phase_medians)."""
+        if self.timeline_path is None or self.runner.timeline is None:
+            return None
+        self.runner.timeline.close()
+        rows = [json.loads(line) for line in self.timeline_path.read_text().splitlines()]
+        return phase_medians(rows, kind)
 
     def wall_split(self) -> dict[str, float]:
         """The last generate's wall ms: summed per kind of step, and outside the steps."""
@@ -281,12 +304,19 @@ def main() -> None:
         help="also profile one plain and one speculative run of the first task: each device "
         "kernel's time (CUDA) and the host operators' own time",
     )
+    parser.add_argument(
+        "--step-marks",
+        action="store_true",
+        help="split the last repeat's verify and decode steps by the runner's host marks (the "
+        "worker's step timeline): median ms of each phase, and on CUDA the device's forward",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="", help="also write the JSON summary here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_gemv_max_rows(args.gemv_max_rows)
 
+    marks_dir = tempfile.TemporaryDirectory() if args.step_marks else None
     source = resolve_model(args.model, ModelSettings().model_cache_dir)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model, config = load_model(source.hf_dir, dtype, args.device)
@@ -301,7 +331,12 @@ def main() -> None:
         prompt_lookup_max=args.max_n,
     )
     engine_of = partial(
-        Engine, model, config, device=args.device, prefill_graph_tokens=args.prefill_graph_tokens
+        Engine,
+        model,
+        config,
+        device=args.device,
+        prefill_graph_tokens=args.prefill_graph_tokens,
+        marks_dir=marks_dir.name if marks_dir else "",
     )
     watch = CompileWatch().install()
     engine_of(None).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
@@ -376,6 +411,8 @@ def main() -> None:
                 "spec_decode_step": step_medians(engine.step_ms["decode"]),
                 "spec_verify_step": step_medians(engine.step_ms["verify"]),
                 "plain_prefill_steps": step_medians(plain.step_ms["prefill"]),
+                "plain_decode_phases_ms": plain.phase_split("decode"),
+                "spec_verify_phases_ms": engine.phase_split("verify"),
                 "plain_wall_split_ms": plain.wall_split(),
                 "spec_wall_split_ms": engine.wall_split(),
                 "lookup_us": lookup_us(
@@ -425,6 +462,11 @@ def main() -> None:
             f"one batch lookup (us) {r['lookup_us']}; prefill steps {r['plain_prefill_steps']}; "
             f"wall ms per kind plain {r['plain_wall_split_ms']} spec {r['spec_wall_split_ms']}"
         )
+        if r["spec_verify_phases_ms"]:
+            print(
+                f"{r['task']}: median ms between host marks: plain decode "
+                f"{r['plain_decode_phases_ms']}, spec verify {r['spec_verify_phases_ms']}"
+            )
     print(
         f"median speed-up {summary['speedup_median']}x; acceptance per draft position "
         f"{summary['acceptance_per_position']}; Triton compiles in the timed runs (ms) "

@@ -225,6 +225,7 @@ class ModelRunner:
         self.last_device_seconds = 0.0
         # MESHLLM_STEP_TIMELINE: a line per step with its host and device marks.
         self.timeline: StepTimeline | None = None
+        self._marks: StepMarks | None = None  # the launching step's, while the timeline is on
         # CUDA: Triton compiles of this process, those after the warm-up logged as stalls
         # (runner/compile_stalls.py, installed by bootstrap.py).
         self.compile_watch: CompileWatch | None = None
@@ -253,8 +254,15 @@ class ModelRunner:
         """Apply the plan and queue its work; the sampled tokens may still be on the device."""
         step = LaunchedStep(plan.step_id, time.perf_counter())
         if self.timeline is not None:
-            counts = plan.num_scheduled_tokens.values()
-            step.marks = self.timeline.marks(sum(counts), sum(1 for n in counts if n == 1))
+            counts = plan.num_scheduled_tokens
+            drafts = {r: len(d) for r, d in plan.spec_token_ids.items()}
+            step.marks = self.timeline.marks(
+                sum(counts.values()),
+                sum(1 for n in counts.values() if n == 1),
+                drafts=sum(drafts.values()),
+                prompt=sum(n - 1 - drafts.get(r, 0) for r, n in counts.items()),
+            )
+            self._marks = step.marks
         if self.device.type == "cuda":
             step.device_span = (
                 torch.cuda.Event(enable_timing=True),
@@ -279,13 +287,21 @@ class ModelRunner:
             step.device_span[1].record()
         if step.marks is not None:
             step.marks.queued = time.perf_counter()
+            self._marks = None
         return step
+
+    def mark_phase(self, name: str) -> None:
+        """A named mark of the launching step in the step timeline (step_timeline.py), if on."""
+        if self._marks is not None and self.timeline is not None:
+            self.timeline.phase(self._marks, name)
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for the step's tokens, append them to their requests, and build the result."""
         sampled = step.sampled or []
         if step.tokens is not None:
             sampled = self._land(step.tokens)
+            if step.marks is not None and self.timeline is not None:
+                self.timeline.phase(step.marks, "landed", device=False)
         if step.device_span is not None:
             start, end = step.device_span
             end.synchronize()  # recorded right after the token copies: no extra wait
@@ -424,11 +440,13 @@ class ModelRunner:
         hidden, aux = split_aux_hidden(
             self._forward(inputs, eager=bool(recording)), self.config.hidden_size
         )
+        self.mark_phase("forward")
         if recording:
             self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
         if inputs.num_drafts is not None:
             sampled = verify_and_sample(self, hidden, inputs, plan)
+            self.mark_phase("verified")
             return self._propose(sampled, hidden, aux, inputs)
         if sampler_rows is None:
             return self._propose([], hidden, aux, inputs)
@@ -479,6 +497,7 @@ class ModelRunner:
         for s, drafts in zip(sampled, self.drafter.propose(batch, rows, self.sampler), strict=True):
             if drafts:
                 s.draft_token_ids = drafts
+        self.mark_phase("proposed")
         return sampled
 
     def _forward(self, inputs: StepInputs, eager: bool = False) -> torch.Tensor:

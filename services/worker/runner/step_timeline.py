@@ -9,6 +9,13 @@ event, recorded as launch() begins: it completes when the previous step's work i
 once on an idle device), `device_inputs` (after its inputs are staged; from device_start to
 here the device waited for the host to prepare the step if it was idle) and `device_end`.
 
+`phases` names host marks inside the step, in the order the runner reached them (ms, as
+above): `inputs` (the step's inputs staged), `forward` (the forward queued), `drawn` (a verify
+step's draws on the host), `verified` (its tokens accepted and the batch rolled forward),
+`proposed` (the next drafts made), `landed` (a plain step's tokens on the host, in finish());
+on CUDA `device_phases` holds an event recorded at each but `landed`, so a verify step splits
+into host work, the wait for the device and the device's own time.
+
 The host and device clocks are aligned by an event recorded when the timeline opens (on an
 idle device it completes at once), so `launch` can be compared with the previous step's
 `device_end`: a launch after it means the plan came too late (bus, scheduler, step thread).
@@ -32,7 +39,11 @@ class StepMarks:
     queued: float = 0.0  # perf_counter when launch() returned
     tokens: int = 0
     decodes: int = 0
+    drafts: int = 0  # draft tokens the step verifies
+    prompt: int = 0  # tokens beyond each request's one new token and its drafts (prefill)
     inputs_event: torch.cuda.Event | None = field(default=None, repr=False)
+    phases: dict[str, float] = field(default_factory=dict)  # name -> perf_counter
+    phase_events: dict[str, torch.cuda.Event] = field(default_factory=dict, repr=False)
 
 
 class StepTimeline:
@@ -45,10 +56,22 @@ class StepTimeline:
             self._origin = torch.cuda.Event(enable_timing=True)
             self._origin.record()
 
-    def marks(self, tokens: int, decodes: int) -> StepMarks:
-        return StepMarks(time.perf_counter(), tokens=tokens, decodes=decodes)
+    def marks(self, tokens: int, decodes: int, drafts: int = 0, prompt: int = 0) -> StepMarks:
+        return StepMarks(
+            time.perf_counter(), tokens=tokens, decodes=decodes, drafts=drafts, prompt=prompt
+        )
+
+    def phase(self, marks: StepMarks, name: str, device: bool = True) -> None:
+        """A named mark inside the step: the host's time, and on CUDA (`device`) an event on
+        the stream (only while launch() runs: write() reads it once the step's end is done)."""
+        marks.phases[name] = time.perf_counter()
+        if device and self._origin is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.phase_events[name] = event
 
     def inputs_staged(self, marks: StepMarks) -> None:
+        marks.phases["inputs"] = time.perf_counter()
         if self._origin is not None:
             marks.inputs_event = torch.cuda.Event(enable_timing=True)
             marks.inputs_event.record()
@@ -64,9 +87,12 @@ class StepTimeline:
             "step": step_id,
             "tokens": marks.tokens,
             "decodes": marks.decodes,
+            "drafts": marks.drafts,
+            "prompt": marks.prompt,
             "launch": self._host_ms(marks.launch),
             "queued": self._host_ms(marks.queued),
             "finished": self._host_ms(time.perf_counter()),
+            "phases": {name: self._host_ms(t) for name, t in marks.phases.items()},
         }
         if self._origin is not None and device_span is not None:
             start, end = device_span
@@ -74,6 +100,10 @@ class StepTimeline:
             if marks.inputs_event is not None:
                 row["device_inputs"] = round(self._origin.elapsed_time(marks.inputs_event), 3)
             row["device_end"] = round(self._origin.elapsed_time(end), 3)
+            row["device_phases"] = {
+                name: round(self._origin.elapsed_time(event), 3)
+                for name, event in marks.phase_events.items()
+            }
         self._file.write(json.dumps(row) + "\n")
 
     def _host_ms(self, t: float) -> float:

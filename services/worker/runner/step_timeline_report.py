@@ -10,7 +10,8 @@ steps, the idle time between steps, split by the kind of step that followed (dec
 with prefill tokens) and by cause: `late plan` (the next step's launch() came after the
 previous step's device work ended: bus, scheduler or step thread), `host prep` (the next step
 started on an idle device and waited for its inputs to be staged). The largest gaps are
-listed with their host marks.
+listed with their host marks. Then, for the steps that verify drafts and the decode-only ones,
+the median ms between the host's phase marks inside a step (`phase_medians`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -96,6 +98,40 @@ def summarize(run: list[Step], top: int = 5) -> str:
     return "\n".join(lines)
 
 
+#: Host marks of a step in the order the runner reaches them (those it reached are used).
+PHASE_ORDER = ("launch", "inputs", "forward", "drawn", "verified", "proposed", "queued", "landed")
+
+
+def phase_medians(rows: list[dict], kind: str) -> dict[str, float]:
+    """Median ms of each span between consecutive host marks of the `kind` steps without
+    prompt tokens ("verify": with drafts; "decode": one token per request): `inputs` is
+    launch -> inputs staged, `forward` inputs -> forward queued, and so on; `before` is the
+    time since the previous line's `finished` (the scheduler's and the caller's part),
+    `finished` the last mark -> the result built. On CUDA `device_forward` is the device's
+    time from its inputs to the forward's end and `device_to_drawn` from there to the host's
+    mark `drawn`."""
+    spans: dict[str, list[float]] = defaultdict(list)
+    previous_finished: float | None = None
+    for row in rows:
+        drafts, prompt = row.get("drafts", 0), row.get("prompt", 0)
+        chosen = (drafts > 0 if kind == "verify" else not drafts) and not prompt
+        if chosen:
+            marks = {"launch": row["launch"], "queued": row["queued"], **row.get("phases", {})}
+            ordered = sorted((marks[name], name) for name in PHASE_ORDER if name in marks)
+            if previous_finished is not None:
+                spans["before"].append(row["launch"] - previous_finished)
+            for (t0, _), (t1, name) in itertools.pairwise(ordered):
+                spans[name].append(t1 - t0)
+            spans["finished"].append(row["finished"] - ordered[-1][0])
+            device = row.get("device_phases", {})
+            if "forward" in device and "device_inputs" in row:
+                spans["device_forward"].append(device["forward"] - row["device_inputs"])
+                if "drawn" in device:
+                    spans["device_to_drawn"].append(device["drawn"] - device["forward"])
+        previous_finished = row["finished"]
+    return {name: round(statistics.median(v), 3) for name, v in spans.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("timeline")
@@ -103,6 +139,10 @@ def main() -> None:
     args = parser.parse_args()
     for i, run in enumerate(runs(load(args.timeline), args.split_ms)):
         print(f"run {i}: " + summarize(run))
+    with open(args.timeline) as f:
+        rows = [json.loads(line) for line in f]
+    for kind in ("verify", "decode"):
+        print(f"{kind} steps, median ms between host marks: {phase_medians(rows, kind)}")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def verify_and_sample(
     else:
         logits = runner.compute_logits(hidden[runner._to_device(flat)])
         draws, logprobs, top = _draw_by_position(runner, logits, rows, verified, k, grammar, checks)
+    runner.mark_phase("drawn")
     decided = checks.decide(runner, rows, verified)
 
     result: list[SampledTokens] = []

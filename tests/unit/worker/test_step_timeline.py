@@ -9,9 +9,17 @@ import json
 from pathlib import Path
 
 from services.worker.runner.step_timeline import StepTimeline
-from services.worker.runner.step_timeline_report import Step, load, runs, summarize
+from services.worker.runner.step_timeline_report import (
+    Step,
+    load,
+    phase_medians,
+    runs,
+    summarize,
+)
+from services.worker.spec import SpeculativeConfig
 from shared.config import WorkerSettings
 from shared.protocol import SamplingParams
+from tests.support.engine import InProcessEngine
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import make_tiny_llama, tiny_runner
 
@@ -87,3 +95,32 @@ def test_load_keeps_device_rows_in_device_order(tmp_path: Path) -> None:
     loaded = load(str(path))
     assert [s.step for s in loaded] == [1, 2]  # the CPU row (no device marks) is skipped
     assert loaded[0].inputs == 2  # no inputs mark: the start stands in
+
+
+def test_verify_steps_carry_their_phase_marks(tmp_path: Path) -> None:
+    """With an n-gram drafter every verify step's line holds the host marks of its phases in
+    the order the runner reaches them, and phase_medians splits those steps (not the prefill,
+    which has prompt tokens) into the spans between them."""
+    make_tiny_llama(tmp_path, vocab_size=64)  # the prompt holds nearly every token: drafts
+    spec = SpeculativeConfig(method="ngram", num_spec_tokens=3, prompt_lookup_min=1)
+    engine = InProcessEngine(tmp_path, block_size=4, speculative=spec)
+    path = tmp_path / "timeline.jsonl"
+    engine.runner.timeline = StepTimeline(str(path), engine.runner.device)
+    prompt = list(range(3, 64))
+    engine.submit("a", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.run()
+    engine.runner.timeline.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0]["prompt"] == len(prompt) - 1 and rows[0]["drafts"] == 0
+    verify = [r for r in rows if r["drafts"]]
+    assert verify, "the n-gram drafter proposed nothing"
+    order = ["inputs", "forward", "drawn", "verified", "proposed"]
+    for row in verify:
+        assert row["prompt"] == 0
+        assert list(row["phases"]) == order
+        marks = [row["launch"], *(row["phases"][name] for name in order), row["queued"]]
+        assert marks == sorted(marks)
+    split = phase_medians(rows, "verify")
+    assert set(split) >= {"inputs", "forward", "drawn", "verified", "proposed", "finished"}
+    assert all(v >= 0 for v in split.values())
+    assert phase_medians(rows, "decode").keys().isdisjoint({"drawn", "verified"})
