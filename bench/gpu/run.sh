@@ -25,7 +25,8 @@
 #      run of the edit task (`kernel_profile`); MESHLLM_GEMV_MAX_ROWS=96 runs its verify steps
 #      (16 x 6 rows) on the GEMV + decode chain, MESHLLM_PREFILL_GRAPH_TOKENS=2048 its prompt
 #      chunks from CUDA graphs, in-process and through the gateway; SPEC_PREFILL_GRAPHS="0 2048"
-#      runs the in-process part once per value (spec_ngram_b*_pg*.json).
+#      runs the in-process part once per value (spec_ngram_b*_pg*.json); SPEC_K="5 8" runs it once
+#      per number of drafts K (spec_ngram_b*_pg*_k*.json) and the gateway part with the last K.
 #   6. rows (only when asked for): bench.gpu.mesh_decode at batch 32 and 64 with steps past 16
 #      rows on cuBLAS, then on the GEMV + decode chain (--gemv-max-rows 16 / 64).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
@@ -88,16 +89,18 @@ if [ "$MODE" = spec ]; then
     GGUF=$WEIGHTS/SmolLM2-135M-Instruct.Q4_1.gguf
     # SPEC_PREFILL_GRAPHS="0 2048": the in-process runs once per value (eager prompt chunks,
     # then chunks of up to 2048 tokens from CUDA graphs), an A/B on one machine in one call.
-    for pg in ${SPEC_PREFILL_GRAPHS:-${MESHLLM_PREFILL_GRAPH_TOKENS:-0}}; do
-        for batch in ${SPEC_BATCHES:-1 16}; do
-            step "spec-ngram-b$batch-pg$pg" 150 python3 -m bench.spec_ngram --device cuda \
-                --model "$GGUF" --batch "$batch" --repeats 3 --kernel-profile \
-                --gemv-max-rows "${MESHLLM_GEMV_MAX_ROWS:-16}" --prefill-graph-tokens "$pg" \
-                --out "$OUT/spec_ngram_b${batch}_pg$pg.json"
+    for k in ${SPEC_K:-5}; do
+        for pg in ${SPEC_PREFILL_GRAPHS:-${MESHLLM_PREFILL_GRAPH_TOKENS:-0}}; do
+            for batch in ${SPEC_BATCHES:-1 16}; do
+                step "spec-ngram-b$batch-pg$pg-k$k" 150 python3 -m bench.spec_ngram --device cuda \
+                    --model "$GGUF" --batch "$batch" --repeats 3 --kernel-profile --k "$k" \
+                    --gemv-max-rows "${MESHLLM_GEMV_MAX_ROWS:-16}" --prefill-graph-tokens "$pg" \
+                    --step-marks --out "$OUT/spec_ngram_b${batch}_pg${pg}_k$k.json"
+            done
         done
     done
     # shellcheck disable=SC2086 # SPEC_BATCHES is a list of numbers: one argument each
-    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" \
+    step spec-serve 200 python3 -m bench.gpu.spec_serve --model "$GGUF" --k "$k" \
         --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 \
         --prefill-graph-tokens "${MESHLLM_PREFILL_GRAPH_TOKENS:-0}" --out "$OUT/spec_serve.json"
 fi
