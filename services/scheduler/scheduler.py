@@ -39,7 +39,6 @@ from services.scheduler.spec import SpecDecoding
 from services.scheduler.stop import check_stop
 from services.scheduler.structured_output import StructuredOutputManager
 from services.scheduler.submit_check import token_ids_error
-from services.scheduler.trusted_message import TrustedBuilder
 from shared.protocol import (
     CachedRequestData,
     FinishReason,
@@ -51,6 +50,7 @@ from shared.protocol import (
     StepResult,
     SubmitRequest,
 )
+from shared.protocol.trusted import TrustedBuilder
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar

@@ -65,12 +65,14 @@ from services.worker.spec.drafts import Drafter, stage_drafts
 from services.worker.spec.verify_step import verify_and_sample
 from shared.model.config import ModelConfig
 from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
+from shared.protocol.trusted import TrustedBuilder
 
 if TYPE_CHECKING:  # the connector's module reaches Redis; the runner only calls it
     from services.worker.kv_offload.connector import KVConnector
     from services.worker.kv_offload.group_blocks import KVFollower
 
 log = logging.getLogger(__name__)
+_sampled_tokens = TrustedBuilder(SampledTokens)
 
 
 def refuse_state_group(speculative: SpeculativeConfig | None, compiled: bool) -> None:
@@ -712,8 +714,8 @@ class ModelRunner:
         top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
         top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
         result = []
-        # model_construct: the values are ints and floats this process just made, so pydantic's
-        # per-item validation is skipped on this per-step path.
+        # The values are ints and floats this process just made, so pydantic's per-item
+        # validation is skipped on this per-step path (shared/protocol/trusted.py).
         pairs = zip(step.request_ids, tokens.tolist(), strict=True)
         for i, (request_id, token) in enumerate(pairs):
             fields: dict[str, object] = {"request_id": request_id, "token_ids": [token]}
@@ -724,7 +726,7 @@ class ModelRunner:
                 if params.logprobs and top_ids is not None and top_lp is not None:
                     fields["top_token_ids"] = top_ids[i][: params.logprobs]
                     fields["top_logprobs"] = top_lp[i][: params.logprobs]
-            result.append(SampledTokens.model_construct(**fields))  # type: ignore[arg-type]
+            result.append(_sampled_tokens(**fields))
         return result
 
     def _bitmask(

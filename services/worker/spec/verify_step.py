@@ -23,6 +23,7 @@ from services.worker.sampling.state import SamplerOutput
 from services.worker.spec.rejection import RejectionChecks
 from services.worker.spec.verify import num_accepted
 from shared.protocol import SampledTokens, StepPlan
+from shared.protocol.trusted import TrustedBuilder
 
 if TYPE_CHECKING:
     from services.worker.runner.model_runner import ModelRunner, StepInputs
@@ -112,6 +113,9 @@ def verify_and_sample(
         sampler.record_sampled(recorded[0], recorded[1])
     return result
 
+
+# the values are ints and floats this process just made: no validation (shared/protocol/trusted.py)
+_sampled_tokens = TrustedBuilder(SampledTokens)
 
 Grammar = tuple[torch.Tensor | None, np.ndarray]  # bitmask, each request's first row or -1
 Top = dict[int, tuple[np.ndarray, np.ndarray]]  # position j -> top ids/logprobs of k >= j rows
@@ -245,4 +249,4 @@ def _sampled(
                 values += top[j][1][pos][:want].tolist()
             fields["top_token_ids"] = ids
             fields["top_logprobs"] = values
-    return SampledTokens.model_construct(**fields)  # type: ignore[arg-type]
+    return _sampled_tokens(**fields)

@@ -1,9 +1,10 @@
 """Building protocol structs on the per-step hot path without re-validating them.
 
 The scheduler builds one CachedRequestData per running request and one RequestDelta per
-sampled request every step. Their values come from its own state, already valid by
-construction, so pydantic's validation (microseconds each, and a Python loop per element for
-packed int lists) buys nothing there; at 64 running requests it was most of the step's host time.
+sampled request every step, the worker one SampledTokens per sampled request. Their values
+come from the service's own state, already valid by construction, so pydantic's validation
+(microseconds each, and a Python loop per element for packed int lists) buys nothing there; at
+64 running requests it was most of the scheduler step's host time.
 `model_construct` is no faster for such small models. A `TrustedBuilder` fills the instance
 dict directly (defaults precomputed once; default factories still called per instance, so no
 two messages share a mutable default) and sets the same bookkeeping attributes

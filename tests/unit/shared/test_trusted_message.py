@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.trusted_message import TrustedBuilder
 from shared.codec import decode, encode
 from shared.protocol import (
     CachedRequestData,
     NewRequestData,
     RequestDelta,
+    SampledTokens,
     SamplingParams,
     StepPlan,
+    StepResult,
 )
+from shared.protocol.trusted import TrustedBuilder
 
 
 def test_equal_to_validated_construction_and_round_trips() -> None:
@@ -53,3 +55,10 @@ def test_default_factories_are_called_per_instance() -> None:
 def test_missing_required_field_is_an_error() -> None:
     with pytest.raises(TypeError, match="start_index"):
         TrustedBuilder(RequestDelta)(request_id="a")
+
+
+def test_sampled_tokens_as_the_worker_builds_them() -> None:
+    values = {"request_id": "r", "token_ids": [5, 6], "draft_token_ids": [7]}
+    built = TrustedBuilder(SampledTokens)(**values)
+    assert built == SampledTokens(**values)
+    assert decode(encode(StepResult(step_id=0, worker_id="w", sampled=[built]))).sampled == [built]
