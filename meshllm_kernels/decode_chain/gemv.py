@@ -295,7 +295,7 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
             use_partials=part is not None, gated=g.gated, pdl=g.pdl,
         )  # fmt: skip
         return
-    block_m, num_warps, num_stages = _rows_launch(m, cfg, x.element_size())
+    block_m, num_warps, num_stages = _rows_launch(m, cfg, x.element_size(), g.gated)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), g.split)](
         x, weight, out, part if part is not None else out, m, n, k, g.k_per_split,
         x.stride(0), weight.stride(0), out.stride(0),
@@ -308,15 +308,19 @@ def _launch_product(g: _GemvLaunch, out: torch.Tensor, part: torch.Tensor | None
     )  # fmt: skip
 
 
-def _rows_launch(m: int, cfg: GemvConfig, element_size: int) -> tuple[int, int, int]:
+def _rows_launch(
+    m: int, cfg: GemvConfig, element_size: int, gated: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_M, warps, stages) for m rows: the tuned launch up to 16 rows; past it the batch
     padded to a power of two, a warp per 2,048 accumulator elements (at least the config's),
-    and as many of the config's stages as fit SMEM_BUDGET with both tiles (W and x) per stage."""
+    and as many of the config's stages as fit SMEM_BUDGET with every tile of a stage: W's and
+    x's, and for a gated product x's second half (`up`, loaded beside `gate`)."""
     if m <= TUNED_BATCH:
         return TUNED_BATCH, cfg.num_warps, cfg.num_stages
     block_m = next_power_of_2(m)
     num_warps = max(cfg.num_warps, min(8, cfg.block_n * block_m // 2048))
-    per_stage = (cfg.block_n + block_m) * cfg.block_k * element_size
+    x_tiles = 2 if gated else 1
+    per_stage = (cfg.block_n + x_tiles * block_m) * cfg.block_k * element_size
     return block_m, num_warps, max(1, min(cfg.num_stages, SMEM_BUDGET // per_stage))
 
 

@@ -40,6 +40,12 @@ def test_rows_past_the_tuned_batch_pad_to_a_power_of_two_within_shared_memory() 
         assert block_m >= m and warps >= 4 and stages >= 1
         assert (128 + block_m) * 128 * 2 * stages <= SMEM_BUDGET
     assert _rows_launch(128, cfg, 2) == (128, 8, 3)
+    # gated: x's up half is a second tile per stage (96 rows: 294,912 bytes at 3 stages, past
+    # the H100's 232,448, was a launch failure on the GPU)
+    for m in (17, 64, 96, 128):
+        block_m, _, stages = _rows_launch(m, cfg, 2, gated=True)
+        assert (128 + 2 * block_m) * 128 * 2 * stages <= SMEM_BUDGET
+    assert _rows_launch(96, cfg, 2, gated=True)[2] == 2
 
 
 def test_split_k_is_deterministic_and_agrees_with_one_pass(device) -> None:  # type: ignore[no-untyped-def]
