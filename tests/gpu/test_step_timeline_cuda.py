@@ -31,3 +31,27 @@ def test_device_marks_on_cuda(tmp_path: Path) -> None:
         assert r["device_end"] <= r["finished"] + 5.0
     for a, b in itertools.pairwise(rows):
         assert a["device_end"] <= b["device_start"] + 1e-3
+
+
+def test_graph_replays_mark_their_staging_and_launch(tmp_path: Path) -> None:
+    """Decode steps replayed from CUDA graphs carry `staged` and `replayed` between `inputs`
+    and `forward`, with a device event at each in the same order."""
+    make_tiny_llama(tmp_path)
+    runner = tiny_runner(tmp_path, device="cuda")
+    runner.warmup()
+    runner.capture_cuda_graphs(sizes=(1, 2))
+    path = tmp_path / "timeline.jsonl"
+    runner.timeline = StepTimeline(str(path), runner.device)
+    driver = PlanDriver(runner, token_budget=32)
+    driver.add("a", list(range(1, 12)), SamplingParams(max_tokens=5))
+    driver.run()
+    runner.timeline.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    decodes = [r for r in rows if r["tokens"] == r["decodes"]]
+    assert decodes and all("replayed" in r["phases"] for r in decodes)
+    assert "replayed" not in rows[0]["phases"]  # the prompt ran eagerly
+    order = ["inputs", "staged", "replayed", "forward"]
+    for r in decodes:
+        assert [r["phases"][name] for name in order] == sorted(r["phases"][name] for name in order)
+        device = [r["device_phases"][name] for name in order[1:]]
+        assert device == sorted(device) and r["device_inputs"] <= device[0]

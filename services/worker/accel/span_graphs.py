@@ -6,13 +6,14 @@ its rows), one graph and output per captured size, and the replay itself."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
 from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
-from services.worker.accel.cuda_graphs import upload
+from services.worker.accel.cuda_graphs import no_phase, upload
 from services.worker.models.base import CausalLM
 
 Fields = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -46,10 +47,15 @@ class SpanGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays: Counter[int] = Counter()  # steps run from each size's graph
+        # called with "staged" before a replay and "replayed" after it (the step timeline's
+        # marks: ModelRunner.mark_phase)
+        self.on_phase: Callable[[str], None] = no_phase
 
     def _replay(self, size: int) -> torch.Tensor:
         """Replay the graph of `size` (its inputs staged); returns its static output."""
+        self.on_phase("staged")
         self.graphs[size].replay()
+        self.on_phase("replayed")
         if self.replayed is not None:
             self.replayed.record()
         self.replays[size] += 1

@@ -683,6 +683,7 @@ class ModelRunner:
         else:
             graphs = DecodeGraphs(self.model, self.kv_cache.attention_layers, backend, **options)
         seconds = graphs.capture()  # a failure: the bootstrap serves eagerly
+        graphs.on_phase = self.mark_phase
         self.graphs = graphs
         spans: dict[str, Any] = dict(
             max_num_reqs=self.batch.max_num_reqs,
@@ -699,12 +700,14 @@ class ModelRunner:
             taken = _capture(verify, "verify steps")
             if taken is not None:
                 seconds += taken
+                verify.on_phase = self.mark_phase
                 self.verify_graphs = verify
         if prefill_tokens and not needs_group_attention(self.kv_groups):  # as _forward replays
             prefill = PrefillGraphs(self.model, layers, backend, max_tokens=prefill_tokens, **spans)
             taken = _capture(prefill, "prefill and mixed steps")
             if taken is not None:
                 seconds += taken
+                prefill.on_phase = self.mark_phase
                 self.prefill_graphs = prefill
         return seconds
 

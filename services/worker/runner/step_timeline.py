@@ -10,11 +10,12 @@ once on an idle device), `device_inputs` (after its inputs are staged; from devi
 here the device waited for the host to prepare the step if it was idle) and `device_end`.
 
 `phases` names host marks inside the step, in the order the runner reached them (ms, as
-above): `inputs` (the step's inputs staged), `forward` (the forward queued), `drawn` (a verify
-step's draws on the host), `verified` (its tokens accepted and the batch rolled forward),
-`proposed` (the next drafts made), `landed` (a plain step's tokens on the host, in finish());
-on CUDA `device_phases` holds an event recorded at each but `landed`, so a verify step splits
-into host work, the wait for the device and the device's own time.
+above): `inputs` (the step's inputs staged), on CUDA graphs `staged` (the graph's inputs
+padded and uploaded) and `replayed` (the graph launched), `forward` (the forward queued),
+`drawn` (a verify step's draws on the host), `verified` (its tokens accepted and the batch
+rolled forward), `proposed` (the next drafts made), `landed` (a plain step's tokens on the
+host, in finish()); on CUDA `device_phases` holds an event recorded at each but `landed`, so
+a verify step splits into host work, the wait for the device and the device's own time.
 
 The host and device clocks are aligned by an event recorded when the timeline opens (on an
 idle device it completes at once), so `launch` can be compared with the previous step's

@@ -99,7 +99,10 @@ def summarize(run: list[Step], top: int = 5) -> str:
 
 
 #: Host marks of a step in the order the runner reaches them (those it reached are used).
-PHASE_ORDER = ("launch", "inputs", "forward", "drawn", "verified", "proposed", "queued", "landed")
+PHASE_ORDER = (
+    "launch", "inputs", "staged", "replayed", "forward", "drawn", "verified", "proposed",
+    "queued", "landed",
+)  # fmt: skip
 
 
 def phase_medians(rows: list[dict], kind: str) -> dict[str, float]:
