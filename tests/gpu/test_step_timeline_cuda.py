@@ -7,22 +7,29 @@ import itertools
 import json
 from pathlib import Path
 
+from services.worker.runner.model_runner import ModelRunner
 from services.worker.runner.step_timeline import StepTimeline
 from shared.protocol import SamplingParams
 from tests.support.plans import PlanDriver
 from tests.support.tiny_llama import make_tiny_llama, tiny_runner
 
 
-def test_device_marks_on_cuda(tmp_path: Path) -> None:
-    make_tiny_llama(tmp_path)
-    runner = tiny_runner(tmp_path, device="cuda")
+def _timeline(
+    tmp_path: Path, runner: ModelRunner, token_budget: int, max_tokens: int
+) -> tuple[list[dict], PlanDriver]:
+    """One 11-token prompt run to `max_tokens` with the timeline on: its lines, the driver."""
     path = tmp_path / "timeline.jsonl"
     runner.timeline = StepTimeline(str(path), runner.device)
-    driver = PlanDriver(runner, token_budget=8)
-    driver.add("a", list(range(1, 12)), SamplingParams(max_tokens=4))
+    driver = PlanDriver(runner, token_budget=token_budget)
+    driver.add("a", list(range(1, 12)), SamplingParams(max_tokens=max_tokens))
     driver.run()
     runner.timeline.close()
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().splitlines()], driver
+
+
+def test_device_marks_on_cuda(tmp_path: Path) -> None:
+    make_tiny_llama(tmp_path)
+    rows, driver = _timeline(tmp_path, tiny_runner(tmp_path, device="cuda"), 8, 4)
     assert len(rows) == len(driver.results) >= 4
     for r in rows:
         assert r["device_start"] <= r["device_inputs"] <= r["device_end"]
@@ -40,13 +47,7 @@ def test_graph_replays_mark_their_staging_and_launch(tmp_path: Path) -> None:
     runner = tiny_runner(tmp_path, device="cuda")
     runner.warmup()
     runner.capture_cuda_graphs(sizes=(1, 2))
-    path = tmp_path / "timeline.jsonl"
-    runner.timeline = StepTimeline(str(path), runner.device)
-    driver = PlanDriver(runner, token_budget=32)
-    driver.add("a", list(range(1, 12)), SamplingParams(max_tokens=5))
-    driver.run()
-    runner.timeline.close()
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows, _ = _timeline(tmp_path, runner, 32, 5)
     decodes = [r for r in rows if r["tokens"] == r["decodes"]]
     assert decodes and all("replayed" in r["phases"] for r in decodes)
     assert "replayed" not in rows[0]["phases"]  # the prompt ran eagerly
