@@ -30,6 +30,7 @@ from typing import Any
 import openai
 
 from bench.spec_ngram import TASKS
+from services.worker.runner.step_timeline_report import phase_medians
 from tests.support.mesh import Mesh
 
 
@@ -58,10 +59,10 @@ def chat_round(api: str, model: str, text: str, c: int, max_tokens: int) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="HF directory or .gguf (default: SmolLM2)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per mesh and task")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="[1, 16]")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds per mesh and task (2)")
     parser.add_argument("--k", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=None, help="128")
     parser.add_argument("--out", default="")
     parser.add_argument(
         "--prefill-graph-tokens",
@@ -69,10 +70,22 @@ def main() -> None:
         default=0,
         help="MESHLLM_PREFILL_GRAPH_TOKENS of both meshes (prefill/mixed steps from graphs)",
     )
-    parser.add_argument("--dry-run", action="store_true", help="CPU, fp32, c=1, 16 tokens")
+    parser.add_argument(
+        "--step-timeline",
+        default="",
+        help="a directory: each mesh's worker writes its step timeline there (MESHLLM_STEP_"
+        "TIMELINE: plain.jsonl, spec.jsonl) and the result holds the median ms between the host "
+        "marks of the plain mesh's decode steps and the speculating mesh's verify steps "
+        "(`before`: from a step's result to the next step's launch, the bus and the scheduler)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU, fp32; unless given c=1, 1 round, 16 tokens"
+    )
     args = parser.parse_args()
-    if args.dry_run:
-        args.concurrency, args.repeats, args.max_tokens = [1], 1, 16
+    defaults = ([1], 1, 16) if args.dry_run else ([1, 16], 2, 128)
+    args.concurrency = args.concurrency or defaults[0]
+    args.repeats = args.repeats or defaults[1]
+    args.max_tokens = args.max_tokens or defaults[2]
     env = {
         "MESHLLM_MODEL": args.model,
         "MESHLLM_DEVICE": "cpu" if args.dry_run else "cuda",
@@ -86,6 +99,15 @@ def main() -> None:
     if not args.dry_run:
         env["MESHLLM_KV_CACHE_BYTES"] = str(4 * 2**30)
     spec_env = {**env, "MESHLLM_SPEC_METHOD": "ngram", "MESHLLM_SPEC_TOKENS": str(args.k)}
+    timelines = {}
+    if args.step_timeline:
+        folder = Path(args.step_timeline).resolve()
+        folder.mkdir(parents=True, exist_ok=True)
+        timelines = {"plain": folder / "plain.jsonl", "spec": folder / "spec.jsonl"}
+        for path in timelines.values():
+            path.unlink(missing_ok=True)
+        env["MESHLLM_STEP_TIMELINE"] = str(timelines["plain"])
+        spec_env["MESHLLM_STEP_TIMELINE"] = str(timelines["spec"])
     rows: list[dict[str, Any]] = []
     with Mesh(env=env, ready_timeout=600) as plain, Mesh(env=spec_env, ready_timeout=600) as spec:
         meshes = {"plain": plain, "spec": spec}
@@ -123,6 +145,14 @@ def main() -> None:
         "gemv_max_rows": int(env["MESHLLM_GEMV_MAX_ROWS"]),
         "runs": rows,
     }
+    if timelines:  # the whole run's steps, warm-up included (medians)
+        result["phases_ms"] = {
+            f"{name} {kind}": phase_medians(
+                [json.loads(line) for line in timelines[name].read_text().splitlines()], kind
+            )
+            for name, kind in (("plain", "decode"), ("spec", "verify"))
+        }
+        print(json.dumps(result["phases_ms"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
