@@ -276,8 +276,7 @@ class ModelRunner:
         self._apply(plan)
         if plan.num_scheduled_tokens:
             inputs = self.prepare_inputs(plan)
-            if step.marks is not None and self.timeline is not None:
-                self.timeline.inputs_staged(step.marks)
+            self.mark_phase("inputs")
             out = self._run(inputs, plan)
             if isinstance(out, InFlightTokens):
                 step.tokens = out

@@ -42,7 +42,6 @@ class StepMarks:
     decodes: int = 0
     drafts: int = 0  # draft tokens the step verifies
     prompt: int = 0  # tokens beyond each request's one new token and its drafts (prefill)
-    inputs_event: torch.cuda.Event | None = field(default=None, repr=False)
     phases: dict[str, float] = field(default_factory=dict)  # name -> perf_counter
     phase_events: dict[str, torch.cuda.Event] = field(default_factory=dict, repr=False)
 
@@ -71,12 +70,6 @@ class StepTimeline:
             event.record()
             marks.phase_events[name] = event
 
-    def inputs_staged(self, marks: StepMarks) -> None:
-        marks.phases["inputs"] = time.perf_counter()
-        if self._origin is not None:
-            marks.inputs_event = torch.cuda.Event(enable_timing=True)
-            marks.inputs_event.record()
-
     def write(
         self,
         step_id: int,
@@ -98,8 +91,8 @@ class StepTimeline:
         if self._origin is not None and device_span is not None:
             start, end = device_span
             row["device_start"] = round(self._origin.elapsed_time(start), 3)
-            if marks.inputs_event is not None:
-                row["device_inputs"] = round(self._origin.elapsed_time(marks.inputs_event), 3)
+            if (inputs := marks.phase_events.get("inputs")) is not None:
+                row["device_inputs"] = round(self._origin.elapsed_time(inputs), 3)
             row["device_end"] = round(self._origin.elapsed_time(end), 3)
             row["device_phases"] = {
                 name: round(self._origin.elapsed_time(event), 3)
