@@ -13,12 +13,16 @@ task, `--repeats` rounds of each mesh in ABBA order: c chat requests at once (ea
 opened by its own number, as bench/spec_ngram.py --batch does), greedy, `--max-tokens` each;
 output tok/s = completion tokens of the round / its wall time. Reported per task: the best of
 each mesh, the median of the rounds' ratios, and whether the two meshes answered the same
-texts.
+texts. `--carried` adds a third mesh that speculates with MESHLLM_SPEC_DRAFTS_ON_WORKER=false
+(drafts carried by the scheduler, each verify step planned from the previous result), in the
+rotation with the other two: `ahead_vs_carried` is the median ratio of the default speculating
+mesh (verify steps planned ahead, the worker's own drafts) to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -79,6 +83,11 @@ def main() -> None:
         "(`before`: from a step's result to the next step's launch, the bus and the scheduler)",
     )
     parser.add_argument(
+        "--carried",
+        action="store_true",
+        help="a third mesh speculating with MESHLLM_SPEC_DRAFTS_ON_WORKER=false",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="CPU, fp32; unless given c=1, 1 round, 16 tokens"
     )
     args = parser.parse_args()
@@ -99,43 +108,49 @@ def main() -> None:
     if not args.dry_run:
         env["MESHLLM_KV_CACHE_BYTES"] = str(4 * 2**30)
     spec_env = {**env, "MESHLLM_SPEC_METHOD": "ngram", "MESHLLM_SPEC_TOKENS": str(args.k)}
+    envs = {"plain": env, "spec": spec_env}
+    if args.carried:
+        envs["carried"] = {**spec_env, "MESHLLM_SPEC_DRAFTS_ON_WORKER": "false"}
     timelines = {}
     if args.step_timeline:
         folder = Path(args.step_timeline).resolve()
         folder.mkdir(parents=True, exist_ok=True)
-        timelines = {"plain": folder / "plain.jsonl", "spec": folder / "spec.jsonl"}
-        for path in timelines.values():
+        timelines = {name: folder / f"{name}.jsonl" for name in envs}
+        for name, path in timelines.items():
             path.unlink(missing_ok=True)
-        env["MESHLLM_STEP_TIMELINE"] = str(timelines["plain"])
-        spec_env["MESHLLM_STEP_TIMELINE"] = str(timelines["spec"])
+            envs[name]["MESHLLM_STEP_TIMELINE"] = str(path)
     rows: list[dict[str, Any]] = []
-    with Mesh(env=env, ready_timeout=600) as plain, Mesh(env=spec_env, ready_timeout=600) as spec:
-        meshes = {"plain": plain, "spec": spec}
-        model = openai.OpenAI(base_url=plain.api, api_key="unused").models.list().data[0].id
+    with contextlib.ExitStack() as stack:
+        meshes = {n: stack.enter_context(Mesh(env=e, ready_timeout=600)) for n, e in envs.items()}
+        api = meshes["plain"].api
+        model = openai.OpenAI(base_url=api, api_key="unused").models.list().data[0].id
         for name in meshes:  # warm-up: first requests of each shape
             chat_round(meshes[name].api, model, "Say hello.", max(args.concurrency), 8)
+        names = list(meshes)
         for c in args.concurrency:
             for task, text in TASKS.items():
-                tok_s: dict[str, list[float]] = {"plain": [], "spec": []}
+                tok_s: dict[str, list[float]] = {name: [] for name in names}
                 texts: dict[str, list[str]] = {}
                 for r in range(args.repeats):
-                    order = ("plain", "spec") if r % 2 == 0 else ("spec", "plain")  # ABBA
+                    order = names if r % 2 == 0 else names[::-1]  # ABBA (ABCCBA)
                     for name in order:
                         rate, texts[name] = chat_round(
                             meshes[name].api, model, text, c, args.max_tokens
                         )
                         tok_s[name].append(rate)
-                ratios = [s / p for s, p in zip(tok_s["spec"], tok_s["plain"], strict=True)]
-                rows.append(
-                    {
-                        "concurrency": c,
-                        "task": task,
-                        "plain_tok_s": round(max(tok_s["plain"]), 1),
-                        "spec_tok_s": round(max(tok_s["spec"]), 1),
-                        "speedup_median": round(statistics.median(ratios), 2),
-                        "same_texts": texts["plain"] == texts["spec"],
-                    }
-                )
+                row = {
+                    "concurrency": c,
+                    "task": task,
+                    "plain_tok_s": round(max(tok_s["plain"]), 1),
+                    "spec_tok_s": round(max(tok_s["spec"]), 1),
+                    "speedup_median": _median_ratio(tok_s["spec"], tok_s["plain"]),
+                    "same_texts": texts["plain"] == texts["spec"],
+                }
+                if "carried" in meshes:
+                    row["carried_tok_s"] = round(max(tok_s["carried"]), 1)
+                    row["ahead_vs_carried"] = _median_ratio(tok_s["spec"], tok_s["carried"])
+                    row["same_texts"] = row["same_texts"] and texts["carried"] == texts["plain"]
+                rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
     result = {
         "k": args.k,
@@ -150,11 +165,16 @@ def main() -> None:
             f"{name} {kind}": phase_medians(
                 [json.loads(line) for line in timelines[name].read_text().splitlines()], kind
             )
-            for name, kind in (("plain", "decode"), ("spec", "verify"))
+            for name in timelines
+            for kind in (("decode",) if name == "plain" else ("verify",))
         }
         print(json.dumps(result["phases_ms"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def _median_ratio(a: list[float], b: list[float]) -> float:
+    return round(statistics.median(x / y for x, y in zip(a, b, strict=True)), 2)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,11 @@ class SchedulerConfig(BaseModel):
     # Speculative decoding: at most this many of the worker's drafts verified per request and
     # step (lookahead slots); 0 = off (services/scheduler/spec).
     num_spec_tokens: int = Field(default=0, ge=0)
+    # The worker verifies its own drafts in lookahead slots (StepPlan.spec_lookahead) for
+    # requests without a grammar, so verify steps are planned ahead like plain decoding (on
+    # with asynchronous scheduling); off: every request's drafts come back in its result and go
+    # out in the next plan (one step at a time).
+    spec_drafts_on_worker: bool = False
     # The one prefill-lookahead number (services.scheduler.spec.lookahead): P/D's handoff
     # point and the tokens a sliding-window group retains beyond its window.
     lookahead_tokens: int = Field(default=0, ge=0)
@@ -103,6 +108,7 @@ class SchedulerConfig(BaseModel):
             eos_token_ids=list(ready.eos_token_ids),
             vocab_size=ready.vocab_size,
             num_spec_tokens=settings.spec_tokens if settings.spec_method else 0,
+            spec_drafts_on_worker=settings.async_scheduling and settings.spec_drafts_on_worker,
             lookahead_tokens=lookahead_of(settings),
             kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
             reasoning=ReasoningConfig(

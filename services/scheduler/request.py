@@ -60,6 +60,7 @@ class Request:
         "first_delta_sent",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_lookahead_placeholders",
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
@@ -105,6 +106,9 @@ class Request:
         # Tokens scheduled to be sampled whose result has not come back (async scheduling:
         # the next step is planned before this one's result; the worker feeds them forward).
         self.num_output_placeholders = 0
+        # Of those, the lookahead slots of steps in flight for the worker's own drafts (each
+        # counted as accepted until its result: services/scheduler/spec/drafts.py).
+        self.num_lookahead_placeholders = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first admission; -1 until admitted
         self.num_preemptions = 0
         self.num_step_failures = 0

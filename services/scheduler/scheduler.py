@@ -99,7 +99,9 @@ class Scheduler:
         # KV offload tier (services/scheduler/offload): set by the service when a kvstore is
         # configured; None = no external loads or stores, exactly the behaviour without it.
         self.offload: OffloadConnector | None = None
-        self.spec = SpecDecoding(config.num_spec_tokens, config.max_model_len)
+        self.spec = SpecDecoding(
+            config.num_spec_tokens, config.max_model_len, config.spec_drafts_on_worker
+        )
         # Prefill role (services/scheduler/pd): requests compute their (truncated) prompt and
         # sample nothing; the service hands them to a decode scheduler (`release_prefilled`).
         self.prefill_only = False
@@ -213,6 +215,7 @@ class Scheduler:
         cached: list[CachedRequestData] = []
         new: list[NewRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
+        spec_lookahead: dict[str, int] = {}
         sampling: list[str] = []  # requests that get a token from this step
         preempted = False
 
@@ -227,16 +230,27 @@ class Scheduler:
             if num_new <= 0 or self._stops_before_placeholder(request):
                 i += 1  # scheduled up to its known tokens, or its in-flight token is its last
                 continue
-            drafts = self.spec.drafts_to_verify(request, num_new, budget)
-            num_new += len(drafts)  # lookahead slots for the drafts
-            new_blocks = kv.allocate_slots(request, num_new)
+            on_worker = self._drafts_on_worker(request)
+            drafts: list[int] = []
+            if on_worker:
+                ahead = self.spec.lookahead_slots(request, num_new, budget)
+                if ahead is None:
+                    i += 1  # its slots would be cut by in-flight ones: planned from results
+                    continue
+                slots = ahead
+            else:
+                drafts = self.spec.drafts_to_verify(request, num_new, budget)
+                slots = len(drafts)
+            num_new += slots  # lookahead slots for the drafts
+            num_kv = self.spec.slots_to_allocate(request, num_new) if on_worker else num_new
+            new_blocks = kv.allocate_slots(request, num_kv) if num_kv else kv.no_blocks
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_kv)
             if new_blocks is None:
                 break
             cached.append(
@@ -247,10 +261,15 @@ class Scheduler:
                 )
             )
             num_scheduled[request.request_id] = num_new
+            ahead = 0  # placeholders beyond the one sampled token: the worker's own drafts
             if drafts:
                 spec_tokens[request.request_id] = drafts
+            elif on_worker and num_new == 1 + slots:
+                # every decode of such a request, 0 slots too: num_computed_tokens may count
+                # slots still in flight, and the worker keeps its own count for listed ones
+                spec_lookahead[request.request_id] = ahead = slots
             request.num_computed_tokens += num_new
-            self._note_sampling(request, sampling)
+            self._note_sampling(request, sampling, ahead)
             budget -= num_new
             i += 1
 
@@ -316,6 +335,7 @@ class Scheduler:
             grammar_request_ids=grammar_ids,
             grammar_bitmask=grammar_bitmask,
             spec_token_ids=spec_tokens,
+            spec_lookahead=spec_lookahead,
         )
         if self.offload is not None:
             plan.kv_loads, plan.kv_stores = self.offload.plan_transfers(num_scheduled, kv)
@@ -357,7 +377,9 @@ class Scheduler:
                 request.routed_experts.record(sampled[request_id], planned_end(plan, request_id))
             if request_id not in sampling:
                 continue  # partial prefill: nothing sampled
-            request.num_output_placeholders -= 1
+            slots = plan.spec_lookahead.get(request_id, 0)  # the worker's own drafts
+            request.num_output_placeholders -= 1 + slots
+            request.num_lookahead_placeholders -= slots
             tokens = sampled.get(request_id)
             if tokens is None or not tokens.token_ids:
                 missing.append(request)
@@ -365,12 +387,17 @@ class Scheduler:
             drafts = plan.spec_token_ids.get(request_id)
             if drafts:  # roll back past the rejected drafts before appending
                 self.spec.on_verified(request, len(drafts), len(tokens.token_ids))
+            elif slots:
+                self.spec.on_verified(request, slots, len(tokens.token_ids), tokens.num_drafts)
             if self._append_sampled(request, tokens, out):
                 finished = True
             elif self.spec.k:
-                if drafts:  # register blocks the accepted drafts filled (verified KV only)
-                    self.kv.cache_blocks(request, request.num_computed_tokens)
-                self.spec.on_proposed(request, tokens.draft_token_ids, self.structured)
+                if drafts or slots:  # register blocks the accepted drafts filled: verified KV
+                    # only (steps planned ahead count their slots in num_computed_tokens)
+                    verified = min(request.num_computed_tokens, request.num_tokens - 1)
+                    self.kv.cache_blocks(request, verified)
+                if not self._drafts_on_worker(request):
+                    self.spec.on_proposed(request, tokens.draft_token_ids, self.structured)
         if finished:
             self.running = [r for r in self.running if r.status is RUNNING]
         if missing:
@@ -408,6 +435,7 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
+            request.num_lookahead_placeholders = 0
         self.waiting.extendleft(reversed(self.running))
         self.running = []
         self._worker_known.clear()
@@ -523,6 +551,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.num_lookahead_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -539,6 +568,7 @@ class Scheduler:
             self.kv.free(request)
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
+            request.num_lookahead_placeholders = 0
             self._drop_from_worker(request.request_id)
             if request.num_step_failures >= self.config.max_step_failures:
                 self._finish(request, "error")
@@ -577,27 +607,44 @@ class Scheduler:
 
         Planning ahead needs every sampled token to be fed forward by the worker without the
         scheduler looking at it. Requests whose next step depends on the token itself are
-        planned one step at a time: a grammar's bitmask, speculative drafts, and routed-expert
-        rows (recorded by computed position)."""
-        if self.structured or self.spec.k:
+        planned one step at a time: a grammar's bitmask, drafts the scheduler carries (the
+        worker's own drafts in lookahead slots need nothing back: `spec_drafts_on_worker`),
+        and routed-expert rows (recorded by computed position)."""
+        if self.structured or (self.spec.k and not self.spec.on_worker):
             return False
         return not any(r.routed_experts is not None for r in self.running)
 
-    def _note_sampling(self, request: Request, sampling: list[str]) -> None:
+    def _drafts_on_worker(self, request: Request) -> bool:
+        """Does the worker verify its own drafts for `request` (lookahead slots, no drafts in
+        the plan)? Not for a grammar request (the scheduler validates its drafts) nor one
+        recording routed experts (rows by planned position)."""
+        return (
+            self.spec.on_worker
+            and request.routed_experts is None
+            and request.request_id not in self.structured
+            and not self.kv.coordinator.drops_blocks
+        )
+
+    def _note_sampling(self, request: Request, sampling: list[str], slots: int = 0) -> None:
         """After scheduling `request`: if this step computes up to its last known (or
-        placeholder) token, it samples one more, which stays a placeholder until the result.
-        A prefill-role scheduler never samples (services/scheduler/pd)."""
+        placeholder) token, it samples one more, which stays a placeholder until the result;
+        with `slots` for the worker's own drafts, 1 + slots placeholders (all counted as
+        accepted until the result). A prefill-role scheduler never samples
+        (services/scheduler/pd)."""
         if self.prefill_only:
             return
         if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1
+            request.num_output_placeholders += 1 + slots
+            request.num_lookahead_placeholders += slots
             sampling.append(request.request_id)
 
     def _stops_before_placeholder(self, request: Request) -> bool:
         """A request whose in-flight tokens already reach max_tokens or max_model_len would
         only compute a position whose token is discarded: do not plan it (eos cannot be
-        foreseen; that costs a wasted row per request and plan out ahead of its result)."""
-        pending = request.num_output_placeholders
+        foreseen; that costs a wasted row per request and plan out ahead of its result). Of
+        lookahead slots in flight only their step's one sure token counts: a request whose
+        drafts were all accepted is skipped by the worker (services/worker/spec/drafts.py)."""
+        pending = request.num_output_placeholders - request.num_lookahead_placeholders
         if not pending:
             return False
         return (

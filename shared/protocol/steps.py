@@ -76,6 +76,16 @@ class StepPlan(Message):
     # grammar request gets 1 + len(drafts) consecutive bitmask rows (one per draft, then the
     # bonus row) instead of one.
     spec_token_ids: dict[str, PackedInt32] = Field(default_factory=dict)
+    # Speculative decoding with the worker's own drafts (scheduler settings.async_scheduling):
+    # lookahead slots per decoding request, planned before the previous step's result is back.
+    # Such a request is scheduled 1 + slots tokens; the worker verifies up to `slots` of the
+    # drafts it proposed for the request in its previous step (fewer, or none, leave slots
+    # unused) from its own count of the request's computed tokens (the plan's
+    # `num_computed_tokens` for it counts every earlier slot as accepted), and reports how
+    # many it verified (SampledTokens.num_drafts). Every decode of such a request is listed,
+    # with 0 slots too (nothing verified, the worker's own count still used). Never for a
+    # grammar request (its drafts are validated by the scheduler: `spec_token_ids`).
+    spec_lookahead: dict[str, int] = Field(default_factory=dict)
 
 
 class SampledTokens(Struct):
@@ -90,6 +100,9 @@ class SampledTokens(Struct):
     routed_experts_shape: list[int] | None = None  # [positions, moe_layers, top_k]
     # Speculative decoding: the worker's drafts for this request's next step (unverified).
     draft_token_ids: PackedInt32 | None = None
+    # Speculative decoding: drafts verified this step (the plan's, or the worker's own in
+    # StepPlan.spec_lookahead slots); the first len(token_ids) - 1 of them were accepted.
+    num_drafts: int = Field(default=0, ge=0)
 
 
 @register

@@ -66,6 +66,7 @@ class KVCacheManager:
         self.pools = self.coordinator.pools  # attention pool first
         self.stats = PrefixCacheStats()
         self._no_blocks = self.coordinator.empty_blocks()  # read-only "no prefix hit"
+        self.no_blocks = self._no_blocks  # read-only: no new blocks (nothing to allocate)
         # Blocks registered by allocations since the last `take_newly_cached` (not yet written).
         self._newly_cached: list[KVCacheBlock] = []
 

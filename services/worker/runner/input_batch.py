@@ -96,7 +96,9 @@ class InputBatch:
                 changes.removed_rows.append(self.remove(new.request_id))  # type: ignore[arg-type]
             changes.added.append((self.add(new), new))
         for cached in plan.cached_requests:
-            self.update(cached)
+            # A request verifying the worker's own drafts keeps the worker's computed count:
+            # the plan's counts its in-flight lookahead slots as accepted (StepPlan.spec_lookahead).
+            self.update(cached, keep_computed=cached.request_id in plan.spec_lookahead)
         return changes
 
     def add(self, new: NewRequestData) -> int:
@@ -129,9 +131,12 @@ class InputBatch:
             raise
         return row
 
-    def update(self, cached: CachedRequestData) -> None:
+    def update(self, cached: CachedRequestData, keep_computed: bool = False) -> None:
         row = self.row_of(cached.request_id)
         self._check_groups(cached.request_id, cached.new_block_ids)
+        if keep_computed:
+            self._append_blocks(row, cached.request_id, cached.new_block_ids)
+            return
         if cached.num_computed_tokens > self.num_tokens[row]:
             raise PlanError(
                 f"{cached.request_id}: num_computed_tokens={cached.num_computed_tokens} but only "

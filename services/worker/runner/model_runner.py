@@ -61,7 +61,7 @@ from services.worker.runner.step_timeline import StepMarks, StepTimeline
 from services.worker.sampling import SamplerOutput, SamplingState
 from services.worker.sampling.draw_variants import compile_draws
 from services.worker.spec import SpeculativeConfig
-from services.worker.spec.drafts import Drafter, stage_drafts
+from services.worker.spec.drafts import Drafter, stage_drafts, step_drafts
 from services.worker.spec.verify_step import verify_and_sample
 from shared.model.config import ModelConfig
 from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
@@ -256,15 +256,7 @@ class ModelRunner:
         """Apply the plan and queue its work; the sampled tokens may still be on the device."""
         step = LaunchedStep(plan.step_id, time.perf_counter())
         if self.timeline is not None:
-            counts = plan.num_scheduled_tokens
-            drafts = {r: len(d) for r, d in plan.spec_token_ids.items()}
-            step.marks = self.timeline.marks(
-                sum(counts.values()),
-                sum(1 for n in counts.values() if n == 1),
-                drafts=sum(drafts.values()),
-                prompt=sum(n - 1 - drafts.get(r, 0) for r, n in counts.items()),
-            )
-            self._marks = step.marks
+            step.marks = self._marks = self.timeline.marks()
         if self.device.type == "cuda":
             step.device_span = (
                 torch.cuda.Event(enable_timing=True),
@@ -274,8 +266,10 @@ class ModelRunner:
         if self.kv_connector is not None:  # finished loads into their blocks; queue new ones
             self.kv_connector.before_forward(plan)
         self._apply(plan)
-        if plan.num_scheduled_tokens:
-            inputs = self.prepare_inputs(plan)
+        inputs = self.prepare_inputs(plan) if plan.num_scheduled_tokens else None
+        if inputs is not None:
+            if step.marks is not None:
+                step.marks.shape(inputs.query_lens, inputs.num_drafts)
             self.mark_phase("inputs")
             out = self._run(inputs, plan)
             if isinstance(out, InFlightTokens):
@@ -358,8 +352,9 @@ class ModelRunner:
         if self.kv_connector is not None:  # pending loads/stores are reported failed
             self.kv_connector.reset()
 
-    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
-        """Flat token batch for the plan's scheduled requests (the diff already applied)."""
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs | None:
+        """Flat token batch for the plan's scheduled requests (the diff already applied); None
+        when none of them is left to compute."""
         batch = self.batch
         ids = list(plan.num_scheduled_tokens)
         try:
@@ -367,6 +362,14 @@ class ModelRunner:
         except KeyError as exc:
             raise PlanError(f"{exc.args[0]}: scheduled but not in the worker's batch") from None
         counts = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
+        book = self.drafter.book if self.drafter is not None else None
+        # the plan's drafts, and the worker's own in its lookahead slots (counts shrink to them)
+        drafts = step_drafts(plan, book, batch, ids, rows, counts)
+        if not counts.all():  # requests already at max_tokens (step_drafts): not computed
+            kept = np.flatnonzero(counts)
+            rows, counts, ids = rows[kept], counts[kept], [ids[i] for i in kept]
+            if not ids:
+                return None
         order = np.argsort(counts != 1, kind="stable")  # decodes first, otherwise plan order
         rows, counts = rows[order], counts[order]
         ids = [ids[i] for i in order]
@@ -375,10 +378,8 @@ class ModelRunner:
         known = batch.num_tokens[rows] + self.feed.pending(rows)  # + a token still on the device
         # Rows may hold sampled drafts the plan did not carry: those are verified too
         # (services/worker/spec/proposals.py), so the step takes the verification path.
-        verifying = plan.spec_token_ids or (
-            self.drafter is not None and self.drafter.book.has_sampled
-        )
-        num_drafts = stage_drafts(batch, plan, ids, rows) if verifying else None
+        verifying = drafts or (book is not None and book.has_sampled)
+        num_drafts = stage_drafts(batch, drafts, ids, rows) if verifying else None
         if num_drafts is not None:
             known = known + num_drafts  # drafts are this step's inputs after the known tokens
         self._check(ids, counts, ends, known, rows)

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import numpy as np
 import torch
 
 
@@ -45,6 +46,14 @@ class StepMarks:
     phases: dict[str, float] = field(default_factory=dict)  # name -> perf_counter
     phase_events: dict[str, torch.cuda.Event] = field(default_factory=dict, repr=False)
 
+    def shape(self, query_lens: np.ndarray, num_drafts: np.ndarray | None) -> None:
+        """The step's shape from its inputs (the drafts it verifies: the plan's, or the
+        worker's own in lookahead slots, known only once the inputs are made)."""
+        self.tokens = int(query_lens.sum())
+        self.decodes = int(np.count_nonzero(query_lens == 1))
+        self.drafts = 0 if num_drafts is None else int(num_drafts.sum())
+        self.prompt = self.tokens - len(query_lens) - self.drafts
+
 
 class StepTimeline:
     def __init__(self, path: str, device: torch.device) -> None:
@@ -56,10 +65,9 @@ class StepTimeline:
             self._origin = torch.cuda.Event(enable_timing=True)
             self._origin.record()
 
-    def marks(self, tokens: int, decodes: int, drafts: int = 0, prompt: int = 0) -> StepMarks:
-        return StepMarks(
-            time.perf_counter(), tokens=tokens, decodes=decodes, drafts=drafts, prompt=prompt
-        )
+    def marks(self) -> StepMarks:
+        """A step's marks, begun now (its shape comes with its inputs: StepMarks.shape)."""
+        return StepMarks(time.perf_counter())
 
     def phase(self, marks: StepMarks, name: str, device: bool = True) -> None:
         """A named mark inside the step: the host's time, and on CUDA (`device`) an event on

@@ -14,6 +14,7 @@ one token per step, unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,26 +37,71 @@ if TYPE_CHECKING:
     from services.worker.sampling.state import SamplingState
 
 
+def step_drafts(
+    plan: StepPlan,
+    book: ProposalBook | None,
+    batch: InputBatch,
+    request_ids: list[str],
+    rows: np.ndarray,
+    counts: np.ndarray,
+) -> dict[str, Sequence[int]]:
+    """The drafts this step verifies, per request: the plan's (StepPlan.spec_token_ids) and,
+    for a request given lookahead slots (StepPlan.spec_lookahead), the worker's own proposal
+    for its current tokens, cut to the slots and to max_tokens (the scheduler plans the slots
+    before it knows how many earlier drafts were accepted). Such a request's scheduled tokens
+    (`counts`, 1 + slots) shrink to 1 + the drafts it has, or to 0 when its tokens already
+    reached max_tokens (the scheduler finishes it on an earlier result; its KV reaches no
+    further). PlanError if its slots and scheduled tokens disagree."""
+    drafts: dict[str, Sequence[int]] = dict(plan.spec_token_ids)
+    if not plan.spec_lookahead:
+        return drafts
+    for i, request_id in enumerate(request_ids):
+        slots = plan.spec_lookahead.get(request_id)
+        if slots is None:
+            continue
+        if slots < 0 or counts[i] != 1 + slots or request_id in drafts:
+            raise PlanError(
+                f"{request_id}: {slots} lookahead slots with {int(counts[i])} tokens scheduled"
+                f"{' and drafts' if request_id in drafts else ''}"
+            )
+        row = int(rows[i])
+        num_tokens = int(batch.num_tokens[row])
+        params = batch.sampling[row]
+        room = slots
+        if params is not None:
+            left = params.max_tokens - (num_tokens - int(batch.num_prompt_tokens[row]))
+            if left <= 0:  # max_tokens reached: its last result finishes it
+                counts[i] = 0
+                continue
+            room = min(slots, left - 1)  # drafts, then the bonus token
+        proposal = book.current(row, request_id, num_tokens) if book else None
+        own = proposal.drafts[:room] if proposal is not None else []
+        if own:
+            drafts[request_id] = own
+        counts[i] = 1 + len(own)
+    return drafts
+
+
 def stage_drafts(
-    batch: InputBatch, plan: StepPlan, request_ids: list[str], rows: np.ndarray
+    batch: InputBatch, drafts: Mapping[str, Sequence[int]], request_ids: list[str], rows: np.ndarray
 ) -> np.ndarray:
-    """Write the plan's drafts for the listed requests into the batch; returns the draft count
+    """Write the step's drafts for the listed requests into the batch; returns the draft count
     per request (0 for requests without drafts). PlanError if drafts do not fit the row."""
     counts = np.zeros(len(request_ids), dtype=np.int64)
     for i, request_id in enumerate(request_ids):
-        drafts = plan.spec_token_ids.get(request_id)
-        if not drafts:
+        drafts_i = drafts.get(request_id)
+        if not drafts_i:
             continue
         row = int(rows[i])
         start = int(batch.num_tokens[row])
-        end = start + len(drafts)
+        end = start + len(drafts_i)
         if end >= batch.max_model_len:
             raise PlanError(
-                f"{request_id}: {len(drafts)} drafts after {start} tokens leave no room for the "
-                f"bonus token within max_model_len={batch.max_model_len}"
+                f"{request_id}: {len(drafts_i)} drafts after {start} tokens leave no room for "
+                f"the bonus token within max_model_len={batch.max_model_len}"
             )
-        batch.token_ids[row, start:end] = drafts
-        counts[i] = len(drafts)
+        batch.token_ids[row, start:end] = drafts_i
+        counts[i] = len(drafts_i)
     return counts
 
 

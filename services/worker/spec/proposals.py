@@ -55,6 +55,14 @@ class ProposalBook:
         """Some row holds sampled drafts (a step must run the verification path for them)."""
         return self._sampled > 0
 
+    def current(self, row: int, request_id: str | None, base: int) -> Proposal | None:
+        """The row's proposal if it stands for `request_id` at `base` known tokens, else None
+        (the drafts the worker verifies in a plan's lookahead slots: StepPlan.spec_lookahead)."""
+        proposal = self._rows[row]
+        if proposal is None or proposal.request_id != request_id or proposal.base != base:
+            return None
+        return proposal
+
     def sampled_for(
         self, row: int, request_id: str | None, base: int, plan_drafts: Sequence[int]
     ) -> Proposal | None:

@@ -234,7 +234,11 @@ def _sampled(
     i: int,
     k: np.ndarray,
 ) -> SampledTokens:
-    fields: dict[str, object] = {"request_id": request_id, "token_ids": tokens}
+    fields: dict[str, object] = {
+        "request_id": request_id,
+        "token_ids": tokens,
+        "num_drafts": int(k[i]),
+    }
     want = getattr(params, "logprobs", None)
     n = len(tokens)
     if want is not None:

@@ -57,13 +57,14 @@ def root(tmp_path_factory: pytest.TempPathFactory):
     return root, reference
 
 
-def engine(root: Path, label: str) -> InProcessEngine:
+def engine(root: Path, label: str, on_worker: bool = False) -> InProcessEngine:
     method, drafter, target = DRAFTERS[label]
     spec = SpeculativeConfig(method=method, model=str(root / drafter), num_spec_tokens=K)
     return InProcessEngine(
         root / target,
         model_and_config=load_model(root / target, torch.float32),
         speculative=spec,
+        scheduler_options={"spec_drafts_on_worker": on_worker},
     )
 
 
@@ -95,6 +96,31 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(root, label: str) -
     out = batch.run()
     assert out["a"].token_ids == alone
     assert batch.scheduler.spec.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("label", list(DRAFTERS))
+def test_drafts_on_the_worker_planned_ahead_verify_the_same_drafts(root, label: str) -> None:
+    """The mesh's way with asynchronous scheduling (the worker verifies its own drafts in
+    lookahead slots planned up to three steps ahead) gives the seeded sampled output of
+    drafts carried by the plans one step at a time: the same drafts are verified, none cut
+    short by slots still in flight near max_tokens (rejection sampling's output depends on
+    how many drafts a step verifies)."""
+    path, _ = root
+    params = {rid: sampled(100 + i) for i, rid in enumerate(PROMPTS)}
+    carried = engine(path, label)
+    ahead = engine(path, label, on_worker=True)
+    for rid, prompt in PROMPTS.items():
+        carried.submit(rid, prompt, params[rid])
+        ahead.submit(rid, prompt, params[rid])
+    want = carried.run()
+    got = ahead.run(pipeline=True, ahead=3)
+    assert {r: g.token_ids for r, g in got.items()} == {r: g.token_ids for r, g in want.items()}
+    assert ahead.planned_ahead > 0
+    assert (
+        ahead.scheduler.spec.stats.num_draft_tokens
+        == carried.scheduler.spec.stats.num_draft_tokens
+        > 0
+    )
 
 
 def test_a_draft_equal_to_the_target_has_its_sampled_drafts_accepted(root) -> None:

@@ -101,3 +101,30 @@ def test_seeded_sampling_equals_no_speculation(smollm2_dir, model_and_config, pr
             assert len(gen.top_token_ids) == 2 * len(gen.token_ids) > 0
             torch.testing.assert_close(gen.logprobs, ref.logprobs, rtol=0, atol=1e-4)
             torch.testing.assert_close(gen.top_logprobs, ref.top_logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
+    smollm2_dir, model_and_config, prompts, params
+):
+    """What the mesh does with asynchronous scheduling: lookahead slots planned up to three
+    steps ahead of the results (the scheduler counts them all as accepted until each result),
+    the worker verifying its own drafts in them. Output equals plain decoding, token for
+    token, with exactly max_tokens tokens."""
+    plain_engine = engine(smollm2_dir, model_and_config, None)
+    plain = plain_engine.generate(prompts, params, pipeline=True, ahead=3)
+    spec = InProcessEngine(
+        smollm2_dir,
+        model_and_config=model_and_config,
+        speculative=NGRAM,
+        scheduler_options={"spec_drafts_on_worker": True},
+    )
+    out = spec.generate(prompts, params, pipeline=True, ahead=3)
+    assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
+    assert spec.planned_ahead > 0  # verify steps went out before the previous result
+    stats = spec.scheduler.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if params is GREEDY:  # the copying prompt's drafts stand: fewer steps in all
+        assert spec.steps < plain_engine.steps
+    for request in spec.scheduler.requests.values():  # nothing left over (all finished)
+        raise AssertionError(f"{request.request_id} still held")

@@ -194,6 +194,7 @@ SAMPLES: dict[str, Message] = {
                 )
             ],
             spec_token_ids={"req-2": [7, 8, 9]},
+            spec_lookahead={"req-1": 4},
         ),
         KVTransferDone(
             worker_id="worker-0",
@@ -221,6 +222,7 @@ SAMPLES: dict[str, Message] = {
                     routed_experts=[0, 3, 1, 2],
                     routed_experts_shape=[2, 1, 2],
                     draft_token_ids=[44, 45],
+                    num_drafts=3,
                 )
             ],
             error="cuda oom",

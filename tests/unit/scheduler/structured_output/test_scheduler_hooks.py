@@ -219,3 +219,31 @@ def test_a_worker_restart_keeps_the_grammar_in_step_with_the_outputs(
     run.run()
     assert run.outputs["g"] == script and run.finals["g"].finish_reason == "stop"
     assert [r["g"] for r in run.rows] == [r["g"] for r in reference.rows]
+
+
+def test_with_drafts_on_the_worker_a_grammar_request_keeps_its_drafts_in_the_plan(
+    compiled: Any,
+) -> None:
+    """Drafts on the worker (asynchronous scheduling): a constrained request's drafts still
+    come back in its result and go out in the next plan, trimmed by its grammar, with a
+    bitmask row each; an unconstrained one in the same step gets lookahead slots instead, and
+    no plan goes out ahead while a grammar request runs."""
+    core = scheduler(num_spec_tokens=3, spec_drafts_on_worker=True)
+    core.add_request(submit("g", [HMM]), compiled)
+    core.add_request(submit("free", [HMM], grammar=False), None)
+    prefill = core.schedule()
+    assert prefill is not None and not core.can_pipeline()
+    sampled = [
+        SampledTokens(request_id="g", token_ids=[LB], draft_token_ids=[KEY, COLON, X]),
+        SampledTokens(request_id="free", token_ids=[X], draft_token_ids=[X, X]),
+    ]
+    core.update_from_output(
+        prefill, StepResult(step_id=prefill.step_id, worker_id="w", sampled=sampled)
+    )
+    plan = core.schedule()
+    assert plan is not None
+    assert plan.spec_token_ids == {"g": [KEY, COLON]}  # X is cut: the grammar rejects it
+    assert plan.spec_lookahead == {"free": 3}
+    assert plan.num_scheduled_tokens == {"g": 3, "free": 4}
+    assert [r for r in rows_of(plan)] == ["g"]
+    assert len(plan.grammar_bitmask) // 4 == 3  # one row per draft, then the bonus row
