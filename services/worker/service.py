@@ -89,6 +89,7 @@ class WorkerService(Service):
         self._busy = asyncio.Lock()
         self.step_thread = StepThread()  # every forward on one OS thread (step_thread.py)
         self._in_flight: LaunchedStep | None = None  # launched, not answered yet
+        self._publishing: asyncio.Task[None] | None = None  # the newest result on its way out
         self._overlap = False  # set once the device is known (settings.overlap_steps)
         self.kv_pump: KVTransferPump | None = None  # KV offload transfers (settings.kv_offload)
         self.ranks: FollowerRanks | None = None  # ranks 1..N-1 under tensor parallelism
@@ -190,7 +191,10 @@ class WorkerService(Service):
                         await self._finish_in_flight()
                     landing = None
                 if reading in done:
-                    deliveries, reading = reading.result(), None
+                    # the next read goes out now: plans that arrive while these run are there
+                    # when they are done, without a round trip of their own
+                    deliveries = reading.result()
+                    reading = asyncio.create_task(self.bus.read(last, count=16, block_ms=500))
                     for delivery in deliveries:
                         if isinstance(delivery.message, StepPlan):
                             await self._execute(delivery.message)
@@ -201,6 +205,7 @@ class WorkerService(Service):
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
             await self._finish_in_flight()
+            await self._results_out()
 
     @staticmethod
     async def _tokens_landed(step: LaunchedStep) -> None:
@@ -333,14 +338,32 @@ class WorkerService(Service):
         )
 
     async def _publish(self, result: StepResult) -> None:
+        """Send a step's result after the ones before it, without holding up the next step
+        (a serial step, e.g. one that proposes drafts, would otherwise wait a Redis round trip
+        before the next plan runs). A publish that failed fails the step loop here."""
+        previous = self._publishing
+        if previous is not None and previous.done():
+            previous.result()
+            previous = None
+        self._publishing = asyncio.create_task(self._publish_after(previous, result))
+
+    async def _publish_after(self, previous: asyncio.Task[None] | None, result: StepResult) -> None:
+        if previous is not None:
+            await previous
         await self.bus.publish(self.streams.results(self.settings.group), result, patient=True)
         self.steps_run += 1
+
+    async def _results_out(self) -> None:
+        """Wait until every result handed to `_publish` is out."""
+        if self._publishing is not None:
+            await self._publishing
 
     async def drain(self) -> None:
         async with self._busy:  # let the step in flight finish and reply
             pass
         while self._in_flight is not None:  # the step loop answers it on its way out
             await asyncio.sleep(0.005)
+        await self._results_out()
         if self.kv_pump is not None:  # finish queued transfers and answer every one
             await self.kv_pump.close()
 
