@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv.block_pool import KVCacheBlock
 from services.scheduler.kv.kv_cache_manager import KVCacheManager
+from services.scheduler.kv.single_type_manager import FullAttentionManager
 from services.scheduler.offload.connector import LoadOutcome, OffloadConnector
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.resume import resume_error
@@ -99,8 +100,15 @@ class Scheduler:
         # KV offload tier (services/scheduler/offload): set by the service when a kvstore is
         # configured; None = no external loads or stores, exactly the behaviour without it.
         self.offload: OffloadConnector | None = None
+        # Drafts on the worker need plain full-attention groups: a sliding window drops and a
+        # ring reuses blocks by num_computed_tokens, which runs ahead of the worker's count.
+        full_attention = all(
+            isinstance(m, FullAttentionManager) for m in self.kv.coordinator.managers
+        )
         self.spec = SpecDecoding(
-            config.num_spec_tokens, config.max_model_len, config.spec_drafts_on_worker
+            config.num_spec_tokens,
+            config.max_model_len,
+            config.spec_drafts_on_worker and full_attention,
         )
         # Prefill role (services/scheduler/pd): requests compute their (truncated) prompt and
         # sample nothing; the service hands them to a decode scheduler (`release_prefilled`).
@@ -622,7 +630,6 @@ class Scheduler:
             self.spec.on_worker
             and request.routed_experts is None
             and request.request_id not in self.structured
-            and not self.kv.coordinator.drops_blocks
         )
 
     def _note_sampling(self, request: Request, sampling: list[str], slots: int = 0) -> None:

@@ -128,3 +128,25 @@ def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
         assert spec.steps < plain_engine.steps
     for request in spec.scheduler.requests.values():  # nothing left over (all finished)
         raise AssertionError(f"{request.request_id} still held")
+
+
+def test_drafts_on_the_worker_with_chunking_and_preemption(smollm2_dir, model_and_config, prompts):
+    """Lookahead slots in flight when a request is preempted (a pool too small for the batch)
+    or its prompt comes in chunks (a small step budget): the outputs still equal plain
+    decoding's, and every block comes back."""
+    small = {"num_blocks": 10, "block_size": 16, "max_num_batched_tokens": 24}
+    plain = InProcessEngine(smollm2_dir, model_and_config=model_and_config, **small)
+    want = plain.generate(prompts, GREEDY)
+    spec = InProcessEngine(
+        smollm2_dir,
+        model_and_config=model_and_config,
+        speculative=NGRAM,
+        scheduler_options={"spec_drafts_on_worker": True},
+        **small,
+    )
+    free_at_start = spec.scheduler.kv.num_free_blocks
+    got = spec.generate(prompts, GREEDY, pipeline=True, ahead=3)
+    assert {r: g.token_ids for r, g in got.items()} == {r: g.token_ids for r, g in want.items()}
+    assert spec.scheduler.num_preemptions > 0 and spec.planned_ahead > 0
+    assert spec.scheduler.spec.stats.num_accepted_tokens > 0
+    assert spec.scheduler.kv.num_free_blocks == free_at_start

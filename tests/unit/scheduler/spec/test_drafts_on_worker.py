@@ -7,6 +7,7 @@ cut by steps still in flight. Driven plan by plan with hand-made worker results.
 from __future__ import annotations
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
 from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult, SubmitRequest
@@ -117,3 +118,28 @@ def test_near_max_tokens_kv_stops_at_the_peak_and_a_skipped_request_is_no_loss()
     for plan in plans[3:]:  # skipped by the worker: nothing recomputed
         out = s.update_from_output(plan, StepResult(step_id=plan.step_id, worker_id="w"))
         assert not out.deltas and not s.waiting
+
+
+def test_a_sliding_window_model_keeps_drafts_in_the_plans() -> None:
+    """A window drops blocks by num_computed_tokens, which runs ahead of the worker's count
+    while lookahead slots are in flight: such a model's drafts go through the scheduler."""
+    config = SchedulerConfig(
+        block_size=BLOCK,
+        num_gpu_blocks=64,
+        num_spec_tokens=K,
+        spec_drafts_on_worker=True,
+        kv_cache_groups=[
+            KVCacheGroup(spec=FullAttentionSpec(block_size=BLOCK)),
+            KVCacheGroup(spec=SlidingWindowSpec(block_size=BLOCK, sliding_window=8)),
+        ],
+    )
+    s = Scheduler(config, "s")
+    submit(s)
+    prefill = plan_of(s)
+    assert not s.can_pipeline()
+    sampled = SampledTokens(request_id="a", token_ids=[100], draft_token_ids=[101, 102])
+    s.update_from_output(
+        prefill, StepResult(step_id=prefill.step_id, worker_id="w", sampled=[sampled])
+    )
+    plan = plan_of(s)
+    assert plan.spec_lookahead == {} and plan.spec_token_ids == {"a": [101, 102]}
