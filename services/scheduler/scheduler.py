@@ -238,17 +238,11 @@ class Scheduler:
             if num_new <= 0 or self._stops_before_placeholder(request):
                 i += 1  # scheduled up to its known tokens, or its in-flight token is its last
                 continue
-            on_worker = self._drafts_on_worker(request)
-            drafts: list[int] = []
-            if on_worker:
-                ahead = self.spec.lookahead_slots(request, num_new, budget)
-                if ahead is None:
-                    i += 1  # its slots would be cut by in-flight ones: planned from results
-                    continue
-                slots = ahead
-            else:
-                drafts = self.spec.drafts_to_verify(request, num_new, budget)
-                slots = len(drafts)
+            verify = self._verify_slots(request, num_new, budget)
+            if verify is None:
+                i += 1  # its slots would be cut by in-flight ones: planned from results
+                continue
+            drafts, slots, on_worker = verify
             num_new += slots  # lookahead slots for the drafts
             num_kv = self.spec.slots_to_allocate(request, num_new) if on_worker else num_new
             new_blocks = kv.allocate_slots(request, num_kv) if num_kv else kv.no_blocks
@@ -621,6 +615,18 @@ class Scheduler:
         if self.structured or (self.spec.k and not self.spec.on_worker):
             return False
         return not any(r.routed_experts is not None for r in self.running)
+
+    def _verify_slots(
+        self, request: Request, num_new: int, budget: int
+    ) -> tuple[list[int], int, bool] | None:
+        """For a request scheduled `num_new` tokens: (the drafts the plan carries, the lookahead
+        slots, whether the worker brings its own drafts); None: not this step
+        (SpecDecoding.lookahead_slots)."""
+        if self._drafts_on_worker(request):
+            slots = self.spec.lookahead_slots(request, num_new, budget)
+            return None if slots is None else ([], slots, True)
+        drafts = self.spec.drafts_to_verify(request, num_new, budget)
+        return drafts, len(drafts), False
 
     def _drafts_on_worker(self, request: Request) -> bool:
         """Does the worker verify its own drafts for `request` (lookahead slots, no drafts in
