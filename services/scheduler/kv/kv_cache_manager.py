@@ -65,8 +65,7 @@ class KVCacheManager:
         )
         self.pools = self.coordinator.pools  # attention pool first
         self.stats = PrefixCacheStats()
-        self._no_blocks = self.coordinator.empty_blocks()  # read-only "no prefix hit"
-        self.no_blocks = self._no_blocks  # read-only: no new blocks (nothing to allocate)
+        self.no_blocks = self.coordinator.empty_blocks()  # read-only: no prefix hit, no new blocks
         # Blocks registered by allocations since the last `take_newly_cached` (not yet written).
         self._newly_cached: list[KVCacheBlock] = []
 
@@ -124,7 +123,7 @@ class KVCacheManager:
     ) -> list[int]:
         """Blocks `allocate_slots` with these arguments would take from each pool (`pools`
         order)."""
-        blocks = new_computed_blocks or self._no_blocks
+        blocks = new_computed_blocks or self.no_blocks
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
         return self.coordinator.blocks_needed(request.request_id, num_tokens, blocks)
 
@@ -148,7 +147,7 @@ class KVCacheManager:
         request allocated after this one in the same step can hit them.
         """
         coordinator = self.coordinator
-        blocks = new_computed_blocks or self._no_blocks
+        blocks = new_computed_blocks or self.no_blocks
         request_id = request.request_id
         if coordinator.drops_blocks:
             # Skipped blocks go back before counting, so they can serve this very allocation.
@@ -156,7 +155,7 @@ class KVCacheManager:
         num_tokens = self._num_slots(request, num_new_tokens, blocks, num_new_computed_tokens)
         needed = coordinator.blocks_needed(request_id, num_tokens, blocks)
         if new_computed_blocks is None and not any(needed):
-            new_blocks = self._no_blocks  # the common decode step: its last block has room
+            new_blocks = self.no_blocks  # the common decode step: its last block has room
         elif not coordinator.fits(needed):
             return None
         else:
