@@ -262,6 +262,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # the device; services/worker/runner/in_flight.py). "auto": on for CUDA, off on CPU, where a
     # step is computed while it is launched and holding its result back would only add latency.
     overlap_steps: Literal["auto", "on", "off"] = "auto"
+    # n-gram speculation: verify steps planned ahead run from the device's copy of each row's
+    # tokens (drafts, inputs and acceptance on the device: services/worker/spec/chain.py), so
+    # they overlap like decode steps. "auto": on for CUDA (with its verify graphs), off on CPU.
+    spec_device_chain: Literal["auto", "on", "off"] = "auto"
     # CUDA: steps of up to this many tokens run the Triton GEMV and the decode chain
     # (services/worker/accel/cuda_layers.py), larger ones cuBLAS. 16: the batches its tiles were
     # tuned for on the H200; up to 128 to compare the two at 17-128 rows (bench/RESULTS.md).

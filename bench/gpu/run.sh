@@ -27,8 +27,10 @@
 #      chunks from CUDA graphs, in-process and through the gateway; SPEC_PREFILL_GRAPHS="0 2048"
 #      runs the in-process part once per value (spec_ngram_b*_pg*.json); SPEC_K="5 8" runs it once
 #      per number of drafts K (spec_ngram_b*_pg*_k*.json) and the gateway part with the last K;
-#      the gateway part also runs a mesh with drafts carried by the scheduler (--carried: the
-#      A/B of planning verify steps ahead) and writes each mesh's step timeline to $OUT/timeline.
+#      the gateway part also runs a mesh whose verify steps wait for the host (--against
+#      unchained: MESHLLM_SPEC_DEVICE_CHAIN=off, the A/B of chaining them on the device; SPEC_
+#      AGAINST="carried unchained" adds drafts carried by the scheduler) and writes each mesh's
+#      step timeline to $OUT/timeline.
 #   6. rows (only when asked for): bench.gpu.mesh_decode at batch 32 and 64 with steps past 16
 #      rows on cuBLAS, then on the GEMV + decode chain (--gemv-max-rows 16 / 64).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
@@ -103,7 +105,7 @@ if [ "$MODE" = spec ]; then
     done
     # shellcheck disable=SC2086 # SPEC_BATCHES is a list of numbers: one argument each
     step spec-serve 300 python3 -m bench.gpu.spec_serve --model "$GGUF" --k "$k" \
-        --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 --carried --step-timeline "$OUT/timeline" \
+        --concurrency ${SPEC_BATCHES:-1 16} --repeats 4 --against ${SPEC_AGAINST:-unchained} --step-timeline "$OUT/timeline" \
         --prefill-graph-tokens "${MESHLLM_PREFILL_GRAPH_TOKENS:-0}" --out "$OUT/spec_serve.json"
 fi
 if [ "$MODE" = rows ]; then

@@ -13,10 +13,11 @@ task, `--repeats` rounds of each mesh in ABBA order: c chat requests at once (ea
 opened by its own number, as bench/spec_ngram.py --batch does), greedy, `--max-tokens` each;
 output tok/s = completion tokens of the round / its wall time. Reported per task: the best of
 each mesh, the median of the rounds' ratios, and whether the two meshes answered the same
-texts. `--carried` adds a third mesh that speculates with MESHLLM_SPEC_DRAFTS_ON_WORKER=false
-(drafts carried by the scheduler, each verify step planned from the previous result), in the
-rotation with the other two: `ahead_vs_carried` is the median ratio of the default speculating
-mesh (verify steps planned ahead, the worker's own drafts) to it.
+texts. `--against` adds speculating meshes to the rotation, each compared with the default
+one (median ratio of rounds): `carried` (MESHLLM_SPEC_DRAFTS_ON_WORKER=false: drafts carried by
+the scheduler, each verify step planned from the previous result; `ahead_vs_carried`) and
+`unchained` (MESHLLM_SPEC_DEVICE_CHAIN=off: verify steps planned ahead, but drafted, laid out
+and accepted on the host, each waiting for the previous step's tokens; `chained_vs_unchained`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ import openai
 from bench.spec_ngram import TASKS
 from services.worker.runner.step_timeline_report import phase_medians
 from tests.support.mesh import Mesh
+
+#: --against: the speculating mesh's extra settings, and the name of its ratio column
+AGAINST = {
+    "carried": ({"MESHLLM_SPEC_DRAFTS_ON_WORKER": "false"}, "ahead_vs_carried"),
+    "unchained": ({"MESHLLM_SPEC_DEVICE_CHAIN": "off"}, "chained_vs_unchained"),
+}
 
 
 def chat_round(api: str, model: str, text: str, c: int, max_tokens: int) -> tuple[float, list[str]]:
@@ -83,9 +90,11 @@ def main() -> None:
         "(`before`: from a step's result to the next step's launch, the bus and the scheduler)",
     )
     parser.add_argument(
-        "--carried",
-        action="store_true",
-        help="a third mesh speculating with MESHLLM_SPEC_DRAFTS_ON_WORKER=false",
+        "--against",
+        nargs="*",
+        choices=list(AGAINST),
+        default=[],
+        help="more speculating meshes to compare with the default one (module doc)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU, fp32; unless given c=1, 1 round, 16 tokens"
@@ -109,8 +118,8 @@ def main() -> None:
         env["MESHLLM_KV_CACHE_BYTES"] = str(4 * 2**30)
     spec_env = {**env, "MESHLLM_SPEC_METHOD": "ngram", "MESHLLM_SPEC_TOKENS": str(args.k)}
     envs = {"plain": env, "spec": spec_env}
-    if args.carried:
-        envs["carried"] = {**spec_env, "MESHLLM_SPEC_DRAFTS_ON_WORKER": "false"}
+    for name in args.against:
+        envs[name] = {**spec_env, **AGAINST[name][0]}
     timelines = {}
     if args.step_timeline:
         folder = Path(args.step_timeline).resolve()
@@ -146,10 +155,10 @@ def main() -> None:
                     "speedup_median": _median_ratio(tok_s["spec"], tok_s["plain"]),
                     "same_texts": texts["plain"] == texts["spec"],
                 }
-                if "carried" in meshes:
-                    row["carried_tok_s"] = round(max(tok_s["carried"]), 1)
-                    row["ahead_vs_carried"] = _median_ratio(tok_s["spec"], tok_s["carried"])
-                    row["same_texts"] = row["same_texts"] and texts["carried"] == texts["plain"]
+                for name in args.against:
+                    row[f"{name}_tok_s"] = round(max(tok_s[name]), 1)
+                    row[AGAINST[name][1]] = _median_ratio(tok_s["spec"], tok_s[name])
+                    row["same_texts"] = row["same_texts"] and texts[name] == texts["plain"]
                 rows.append(row)
                 print(json.dumps(rows[-1]), flush=True)
     result = {

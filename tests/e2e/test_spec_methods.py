@@ -39,7 +39,7 @@ QUESTIONS = [
     "Repeat this sentence exactly: the cat sat on the warm mat next to the door.",
     "What is the capital of France?",
 ]
-METHODS = ["ngram", "draft", "eagle", "eagle3", "mtp"]
+METHODS = ["ngram", "ngram-chained", "draft", "eagle", "eagle3", "mtp"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,9 @@ def drafter_env(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     mtp = write_mtp_target(smollm2_dir, root / "mtp", identity=True)
     return {
         "ngram": {},
+        # verify steps chained on the device (services/worker/spec/chain.py), overlapped as on
+        # a GPU: on the CPU both are off unless asked for
+        "ngram-chained": {"MESHLLM_OVERLAP_STEPS": "on", "MESHLLM_SPEC_DEVICE_CHAIN": "on"},
         "draft": {"MESHLLM_SPEC_MODEL": str(draft)},
         "eagle": {"MESHLLM_SPEC_MODEL": str(eagle)},
         "eagle3": {"MESHLLM_SPEC_MODEL": str(eagle3)},
@@ -64,7 +67,7 @@ def spec_mesh(request: pytest.FixtureRequest, drafter_env) -> Iterator[tuple[str
     method = request.param
     env = {
         **E2E_ENV,
-        "MESHLLM_SPEC_METHOD": method,
+        "MESHLLM_SPEC_METHOD": method.removesuffix("-chained"),
         "MESHLLM_SPEC_TOKENS": "4",
         **drafter_env[method],
     }
@@ -127,9 +130,12 @@ def test_each_method_through_the_mesh(spec_mesh: tuple[str, Mesh], expected: lis
     metrics = httpx.get(f"{mesh.url('scheduler')}/metrics", timeout=10).text
     assert metric(metrics, "meshllm:spec_decode_num_draft_tokens_total") > 0, method
     assert metric(metrics, "meshllm:spec_decode_num_drafts_total") > 0, method
-    if method == "ngram":  # copying drafts: accepted, counted per position
+    if method.startswith("ngram"):  # copying drafts: accepted, counted per position
         accepted = metric(metrics, "meshllm:spec_decode_num_accepted_tokens_total")
         first = metric(
             metrics, "meshllm:spec_decode_num_accepted_tokens_per_pos_total", position="0"
         )
         assert accepted > 0 and first > 0
+    if method == "ngram-chained":
+        worker = httpx.get(f"{mesh.url('worker')}/metrics", timeout=10).text
+        assert metric(worker, "meshllm:worker_spec_chained_steps_total") > 0

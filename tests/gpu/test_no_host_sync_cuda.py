@@ -12,19 +12,14 @@ per-request state on the device."""
 
 from __future__ import annotations
 
-import threading
-import traceback
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from shared.protocol import SamplingParams, StepPlan
+from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
+from tests.support.host_sync import guarded
 from tests.support.tiny_llama import make_tiny_llama
-
-Launch = Callable[[StepPlan], object]
 
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
@@ -49,42 +44,6 @@ PARAMS = [
 ]
 
 
-ROOT = Path(__file__).resolve().parents[2]
-SYNC_WARNING = "called a synchronizing CUDA operation"  # torch's message in "warn" mode
-
-
-def _call_site(filename: str, lineno: int) -> str:
-    """The innermost frame of the project's own code (not tests/) on the current stack, else
-    the warning's own frame with the stack under it."""
-    stack = [f for f in traceback.extract_stack() if not f.filename.startswith("<")]
-    for frame in reversed(stack):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(ROOT) and not path.is_relative_to(ROOT / "tests"):
-            return f"{path.relative_to(ROOT)}:{frame.lineno}"
-    under = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(stack[-12:]))
-    return f"{Path(filename).name}:{lineno} ({threading.current_thread().name}: {under})"
-
-
-def _guarded(launch: Launch, sites: list[str]) -> Launch:
-    """`launch` with every synchronizing CUDA call in it recorded as "file:line"."""
-
-    def record(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
-        if SYNC_WARNING in str(message):
-            sites.append(_call_site(filename, lineno))
-
-    def run(plan: StepPlan) -> object:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")  # (it warns that it is on: not recorded)
-            warnings.showwarning = record
-            try:
-                return launch(plan)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-    return run
-
-
 def test_launching_a_step_never_synchronizes(tmp_path: Path) -> None:
     make_tiny_llama(tmp_path)
     eng = InProcessEngine(
@@ -99,7 +58,7 @@ def test_launching_a_step_never_synchronizes(tmp_path: Path) -> None:
     eng.runner.warmup()
     eng.runner.capture_cuda_graphs()
     sites: list[str] = []
-    eng.runner.launch = _guarded(eng.runner.launch, sites)  # type: ignore[method-assign]
+    eng.runner.launch = guarded(eng.runner.launch, sites)  # type: ignore[method-assign]
     for i, params in enumerate(PARAMS * 2):
         prompt = [1, *[(29 * i + 7 * j) % 400 + 12 for j in range(8 + 5 * i)]]
         eng.submit(f"r{i}", prompt, params)
@@ -109,6 +68,6 @@ def test_launching_a_step_never_synchronizes(tmp_path: Path) -> None:
     assert eng.launched_ahead > 10  # steps really were launched behind unfinished ones
     # The guard itself sees a synchronizing call (so an empty list means something).
     probe: list[str] = []
-    _guarded(lambda plan: torch.ones(2, device="cuda").nonzero(), probe)(None)  # type: ignore[arg-type]
+    guarded(lambda plan: torch.ones(2, device="cuda").nonzero(), probe)(None)  # type: ignore[arg-type]
     assert probe, "set_sync_debug_mode reported nothing for nonzero()"
     assert not sites, f"launch() synchronized with the GPU at: {sorted(set(sites))}"

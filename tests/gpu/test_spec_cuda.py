@@ -17,6 +17,7 @@ import torch
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
+from tests.support.host_sync import guarded
 from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
 from tests.support.tiny_llama import make_tiny_llama, reference_greedy
 
@@ -110,3 +111,46 @@ def test_the_draft_loop_never_synchronizes(root, label: str) -> None:
     assert all(len(g.token_ids) == NEW_TOKENS for g in out.values())
     assert engine.scheduler.spec.stats.num_draft_tokens > 0
     assert not sites, f"the draft loop synchronized at {sorted(set(sites))}"
+
+
+def chained_engine(root: Path) -> InProcessEngine:
+    """n-gram verify steps chained on the device (services/worker/spec/chain.py), planned
+    ahead as the mesh plans them, the verify graphs captured."""
+    engine = InProcessEngine(
+        root / "target",
+        device="cuda",
+        speculative=SpeculativeConfig(method="ngram", num_spec_tokens=3),
+        num_blocks=256,
+        scheduler_options={"spec_drafts_on_worker": True},
+        runner_options={"device_chain": True},
+    )
+    engine.runner.warmup()
+    engine.runner.capture_cuda_graphs()
+    return engine
+
+
+#: prompts and lengths where the tiny model's outputs repeat themselves: drafts get accepted
+LOOPING = {**PROMPTS, "d": [5, 6, 7, 8] * 5, "e": [9, 10, 11] * 6 + [9]}
+LONG_GREEDY = GREEDY.model_copy(update={"max_tokens": 48})
+LONG_SAMPLED = SamplingParams(temperature=0.3, seed=4, max_tokens=48, ignore_eos=True)
+
+
+def test_chained_verify_steps_on_cuda(root) -> None:
+    """Greedy and seeded sampling: the plain engine's tokens (the first test holds those to
+    transformers'). The steps launch one behind another from the verify graphs without the
+    host ever waiting for the GPU (set_sync_debug_mode), drafts accepted on the device."""
+    path, _ = root
+    for params in (LONG_GREEDY, LONG_SAMPLED):
+        plain = cuda_engine(path, None).generate(LOOPING, params)
+        engine = chained_engine(path)
+        sites: list[str] = []
+        engine.runner.launch = guarded(engine.runner.launch, sites)  # type: ignore[method-assign]
+        out = engine.generate(LOOPING, params, overlap=True, ahead=3)
+        assert {r: g.token_ids for r, g in out.items()} == {
+            r: g.token_ids for r, g in plain.items()
+        }
+        assert engine.launched_ahead > 0
+        assert engine.scheduler.spec.stats.num_accepted_tokens > 0
+        verify = engine.runner.verify_graphs
+        assert verify is not None and verify.replays
+        assert not sites, f"a chained launch synchronized at {sorted(set(sites))}"

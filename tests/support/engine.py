@@ -47,6 +47,7 @@ class InProcessEngine:
         model_and_config: tuple | None = None,
         speculative: SpeculativeConfig | None = None,
         scheduler_options: dict[str, object] | None = None,
+        runner_options: dict[str, object] | None = None,
         device: str = "cpu",
     ) -> None:
         model, config = model_and_config or load_model(model_dir, dtype, device)
@@ -63,6 +64,7 @@ class InProcessEngine:
             device,
             max_model_len=max_model_len,
             speculative=speculative,
+            **(runner_options or {}),  # type: ignore[arg-type]
         )
         spec_tokens = speculative.num_spec_tokens if speculative and speculative.enabled else 0
         self.scheduler = Scheduler(

@@ -21,8 +21,9 @@ padded to k + 1 tokens at the end of its span, and the batch to the captured siz
 Every row is independent in every kernel but the attention, so pads cannot change real rows.
 Attention runs on the paged prefill kernel with one span per request (`max_seqlen_q` = k + 1, no
 host read); the decode chain's GEMVs take steps of up to 16 tokens as for decodes. A step with a
-prefill chunk, a token still on the device (asynchronous scheduling never runs with a drafter),
-or a padded length past the block table runs eagerly (`layout` returns None).
+prefill chunk, a token still on the device, or a padded length past the block table runs eagerly
+(`layout` returns None). A chained verify step (services/worker/spec/chain.py) computes its
+padded rows on the device from the previous step's tokens: `stage_tables` + `run_chained`.
 """
 
 from __future__ import annotations
@@ -197,6 +198,24 @@ class VerifyGraphs(SpanGraphs):
         out = self._replay(layout.size)
         gather = torch.from_numpy(layout.gather).to(self.device, non_blocking=True)
         return out[gather]
+
+    def stage_tables(self, size: int, block_tables: np.ndarray) -> dict[str, torch.Tensor]:
+        """A chained step's first half (services/worker/spec/chain.py): upload the requests'
+        block tables with every other field at its pad value; returns the static inputs on
+        the device (the step's rows are computed there, from the tables, into the others)."""
+        rows = size * self.width
+        pads = {
+            "input_ids": np.zeros(rows, dtype=np.int64),
+            "positions": np.zeros(rows, dtype=np.int64),
+            "slots": np.full(rows, -1, dtype=np.int64),
+            "seq_lens": np.full(size, self.width, dtype=np.int64),
+        }
+        self._stage(rows, pads, block_tables, size)
+        return self.static
+
+    def run_chained(self, size: int, tokens: int) -> torch.Tensor:
+        """Its second half: replay; hidden [tokens, H] of the first padded rows."""
+        return self._replay(size)[:tokens]
 
     def stage(self, layout: VerifyLayout, block_tables: np.ndarray) -> None:
         """Write the padded step into the host buffers and upload it in one copy."""

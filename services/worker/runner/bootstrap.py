@@ -165,6 +165,11 @@ def build_runner(
         speculative=spec,
         compiled=compiled,
         cpu_attention=settings.cpu_attention,
+        device_chain=tp.size == 1
+        and (
+            settings.spec_device_chain == "on"
+            or (settings.spec_device_chain == "auto" and device.type == "cuda")
+        ),
     )
     if settings.step_timeline:
         runner.timeline = StepTimeline(settings.step_timeline, device)

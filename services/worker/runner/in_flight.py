@@ -35,6 +35,9 @@ class InFlightTokens:
     host: SamplerOutput  # the same outputs on the host (pinned on CUDA: copies in flight)
     done: torch.cuda.Event | None = None  # recorded after the copies (None: already there)
     live: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # row still held
+    # a chained verify step's lookahead slots per row (spec/chain.py); its `host.token_ids`
+    # are then [R, 2 + W] (tokens emitted, drafts verified, draws)
+    chained: np.ndarray | None = None
 
     @classmethod
     def start(

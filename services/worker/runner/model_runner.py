@@ -14,7 +14,8 @@
 scheduling, in_flight.py): `launch` queues step N's work on the device and starts copying its
 sampled tokens to the host without waiting; step N+1 can be launched before `finish(N)`, its
 inputs for N's tokens gathered on the device. `can_overlap(plan)` says when that is allowed:
-drafts, grammars, routed experts and KV transfers need their step's tokens on the host first.
+drafts, grammars, routed experts and KV transfers need their step's tokens on the host first,
+except n-gram verify steps chained on the device (spec/chain.py, spec/chain_step.py).
 
 A plan that does not fit the batch raises `PlanError` before the model runs; part of its diff
 may already be applied, so the caller `reset()`s the runner and the scheduler recomputes the
@@ -37,7 +38,7 @@ from meshllm_kernels.runtime.compile_watch import CompileWatch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from meshllm_kernels.runtime.tensor_checks import sm_count
 from services.worker.accel.cpu_compile import CompiledForward
-from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs
+from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, padded_size
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
@@ -61,6 +62,8 @@ from services.worker.runner.step_timeline import StepMarks, StepTimeline
 from services.worker.sampling import SamplerOutput, SamplingState
 from services.worker.sampling.draw_variants import compile_draws
 from services.worker.spec import SpeculativeConfig
+from services.worker.spec.chain import DraftChain
+from services.worker.spec.chain_step import land_chained, launch_chained
 from services.worker.spec.drafts import Drafter, stage_drafts, step_drafts
 from services.worker.spec.verify_step import verify_and_sample
 from shared.model.config import ModelConfig
@@ -141,11 +144,13 @@ class ModelRunner:
         speculative: SpeculativeConfig | None = None,
         compiled: bool = False,
         cpu_attention: CpuAttention = "auto",
+        device_chain: bool = False,
     ) -> None:
         """`compiled`: run the forward and logits compiled (cpu_compile.py; the model's
         linears must be plain nn.Linear, see load_model(compiled=True)). `cpu_attention`: the
         C++ decode attention on CPU ("auto": where it builds; see
-        attention_select.cpu_decode_kernel)."""
+        attention_select.cpu_decode_kernel). `device_chain`: with n-gram drafts, verify steps
+        planned ahead run from the device's tokens (spec/chain.py) and may overlap."""
         self.model = model
         self.config = config
         self.kv_cache = kv_cache
@@ -201,6 +206,24 @@ class ModelRunner:
             else None
         )
         self.num_spec_tokens = speculative.num_spec_tokens if speculative and self.drafter else 0
+        # Verify steps chained on the device (n-gram drafts, full attention only).
+        self.chain: DraftChain | None = None
+        if (
+            device_chain
+            and speculative is not None
+            and self.drafter is not None
+            and speculative.method == "ngram"
+            and not needs_group_attention(self.kv_groups)
+        ):
+            self.chain = DraftChain(
+                max_num_reqs,
+                self.max_model_len,
+                self.batch.max_blocks_per_req * self.block_size,
+                self.num_spec_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+                self.device,
+            )
         self.compiled = CompiledForward(model) if compiled else None
         # CUDA: decode steps replay CUDA graphs once captured; with a drafter, so do the steps
         # that verify drafts (accel/verify_graphs.py).
@@ -242,14 +265,48 @@ class ModelRunner:
         must be on the host before the next step is planned or run: drafts (proposed from
         them), grammars (the scheduler advances the matcher), routed experts (recorded on the
         host) and KV transfers (copies the connector runs between steps)."""
-        return not (
-            self.drafter is not None
-            or plan.spec_token_ids
+        if (
+            plan.spec_token_ids
             or plan.grammar_request_ids
             or plan.kv_stores
             or plan.kv_loads
             or self.routed_experts.wanted
-        )
+        ):
+            return False
+        return self.drafter is None or self._chains(plan)
+
+    def _chains(self, plan: StepPlan) -> bool:
+        """Whether the plan runs as a chained verify step (spec/chain.py): every scheduled
+        request decodes in lookahead slots (none new), no draw reads history, the rows' spans
+        fit, and on CUDA a verify graph holds the batch (an eager step would read its layout
+        on the host)."""
+        chain = self.chain
+        lookahead = plan.spec_lookahead
+        if (
+            chain is None
+            or not lookahead
+            or plan.spec_token_ids
+            or plan.grammar_request_ids
+            or len(lookahead) != len(plan.num_scheduled_tokens)
+            or not self.sampler.draws_read_no_history
+        ):
+            return False
+        graphs = self.verify_graphs
+        if self.device.type == "cuda" and (
+            graphs is None or padded_size(len(lookahead), graphs.sizes) not in graphs.graphs
+        ):
+            return False
+        new = {n.request_id for n in plan.new_requests}
+        rows = []
+        for request_id, count in plan.num_scheduled_tokens.items():
+            slots = lookahead.get(request_id)
+            row = self.batch.req_rows.get(request_id)
+            if slots is None or row is None or request_id in new or count != 1 + slots:
+                return False
+            if not 0 <= slots <= chain.k:
+                return False
+            rows.append(row)
+        return chain.fits(self.batch, np.array(rows, dtype=np.int64))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> LaunchedStep:
@@ -266,7 +323,11 @@ class ModelRunner:
         if self.kv_connector is not None:  # finished loads into their blocks; queue new ones
             self.kv_connector.before_forward(plan)
         self._apply(plan)
-        inputs = self.prepare_inputs(plan) if plan.num_scheduled_tokens else None
+        if self._chains(plan):
+            step.tokens = launch_chained(self, plan, step.marks)
+            inputs = None
+        else:
+            inputs = self.prepare_inputs(plan) if plan.num_scheduled_tokens else None
         if inputs is not None:
             if step.marks is not None:
                 step.marks.shape(inputs.query_lens, inputs.num_drafts)
@@ -314,6 +375,8 @@ class ModelRunner:
     def _land(self, tokens: InFlightTokens) -> list[SampledTokens]:
         tokens.wait()
         live = self.feed.landed(tokens)
+        if tokens.chained is not None:
+            return land_chained(self, tokens, live)
         host_ids = tokens.host.token_ids.numpy()
         self.batch.append_sampled(tokens.rows[live], host_ids[live])
         return self._sampled_tokens(tokens, host_ids)
@@ -326,7 +389,11 @@ class ModelRunner:
             self.feed.drop(row)
             if self.drafter is not None:
                 self.drafter.release(row)
+            if self.chain is not None:
+                self.chain.forget(row)
         for row, new in changes.added:
+            if self.chain is not None:
+                self.chain.forget(row)
             try:
                 self.sampler.add_request(
                     row,
@@ -343,6 +410,8 @@ class ModelRunner:
         cache tensors stay; their contents are simply no longer referenced."""
         self.routed_experts.clear()
         self.feed.clear()
+        if self.chain is not None:
+            self.chain.reset()
         for request_id in list(self.batch.req_rows):
             row = self.batch.remove(request_id)
             if row is not None:
@@ -363,6 +432,9 @@ class ModelRunner:
             raise PlanError(f"{exc.args[0]}: scheduled but not in the worker's batch") from None
         counts = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(ids))
         book = self.drafter.book if self.drafter is not None else None
+        if self.drafter is not None and plan.spec_lookahead:
+            # rows whose last steps ran chained have no host proposal yet
+            self.drafter.propose_missing(batch, plan.spec_lookahead, self.sampler)
         # the plan's drafts, and the worker's own in its lookahead slots (counts shrink to them)
         drafts = step_drafts(plan, book, batch, ids, rows, counts)
         if not counts.all():  # requests already at max_tokens (step_drafts): not computed

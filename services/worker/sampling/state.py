@@ -269,6 +269,19 @@ class SamplingState:
         stages only read their rows' parameters."""
         return not (self.allowed or self.banned or self.min_tokens_stops or self.logit_bias)
 
+    @property
+    def draws_read_no_history(self) -> bool:
+        """Whether every row's draw reads only its logits, parameters, seed and position: no
+        per-entry stage, nothing recorded from earlier draws (min_tokens, penalties), no
+        logprobs. Then a verify step may run before the host has seen the previous step's
+        tokens (services/worker/spec/chain.py)."""
+        return (
+            self.rows_repeatable
+            and not self.counts_outputs
+            and not self._logprob_rows
+            and not self._penalty_rows
+        )
+
     def sample(
         self,
         logits: torch.Tensor,

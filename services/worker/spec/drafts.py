@@ -177,6 +177,23 @@ class Drafter:
         if self.draft_model is not None:
             self.draft_model.release(row)
 
+    def propose_missing(
+        self, batch: InputBatch, lookahead: Mapping[str, int], sampler: SamplingState
+    ) -> None:
+        """Prompt lookup: propose now for the requests given lookahead slots whose row holds no
+        proposal for its current tokens (their last steps ran chained on the device,
+        spec/chain.py, which keeps no host proposals)."""
+        if self.draft_model is not None or self.features is not None:
+            return
+        missing = [
+            row
+            for request_id in lookahead
+            if (row := batch.req_rows.get(request_id)) is not None
+            and self.book.current(row, request_id, int(batch.num_tokens[row])) is None
+        ]
+        if missing:
+            self.propose(batch, np.array(missing, dtype=np.int64), sampler)
+
     def observe(
         self,
         batch: InputBatch,

@@ -150,3 +150,53 @@ def test_drafts_on_the_worker_with_chunking_and_preemption(smollm2_dir, model_an
     assert spec.scheduler.num_preemptions > 0 and spec.planned_ahead > 0
     assert spec.scheduler.spec.stats.num_accepted_tokens > 0
     assert spec.scheduler.kv.num_free_blocks == free_at_start
+
+
+CHAINED = {"device_chain": True}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_verify_steps_chained_on_the_device_equal_no_speculation(
+    smollm2_dir, model_and_config, prompts, params
+):
+    """Verify steps chained on the device (services/worker/spec/chain.py), launched as a GPU
+    worker launches them: before the previous step's tokens are finished on the host, the
+    drafts proposed and accepted from the device's copy of each row. Output equals plain
+    decoding, with drafts accepted, and the steps really ran ahead."""
+    plain = engine(smollm2_dir, model_and_config, None).generate(prompts, params)
+    spec = InProcessEngine(
+        smollm2_dir,
+        model_and_config=model_and_config,
+        speculative=NGRAM,
+        scheduler_options={"spec_drafts_on_worker": True},
+        runner_options=CHAINED,
+    )
+    out = spec.generate(prompts, params, overlap=True, ahead=3)
+    assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
+    assert spec.launched_ahead > 0  # chained steps launched before the previous one finished
+    stats = spec.scheduler.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert not spec.scheduler.requests
+
+
+def test_chained_verify_steps_with_chunking_and_preemption(smollm2_dir, model_and_config, prompts):
+    """Chained steps beside chunked prompts and preemptions (the steps that run on the host in
+    between append tokens the device copy must take up): outputs equal plain decoding's."""
+    small = {"num_blocks": 10, "block_size": 16, "max_num_batched_tokens": 24}
+    want = InProcessEngine(smollm2_dir, model_and_config=model_and_config, **small).generate(
+        prompts, GREEDY
+    )
+    spec = InProcessEngine(
+        smollm2_dir,
+        model_and_config=model_and_config,
+        speculative=NGRAM,
+        scheduler_options={"spec_drafts_on_worker": True},
+        runner_options=CHAINED,
+        **small,
+    )
+    free_at_start = spec.scheduler.kv.num_free_blocks
+    got = spec.generate(prompts, GREEDY, overlap=True, ahead=3)
+    assert {r: g.token_ids for r, g in got.items()} == {r: g.token_ids for r, g in want.items()}
+    assert spec.scheduler.num_preemptions > 0 and spec.launched_ahead > 0
+    assert spec.scheduler.spec.stats.num_accepted_tokens > 0
+    assert spec.scheduler.kv.num_free_blocks == free_at_start
