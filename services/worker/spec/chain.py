@@ -158,7 +158,33 @@ class DraftChain:
         the spans reach]. On CUDA, `into` (input_ids, positions, slots, seq_lens: a verify
         graph's inputs) receives the layout. No host synchronization."""
         if self.device.type == "cuda":
-            return self._lay_out_kernel(rows, slots, limits, block_tables, block_size, into)
+            from meshllm_kernels.spec.chain_kernels import lay_out_  # CUDA builds only
+
+            r = len(rows)
+            tokens = r * self.width
+            new = rows.new_empty
+            into = into or {
+                "input_ids": new(tokens),
+                "positions": new(tokens),
+                "slots": new(tokens),
+                "seq_lens": new(r),
+            }
+            step = ChainedInputs(
+                lengths=new(r),
+                drafts=new(r, self.k),
+                num_drafts=new(r),
+                active=new(r),
+                input_ids=into["input_ids"][:tokens],
+                positions=into["positions"][:tokens],
+                slots=into["slots"][:tokens],
+                seq_lens=into["seq_lens"][:r],
+            )
+            lay_out_(
+                self.tokens, self.length, rows, slots, limits, block_tables, step.kernel_outputs(),
+                k=self.k, min_n=self.min_n, max_n=self.max_n, max_model_len=self.max_model_len,
+                block_size=block_size,
+            )  # fmt: skip
+            return step
         lengths = self.length[rows]
         last = (lengths - 1).clamp(min=0)
         active = limits > lengths
@@ -186,43 +212,6 @@ class DraftChain:
             seq_lens=last + self.width,
             real=real,
         )
-
-    def _lay_out_kernel(
-        self,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        limits: torch.Tensor,
-        block_tables: torch.Tensor,
-        block_size: int,
-        into: dict[str, torch.Tensor] | None,
-    ) -> ChainedInputs:
-        from meshllm_kernels.spec.chain_kernels import lay_out_  # CUDA builds only
-
-        r = len(rows)
-        tokens = r * self.width
-        new = rows.new_empty
-        into = into or {
-            "input_ids": new(tokens),
-            "positions": new(tokens),
-            "slots": new(tokens),
-            "seq_lens": new(r),
-        }
-        step = ChainedInputs(
-            lengths=new(r),
-            drafts=new(r, self.k),
-            num_drafts=new(r),
-            active=new(r),
-            input_ids=into["input_ids"][:tokens],
-            positions=into["positions"][:tokens],
-            slots=into["slots"][:tokens],
-            seq_lens=into["seq_lens"][:r],
-        )
-        lay_out_(
-            self.tokens, self.length, rows, slots, limits, block_tables, step.kernel_outputs(),
-            k=self.k, min_n=self.min_n, max_n=self.max_n, max_model_len=self.max_model_len,
-            block_size=block_size,
-        )  # fmt: skip
-        return step
 
     def accept(
         self, rows: torch.Tensor, inputs: ChainedInputs, draws: torch.Tensor, latest: torch.Tensor

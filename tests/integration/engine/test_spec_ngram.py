@@ -103,14 +103,16 @@ def test_seeded_sampling_equals_no_speculation(smollm2_dir, model_and_config, pr
             torch.testing.assert_close(gen.top_logprobs, ref.top_logprobs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("chain", [False, True], ids=["on-host", "chained-on-device"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
-    smollm2_dir, model_and_config, prompts, params
+    smollm2_dir, model_and_config, prompts, params, chain: bool
 ):
     """What the mesh does with asynchronous scheduling: lookahead slots planned up to three
     steps ahead of the results (the scheduler counts them all as accepted until each result),
-    the worker verifying its own drafts in them. Output equals plain decoding, token for
-    token, with exactly max_tokens tokens."""
+    the worker verifying its own drafts in them; chained on the device (spec/chain.py), each
+    step launched, as a GPU worker launches it, before the previous one's tokens are on the
+    host. Output equals plain decoding, token for token, with exactly max_tokens tokens."""
     plain_engine = engine(smollm2_dir, model_and_config, None)
     plain = plain_engine.generate(prompts, params, pipeline=True, ahead=3)
     spec = InProcessEngine(
@@ -118,10 +120,12 @@ def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
         model_and_config=model_and_config,
         speculative=NGRAM,
         scheduler_options={"spec_drafts_on_worker": True},
+        runner_options={"device_chain": chain},
     )
-    out = spec.generate(prompts, params, pipeline=True, ahead=3)
+    out = spec.generate(prompts, params, pipeline=True, overlap=chain, ahead=3)
     assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
     assert spec.planned_ahead > 0  # verify steps went out before the previous result
+    assert spec.launched_ahead > 0 or not chain  # and were launched before it was finished
     stats = spec.scheduler.spec.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     if params is GREEDY:  # the copying prompt's drafts stand: fewer steps in all
@@ -130,10 +134,14 @@ def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
         raise AssertionError(f"{request.request_id} still held")
 
 
-def test_drafts_on_the_worker_with_chunking_and_preemption(smollm2_dir, model_and_config, prompts):
+@pytest.mark.parametrize("chain", [False, True], ids=["on-host", "chained-on-device"])
+def test_drafts_on_the_worker_with_chunking_and_preemption(
+    smollm2_dir, model_and_config, prompts, chain: bool
+):
     """Lookahead slots in flight when a request is preempted (a pool too small for the batch)
     or its prompt comes in chunks (a small step budget): the outputs still equal plain
-    decoding's, and every block comes back."""
+    decoding's, and every block comes back. Chained on the device (spec/chain.py), the steps
+    that run on the host in between append tokens the device's copy must take up."""
     small = {"num_blocks": 10, "block_size": 16, "max_num_batched_tokens": 24}
     plain = InProcessEngine(smollm2_dir, model_and_config=model_and_config, **small)
     want = plain.generate(prompts, GREEDY)
@@ -142,61 +150,13 @@ def test_drafts_on_the_worker_with_chunking_and_preemption(smollm2_dir, model_an
         model_and_config=model_and_config,
         speculative=NGRAM,
         scheduler_options={"spec_drafts_on_worker": True},
+        runner_options={"device_chain": chain},
         **small,
     )
     free_at_start = spec.scheduler.kv.num_free_blocks
-    got = spec.generate(prompts, GREEDY, pipeline=True, ahead=3)
+    got = spec.generate(prompts, GREEDY, pipeline=True, overlap=chain, ahead=3)
     assert {r: g.token_ids for r, g in got.items()} == {r: g.token_ids for r, g in want.items()}
     assert spec.scheduler.num_preemptions > 0 and spec.planned_ahead > 0
-    assert spec.scheduler.spec.stats.num_accepted_tokens > 0
-    assert spec.scheduler.kv.num_free_blocks == free_at_start
-
-
-CHAINED = {"device_chain": True}
-
-
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_verify_steps_chained_on_the_device_equal_no_speculation(
-    smollm2_dir, model_and_config, prompts, params
-):
-    """Verify steps chained on the device (services/worker/spec/chain.py), launched as a GPU
-    worker launches them: before the previous step's tokens are finished on the host, the
-    drafts proposed and accepted from the device's copy of each row. Output equals plain
-    decoding, with drafts accepted, and the steps really ran ahead."""
-    plain = engine(smollm2_dir, model_and_config, None).generate(prompts, params)
-    spec = InProcessEngine(
-        smollm2_dir,
-        model_and_config=model_and_config,
-        speculative=NGRAM,
-        scheduler_options={"spec_drafts_on_worker": True},
-        runner_options=CHAINED,
-    )
-    out = spec.generate(prompts, params, overlap=True, ahead=3)
-    assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
-    assert spec.launched_ahead > 0  # chained steps launched before the previous one finished
-    stats = spec.scheduler.spec.stats
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert not spec.scheduler.requests
-
-
-def test_chained_verify_steps_with_chunking_and_preemption(smollm2_dir, model_and_config, prompts):
-    """Chained steps beside chunked prompts and preemptions (the steps that run on the host in
-    between append tokens the device copy must take up): outputs equal plain decoding's."""
-    small = {"num_blocks": 10, "block_size": 16, "max_num_batched_tokens": 24}
-    want = InProcessEngine(smollm2_dir, model_and_config=model_and_config, **small).generate(
-        prompts, GREEDY
-    )
-    spec = InProcessEngine(
-        smollm2_dir,
-        model_and_config=model_and_config,
-        speculative=NGRAM,
-        scheduler_options={"spec_drafts_on_worker": True},
-        runner_options=CHAINED,
-        **small,
-    )
-    free_at_start = spec.scheduler.kv.num_free_blocks
-    got = spec.generate(prompts, GREEDY, overlap=True, ahead=3)
-    assert {r: g.token_ids for r, g in got.items()} == {r: g.token_ids for r, g in want.items()}
-    assert spec.scheduler.num_preemptions > 0 and spec.launched_ahead > 0
+    assert spec.launched_ahead > 0 or not chain
     assert spec.scheduler.spec.stats.num_accepted_tokens > 0
     assert spec.scheduler.kv.num_free_blocks == free_at_start
