@@ -137,10 +137,13 @@ LONG_SAMPLED = SamplingParams(temperature=0.3, seed=4, max_tokens=48, ignore_eos
 
 def test_chained_verify_steps_on_cuda(root) -> None:
     """Greedy and seeded sampling: the plain engine's tokens (the first test holds those to
-    transformers'). The steps launch one behind another from the verify graphs without the
-    host ever waiting for the GPU (set_sync_debug_mode), drafts accepted on the device."""
+    transformers'). The steps launch one behind another without the host ever waiting for the
+    GPU (set_sync_debug_mode), drafts accepted on the device: whole steps replayed from the
+    chained graphs (accel/chain_graphs.py), or, with top-k (a draw those graphs do not hold),
+    the layout kernel, the verify graph and the acceptance kernel one by one."""
     path, _ = root
-    for params in (LONG_GREEDY, LONG_SAMPLED):
+    top_k = LONG_SAMPLED.model_copy(update={"top_k": 20})
+    for params in (LONG_GREEDY, LONG_SAMPLED, top_k):
         plain = cuda_engine(path, None).generate(LOOPING, params)
         engine = chained_engine(path)
         sites: list[str] = []
@@ -151,6 +154,8 @@ def test_chained_verify_steps_on_cuda(root) -> None:
         }
         assert engine.launched_ahead > 0
         assert engine.scheduler.spec.stats.num_accepted_tokens > 0
-        verify = engine.runner.verify_graphs
-        assert verify is not None and verify.replays
+        whole, verify = engine.runner.chain_graphs, engine.runner.verify_graphs
+        assert whole is not None and verify is not None
+        assert (sum(whole.replays.values()) > 0) == (params is not top_k)
+        assert (sum(verify.replays.values()) > 0) == (params is top_k)
         assert not sites, f"a chained launch synchronized at {sorted(set(sites))}"

@@ -47,8 +47,8 @@ def test_kernels_equal_the_pytorch_chain(device: torch.device) -> None:
         case = _case(seed)
         ref, dev = _chain(torch.device("cpu")), _chain(device)
         for chain in (ref, dev):
-            chain.tokens[:] = case["tokens"].to(chain.device)
-            chain.length[:] = case["length"].to(chain.device)
+            chain.tokens[:8] = case["tokens"].to(chain.device)
+            chain.length[:8] = case["length"].to(chain.device)
         want = ref.lay_out(
             case["rows"], case["slots"], case["limits"], case["tables"], BLOCK_SIZE, COLUMNS
         )

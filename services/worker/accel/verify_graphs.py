@@ -110,11 +110,14 @@ class VerifyGraphs(SpanGraphs):
         device: torch.device | str,
         sizes: tuple[int, ...] = VERIFY_SIZES,
         upload_stream: torch.cuda.Stream | None = None,
+        request_fields: tuple[str, ...] = (),
     ) -> None:
+        """`request_fields`: more int64 inputs of one value per request (chain_graphs.py)."""
         if num_spec_tokens < 1:
             raise ValueError(f"verify graphs need num_spec_tokens >= 1, got {num_spec_tokens}")
         self.width = num_spec_tokens + 1
         self.capacity = max_blocks_per_req * block_size
+        self.block_size = block_size
         # Up to the largest listed size: past it a step is long enough to pay its launches.
         chosen = graph_sizes(min(max_num_reqs, sizes[-1]), sizes)
         rows = chosen[-1]
@@ -124,6 +127,7 @@ class VerifyGraphs(SpanGraphs):
             "positions": ((tokens,), torch.int64),
             "slots": ((tokens,), torch.int64),
             "seq_lens": ((rows,), torch.int32),
+            **{name: ((rows,), torch.int64) for name in request_fields},
             "block_tables": ((rows, max_blocks_per_req), torch.int32),  # last: see stage
         }
         super().__init__(

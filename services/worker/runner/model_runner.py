@@ -37,6 +37,7 @@ from meshllm_kernels.attention.backends import PagedKernelBackend, TritonPagedAt
 from meshllm_kernels.runtime.compile_watch import CompileWatch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from meshllm_kernels.runtime.tensor_checks import sm_count
+from services.worker.accel.chain_graphs import ChainGraphs
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, padded_size
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
@@ -229,6 +230,8 @@ class ModelRunner:
         # that verify drafts (accel/verify_graphs.py).
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        # CUDA, with a device chain: whole chained verify steps (accel/chain_graphs.py).
+        self.chain_graphs: ChainGraphs | None = None
         # CUDA, when asked for (capture_cuda_graphs' prefill_tokens): small prefill and mixed
         # steps replay graphs too (accel/prefill_graphs.py).
         self.prefill_graphs: PrefillGraphs | None = None
@@ -774,6 +777,16 @@ class ModelRunner:
                 seconds += taken
                 verify.on_phase = self.mark_phase
                 self.verify_graphs = verify
+        if self.chain is not None and self.verify_graphs is not None:
+            chained = ChainGraphs(
+                self.model, layers, backend, chain=self.chain, sampler=self.sampler,
+                compute_logits=self.compute_logits, latest=self.feed.latest, **spans,
+            )  # fmt: skip
+            taken = _capture(chained, "chained verify steps")
+            if taken is not None:
+                seconds += taken
+                chained.on_phase = self.mark_phase
+                self.chain_graphs = chained
         if prefill_tokens and not needs_group_attention(self.kv_groups):  # as _forward replays
             prefill = PrefillGraphs(self.model, layers, backend, max_tokens=prefill_tokens, **spans)
             taken = _capture(prefill, "prefill and mixed steps")

@@ -282,6 +282,11 @@ class SamplingState:
             and not self._penalty_rows
         )
 
+    @property
+    def truncates(self) -> bool:
+        """Some row keeps only part of the vocabulary (top-k, top-p, min-p)."""
+        return bool(self._top_k_rows or self._top_p_rows or self._min_p_rows)
+
     def sample(
         self,
         logits: torch.Tensor,

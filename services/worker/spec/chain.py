@@ -89,10 +89,12 @@ class DraftChain:
         self.min_n, self.max_n = min_n, max_n
         self.device = device
         # Draws are written at T .. T + K; T - 1 + W <= capacity (fits), so this never overflows.
+        # One row more than the batch's: the pad requests of a chained graph use it.
+        self.scratch_row = max_num_reqs
         self.tokens = torch.zeros(
-            max_num_reqs, capacity + self.width + 1, dtype=torch.int32, device=device
+            max_num_reqs + 1, capacity + self.width + 1, dtype=torch.int32, device=device
         )
-        self.length = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        self.length = torch.zeros(max_num_reqs + 1, dtype=torch.int64, device=device)
         self.known = np.zeros(max_num_reqs, dtype=np.int64)
         self.ahead = np.zeros(max_num_reqs, dtype=np.int64)
         self._offsets = torch.arange(self.width, device=device)

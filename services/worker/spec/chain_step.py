@@ -52,6 +52,14 @@ def launch_chained(
     if marks is not None:
         marks.shape(1 + slots, slots)
     chain.sync(batch, rows, runner._to_device)
+    whole = runner.chain_graphs
+    size = padded_size(len(ids), whole.sizes) if whole is not None else None
+    if whole is not None and size in whole.graphs and not runner.sampler.truncates:
+        runner.mark_phase("inputs")
+        whole.stage_step(size, rows, slots, limits, batch.block_tables[0, rows])
+        packed = whole.run_step(size, len(ids))
+        runner.mark_phase("verified")
+        return _in_flight(runner, ids, rows, slots, params, packed)
     window = chain.window(batch, rows)
     columns = runner._to_device(np.stack([rows, slots, limits]))
     rows_t, slots_t, limits_t = columns[0], columns[1], columns[2]
@@ -78,12 +86,26 @@ def launch_chained(
     out = runner.sampler.sample(logits, rows_t.repeat_interleave(width), step.positions + 1)
     packed = chain.accept(rows_t, step, out.token_ids.view(len(ids), width), runner.feed.latest)
     runner.mark_phase("verified")
+    return _in_flight(runner, ids, rows, slots, params, packed)
+
+
+def _in_flight(
+    runner: ModelRunner,
+    ids: list[str],
+    rows: np.ndarray,
+    slots: np.ndarray,
+    params: list[SamplingParams | None],
+    packed: torch.Tensor,
+) -> InFlightTokens:
+    """The step's packed result on its way to the host; its rows may hold 1 + slots more
+    tokens each once it lands."""
+    assert runner.chain is not None
     tokens = InFlightTokens.start(
         ids, rows, params, SamplerOutput(token_ids=packed), runner.download_stream
     )
     tokens.chained = slots
     runner.feed.launched(tokens)
-    chain.ahead[rows] += 1 + slots
+    runner.chain.ahead[rows] += 1 + slots
     CHAINED_STEPS.inc()
     return tokens
 
