@@ -7,8 +7,8 @@ completions through the gateway, against the same mesh without speculation.
 Two meshes are up at once (tests/support/mesh.py: redis-server, gateway, scheduler, worker
 processes each), the same model, one with MESHLLM_SPEC_METHOD=ngram (MESHLLM_SPEC_TOKENS=K,
 prompt lookup n = 2..4), one without; everything else at its default, so plain decoding keeps
-the worker's asynchronous scheduling and overlapped steps (a worker with a drafter does not
-overlap: its drafts come from each step's tokens). Per concurrency c (`--concurrency`) and
+the worker's asynchronous scheduling and overlapped steps (a speculating worker's verify steps
+overlap when chained on the device: MESHLLM_SPEC_DEVICE_CHAIN, on for CUDA). Per concurrency c (`--concurrency`) and
 task, `--repeats` rounds of each mesh in ABBA order: c chat requests at once (each prompt
 opened by its own number, as bench/spec_ngram.py --batch does), greedy, `--max-tokens` each;
 output tok/s = completion tokens of the round / its wall time. Reported per task: the best of
