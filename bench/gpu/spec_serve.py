@@ -8,9 +8,10 @@ Two meshes are up at once (tests/support/mesh.py: redis-server, gateway, schedul
 processes each), the same model, one with MESHLLM_SPEC_METHOD=ngram (MESHLLM_SPEC_TOKENS=K,
 prompt lookup n = 2..4), one without; everything else at its default, so plain decoding keeps
 the worker's asynchronous scheduling and overlapped steps (a speculating worker's verify steps
-overlap when chained on the device: MESHLLM_SPEC_DEVICE_CHAIN, on for CUDA). Per concurrency c (`--concurrency`) and
-task, `--repeats` rounds of each mesh in ABBA order: c chat requests at once (each prompt
-opened by its own number, as bench/spec_ngram.py --batch does), greedy, `--max-tokens` each;
+overlap when chained on the device: MESHLLM_SPEC_DEVICE_CHAIN, on for CUDA). Per concurrency c
+(`--concurrency`) and task, `--repeats` rounds of each mesh in ABBA order: c chat requests at
+once (each prompt opened by its own number, as bench/spec_ngram.py --batch does), greedy,
+`--max-tokens` each;
 output tok/s = completion tokens of the round / its wall time. Reported per task: the best of
 each mesh, the median of the rounds' ratios, and whether the two meshes answered the same
 texts. `--against` adds speculating meshes to the rotation, each compared with the default

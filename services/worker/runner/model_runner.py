@@ -330,6 +330,10 @@ class ModelRunner:
             step.tokens = launch_chained(self, plan, step.marks)
             inputs = None
         else:
+            if any(t.chained is not None for t in self.feed.steps):
+                # the host's tokens of those rows are behind the device's until they land
+                # (the service finishes them first: can_overlap said no to this plan)
+                raise PlanError("a step run on the host while chained verify steps are in flight")
             inputs = self.prepare_inputs(plan) if plan.num_scheduled_tokens else None
         if inputs is not None:
             if step.marks is not None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.worker.loader import load_model
+from services.worker.runner.input_batch import PlanError
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
@@ -160,3 +161,32 @@ def test_drafts_on_the_worker_with_chunking_and_preemption(
     assert spec.launched_ahead > 0 or not chain
     assert spec.scheduler.spec.stats.num_accepted_tokens > 0
     assert spec.scheduler.kv.num_free_blocks == free_at_start
+
+
+def test_a_host_step_behind_a_chained_step_in_flight_is_refused(
+    smollm2_dir, model_and_config, prompts
+):
+    """The host's copy of a row is behind the device's while a chained step is in flight, so a
+    step that runs on the host (here a new prompt's prefill beside the decoding request) must
+    not launch behind it: PlanError (the service finishes the chained step first; this guards
+    against a plan that got past can_overlap)."""
+    spec = InProcessEngine(
+        smollm2_dir,
+        model_and_config=model_and_config,
+        speculative=NGRAM,
+        scheduler_options={"spec_drafts_on_worker": True},
+        runner_options={"device_chain": True},
+    )
+    spec.submit("a", prompts["chat0"], GREEDY)
+    first = spec.scheduler.schedule()
+    assert first is not None
+    spec.scheduler.update_from_output(first, spec.runner.execute(first))
+    chained = spec.scheduler.schedule()
+    assert chained is not None and spec.runner.can_overlap(chained)
+    in_flight = spec.runner.launch(chained)
+    spec.submit("b", prompts["chat1"], GREEDY)
+    host_step = spec.scheduler.schedule()
+    assert host_step is not None and not spec.runner.can_overlap(host_step)
+    with pytest.raises(PlanError, match="chained verify steps are in flight"):
+        spec.runner.launch(host_step)
+    assert spec.runner.finish(in_flight).sampled  # the chained step itself still lands
