@@ -104,6 +104,21 @@ def test_seeded_sampling_equals_no_speculation(smollm2_dir, model_and_config, pr
             torch.testing.assert_close(gen.top_logprobs, ref.top_logprobs, rtol=0, atol=1e-4)
 
 
+def drafting_on_worker(
+    smollm2_dir, model_and_config, chain: bool, **options: object
+) -> InProcessEngine:
+    """n-gram drafts verified by the worker in lookahead slots (as the mesh plans with async
+    scheduling); `chain`: its verify steps chained on the device (spec/chain.py)."""
+    return InProcessEngine(
+        smollm2_dir,
+        model_and_config=model_and_config,
+        speculative=NGRAM,
+        scheduler_options={"spec_drafts_on_worker": True},
+        runner_options={"device_chain": chain},
+        **options,  # type: ignore[arg-type]
+    )
+
+
 @pytest.mark.parametrize("chain", [False, True], ids=["on-host", "chained-on-device"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
@@ -116,13 +131,7 @@ def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
     host. Output equals plain decoding, token for token, with exactly max_tokens tokens."""
     plain_engine = engine(smollm2_dir, model_and_config, None)
     plain = plain_engine.generate(prompts, params, pipeline=True, ahead=3)
-    spec = InProcessEngine(
-        smollm2_dir,
-        model_and_config=model_and_config,
-        speculative=NGRAM,
-        scheduler_options={"spec_drafts_on_worker": True},
-        runner_options={"device_chain": chain},
-    )
+    spec = drafting_on_worker(smollm2_dir, model_and_config, chain)
     out = spec.generate(prompts, params, pipeline=True, overlap=chain, ahead=3)
     assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
     assert spec.planned_ahead > 0  # verify steps went out before the previous result
@@ -146,14 +155,7 @@ def test_drafts_on_the_worker_with_chunking_and_preemption(
     small = {"num_blocks": 10, "block_size": 16, "max_num_batched_tokens": 24}
     plain = InProcessEngine(smollm2_dir, model_and_config=model_and_config, **small)
     want = plain.generate(prompts, GREEDY)
-    spec = InProcessEngine(
-        smollm2_dir,
-        model_and_config=model_and_config,
-        speculative=NGRAM,
-        scheduler_options={"spec_drafts_on_worker": True},
-        runner_options={"device_chain": chain},
-        **small,
-    )
+    spec = drafting_on_worker(smollm2_dir, model_and_config, chain, **small)
     free_at_start = spec.scheduler.kv.num_free_blocks
     got = spec.generate(prompts, GREEDY, pipeline=True, overlap=chain, ahead=3)
     assert {r: g.token_ids for r, g in got.items()} == {r: g.token_ids for r, g in want.items()}
@@ -170,13 +172,7 @@ def test_a_host_step_behind_a_chained_step_in_flight_is_refused(
     step that runs on the host (here a new prompt's prefill beside the decoding request) must
     not launch behind it: PlanError (the service finishes the chained step first; this guards
     against a plan that got past can_overlap)."""
-    spec = InProcessEngine(
-        smollm2_dir,
-        model_and_config=model_and_config,
-        speculative=NGRAM,
-        scheduler_options={"spec_drafts_on_worker": True},
-        runner_options={"device_chain": True},
-    )
+    spec = drafting_on_worker(smollm2_dir, model_and_config, True)
     spec.submit("a", prompts["chat0"], GREEDY)
     first = spec.scheduler.schedule()
     assert first is not None
