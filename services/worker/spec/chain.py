@@ -158,7 +158,8 @@ class DraftChain:
         """Propose and lay out one step (see the module doc). rows, slots, limits (prompt +
         max_tokens: the most tokens the request may hold) [R]; block_tables [R, >= the blocks
         the spans reach]. On CUDA, `into` (input_ids, positions, slots, seq_lens: a verify
-        graph's inputs) receives the layout. No host synchronization."""
+        graph's inputs) receives the layout, and the kernel searches each row whole (`window`,
+        the PyTorch path's columns, is unused). No host synchronization."""
         if self.device.type == "cuda":
             from meshllm_kernels.spec.chain_kernels import lay_out_  # CUDA builds only
 

@@ -1,10 +1,13 @@
 """The runner's chained verify step (chain.py): launched without the previous step's tokens
 on the host, answered when its own land.
 
-On CUDA the step is the verify graph of its batch size (accel/verify_graphs.py): the block
-tables go up from the host, everything else is computed on the device into the graph's inputs.
-On the CPU, where nothing runs ahead anyway, the real rows are read back and run eagerly: the
-same drafts, acceptance and device tokens, which is what the CPU tests check.
+On CUDA the whole step is one replay of a chained graph (accel/chain_graphs.py) after one
+upload of the requests' rows, slots, token limits and block tables. Where those graphs do not
+hold the step's draw (top-k, top-p, min-p), the pieces run one by one: the block tables go up,
+the layout kernel writes the verify graph's inputs (accel/verify_graphs.py), then the LM head,
+the draw and the acceptance kernel. On the CPU, where nothing runs ahead anyway, the real rows
+are read back and run eagerly: the same drafts, acceptance and device tokens, which is what
+the CPU tests check.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def launch_chained(
         packed = whole.run_step(size, len(ids))
         runner.mark_phase("verified")
         return _in_flight(runner, ids, rows, slots, params, packed)
-    window = chain.window(batch, rows)
+    window = chain.window(batch, rows) if runner.device.type != "cuda" else 0  # CPU lookup only
     columns = runner._to_device(np.stack([rows, slots, limits]))
     rows_t, slots_t, limits_t = columns[0], columns[1], columns[2]
     tables = batch.block_tables[0, rows]
