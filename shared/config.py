@@ -165,14 +165,15 @@ class SpeculativeSettings(MeshSettings):
     """Speculative decoding, read by the scheduler (K lookahead slots) and the worker (the
     drafter). Empty method = off."""
 
-    spec_method: Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"] = ""
+    spec_method: Literal["", "ngram", "draft", "eagle", "eagle3", "mtp", "dflash"] = ""
     spec_tokens: int = Field(4, ge=1, le=64)  # K: drafts verified per request and step
     # With async scheduling: the worker verifies its own drafts in lookahead slots, so verify
     # steps are planned ahead (docs/step-pipeline.md); false: drafts go worker -> scheduler ->
     # worker and each verify step waits for the previous result (grammar requests always do).
     spec_drafts_on_worker: bool = True
-    # The draft model's / EAGLE head's path ("draft", "eagle", "eagle3"); "mtp" reads the MTP
-    # layers of the served model's own checkpoint (default: MESHLLM_MODEL's directory).
+    # The draft model's / EAGLE head's / DFlash draft's path ("draft", "eagle", "eagle3",
+    # "dflash"); "mtp" reads the MTP layers of the served model's own checkpoint (default:
+    # MESHLLM_MODEL's directory).
     spec_model: str = ""
 
 

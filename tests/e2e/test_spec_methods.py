@@ -1,8 +1,9 @@
 """Speculative decoding through the real mesh, one mesh per method (MESHLLM_SPEC_METHOD=ngram,
-draft, eagle, eagle3, mtp), SmolLM2 as the target and drafters saved as checkpoints in a tmp
-dir in the formats their users have (tests/support/spec_heads.py): SmolLM2's first two layers
-as a draft model, a near-identity EAGLE head, an EAGLE-3 head in speculators' format, and an
-MTP module appended to a copy of SmolLM2's checkpoint (the mesh then serves that copy).
+draft, eagle, eagle3, mtp, dflash), SmolLM2 as the target and drafters saved as checkpoints in a
+tmp dir in the formats their users have (tests/support/spec_heads.py): SmolLM2's first two
+layers as a draft model, a near-identity EAGLE head, an EAGLE-3 head in speculators' format, an
+MTP module appended to a copy of SmolLM2's checkpoint (the mesh then serves that copy), and a
+random DFlash draft in z-lab's layout.
 
 Per mesh: greedy chat completions, two in flight together, equal the in-process engine's
 greedy output without speculation; a seeded sampled request gives the same text alone and
@@ -28,6 +29,7 @@ from tests.e2e.conftest import E2E_ENV
 from tests.support.engine import InProcessEngine
 from tests.support.mesh import Mesh
 from tests.support.spec_heads import (
+    write_dflash_draft,
     write_eagle3_head,
     write_eagle_head,
     write_mtp_target,
@@ -39,7 +41,7 @@ QUESTIONS = [
     "Repeat this sentence exactly: the cat sat on the warm mat next to the door.",
     "What is the capital of France?",
 ]
-METHODS = ["ngram", "ngram-chained", "draft", "eagle", "eagle3", "mtp"]
+METHODS = ["ngram", "ngram-chained", "draft", "eagle", "eagle3", "mtp", "dflash"]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,7 @@ def drafter_env(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     eagle = write_eagle_head(smollm2_dir, root / "eagle", identity=True)
     eagle3 = write_eagle3_head(smollm2_dir, root / "eagle3", speculators=True, identity=True)
     mtp = write_mtp_target(smollm2_dir, root / "mtp", identity=True)
+    dflash = write_dflash_draft(smollm2_dir, root / "dflash", block_size=5)
     return {
         "ngram": {},
         # verify steps chained on the device (services/worker/spec/chain.py), overlapped as on
@@ -59,6 +62,7 @@ def drafter_env(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "eagle": {"MESHLLM_SPEC_MODEL": str(eagle)},
         "eagle3": {"MESHLLM_SPEC_MODEL": str(eagle3)},
         "mtp": {"MESHLLM_MODEL": str(mtp)},  # the MTP module ships in the served checkpoint
+        "dflash": {"MESHLLM_SPEC_MODEL": str(dflash)},
     }
 
 

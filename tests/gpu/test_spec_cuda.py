@@ -3,7 +3,8 @@ engine's output without it (and transformers'), on a tiny fp32 Llama with drafte
 checkpoints (tests/support/spec_heads.py), with the runner's CUDA graphs captured as the worker
 captures them (steps without drafts replay the decode graphs, steps that verify drafts the verify
 graphs of accel/verify_graphs.py; EAGLE-3's target returns its auxiliary layer states from the
-graphs too). The drafters' draft loop never synchronizes with the GPU: it runs
+graphs too; the DFlash draft's block forward runs the paged kernel non-causally). The drafters'
+draft loop never synchronizes with the GPU: it runs
 under torch.cuda.set_sync_debug_mode (the drafts are read back once, after the loop)."""
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from services.worker.spec import SpeculativeConfig
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
 from tests.support.host_sync import guarded
-from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.spec_heads import (
+    write_dflash_draft,
+    write_eagle3_head,
+    write_eagle_head,
+    write_mtp_target,
+)
 from tests.support.tiny_llama import make_tiny_llama, reference_greedy
 
 pytestmark = pytest.mark.timeout(900)
@@ -36,6 +42,7 @@ METHODS = {
     "eagle3": ("eagle3", "eagle3", "target"),
     "eagle3-speculators": ("eagle3", "eagle3s", "target"),
     "mtp": ("mtp", "mtp", "mtp"),
+    "dflash": ("dflash", "dflash", "target"),
 }
 
 
@@ -49,6 +56,7 @@ def root(tmp_path_factory: pytest.TempPathFactory):
     write_eagle3_head(target, root / "eagle3", draft_vocab_size=128, identity=True)
     write_eagle3_head(target, root / "eagle3s", speculators=True, identity=True)
     write_mtp_target(target, root / "mtp", identity=True)
+    write_dflash_draft(target, root / "dflash", block_size=4)
     reference = {rid: reference_greedy(hf, p, NEW_TOKENS) for rid, p in PROMPTS.items()}
     return root, reference
 

@@ -1,10 +1,11 @@
 """Drafters' checkpoints for tests, written the way their users' tools write them: a tiny draft
 model (an HF dir), EAGLE-1/2 heads, EAGLE-3 heads (EAGLE/vLLM `midlayer.*` or speculators
-`layers.0.*`), and MTP modules appended to a copy of the target's own checkpoint
-(`model.layers.{L + k}.*` + `num_nextn_predict_layers`). Random weights; the "near identity"
-variants pass the target's feature straight through so that some drafts are accepted; the
-"truncated target" variants (a draft model, an EAGLE head, an MTP module) are the target's own
-first layers, so they predict some of the target's next tokens.
+`layers.0.*`), MTP modules appended to a copy of the target's own checkpoint
+(`model.layers.{L + k}.*` + `num_nextn_predict_layers`), and DFlash drafts (z-lab's layout).
+Random weights; the "near identity" variants pass the target's feature straight through so
+that some drafts are accepted; the "truncated target" variants (a draft model, an EAGLE head,
+an MTP module) are the target's own first layers, so they predict some of the target's next
+tokens.
 
 `drafts_after` runs one drafter on one row after a target prefill, the way the runner does.
 """
@@ -24,6 +25,7 @@ from services.worker.models.base import CausalLM, split_aux_hidden
 from services.worker.runner.input_batch import InputBatch
 from services.worker.runner.kv_cache import KVCache
 from services.worker.sampling import SamplingState
+from services.worker.spec.dflash import random_dflash_head, save_dflash_head
 from services.worker.spec.drafts import Drafter
 from services.worker.spec.eagle import random_eagle_head, save_eagle_head
 from services.worker.spec.eagle3 import random_eagle3_head, save_eagle3_head
@@ -119,6 +121,33 @@ def write_eagle3_head(
             head.fc.weight[:, deepest * hidden : (deepest + 1) * hidden] = torch.eye(hidden)
             head.lm_head.weight.copy_(lm_head[target_ids])
     save_eagle3_head(head, path, speculators=speculators, d2t=d2t)
+    return path
+
+
+def write_dflash_draft(
+    target_dir: Path,
+    path: Path,
+    *,
+    seed: int = 4,
+    std: float = 0.02,
+    num_layers: int = 1,
+    block_size: int = 8,
+    target_layers: tuple[int, ...] | None = None,
+) -> Path:
+    """A DFlash draft of Qwen3 layers shaped like the target's, mask token = the target's last
+    vocabulary id; `target_layers` None: z-lab's default for the target's depth."""
+    hf = target_hf(target_dir)
+    head = random_dflash_head(
+        {**hf, "num_hidden_layers": num_layers},
+        num_target_layers=int(hf["num_hidden_layers"]),
+        block_size=block_size,
+        mask_token_id=int(hf["vocab_size"]) - 1,
+        max_model_len=256,
+        target_layers=target_layers,
+        seed=seed,
+        std=std,
+    )
+    save_dflash_head(head, path, num_target_layers=int(hf["num_hidden_layers"]))
     return path
 
 

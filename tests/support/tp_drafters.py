@@ -1,5 +1,6 @@
 """What one rank of a tensor-parallel group generates with each model drafter (a draft model,
-EAGLE-1/2, EAGLE-3 with its own smaller vocabulary, MTP modules in the target's checkpoint):
+EAGLE-1/2, EAGLE-3 with its own smaller vocabulary, MTP modules in the target's checkpoint, a
+DFlash draft):
 greedy and seeded outputs through the scheduler core and the rank's runner, and the drafts the
 scheduler saw verified. Run on every rank by tests/support/tp_ranks.py, and in-process at TP=1,
 so the tests compare the group's drafting with TP=1's.
@@ -18,6 +19,7 @@ from services.worker.spec import SpeculativeConfig
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
 from tests.support.spec_heads import (
+    write_dflash_draft,
     write_eagle3_head,
     write_eagle_truncated_target,
     write_mtp_truncated_target,
@@ -34,6 +36,7 @@ DRAFTERS = {
     "eagle": ("eagle", "target"),
     "eagle3": ("eagle3", "target"),
     "mtp": ("mtp", "mtp"),
+    "dflash": ("dflash", "target"),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -62,6 +65,7 @@ def write_checkpoints(root: Path) -> Any:
     write_eagle_truncated_target(target, root / "eagle")
     write_eagle3_head(target, root / "eagle3", draft_vocab_size=127, identity=True)
     write_mtp_truncated_target(target, root / "mtp")
+    write_dflash_draft(target, root / "dflash", block_size=8)  # K 4 at the worker's default
     return hf
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from shared.config import SchedulerSettings
 
 #: drafters that read the target's hidden states of the newest positions (EAGLE, EAGLE-3 and
-#: MTP heads): the prefill side of P/D leaves those positions to the decode side, where the
-#: head sees them computed
-FEATURE_DRAFTERS = ("eagle", "eagle3", "mtp")
+#: MTP heads, the DFlash draft's context): the prefill side of P/D leaves those positions to
+#: the decode side, where the drafter sees them computed
+FEATURE_DRAFTERS = ("eagle", "eagle3", "mtp", "dflash")
 
 
 def drafter_backoff(spec_method: str) -> int:

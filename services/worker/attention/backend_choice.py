@@ -3,12 +3,12 @@ configuration (meshllm_kernels/attention/backends.py; CONTRACTS: "Non-causal dra
 
 The requirements come from the configuration, not from a step: every step of a runner needs
 the same things. Sliding windows come from the model's KV cache groups, fp8 KV from the cache
-dtype. Non-causal query blocks are needed by no drafter in services/worker/spec: n-gram,
-draft-model, EAGLE, EAGLE-3 and MTP drafters all propose a chain (each draft conditioned on the
-one before), drafted one position per forward, and the target verifies the chain in one causal
-forward (spec/verify.py). A drafter that drafts a block of positions at once, each seeing only
-the committed prefix (DFlash-style), must set `non_causal` here; the registry then refuses a
-path that cannot compute it instead of returning a causal result.
+dtype, non-causal query blocks from the drafter that owns the cache: the target's own forwards
+are causal, and so are the chain drafters (n-gram, draft model, EAGLE, EAGLE-3, MTP: each draft
+conditioned on the one before, one position per forward). The DFlash drafter
+(spec/block_drafter.py) drafts a whole block at once, each query seeing the committed prefix
+and the rest of the block, so its private cache (spec/row_kv.py) asks for `non_causal`; the
+registry then refuses a path that cannot compute it instead of returning a causal result.
 
 The path follows the device and the groups: CUDA with full-attention groups (one, or beside a
 hybrid model's state group) runs the Triton kernels ("triton"); CPU, and sliding-window groups
@@ -42,11 +42,11 @@ def uses_triton(device: torch.device | str) -> bool:
 
 
 def attention_requirements(
-    kv_groups: list[KVGroupSpec], kv_dtype: torch.dtype
+    kv_groups: list[KVGroupSpec], kv_dtype: torch.dtype, non_causal: bool = False
 ) -> AttentionRequirements:
     """What every forward over these groups and this cache dtype needs (module docstring)."""
     return AttentionRequirements(
-        non_causal=False,
+        non_causal=non_causal,
         sliding_window=any(g.sliding_window is not None for g in kv_groups),
         fp8_kv=kv_dtype in FP8_DTYPES,
     )
@@ -75,10 +75,14 @@ def refuse_ring_groups(kv_groups: list[KVGroupSpec]) -> None:
 
 
 def resolve_backend(
-    device: torch.device | str, kv_groups: list[KVGroupSpec], kv_dtype: torch.dtype
+    device: torch.device | str,
+    kv_groups: list[KVGroupSpec],
+    kv_dtype: torch.dtype,
+    *,
+    non_causal: bool = False,
 ) -> AttentionBackend:
     """The backend of this configuration, or BackendCapabilityError (fail closed); a ring
     group is refused (UnsupportedModelError) before any backend is asked."""
     refuse_ring_groups(kv_groups)
-    needs = attention_requirements(kv_groups, kv_dtype)
+    needs = attention_requirements(kv_groups, kv_dtype, non_causal)
     return select_backend(backend_name(device, kv_groups), needs)

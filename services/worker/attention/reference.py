@@ -10,7 +10,9 @@ Decodes are computed together: their blocks are gathered in one indexing op into
 Python cost of a decode step does not grow with the batch. Prefill chunks run one SDPA per
 sequence over exactly that sequence's tokens: no request is padded to the longest prompt. A
 chunk with no cached prefix attends its own fresh K/V (causal); a chunk extending a cached
-prefix reads the prefix back from the cache with an explicit causal-with-offset mask.
+prefix reads the prefix back from the cache with an explicit causal-with-offset mask. With
+`causal=False` (a drafter's non-causal query block, CONTRACTS "Non-causal draft blocks") every
+query of a chunk sees all of the row's keys up to its sequence length: no mask at all.
 
 Sliding windows (`sliding_window=W`): a query at position q attends to keys q - W < k <= q
 (transformers' rule). Only the blocks holding such keys are gathered, starting at block
@@ -46,11 +48,13 @@ if TYPE_CHECKING:
 @register_backend
 class ReferenceAttention(AttentionBackend):
     """What this path declares to the backend registry (meshllm_kernels/attention/backends.py):
-    every span's mask is causal (no non-causal draft blocks), sliding windows are honoured, and K/V
+    spans are causal unless the metadata is built with `causal=False` (non-causal draft blocks:
+    every query sees the whole sequence), sliding windows are honoured, and K/V
     are copied into the cache as they are (`write_kv`), so an fp8 cache, which needs a scale to
     quantize with, is refused rather than filled with unscaled values."""
 
     name = "reference"
+    supports_non_causal = True
     supports_sliding_window = True
 
 
@@ -80,6 +84,7 @@ class PrefillSpan:
     block_ids: torch.Tensor | None  # blocks holding keys [key_start, seq_len); context_len > 0
     mask: torch.Tensor | None  # [end - start, seq_len - key_start] bool (True = attend)
     key_start: int = 0  # first key position read (block-aligned; > 0 only with a window)
+    causal: bool = True  # False: every query sees keys [key_start, seq_len) (no mask)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
         decode_kernel: CpuDecodeAttention | None = None,
+        causal: bool = True,
     ) -> AttentionMetadata:
         """From per-request arrays in flat-batch order (decodes first for the fast path).
 
@@ -112,7 +118,11 @@ class AttentionMetadata:
         A single-token request placed after a prefill is treated as a prefill span (correct,
         only slower). With `sliding_window`, only entries from the window's first block on need
         to be valid. `decode_kernel` is kept only where it applies (decodes on CPU, no window).
+        `causal=False`: each prefill span's queries see every key of their row (a single-token
+        row sees all its keys either way); not with a window.
         """
+        if not causal and sliding_window is not None:
+            raise ValueError("non-causal attention over a sliding window is not supported")
         device = torch.device(device)
         query_lens, seq_lens, num_decodes = step_lengths(query_lens, seq_lens)
         slots = torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device)
@@ -155,14 +165,22 @@ class AttentionMetadata:
                 block_ids = torch.from_numpy(
                     np.ascontiguousarray(block_tables[i, first:n_blocks], dtype=np.int64)
                 ).to(device)
-                mask = _causal_mask(context, q_len, key_start, s_len, sliding_window)
-                mask_t = torch.from_numpy(mask).to(device)
+                if causal:
+                    mask = _causal_mask(context, q_len, key_start, s_len, sliding_window)
+                    mask_t = torch.from_numpy(mask).to(device)
             elif sliding_window is not None and q_len > sliding_window:
                 mask_t = torch.from_numpy(_causal_mask(0, q_len, 0, s_len, sliding_window))
                 mask_t = mask_t.to(device)
             prefills.append(
                 PrefillSpan(
-                    int(starts[i]), int(starts[i + 1]), context, s_len, block_ids, mask_t, key_start
+                    int(starts[i]),
+                    int(starts[i + 1]),
+                    context,
+                    s_len,
+                    block_ids,
+                    mask_t,
+                    key_start,
+                    causal,
                 )
             )
         return cls(
@@ -290,7 +308,7 @@ def _prefill(
             ks,
             vs,
             attn_mask=span.mask,  # None (plain causal) unless a window cuts the chunk
-            is_causal=span.mask is None,
+            is_causal=span.causal and span.mask is None,
             scale=scale,
             enable_gqa=True,
         )
@@ -300,7 +318,7 @@ def _prefill(
         kv = kv.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
         kv = kv[:, : span.seq_len - span.key_start]
         ks, vs = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
+        out = F.scaled_dot_product_attention(  # mask None: non-causal, every key
             qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True
         )
     n = span.end - span.start

@@ -108,6 +108,9 @@ class TritonAttentionMetadata:
     prefill_seq_lens: torch.Tensor | None = None  # [P] int32
     prefill_max_seqlen_q: int = 0
     sliding_window: int | None = None  # keys q - W < k <= q (transformers' rule), as the CPU path
+    # False: prefill spans are non-causal query blocks (every query sees its row's whole
+    # sequence; a drafter's block, CONTRACTS "Non-causal draft blocks"), on the paged kernel
+    causal: bool = True
     # Prefill spans with no cached prefix, for dense attention (None: no such span, a sliding
     # window, or disabled); the prefill_* tensors above still cover every prefill span, for
     # when no dense implementation runs on the call's device/dtype.
@@ -135,6 +138,7 @@ class TritonAttentionMetadata:
         sliding_window: int | None = None,
         dense_prefill: bool = True,
         dense_impl: str | None = None,
+        causal: bool = True,
     ) -> TritonAttentionMetadata:
         """Same arguments as AttentionMetadata.build (decodes first), plus the model's
         kv head count (it sets the decode split factor) and the backend whose kernels the
@@ -151,6 +155,7 @@ class TritonAttentionMetadata:
             backend=backend,
             num_decodes=num_decodes,
             sliding_window=sliding_window,
+            causal=causal,
         )
         if num_decodes:
             lens = seq_lens[:num_decodes]
@@ -172,7 +177,7 @@ class TritonAttentionMetadata:
             )
             meta.prefill_seq_lens = _upload(lens, device, np.int32)
             meta.prefill_max_seqlen_q = int(q_lens.max())
-            if dense_prefill and sliding_window is None:
+            if dense_prefill and sliding_window is None and causal:
                 meta.dense_prefill = DensePrefill.build(
                     first_row=int(query_lens[:num_decodes].sum()),
                     query_lens=q_lens,
@@ -278,7 +283,8 @@ def triton_attention(
     elif d < q.shape[0]:
         attn.backend.prefill(
             q[d:], kv_cache, attn.prefill_block_tables, attn.prefill_cu_seqlens_q,
-            attn.prefill_seq_lens, causal=True, sliding_window=attn.sliding_window, sm_scale=scale,
+            attn.prefill_seq_lens, causal=attn.causal, sliding_window=attn.sliding_window,
+            sm_scale=scale,
             max_seqlen_q=attn.prefill_max_seqlen_q, out=out[d:],
         )  # fmt: skip
     return out

@@ -4,7 +4,8 @@ Reading order: `config` (the settings a worker runs with), `drafts` (staging a p
 into the persistent batch; the Drafter that proposes the next ones for each method), the
 drafters: `ngram` (prompt lookup: drafts from the request's own tokens, no weights),
 `draft_model` (a small CausalLM with a private KV cache, `row_kv`), `feature_drafter` (heads
-fed the target's features: `eagle`, `eagle3`, `mtp`, read and written by `head_io`); how drafts
+fed the target's features: `eagle`, `eagle3`, `mtp`, read and written by `head_io`),
+`block_drafter` (the DFlash draft of `dflash`: a whole block in one non-causal forward); how drafts
 are drawn: `draws` (the counter RNG's positions for drafts and acceptances), `draft_sampler`
 (greedy or sampled drafts and their q), `vocab_map` (draft->target vocabulary, one rule for
 every drafter), `proposals` (what was proposed, kept until verified); verification: `verify`
@@ -21,7 +22,7 @@ rank's). Each rank then drafts from the same inputs: the same verified tokens (t
 the same seeded sampling), and the target's features, which are whole and bit-identical on
 every rank (the final hidden state and EAGLE-3's auxiliary streams are residual streams, i.e.
 sums of all-reduced outputs). Heads that share the target's embedding or LM head (EAGLE-1/2,
-MTP without its own) call the target's vocab-parallel modules, whose all-reduce / all-gather
+MTP without its own, DFlash) call the target's vocab-parallel modules, whose all-reduce / all-gather
 return the whole lookup and logits; those collectives meet on every rank because every rank
 drafts the same rows in the same order. Verification is the sharded target forward, as for any
 step (tested: tests/unit/worker/parallel/test_tp_drafters.py).

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SpecMethod = Literal["", "ngram", "draft", "eagle", "eagle3", "mtp"]
-METHODS = ("ngram", "draft", "eagle", "eagle3", "mtp")
+SpecMethod = Literal["", "ngram", "draft", "eagle", "eagle3", "mtp", "dflash"]
+METHODS = ("ngram", "draft", "eagle", "eagle3", "mtp", "dflash")
 
 
 class SpeculativeConfig(BaseModel):
@@ -16,7 +16,8 @@ class SpeculativeConfig(BaseModel):
     method: SpecMethod = ""  # "" = no speculation
     # K: drafts proposed per request and step (the scheduler caps what it schedules by it too).
     num_spec_tokens: int = Field(default=4, ge=1, le=64)
-    # the draft model / EAGLE head checkpoint ("draft", "eagle", "eagle3"); "mtp": the target's
+    # the draft model / EAGLE head / DFlash draft checkpoint ("draft", "eagle", "eagle3",
+    # "dflash"); "mtp": the target's
     # own checkpoint directory, whose MTP layers draft
     model: str = ""
     # Prompt lookup: the longest suffix of n tokens (max..min) found earlier in the request.

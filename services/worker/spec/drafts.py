@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from services.worker.runner.input_batch import InputBatch, PlanError
+from services.worker.spec.block_drafter import BlockDrafter
 from services.worker.spec.config import METHODS, SpeculativeConfig
+from services.worker.spec.dflash import load_dflash_head
 from services.worker.spec.draft_model import DraftModelDrafter, load_d2t
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.eagle import load_eagle_head
@@ -117,8 +119,10 @@ def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool
 class Drafter:
     """Proposes each sampled request's drafts for the next step and keeps the proposals until
     they are verified (proposals.py): prompt lookup ("ngram"), a separate draft model
-    ("draft", draft_model.py), or a head fed the target's features ("eagle", "eagle3", "mtp":
-    feature_drafter.py with eagle.py / eagle3.py / mtp.py; needs `target`)."""
+    ("draft", draft_model.py), a head fed the target's features ("eagle", "eagle3", "mtp":
+    feature_drafter.py with eagle.py / eagle3.py / mtp.py; needs `target`), or a DFlash draft
+    that drafts the whole block in one non-causal forward ("dflash": block_drafter.py with
+    dflash.py; needs `target`)."""
 
     def __init__(
         self,
@@ -135,7 +139,8 @@ class Drafter:
         self.book = ProposalBook(max_num_reqs)
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft_model: DraftModelDrafter | None = None
-        self.features: FeatureDrafter | None = None
+        # a drafter fed the target's features: a chain head, or a DFlash block draft
+        self.features: FeatureDrafter | BlockDrafter | None = None
         method = config.method
         if method == "draft":
             if not config.model:
@@ -166,6 +171,20 @@ class Drafter:
             self.features = FeatureDrafter(
                 head, target, vocab_size, max_num_reqs, max_model_len, d2t=d2t, device=device
             )
+        elif method == "dflash":
+            if target is None:
+                raise ValueError("a dflash drafter needs the target model")
+            if not config.model:
+                raise ValueError("MESHLLM_SPEC_METHOD=dflash needs MESHLLM_SPEC_MODEL (the draft)")
+            dtype = next(target.parameters()).dtype
+            block = load_dflash_head(
+                config.model, target.config.num_hidden_layers, dtype, device, max_model_len
+            )
+            target.aux_hidden_layers = block.aux_layers  # type: ignore[assignment]
+            self.features = BlockDrafter(
+                block, target, vocab_size, config.num_spec_tokens, max_num_reqs, max_model_len,
+                device=device,
+            )  # fmt: skip
         elif method != "ngram":
             raise ValueError(f"unknown MESHLLM_SPEC_METHOD={method!r} ({', '.join(METHODS)})")
 

@@ -37,8 +37,11 @@ class RowKV:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        non_causal: bool = False,
     ) -> None:
         self.config = config
+        self.non_causal = non_causal
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -51,11 +54,12 @@ class RowKV:
         # held before. 0 when the row's request leaves (`release`).
         self.written = np.zeros(max_num_reqs, dtype=np.int64)
         self.cache = KVCache.allocate(config, INITIAL_BLOCKS, block_size, dtype, device)
-        # One full-attention group over the drafter's own layers, causal, in the model dtype:
-        # the backend is resolved once, here (backend_choice.py).
+        # One full-attention group over the drafter's own layers, in the model dtype: the
+        # backend is resolved once, here (backend_choice.py); `non_causal` (a block drafter's
+        # forwards) is refused by a backend that cannot compute it.
         layers = list(range(config.num_hidden_layers))
         self.backend = resolve_backend(
-            device, [KVGroupSpec(kind="full", layer_indices=layers)], dtype
+            device, [KVGroupSpec(kind="full", layer_indices=layers)], dtype, non_causal=non_causal
         )
         self.free = list(range(INITIAL_BLOCKS - 1, -1, -1))  # a stack: pop() gives low ids
 
@@ -80,21 +84,32 @@ class RowKV:
         """Attention over each row's own blocks for the flat tokens at `positions` (`counts`
         per row, in `rows` order), each row's sequence ending at `ends`; blocks up to each
         end are allocated first. The target's path for the device (Triton kernels on CUDA,
-        whose metadata uploads without a host sync)."""
+        whose metadata uploads without a host sync). A `non_causal` cache's forwards are
+        non-causal: each query sees its row's whole sequence up to its end."""
         rows = np.asarray(rows, dtype=np.int64)
-        self._reserve(rows, np.asarray(ends, dtype=np.int64))
-        tables = self.tables[rows]
-        block = tables[np.repeat(np.arange(len(rows)), counts), positions // self.block_size]
+        slots = self.slots(rows, ends, counts, positions)
         return build_attention_metadata(
             num_kv_heads=self.num_kv_heads,
             backend=self.backend,
             query_lens=counts,
             seq_lens=ends,
-            block_tables=tables,
+            block_tables=self.tables[rows],
             block_size=self.block_size,
-            slot_mapping=block * self.block_size + positions % self.block_size,
+            slot_mapping=slots,
             device=self.device,
+            causal=not self.non_causal,
         )
+
+    def slots(
+        self, rows: np.ndarray, ends: np.ndarray, counts: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
+        """The cache slots of the flat tokens at `positions` (`counts` per row, in `rows`
+        order), blocks up to each row's `ends` allocated first."""
+        rows = np.asarray(rows, dtype=np.int64)
+        self._reserve(rows, np.asarray(ends, dtype=np.int64))
+        tables = self.tables[rows]
+        block = tables[np.repeat(np.arange(len(rows)), counts), positions // self.block_size]
+        return block * self.block_size + positions % self.block_size  # type: ignore[no-any-return]
 
     def _reserve(self, rows: np.ndarray, ends: np.ndarray) -> None:
         needed = -(-ends // self.block_size)

@@ -29,7 +29,12 @@ from services.worker.loader import load_model
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import GrammarRef, SamplingParams, SubmitRequest
 from tests.support.engine import InProcessEngine
-from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.spec_heads import (
+    write_dflash_draft,
+    write_eagle3_head,
+    write_eagle_head,
+    write_mtp_target,
+)
 from tests.support.tiny_llama import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(1800)
@@ -69,6 +74,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
     # head names its own auxiliary layers.
     write_eagle3_head(target, root / "eagle3", std=1.0, draft_vocab_size=8, aux_layers=(0, 0, 0))
     write_mtp_target(target, root / "mtp", std=1.0)
+    # A DFlash draft reads a target layer's output stream, which a one-layer target lacks (its
+    # only layer's output is the final one): the same shape with two layers, read after the
+    # first.
+    make_tiny_llama(
+        root / "target2", seed=3, vocab_size=VOCAB, initializer_range=0.08, num_hidden_layers=2
+    )
+    write_dflash_draft(root / "target2", root / "dflash", std=1.0, block_size=3, target_layers=(0,))
     return root, hf
 
 
@@ -79,8 +91,10 @@ def spec_for(root: Path, method: str) -> tuple[SpeculativeConfig, Path]:
             method="ngram", num_spec_tokens=2, prompt_lookup_min=1, prompt_lookup_max=1
         )
         return spec, root / "target"
-    target = root / ("mtp" if method == "mtp" else "target")
-    model = {"draft": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp"}[method]
+    target = root / {"mtp": "mtp", "dflash": "target2"}.get(method, "target")
+    model = {"draft": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp"}.get(
+        method, method
+    )
     return SpeculativeConfig(method=method, num_spec_tokens=2, model=str(root / model)), target
 
 
@@ -144,9 +158,13 @@ def run_draws(
     return observed, engine
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle", "eagle3", "mtp", "dflash"])
 def test_speculative_sampling_matches_the_target_distribution(tiny, method: str) -> None:
     root, hf = tiny
+    if method == "dflash":
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(root / "target2", dtype=torch.float32).eval()
     observed, engine = run_draws(root, method)
     drafter = engine.runner.drafter
     assert drafter is not None and drafter.config.method == method

@@ -1,7 +1,7 @@
 """Every model drafter through the scheduler core and the model runner, on a tiny random Llama
 and drafters saved as checkpoints the way their users' tools write them (tests/support/
 spec_heads.py): a separate draft model, EAGLE-1/2, EAGLE-3 in both formats, MTP modules in the
-target's own checkpoint.
+target's own checkpoint, a DFlash draft (one non-causal block forward per proposal).
 
 - Greedy output equals transformers' greedy output of the target, token for token, alone and
   batched, with drafts really verified.
@@ -25,7 +25,12 @@ from services.worker.loader import load_model
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import SamplingParams
 from tests.support.engine import InProcessEngine
-from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.spec_heads import (
+    write_dflash_draft,
+    write_eagle3_head,
+    write_eagle_head,
+    write_mtp_target,
+)
 from tests.support.tiny_llama import make_tiny_llama, reference_greedy
 
 pytestmark = pytest.mark.timeout(900)
@@ -40,6 +45,7 @@ DRAFTERS = {
     "eagle3": ("eagle3", "eagle3", "target"),
     "eagle3-speculators": ("eagle3", "eagle3s", "target"),
     "mtp": ("mtp", "mtp", "mtp"),
+    "dflash": ("dflash", "dflash", "target"),
 }
 
 
@@ -53,6 +59,7 @@ def root(tmp_path_factory: pytest.TempPathFactory):
     write_eagle3_head(target, root / "eagle3", draft_vocab_size=128, identity=True)
     write_eagle3_head(target, root / "eagle3s", speculators=True, identity=True)
     write_mtp_target(target, root / "mtp", identity=True)
+    write_dflash_draft(target, root / "dflash", block_size=K + 1)
     reference = {rid: reference_greedy(hf, p, NEW_TOKENS) for rid, p in PROMPTS.items()}
     return root, reference
 

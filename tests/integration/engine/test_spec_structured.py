@@ -26,7 +26,12 @@ from services.worker.loader import load_model
 from services.worker.spec import SpeculativeConfig
 from shared.protocol import GrammarRef, SamplingParams, StepPlan, SubmitRequest
 from tests.support.engine import InProcessEngine
-from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.spec_heads import (
+    write_dflash_draft,
+    write_eagle3_head,
+    write_eagle_head,
+    write_mtp_target,
+)
 from tests.support.tiny_llama import make_tiny_llama
 
 pytestmark = pytest.mark.timeout(1800)
@@ -38,7 +43,7 @@ SCHEMA = {
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 NGRAM = SpeculativeConfig(method="ngram", num_spec_tokens=4, prompt_lookup_min=1)
-METHODS = ["ngram", "draft", "eagle", "eagle3", "mtp"]
+METHODS = ["ngram", "draft", "eagle", "eagle3", "mtp", "dflash"]
 ANSWER = '{"city": "Paris", "rank": 3}'
 FREE = "Repeat exactly: the cat sat on the warm mat next to the door."
 
@@ -122,8 +127,9 @@ def drafters(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     write_eagle_head(smollm2_dir, root / "eagle", identity=True)
     write_eagle3_head(smollm2_dir, root / "eagle3", identity=True)
     mtp = write_mtp_target(smollm2_dir, root / "mtp", identity=True)
+    write_dflash_draft(smollm2_dir, root / "dflash", block_size=5)
     out: dict[str, Any] = {"ngram": (NGRAM, None)}
-    for method in ("draft", "eagle", "eagle3"):
+    for method in ("draft", "eagle", "eagle3", "dflash"):
         spec = SpeculativeConfig(method=method, model=str(root / method), num_spec_tokens=4)
         out[method] = (spec, None)
     spec = SpeculativeConfig(method="mtp", model=str(mtp), num_spec_tokens=4)

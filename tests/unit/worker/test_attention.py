@@ -121,3 +121,39 @@ def test_padding_past_a_short_decode_is_masked_out() -> None:
     cache[:, 3] = 1e4
     second = paged_attention(q, k, v, cache, meta, DIM**-0.5)
     torch.testing.assert_close(first[0], second[0])
+
+
+@pytest.mark.parametrize("cached", [8, 0])
+def test_a_non_causal_block_sees_its_whole_sequence(cached: int) -> None:
+    """CONTRACTS "Non-causal draft blocks" on the reference path: qlen=2 over seq_len=10,
+    non-causal, row 0 sees all 10 positions (a path that ignores the flag sees 9), with the
+    first 8 cached and without a cached prefix (a 10-token block)."""
+    rng = np.random.default_rng(3)
+    n = 10 - cached
+    seq = Sequence(rng, [2, 0, 1], cached, n)
+    cache = torch.zeros(2, 3, BLOCK, KV_HEADS, DIM)
+    slots = torch.tensor(seq.slots(range(cached)), dtype=torch.int64)
+    write_kv(cache, seq.k[:cached], seq.v[:cached], slots)
+
+    def attend(causal: bool) -> torch.Tensor:
+        meta = AttentionMetadata.build(
+            query_lens=np.array([n]),
+            seq_lens=np.array([10]),
+            block_tables=np.array([seq.blocks]),
+            block_size=BLOCK,
+            slot_mapping=np.array(seq.slots(range(cached, 10))),
+            causal=causal,
+        )
+        k, v = seq.k[cached:], seq.v[cached:]
+        return paged_attention(seq.q, k, v, cache.clone(), meta, DIM**-0.5)
+
+    every = dense_reference(seq.q[:1], seq.k, seq.v)  # a last query sees all 10
+    causal = attend(True)
+    torch.testing.assert_close(attend(False)[0], every[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(causal, dense_reference(seq.q, seq.k, seq.v), atol=1e-5, rtol=1e-5)
+    assert (causal[0] - every[0]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="sliding window"):
+        AttentionMetadata.build(
+            query_lens=np.array([n]), seq_lens=np.array([10]), block_tables=np.array([seq.blocks]),
+            block_size=BLOCK, slot_mapping=np.arange(n), causal=False, sliding_window=4,
+        )  # fmt: skip

@@ -32,8 +32,10 @@ def test_requirements_follow_the_configuration() -> None:
         sliding_window=True
     )
     assert attention_requirements(FULL, torch.float8_e4m3fn) == AttentionRequirements(fp8_kv=True)
-    # No drafter drafts a non-causal block: verification is one causal forward.
+    # The target's forwards (verification too) are causal; only a block drafter's own cache
+    # (spec/block_drafter.py) asks for non-causal blocks.
     assert not attention_requirements(WINDOWED, torch.float8_e5m2).non_causal
+    assert attention_requirements(FULL, torch.float32, non_causal=True).non_causal
 
 
 def test_the_path_of_each_device_and_grouping() -> None:
@@ -53,8 +55,7 @@ def test_the_path_of_each_device_and_grouping() -> None:
 
 def test_the_reference_path_declares_what_it_cannot_compute() -> None:
     assert ReferenceAttention.missing(AttentionRequirements(non_causal=True, fp8_kv=True)) == [
-        "non_causal",
-        "fp8_kv",
+        "fp8_kv"
     ]
     assert ReferenceAttention.missing(AttentionRequirements(sliding_window=True)) == []
     with pytest.raises(BackendCapabilityError, match="'reference' does not support fp8_kv"):

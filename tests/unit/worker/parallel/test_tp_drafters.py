@@ -80,7 +80,9 @@ def test_tp2_drafts_as_tp1_accepted_and_rejected_alike_on_both_ranks(
     drafted = rank0["greedy"]["drafted"] + rank0["seeded"]["drafted"]
     accepted = rank0["greedy"]["accepted"] + rank0["seeded"]["accepted"]
     assert 0 < accepted < drafted
-    if method != "eagle3":  # its pass-through head drafts the last token again (greedy: missed)
+    # EAGLE-3's pass-through head drafts the last token again, the DFlash draft is random:
+    # greedy drafts missed, sampled ones accepted now and then
+    if method not in ("eagle3", "dflash"):
         assert 0 < rank0["greedy"]["accepted"] < rank0["greedy"]["drafted"]
 
 
