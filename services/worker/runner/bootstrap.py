@@ -170,6 +170,7 @@ def build_runner(
             settings.spec_device_chain == "on"
             or (settings.spec_device_chain == "auto" and device.type == "cuda")
         ),
+        draft_graphs=tp.size == 1,
     )
     if settings.step_timeline:
         runner.timeline = StepTimeline(settings.step_timeline, device)

@@ -40,6 +40,7 @@ from meshllm_kernels.runtime.tensor_checks import sm_count
 from services.worker.accel.chain_graphs import ChainGraphs
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, padded_size
+from services.worker.accel.draft_graphs import DraftGraphs
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
@@ -66,6 +67,7 @@ from services.worker.spec import SpeculativeConfig
 from services.worker.spec.chain import DraftChain
 from services.worker.spec.chain_step import land_chained, launch_chained
 from services.worker.spec.drafts import Drafter, stage_drafts, step_drafts
+from services.worker.spec.feature_drafter import FeatureDrafter
 from services.worker.spec.verify_step import verify_and_sample
 from shared.model.config import ModelConfig
 from shared.protocol import SampledTokens, SamplingParams, StepPlan, StepResult
@@ -146,13 +148,17 @@ class ModelRunner:
         compiled: bool = False,
         cpu_attention: CpuAttention = "auto",
         device_chain: bool = False,
+        draft_graphs: bool = True,
     ) -> None:
         """`compiled`: run the forward and logits compiled (cpu_compile.py; the model's
         linears must be plain nn.Linear, see load_model(compiled=True)). `cpu_attention`: the
         C++ decode attention on CPU ("auto": where it builds; see
         attention_select.cpu_decode_kernel). `device_chain`: with n-gram drafts, verify steps
-        planned ahead run from the device's tokens (spec/chain.py) and may overlap."""
+        planned ahead run from the device's tokens (spec/chain.py) and may overlap.
+        `draft_graphs`: capture_cuda_graphs also captures a feature head's draft loop
+        (accel/draft_graphs.py; off under tensor parallelism)."""
         self.model = model
+        self.draft_graphs = draft_graphs
         self.config = config
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -781,6 +787,9 @@ class ModelRunner:
                 seconds += taken
                 verify.on_phase = self.mark_phase
                 self.verify_graphs = verify
+        features = self.drafter.features if self.drafter is not None else None
+        if self.draft_graphs and isinstance(features, FeatureDrafter):
+            seconds += self._capture_draft_loop(features, sizes)
         if self.chain is not None and self.verify_graphs is not None:
             chained = ChainGraphs(
                 self.model, layers, backend, chain=self.chain, sampler=self.sampler,
@@ -798,6 +807,29 @@ class ModelRunner:
                 seconds += taken
                 prefill.on_phase = self.mark_phase
                 self.prefill_graphs = prefill
+        return seconds
+
+    def _capture_draft_loop(self, features: FeatureDrafter, sizes: tuple[int, ...]) -> float:
+        """Capture the head's draft loop (accel/draft_graphs.py) over a head KV pool as large
+        as the target's cache can fill (plus K per row); the seconds taken (0: it failed and
+        proposals run eagerly)."""
+        graphs = DraftGraphs(
+            features,
+            num_spec_tokens=self.num_spec_tokens,
+            target_vocab_size=self.config.vocab_size,
+            max_num_reqs=self.batch.max_num_reqs,
+            max_model_len=self.max_model_len,
+            sizes=sizes,
+        )
+        positions = self.kv_cache.num_blocks * self.block_size + self.batch.max_num_reqs * (
+            self.num_spec_tokens + features.kv.block_size
+        )
+        try:
+            seconds = graphs.capture(-(-positions // features.kv.block_size))
+        except RuntimeError:
+            log.exception("CUDA graph capture of the draft loop failed: it runs eagerly")
+            return 0.0
+        features.graphs = graphs
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:

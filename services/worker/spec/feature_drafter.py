@@ -33,7 +33,7 @@ chunks of at most FILL_CHUNK tokens.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from services.worker.spec.draft_sampler import DraftSampler, upload_ints
 from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map
 from shared.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.accel.draft_graphs import DraftGraphs
 
 #: the most head positions one forward of `FeatureDrafter._fill` covers
 FILL_CHUNK = 2048
@@ -116,6 +119,8 @@ class FeatureDrafter:
         self.last = torch.zeros(max_num_reqs, head.hidden_size, dtype=dtype, device=device)
         self.ready_req: list[str | None] = [None] * max_num_reqs
         self.ready_len = np.full(max_num_reqs, -1, dtype=np.int64)
+        # On CUDA, the draft loop captured per batch size (the runner sets it after capture)
+        self.graphs: DraftGraphs | None = None
 
     @torch.inference_mode()
     def observe(
@@ -187,7 +192,11 @@ class FeatureDrafter:
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, draws: DraftSampler) -> None:
-        """Draw `draws.ks[i]` drafts for each row of `draws` (all ready, every k > 0)."""
+        """Draw `draws.ks[i]` drafts for each row of `draws` (all ready, every k > 0): one
+        replay of the captured loop when every row drafts K, else eagerly."""
+        if self.graphs is not None and self.graphs.takes(draws):
+            self.graphs.run(batch, draws)
+            return
         rows, ks = draws.rows, draws.ks
         g = self.last[upload_ints(rows, self.device)]
         for j in range(int(ks.max())):

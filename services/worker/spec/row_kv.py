@@ -106,12 +106,13 @@ class RowKV:
         """The cache slots of the flat tokens at `positions` (`counts` per row, in `rows`
         order), blocks up to each row's `ends` allocated first."""
         rows = np.asarray(rows, dtype=np.int64)
-        self._reserve(rows, np.asarray(ends, dtype=np.int64))
+        self.reserve(rows, np.asarray(ends, dtype=np.int64))
         tables = self.tables[rows]
         block = tables[np.repeat(np.arange(len(rows)), counts), positions // self.block_size]
         return block * self.block_size + positions % self.block_size  # type: ignore[no-any-return]
 
-    def _reserve(self, rows: np.ndarray, ends: np.ndarray) -> None:
+    def reserve(self, rows: np.ndarray, ends: np.ndarray) -> None:
+        """Blocks holding positions [0, end) of each row (the pool grows when it must)."""
         needed = -(-ends // self.block_size)
         if (needed > self.blocks_per_row).any():
             raise ValueError(f"drafter positions up to {int(ends.max())} exceed max_model_len")
@@ -123,6 +124,12 @@ class RowKV:
             for i in range(have, n):
                 self.tables[row, i] = self.free.pop()
             self.num_row_blocks[row] = max(have, n)
+
+    def grow_to(self, num_blocks: int) -> None:
+        """A pool of at least `num_blocks` blocks (graphs captured over it stay valid while it
+        does not grow again: accel/draft_graphs.py)."""
+        if num_blocks > self.cache.num_blocks:
+            self._grow(num_blocks - self.cache.num_blocks)
 
     def _grow(self, at_least: int) -> None:
         old = self.cache.num_blocks

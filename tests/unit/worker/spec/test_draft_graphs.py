@@ -1,0 +1,116 @@
+"""The captured draft loop's body (services/worker/accel/draft_graphs.py) run without capture,
+on the Triton kernels through the interpreter: from its static inputs, padded past the real
+rows, it proposes exactly the eager loop's drafts and q (a greedy row and a seeded sampled
+row; an EAGLE head on the target's vocabulary, an EAGLE-3 head with its own smaller one, MTP)
+and writes the same head KV, pads writing none. On CUDA the same body is captured and replayed
+(tests/gpu/test_spec_cuda.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshllm_kernels.attention.backends import AttentionRequirements, select_backend
+from services.worker.accel.draft_graphs import DraftGraphs
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.loader import load_model
+from services.worker.models.base import split_aux_hidden
+from services.worker.runner.input_batch import InputBatch
+from services.worker.runner.kv_cache import KVCache
+from services.worker.sampling import SamplingState
+from services.worker.spec import SpeculativeConfig
+from services.worker.spec.draft_sampler import DraftSampler
+from services.worker.spec.drafts import Drafter
+from shared.protocol import SamplingParams
+from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.tiny_llama import make_tiny_llama
+
+K = 3
+PROMPTS = ([5, 17, 99, 3, 250, 41, 8], list(range(20, 39)))
+PARAMS = (
+    SamplingParams(temperature=0.0, max_tokens=8),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=8),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("draft_graphs")
+    target = root / "target"
+    make_tiny_llama(target, seed=0)
+    write_eagle_head(target, root / "eagle", std=0.3)
+    write_eagle3_head(target, root / "eagle3", std=0.3, draft_vocab_size=128)
+    write_mtp_target(target, root / "mtp", std=0.3)
+    return root
+
+
+def observed(root: Path, method: str):  # type: ignore[no-untyped-def]
+    """(drafter, batch, sampler) after a target prefill of both prompts, the head's cache on
+    the Triton kernels."""
+    served = root / ("mtp" if method == "mtp" else "target")
+    target, _ = load_model(served, torch.float32)
+    spec = SpeculativeConfig(method=method, model=str(root / method), num_spec_tokens=K)
+    vocab = target.config.vocab_size
+    drafter = Drafter(spec, vocab_size=vocab, max_num_reqs=4, max_model_len=64, target=target)
+    features = drafter.features
+    features.kv.backend = select_backend("triton", AttentionRequirements())
+    lens = np.array([len(p) - 1 for p in PROMPTS])
+    cache = KVCache.allocate(target.config, 8, 16, torch.float32, "cpu")
+    tables = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
+    slots = np.concatenate([tables[i, p // 16] * 16 + p % 16 for i, n in enumerate(lens)
+                            for p in [np.arange(n)]])  # fmt: skip
+    attn = AttentionMetadata.build(
+        query_lens=lens, seq_lens=lens, block_tables=tables, block_size=16, slot_mapping=slots
+    )
+    ids = torch.tensor([t for p in PROMPTS for t in p[:-1]])
+    positions = torch.tensor([i for n in lens for i in range(n)])
+    with torch.inference_mode():
+        out = target(ids, positions, attn, cache.layers)
+    hidden, aux = split_aux_hidden(out, target.config.hidden_size)
+    batch = InputBatch(4, 64, 16)
+    sampler = SamplingState(4, vocab)
+    for row, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        batch.row_req[row], batch.sampling[row] = f"r{row}", params
+        batch.token_ids[row, : len(prompt)] = prompt
+        batch.num_tokens[row], batch.num_computed_tokens[row] = len(prompt), len(prompt) - 1
+        sampler.add_request(row, params, prompt, [])
+    rows = np.array([0, 1])
+    drafter.observe(batch, hidden, aux, rows, lens, lens)
+    return drafter, batch, sampler
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_the_static_loop_proposes_what_the_eager_loop_does(checkpoints: Path, method: str) -> None:
+    drafter, batch, sampler = observed(checkpoints, method)
+    features = drafter.features
+    rows, ks = np.array([0, 1]), np.array([K, K])
+
+    def draws() -> DraftSampler:
+        return DraftSampler(sampler, batch, rows, ks, drafter.vocab_size, features.vocab_map)
+
+    with torch.inference_mode():
+        eager = draws()
+        features.propose(batch, eager)
+        pool = [layer.clone() for layer in features.kv.layers]
+        graphs = DraftGraphs(
+            features, num_spec_tokens=K, target_vocab_size=drafter.vocab_size,
+            max_num_reqs=4, max_model_len=64, sizes=(1, 2, 4),
+        )  # fmt: skip
+        static = draws()
+        size = graphs.load(batch, static)
+        graphs._stage(rows, batch.num_tokens[rows], 4)  # 2 real rows, 2 pads
+        tokens = graphs.forward(4, graphs.metadata(4))
+        static.take(tokens[:, :2], graphs.q[:2])
+    assert size == 2
+    assert static.drafts() == eager.drafts()
+    assert eager.q is not None and static.q is not None
+    torch.testing.assert_close(static.q[1], eager.q[1])  # the sampled row's q
+    assert eager.q[1].sum(-1).sub(1).abs().max() < 1e-5
+    block0 = int(features.kv.tables[0, 0])  # pads (N = 1, an all-zero table) aim at pool
+    for before, after in zip(pool, features.kv.layers, strict=True):  # block 0, slots 0..K-2
+        torch.testing.assert_close(after, before, rtol=1e-3, atol=1e-2)  # the same KV again
+        assert block0 == 0 and torch.equal(after[:, 0, : K - 1], before[:, 0, : K - 1])
+    assert len({tuple(d) for d in eager.drafts()}) == 2
