@@ -4,9 +4,10 @@ checkpoints (tests/support/spec_heads.py), with the runner's CUDA graphs capture
 captures them (steps without drafts replay the decode graphs, steps that verify drafts the verify
 graphs of accel/verify_graphs.py; EAGLE-3's target returns its auxiliary layer states from the
 graphs too; the DFlash draft's block forward runs the paged kernel non-causally; a feature
-head's whole draft loop replays its own graphs, accel/draft_graphs.py, and proposes what the
-eager loop does). The drafters' draft loop never synchronizes with the GPU: it runs
-under torch.cuda.set_sync_debug_mode (the drafts are read back once, after the loop)."""
+head's whole draft loop, a draft model's after its first draw, replays its own graphs,
+accel/draft_graphs.py, and proposes what the eager loop does). The drafters' draft loop never
+synchronizes with the GPU: it runs under torch.cuda.set_sync_debug_mode (the drafts are read
+back once, after the loop)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ METHODS = {
     "mtp": ("mtp", "mtp", "mtp"),
     "dflash": ("dflash", "dflash", "target"),
 }
-#: the methods whose drafter is a feature head (spec/feature_drafter.py: a captured draft loop)
-FEATURE_HEADS = ["eagle", "eagle3", "eagle3-speculators", "mtp"]
+#: the methods whose draft loop is captured (accel/draft_graphs.py): a draft model, feature heads
+CAPTURED_LOOPS = ["draft", "eagle", "eagle3", "eagle3-speculators", "mtp"]
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +91,13 @@ def test_greedy_with_speculation_equals_without_on_cuda(root, label: str) -> Non
     verify = engine.runner.verify_graphs
     assert verify is not None and verify.replays  # steps with drafts replayed a graph
     assert max(verify.replays) <= 4  # the smallest graph holding the step: 3 prompts or fewer
-    features = engine.runner.drafter.features  # type: ignore[union-attr]
-    if label in FEATURE_HEADS:  # their draft loop replayed its graphs (accel/draft_graphs.py)
-        assert features.graphs is not None and sum(features.graphs.replays.values()) > 0
+    drafter = engine.runner.drafter
+    inner = drafter.features or drafter.draft_model  # type: ignore[union-attr]
+    if label in CAPTURED_LOOPS:  # their draft loop replayed its graphs (accel/draft_graphs.py)
+        assert inner.graphs is not None and sum(inner.graphs.replays.values()) > 0
 
 
-@pytest.mark.parametrize("label", FEATURE_HEADS)
+@pytest.mark.parametrize("label", CAPTURED_LOOPS)
 def test_the_captured_draft_loop_proposes_what_the_eager_loop_does(root, label: str) -> None:
     """Seeded sampled requests (drafts drawn with temperature, q kept for rejection sampling)
     give the same tokens, drafts and acceptances whether the head's draft loop replays its
@@ -104,9 +106,10 @@ def test_the_captured_draft_loop_proposes_what_the_eager_loop_does(root, label: 
     runs = []
     for captured in (True, False):
         engine = cuda_engine(path, label)
-        features = engine.runner.drafter.features  # type: ignore[union-attr]
+        drafter = engine.runner.drafter
+        inner = drafter.features or drafter.draft_model  # type: ignore[union-attr]
         if not captured:
-            features.graphs = None
+            inner.graphs = None
         out = engine.generate(PROMPTS, SAMPLED)
         stats = engine.scheduler.spec.stats
         runs.append(
@@ -117,7 +120,7 @@ def test_the_captured_draft_loop_proposes_what_the_eager_loop_does(root, label: 
             )
         )
         if captured:
-            assert sum(features.graphs.replays.values()) > 0
+            assert sum(inner.graphs.replays.values()) > 0
     assert runs[0] == runs[1]
     assert runs[0][1] > 0
 

@@ -1,32 +1,37 @@
-"""CUDA graphs of a feature head's draft loop (spec/feature_drafter.py: EAGLE, EAGLE-3, MTP): the
-K draws and K - 1 head forwards of one proposal in one replay per padded row count.
+"""CUDA graphs of a drafter's draft loop: a feature head's (spec/feature_drafter.py: EAGLE,
+EAGLE-3, MTP) K draws and K - 1 head forwards, or a draft model's (spec/draft_model.py) K - 1
+decode forwards and draws after its eager catch-up and first draw, in one replay per padded row
+count.
 
-Eager, a proposal is K x (the head's logits, the draw, q's softmax) plus K - 1 head forwards:
-a few hundred kernel launches from Python, more than a small head's GPU time, paid on every
+Eager, a proposal is K x (the drafter's logits, the draw, q's softmax) plus K - 1 forwards: a
+few hundred kernel launches from Python, more than a small drafter's GPU time, paid on every
 verify step (which is itself one graph replay, accel/verify_graphs.py). Captured per size R
 (cuda_graphs.GRAPH_SIZES up to max_num_reqs), every row of a replay drafts K: a proposal takes
 the graphs only when each of its rows drafts K (rows near max_model_len or max_tokens draft
 fewer, eagerly).
 
-Static inputs, uploaded in one copy (cuda_graphs.upload): per row its batch row (its kept
+Static inputs, uploaded in one copy (cuda_graphs.upload): per row its batch row (a head's kept
 output in the drafter's `last`; pads read row 0), N (its known tokens: draft j is drawn at
-N + j + the draft salt, head forward j runs at position N - 1 + j), its head KV block table
-and whether it is real (a pad writes no KV: slot -1; its reads of block 0 are ignored). The
-draws' inverse temperature and seed come from the proposal's DraftSampler (device copies).
-Outputs: the drafts [K, R] as target ids and q [R, K, V] (softmax of logits / T over the
-target vocabulary, zero where a smaller draft vocabulary has no token; read for rows at
-temperature > 0 only), handed to the DraftSampler, so the proposal equals the eager loop's.
+N + j + the draft salt), its KV block table and whether it is real (a pad writes no KV: slot
+-1; its reads of block 0 are ignored); a draft model's first draft (its input) is copied on the
+device. Forward i of the loop runs at position N - 1 + i (a head: the pair (draft i, g)) or
+N + i (a draft model: draft i fed back). The draws' inverse temperature and seed come from the
+proposal's DraftSampler (device copies). Outputs: the drafts as target ids and q (softmax of
+logits / T over the target vocabulary, zero where a smaller draft vocabulary has no token; read
+for rows at temperature > 0 only), handed to the DraftSampler, so the proposal equals the
+eager loop's.
 
-The head's KV pool (spec/row_kv.py) grows by reallocation and the graphs hold its tensors:
-the pool is sized at capture for what the target's cache can hold (plus K per row), and a
-pool that grows past it anyway (many rows sharing a cached prefix hold more head positions
-than the target's cache) is recaptured before the next replay.
+The drafter's KV pool (spec/row_kv.py) grows by reallocation and the graphs hold its tensors:
+the pool is sized at capture for what the target's cache can hold (plus K per row), and a pool
+that grows past it anyway (many rows sharing a cached prefix hold more draft positions than the
+target's cache) is recaptured before the next replay.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,18 +47,28 @@ from services.worker.accel.cuda_graphs import (
 )
 from services.worker.attention.select import TritonAttentionMetadata, decode_splits
 from services.worker.runner.input_batch import InputBatch
+from services.worker.spec.draft_model import DraftModelDrafter
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.draws import DRAFT_POSITION_SALT, gumbel_draw
 from services.worker.spec.feature_drafter import FeatureDrafter
+from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import to_target_ids
 
 log = logging.getLogger(__name__)
 
 
-class DraftGraphs:
+class LoopGraphs:
+    """What both loops share: static inputs, capture, staging, replay. A subclass sets
+    `first_draft` (the drafts before the loop: 0 or 1), `shift` (forward i runs at position
+    N + shift + i) and writes `forward`."""
+
+    first_draft = 0
+    shift = 0
+
     def __init__(
         self,
-        drafter: FeatureDrafter,
+        kv: RowKV,
+        vocab_map: torch.Tensor | None,
         *,
         num_spec_tokens: int,
         target_vocab_size: int,
@@ -61,14 +76,14 @@ class DraftGraphs:
         max_model_len: int,
         sizes: tuple[int, ...] = GRAPH_SIZES,
     ) -> None:
-        if not isinstance(drafter.kv.backend, PagedKernelBackend):
-            raise RuntimeError(f"the head's {drafter.kv.backend.name!r} attention has no graphs")
-        self.drafter = drafter
+        if not isinstance(kv.backend, PagedKernelBackend):
+            raise RuntimeError(f"the drafter's {kv.backend.name!r} attention has no graphs")
+        self.kv = kv
         self.k = num_spec_tokens
-        self.device = drafter.device
+        self.device = kv.device
         self.sizes = graph_sizes(max_num_reqs, sizes)
         self.max_model_len = max_model_len
-        rows, kv = self.sizes[-1], drafter.kv
+        rows, dev = self.sizes[-1], self.device
         self.inputs = PackedCpuGpuBuffer(
             {
                 "rows": ((rows,), torch.int64),
@@ -76,16 +91,16 @@ class DraftGraphs:
                 "real": ((rows,), torch.int64),
                 "block_tables": ((rows, kv.blocks_per_row), torch.int32),  # last: see _stage
             },
-            device=self.device,
+            device=dev,
         )
         self.static = self.inputs.gpu
-        self.inv_temperature = torch.zeros(rows, dtype=torch.float32, device=self.device)
-        self.seeds = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        self.q = torch.zeros(rows, self.k, target_vocab_size, device=self.device)
-        self.vocab_map = (
-            drafter.vocab_map.to(self.device) if drafter.vocab_map is not None else None
-        )
-        self.token_index = torch.arange(rows, dtype=torch.int64, device=self.device)
+        self.inv_temperature = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.first_ids = torch.zeros(rows, dtype=torch.int64, device=dev)  # a draft model's
+        drawn = self.k - self.first_draft
+        self.q = torch.zeros(rows, drawn, target_vocab_size, device=dev)
+        self.vocab_map = vocab_map.to(dev) if vocab_map is not None else None
+        self.token_index = torch.arange(rows, dtype=torch.int64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.upload_stream: torch.cuda.Stream | None = None  # steps one at a time: see upload
@@ -96,9 +111,9 @@ class DraftGraphs:
     # -- capture ----------------------------------------------------------------------------
 
     def metadata(self, size: int) -> TritonAttentionMetadata:
-        """The head forwards' decode metadata over the first `size` rows; each forward of the
-        loop replaces its slots and sequence lengths (`forward`)."""
-        kv = self.drafter.kv
+        """The loop's decode metadata over the first `size` rows; each forward replaces its
+        slots and sequence lengths (`_at`)."""
+        kv = self.kv
         return TritonAttentionMetadata(
             num_tokens=size,
             slot_mapping=self.static["rows"][:size],  # replaced per forward
@@ -113,47 +128,49 @@ class DraftGraphs:
         )
 
     def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
-        """The loop over the static inputs' first `size` rows: drafts [K, size] (target ids);
-        q into `self.q`."""
-        drafter, st = self.drafter, self.static
-        head, target, kv = drafter.head, drafter.target, drafter.kv
-        base, tables = st["base"][:size], st["block_tables"][:size]
-        real = st["real"][:size] != 0
-        inv_temperature, seeds = self.inv_temperature[:size], self.seeds[:size]
+        """The loop over the static inputs' first `size` rows: the drafts it draws [K -
+        first_draft, size] (target ids); q into `self.q`."""
+        raise NotImplementedError
+
+    def attach(self) -> None:
+        """Hand the captured graphs to their drafter (its proposals replay them)."""
+        raise NotImplementedError
+
+    def _at(self, meta: TritonAttentionMetadata, size: int, i: int) -> tuple[torch.Tensor, Any]:
+        """(positions, metadata) of forward i: each real row's slot at N + shift + i in its
+        table, -1 for pads."""
+        st, kv = self.static, self.kv
+        pos = st["base"][:size] + (self.shift + i)
+        block = st["block_tables"][:size].gather(1, (pos // kv.block_size).unsqueeze(1))
+        slots = block.squeeze(1).long() * kv.block_size + pos % kv.block_size
+        slots = torch.where(st["real"][:size] != 0, slots, -1)
+        lens = (pos + 1).to(torch.int32)
+        return pos, dataclasses.replace(meta, slot_mapping=slots, decode_seq_lens=lens, rope=None)
+
+    def _draw(self, size: int, j: int, logits: torch.Tensor) -> torch.Tensor:
+        """Draft j of every row from its logits (the drafter's vocabulary), as DraftSampler.draw
+        draws it; q into `self.q`; returns the drafter's own ids (its next input)."""
+        inv_temperature = self.inv_temperature[:size]
+        positions = self.static["base"][:size] + (j + DRAFT_POSITION_SALT)
+        ids = gumbel_draw(logits, inv_temperature, self.seeds[:size], positions)
         scale = torch.where(inv_temperature == 0, 1.0, inv_temperature).unsqueeze(1)
-        g = drafter.last[st["rows"][:size]]
-        drafts = []
-        for j in range(self.k):
-            logits = head.draft_logits(g, target, j)
-            ids = gumbel_draw(logits, inv_temperature, seeds, base + j + DRAFT_POSITION_SALT)
-            probs = torch.softmax(logits.float() * scale, dim=-1)
-            if self.vocab_map is None:
-                self.q[:size, j] = probs
-            else:
-                self.q[:size, j, self.vocab_map] = probs
-            drafts.append(to_target_ids(ids, self.vocab_map))
-            if j + 1 == self.k:
-                break
-            pos = base - 1 + j  # the head position of (draft j, g)
-            block = tables.gather(1, (pos // kv.block_size).unsqueeze(1)).squeeze(1)
-            slots = torch.where(real, block.long() * kv.block_size + pos % kv.block_size, -1)
-            step = dataclasses.replace(
-                meta, slot_mapping=slots, decode_seq_lens=(pos + 1).to(torch.int32), rope=None
-            )
-            g = head(head.embed(drafts[-1], target), g, pos, step, kv.layers, j + 1)
-        return torch.stack(drafts)
+        probs = torch.softmax(logits.float() * scale, dim=-1)
+        if self.vocab_map is None:
+            self.q[:size, j - self.first_draft] = probs
+        else:
+            self.q[:size, j - self.first_draft, self.vocab_map] = probs
+        return ids
 
     @torch.inference_mode()
     def capture(self, pool_blocks: int = 0) -> float:
-        """Capture every size over a head KV pool of at least `pool_blocks` blocks; returns
+        """Capture every size over a KV pool of at least `pool_blocks` blocks; returns
         seconds."""
-        kv = self.drafter.kv
-        if pool_blocks > kv.num_blocks:
-            kv.grow_to(pool_blocks)
+        if pool_blocks > self.kv.num_blocks:
+            self.kv.grow_to(pool_blocks)
         self._stage(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), self.sizes[-1])
         self.graphs.clear()
-        seconds = capture_graphs(self, "draft loop")
-        self.captured_pool = kv.layers[0]
+        seconds = capture_graphs(self, type(self).__name__)
+        self.captured_pool = self.kv.layers[0]
         return seconds
 
     # -- replay -----------------------------------------------------------------------------
@@ -174,17 +191,17 @@ class DraftGraphs:
         draws.take(self.outputs[size][:, :n].clone(), self.q[:n])
 
     def load(self, batch: InputBatch, draws: DraftSampler) -> int:
-        """Stage the static inputs for the rows of `draws` (head KV blocks reserved first,
+        """Stage the static inputs for the rows of `draws` (KV blocks reserved first,
         recapturing if that grew the pool); returns the padded size that runs them."""
         rows, n = draws.rows, len(draws.rows)
         size = padded_size(n, self.sizes)
         assert size is not None
         base = batch.num_tokens[rows]
-        kv = self.drafter.kv
-        if self.k > 1:  # the last head forward's sequence ends at N + K - 2
-            kv.reserve(rows, base + self.k - 2)
-        if self.graphs and kv.layers[0] is not self.captured_pool:
-            log.info("the draft head's KV pool grew to %d blocks: recapturing", kv.num_blocks)
+        forwards = self.k - 1
+        if forwards:  # the last forward's sequence ends at N + shift + forwards
+            self.kv.reserve(rows, base + self.shift + forwards)
+        if self.graphs and self.kv.layers[0] is not self.captured_pool:
+            log.info("a drafter's KV pool grew to %d blocks: recapturing", self.kv.num_blocks)
             self.capture()  # the graphs read the old pool
         self.inv_temperature[:n] = draws.inv_temperature
         self.seeds[:n] = draws.seeds
@@ -197,6 +214,66 @@ class DraftGraphs:
         host["rows"][:n], host["base"][:n], host["real"][:n] = rows, base, 1
         host["rows"][n:size], host["base"][n:size], host["real"][n:size] = 0, 1, 0
         tables = host["block_tables"]
-        tables[:n] = self.drafter.kv.tables[rows]
+        tables[:n] = self.kv.tables[rows]
         tables[n:size] = 0
         upload(self, self.inputs.end("block_tables", size))
+
+
+class DraftGraphs(LoopGraphs):
+    """A feature head's loop: draw j from g, feed (draft j, g) at N - 1 + j for the next g."""
+
+    shift = -1
+
+    def __init__(self, drafter: FeatureDrafter, **sizes: Any) -> None:
+        super().__init__(drafter.kv, drafter.vocab_map, **sizes)
+        self.drafter = drafter
+
+    def attach(self) -> None:
+        self.drafter.graphs = self
+
+    def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        head, target = self.drafter.head, self.drafter.target
+        g = self.drafter.last[self.static["rows"][:size]]
+        drafts = []
+        for j in range(self.k):
+            ids = self._draw(size, j, head.draft_logits(g, target, j))
+            drafts.append(to_target_ids(ids, self.vocab_map))
+            if j + 1 < self.k:
+                pos, step = self._at(meta, size, j)
+                g = head(head.embed(drafts[-1], target), g, pos, step, self.kv.layers, j + 1)
+        return torch.stack(drafts)
+
+
+class DraftModelGraphs(LoopGraphs):
+    """A draft model's loop after its eager catch-up and first draw (`first_ids`, its own
+    ids): feed draft j - 1 at N + j - 1, draw draft j, for j = 1 .. K - 1."""
+
+    first_draft = 1
+
+    def __init__(self, drafter: DraftModelDrafter, **sizes: Any) -> None:
+        super().__init__(drafter.kv, drafter.vocab_map, **sizes)
+        self.drafter = drafter
+
+    def attach(self) -> None:
+        self.drafter.graphs = self
+
+    def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        model = self.drafter.model
+        ids = self.first_ids[:size]
+        drafts = []
+        for j in range(1, self.k):
+            pos, step = self._at(meta, size, j - 1)
+            hidden = model(ids, pos, step, self.kv.layers)
+            ids = self._draw(size, j, model.compute_logits(hidden))
+            drafts.append(to_target_ids(ids, self.vocab_map))
+        return torch.stack(drafts)
+
+    def takes(self, draws: DraftSampler) -> bool:
+        return self.k > 1 and super().takes(draws)
+
+    def run_after_first(
+        self, batch: InputBatch, draws: DraftSampler, first_ids: torch.Tensor
+    ) -> None:
+        """The loop after draft 0 (`first_ids`, the draft model's ids of every row)."""
+        self.first_ids[: len(first_ids)] = first_ids
+        self.run(batch, draws)

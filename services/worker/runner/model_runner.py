@@ -40,7 +40,7 @@ from meshllm_kernels.runtime.tensor_checks import sm_count
 from services.worker.accel.chain_graphs import ChainGraphs
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, padded_size
-from services.worker.accel.draft_graphs import DraftGraphs
+from services.worker.accel.draft_graphs import DraftGraphs, DraftModelGraphs, LoopGraphs
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
@@ -787,9 +787,8 @@ class ModelRunner:
                 seconds += taken
                 verify.on_phase = self.mark_phase
                 self.verify_graphs = verify
-        features = self.drafter.features if self.drafter is not None else None
-        if self.draft_graphs and isinstance(features, FeatureDrafter):
-            seconds += self._capture_draft_loop(features, sizes)
+        if self.draft_graphs and self.drafter is not None:
+            seconds += self._capture_draft_loop(self.drafter, sizes)
         if self.chain is not None and self.verify_graphs is not None:
             chained = ChainGraphs(
                 self.model, layers, backend, chain=self.chain, sampler=self.sampler,
@@ -809,27 +808,35 @@ class ModelRunner:
                 self.prefill_graphs = prefill
         return seconds
 
-    def _capture_draft_loop(self, features: FeatureDrafter, sizes: tuple[int, ...]) -> float:
-        """Capture the head's draft loop (accel/draft_graphs.py) over a head KV pool as large
-        as the target's cache can fill (plus K per row); the seconds taken (0: it failed and
-        proposals run eagerly)."""
-        graphs = DraftGraphs(
-            features,
+    def _capture_draft_loop(self, drafter: Drafter, sizes: tuple[int, ...]) -> float:
+        """Capture the draft loop of a feature head or draft model (accel/draft_graphs.py)
+        over a KV pool as large as the target's cache can fill (plus K per row); the seconds
+        taken (0: none to capture, or it failed and proposals run eagerly)."""
+        options: dict[str, Any] = dict(
             num_spec_tokens=self.num_spec_tokens,
             target_vocab_size=self.config.vocab_size,
             max_num_reqs=self.batch.max_num_reqs,
             max_model_len=self.max_model_len,
             sizes=sizes,
         )
+        features, model = drafter.features, drafter.draft_model
+        graphs: LoopGraphs
+        if isinstance(features, FeatureDrafter):
+            graphs = DraftGraphs(features, **options)
+        elif model is not None and self.num_spec_tokens > 1:
+            graphs = DraftModelGraphs(model, **options)
+        else:
+            return 0.0
+        kv = graphs.kv
         positions = self.kv_cache.num_blocks * self.block_size + self.batch.max_num_reqs * (
-            self.num_spec_tokens + features.kv.block_size
+            self.num_spec_tokens + kv.block_size
         )
         try:
-            seconds = graphs.capture(-(-positions // features.kv.block_size))
+            seconds = graphs.capture(-(-positions // kv.block_size))
         except RuntimeError:
             log.exception("CUDA graph capture of the draft loop failed: it runs eagerly")
             return 0.0
-        features.graphs = graphs
+        graphs.attach()
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:

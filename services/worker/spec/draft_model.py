@@ -18,6 +18,7 @@ into the draft through its inverse.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from services.worker.runner.input_batch import InputBatch
 from services.worker.spec.draft_sampler import DraftSampler, upload_ints
 from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map, to_draft_table
+
+if TYPE_CHECKING:
+    from services.worker.accel.draft_graphs import DraftModelGraphs
 
 
 def load_d2t(model_dir: str | Path) -> torch.Tensor | None:
@@ -60,6 +64,9 @@ class DraftModelDrafter:
         dtype = next(model.parameters()).dtype
         self.kv = RowKV(model.config, max_num_reqs, max_model_len, block_size, dtype, self.device)
         self.owner: list[str | None] = [None] * max_num_reqs
+        # On CUDA, the K - 1 decode steps after the first draw captured per batch size (the
+        # runner sets it after capture)
+        self.graphs: DraftModelGraphs | None = None
 
     def release(self, row: int) -> None:
         """The row's request left the batch: its draft KV is free."""
@@ -86,6 +93,9 @@ class DraftModelDrafter:
         logits = self._step(rows, starts, ends, flat)
         self.kv.written[rows] = ends
         ids = draws.draw(logits, np.arange(len(rows)))
+        if self.graphs is not None and self.graphs.takes(draws):  # every row drafts K
+            self.graphs.run_after_first(batch, draws, ids)
+            return
         for j in range(1, int(ks.max())):
             more = np.flatnonzero(ks > j)
             if not more.size:

@@ -83,15 +83,16 @@ class DraftSampler:
         return ids
 
     def take(self, tokens: torch.Tensor, q: torch.Tensor) -> None:
-        """Every row's K drafts at once, from a captured draft loop (accel/draft_graphs.py):
-        `tokens` [K, rows] as target ids, `q` [rows, K, V] (only the rows at temperature > 0
-        are kept); the same proposal as K `draw` calls over all rows."""
+        """Every row's next drafts at once, from a captured draft loop (accel/draft_graphs.py):
+        `tokens` [J, rows] as target ids, `q` [rows, J, V] (only the rows at temperature > 0
+        are kept); the same proposal as J `draw` calls over all rows."""
+        first = len(self.tokens)
         everyone = np.arange(len(self.rows), dtype=np.int64)
         for j in range(tokens.shape[0]):
             self.tokens.append(tokens[j])
             self.index.append(everyone)
         if self.q is not None:
-            self.q.copy_(q[:, : self.q.shape[1]])
+            self.q[:, first : first + tokens.shape[0]].copy_(q[:, : tokens.shape[0]])
 
     def drafts(self) -> list[list[int]]:
         """Every row's drafts as target ids (one copy to the host, after the loop)."""

@@ -1,8 +1,9 @@
 """The captured draft loop's body (services/worker/accel/draft_graphs.py) run without capture,
 on the Triton kernels through the interpreter: from its static inputs, padded past the real
 rows, it proposes exactly the eager loop's drafts and q (a greedy row and a seeded sampled
-row; an EAGLE head on the target's vocabulary, an EAGLE-3 head with its own smaller one, MTP)
-and writes the same head KV, pads writing none. On CUDA the same body is captured and replayed
+row; an EAGLE head on the target's vocabulary, an EAGLE-3 head with its own smaller one, MTP,
+a draft model after its eager catch-up and first draw) and writes the same KV, pads writing
+none. On CUDA the same body is captured and replayed
 (tests/gpu/test_spec_cuda.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from meshllm_kernels.attention.backends import AttentionRequirements, select_backend
-from services.worker.accel.draft_graphs import DraftGraphs
+from services.worker.accel.draft_graphs import DraftGraphs, DraftModelGraphs, LoopGraphs
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader import load_model
 from services.worker.models.base import split_aux_hidden
@@ -44,6 +45,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_eagle_head(target, root / "eagle", std=0.3)
     write_eagle3_head(target, root / "eagle3", std=0.3, draft_vocab_size=128)
     write_mtp_target(target, root / "mtp", std=0.3)
+    make_tiny_llama(root / "draft", seed=1, num_hidden_layers=1)
     return root
 
 
@@ -55,8 +57,8 @@ def observed(root: Path, method: str):  # type: ignore[no-untyped-def]
     spec = SpeculativeConfig(method=method, model=str(root / method), num_spec_tokens=K)
     vocab = target.config.vocab_size
     drafter = Drafter(spec, vocab_size=vocab, max_num_reqs=4, max_model_len=64, target=target)
-    features = drafter.features
-    features.kv.backend = select_backend("triton", AttentionRequirements())
+    inner = drafter.features or drafter.draft_model
+    inner.kv.backend = select_backend("triton", AttentionRequirements())
     lens = np.array([len(p) - 1 for p in PROMPTS])
     cache = KVCache.allocate(target.config, 8, 16, torch.float32, "cpu")
     tables = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -82,35 +84,56 @@ def observed(root: Path, method: str):  # type: ignore[no-untyped-def]
     return drafter, batch, sampler
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_the_static_loop_proposes_what_the_eager_loop_does(checkpoints: Path, method: str) -> None:
-    drafter, batch, sampler = observed(checkpoints, method)
-    features = drafter.features
-    rows, ks = np.array([0, 1]), np.array([K, K])
+def uncaptured(graphs: LoopGraphs) -> LoopGraphs:
+    """`graphs` whose replay runs the loop's body eagerly from the static inputs (no CUDA
+    graph on a CPU): what a replay computes, staged and handed over as `run` does."""
 
-    def draws() -> DraftSampler:
-        return DraftSampler(sampler, batch, rows, ks, drafter.vocab_size, features.vocab_map)
+    def run(batch: InputBatch, draws: DraftSampler) -> None:
+        size = graphs.load(batch, draws)
+        graphs.replays[size] = graphs.replays.get(size, 0) + 1
+        tokens = graphs.forward(size, graphs.metadata(size))
+        draws.take(tokens[:, : len(draws.rows)], graphs.q[: len(draws.rows)])
 
-    with torch.inference_mode():
-        eager = draws()
-        features.propose(batch, eager)
-        pool = [layer.clone() for layer in features.kv.layers]
-        graphs = DraftGraphs(
-            features, num_spec_tokens=K, target_vocab_size=drafter.vocab_size,
-            max_num_reqs=4, max_model_len=64, sizes=(1, 2, 4),
+    graphs.graphs = dict.fromkeys(graphs.sizes)  # type: ignore[arg-type]
+    graphs.captured_pool = graphs.kv.layers[0]
+    graphs.run = run  # type: ignore[method-assign]
+    return graphs
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft"])
+@pytest.mark.parametrize("real", [2, 1])
+def test_the_static_loop_proposes_what_the_eager_loop_does(
+    checkpoints: Path, method: str, real: int
+) -> None:
+    """`real` rows in a graph of 4 rows (the rest pads): drafts, q and KV equal the eager
+    loop's."""
+    rows, ks = np.arange(2)[-real:], np.full(real, K)  # one row alone: the sampled one
+    proposals, pools = [], []
+    for static in (False, True):
+        drafter, batch, sampler = observed(checkpoints, method)
+        inner = drafter.features or drafter.draft_model
+        options = dict(
+            num_spec_tokens=K, target_vocab_size=drafter.vocab_size, max_num_reqs=4,
+            max_model_len=64, sizes=(4,),
         )  # fmt: skip
-        static = draws()
-        size = graphs.load(batch, static)
-        graphs._stage(rows, batch.num_tokens[rows], 4)  # 2 real rows, 2 pads
-        tokens = graphs.forward(4, graphs.metadata(4))
-        static.take(tokens[:, :2], graphs.q[:2])
-    assert size == 2
-    assert static.drafts() == eager.drafts()
-    assert eager.q is not None and static.q is not None
-    torch.testing.assert_close(static.q[1], eager.q[1])  # the sampled row's q
-    assert eager.q[1].sum(-1).sub(1).abs().max() < 1e-5
-    block0 = int(features.kv.tables[0, 0])  # pads (N = 1, an all-zero table) aim at pool
-    for before, after in zip(pool, features.kv.layers, strict=True):  # block 0, slots 0..K-2
-        torch.testing.assert_close(after, before, rtol=1e-3, atol=1e-2)  # the same KV again
-        assert block0 == 0 and torch.equal(after[:, 0, : K - 1], before[:, 0, : K - 1])
-    assert len({tuple(d) for d in eager.drafts()}) == 2
+        if static:
+            graphs = DraftGraphs(inner, **options) if method != "draft" else None
+            graphs = graphs or DraftModelGraphs(inner, **options)
+            inner.graphs = uncaptured(graphs)
+        draws = DraftSampler(sampler, batch, rows, ks, drafter.vocab_size, inner.vocab_map)
+        with torch.inference_mode():
+            inner.propose(batch, draws)
+        if static:
+            assert inner.graphs.replays == {4: 1}
+        proposals.append((draws.drafts(), draws.q))
+        pools.append([layer.clone() for layer in inner.kv.layers])
+    (eager, q_eager), (static_drafts, q_static) = proposals
+    assert static_drafts == eager and all(len(d) == K for d in eager)
+    assert q_eager is not None and q_static is not None
+    torch.testing.assert_close(q_static[-1], q_eager[-1])  # the sampled row's q
+    block0 = 0  # pads (N = 1, an all-zero table) aim at pool block 0, which row 0 holds
+    for before, after in zip(*pools, strict=True):
+        torch.testing.assert_close(after, before, rtol=1e-3, atol=1e-2)
+        assert torch.equal(after[:, block0, :K], before[:, block0, :K])
+    if real == 2:
+        assert len({tuple(d) for d in eager}) == 2
