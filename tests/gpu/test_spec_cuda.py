@@ -3,11 +3,11 @@ engine's output without it (and transformers'), on a tiny fp32 Llama with drafte
 checkpoints (tests/support/spec_heads.py), with the runner's CUDA graphs captured as the worker
 captures them (steps without drafts replay the decode graphs, steps that verify drafts the verify
 graphs of accel/verify_graphs.py; EAGLE-3's target returns its auxiliary layer states from the
-graphs too; the DFlash draft's block forward runs the paged kernel non-causally; a feature
-head's whole draft loop, a draft model's after its first draw, replays its own graphs,
-accel/draft_graphs.py, and proposes what the eager loop does). The drafters' draft loop never
-synchronizes with the GPU: it runs under torch.cuda.set_sync_debug_mode (the drafts are read
-back once, after the loop)."""
+graphs too; the DFlash draft's block forward runs the paged kernel non-causally). The drafters'
+own steps replay graphs too (accel/draft_graphs.py: a feature head's whole draft loop, a draft
+model's after its first draw, the DFlash block forward) and propose what the eager loop does.
+The draft loop never synchronizes with the GPU: it runs under torch.cuda.set_sync_debug_mode
+(the drafts are read back once, after the loop)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ METHODS = {
     "mtp": ("mtp", "mtp", "mtp"),
     "dflash": ("dflash", "dflash", "target"),
 }
-#: the methods whose draft loop is captured (accel/draft_graphs.py): a draft model, feature heads
-CAPTURED_LOOPS = ["draft", "eagle", "eagle3", "eagle3-speculators", "mtp"]
+#: the methods whose draft loop is captured (accel/draft_graphs.py): a draft model, feature
+#: heads, the DFlash draft's block forward
+CAPTURED_LOOPS = ["draft", "eagle", "eagle3", "eagle3-speculators", "mtp", "dflash"]
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ from services.worker.accel.cuda_graphs import (
 )
 from services.worker.attention.select import TritonAttentionMetadata, decode_splits
 from services.worker.runner.input_batch import InputBatch
+from services.worker.spec.block_drafter import BlockDrafter
 from services.worker.spec.draft_model import DraftModelDrafter
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.draws import DRAFT_POSITION_SALT, gumbel_draw
@@ -89,6 +90,7 @@ class LoopGraphs:
                 "rows": ((rows,), torch.int64),
                 "base": ((rows,), torch.int64),
                 "real": ((rows,), torch.int64),
+                "newest": ((rows,), torch.int64),  # t[N-1]: a block's first token
                 "block_tables": ((rows, kv.blocks_per_row), torch.int32),  # last: see _stage
             },
             device=dev,
@@ -197,22 +199,29 @@ class LoopGraphs:
         size = padded_size(n, self.sizes)
         assert size is not None
         base = batch.num_tokens[rows]
-        forwards = self.k - 1
-        if forwards:  # the last forward's sequence ends at N + shift + forwards
-            self.kv.reserve(rows, base + self.shift + forwards)
+        self.kv.reserve(rows, self.kv_ends(base))
         if self.graphs and self.kv.layers[0] is not self.captured_pool:
             log.info("a drafter's KV pool grew to %d blocks: recapturing", self.kv.num_blocks)
             self.capture()  # the graphs read the old pool
         self.inv_temperature[:n] = draws.inv_temperature
         self.seeds[:n] = draws.seeds
-        self._stage(rows, base, size)
+        self._stage(rows, base, size, batch.token_ids[rows, base - 1])
         return size
 
-    def _stage(self, rows: np.ndarray, base: np.ndarray, size: int) -> None:
+    def kv_ends(self, base: np.ndarray) -> np.ndarray:
+        """Where each row's KV must reach: the last forward's sequence end, N + shift + K - 1
+        (N when the loop has no forward)."""
+        return base + (self.shift + self.k - 1 if self.k > 1 else 0)
+
+    def _stage(
+        self, rows: np.ndarray, base: np.ndarray, size: int, newest: np.ndarray | None = None
+    ) -> None:
         n = len(rows)
         host = self.inputs.host()
         host["rows"][:n], host["base"][:n], host["real"][:n] = rows, base, 1
+        host["newest"][:n] = newest if newest is not None else 0
         host["rows"][n:size], host["base"][n:size], host["real"][n:size] = 0, 1, 0
+        host["newest"][n:size] = 0
         tables = host["block_tables"]
         tables[:n] = self.kv.tables[rows]
         tables[n:size] = 0
@@ -277,3 +286,55 @@ class DraftModelGraphs(LoopGraphs):
         """The loop after draft 0 (`first_ids`, the draft model's ids of every row)."""
         self.first_ids[: len(first_ids)] = first_ids
         self.run(batch, draws)
+
+
+class BlockGraphs(LoopGraphs):
+    """The DFlash draft's one forward (spec/block_drafter.py): each row's block [t[N-1],
+    mask x K] at positions N-1 .. N-1+K, non-causal over its context and block, then the K
+    draws from the target's LM head at block positions 1..K."""
+
+    shift = -1
+
+    def __init__(self, drafter: BlockDrafter, **sizes: Any) -> None:
+        super().__init__(drafter.kv, drafter.vocab_map, **sizes)
+        self.drafter = drafter
+        rows, width = self.sizes[-1], self.k + 1
+        self.offsets = torch.arange(width, dtype=torch.int64, device=self.device)
+        self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=self.device) * width
+        self.block_index = torch.arange(rows * width, dtype=torch.int64, device=self.device)
+
+    def attach(self) -> None:
+        self.drafter.graphs = self
+
+    def kv_ends(self, base: np.ndarray) -> np.ndarray:
+        return base + self.k  # the block's last position is N - 1 + K
+
+    def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
+        drafter, st, kv = self.drafter, self.static, self.kv
+        width = self.k + 1
+        base = st["base"][:size]
+        pos = (base - 1).unsqueeze(1) + self.offsets  # [size, K + 1]
+        first = self.offsets == 0
+        tokens = torch.where(first, st["newest"][:size].unsqueeze(1), drafter.mask_token_id)
+        block = st["block_tables"][:size].gather(1, pos // kv.block_size).long()
+        slots = block * kv.block_size + pos % kv.block_size
+        slots = torch.where((st["real"][:size] != 0).unsqueeze(1), slots, -1)
+        attn = TritonAttentionMetadata(
+            num_tokens=size * width,
+            slot_mapping=slots.flatten(),
+            token_index=self.block_index[: size * width],
+            num_kv_heads=kv.num_kv_heads,
+            backend=kv.backend,  # type: ignore[arg-type]
+            prefill_block_tables=st["block_tables"][:size],
+            prefill_cu_seqlens_q=self.cu_seqlens[: size + 1],
+            prefill_seq_lens=(base + self.k).to(torch.int32),
+            prefill_max_seqlen_q=width,
+            causal=False,
+        )
+        out = drafter.block_forward(tokens.flatten(), pos.flatten(), attn)
+        logits = drafter.target.compute_logits(out.view(size, width, -1)[:, 1:].flatten(0, 1))
+        logits = logits.view(size, self.k, -1)
+        drafts = [
+            to_target_ids(self._draw(size, j, logits[:, j]), self.vocab_map) for j in range(self.k)
+        ]
+        return torch.stack(drafts)

@@ -40,7 +40,12 @@ from meshllm_kernels.runtime.tensor_checks import sm_count
 from services.worker.accel.chain_graphs import ChainGraphs
 from services.worker.accel.cpu_compile import CompiledForward
 from services.worker.accel.cuda_graphs import GRAPH_SIZES, DecodeGraphs, padded_size
-from services.worker.accel.draft_graphs import DraftGraphs, DraftModelGraphs, LoopGraphs
+from services.worker.accel.draft_graphs import (
+    BlockGraphs,
+    DraftGraphs,
+    DraftModelGraphs,
+    LoopGraphs,
+)
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
 from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
@@ -64,6 +69,7 @@ from services.worker.runner.step_timeline import StepMarks, StepTimeline
 from services.worker.sampling import SamplerOutput, SamplingState
 from services.worker.sampling.draw_variants import compile_draws
 from services.worker.spec import SpeculativeConfig
+from services.worker.spec.block_drafter import BlockDrafter
 from services.worker.spec.chain import DraftChain
 from services.worker.spec.chain_step import land_chained, launch_chained
 from services.worker.spec.drafts import Drafter, stage_drafts, step_drafts
@@ -809,7 +815,8 @@ class ModelRunner:
         return seconds
 
     def _capture_draft_loop(self, drafter: Drafter, sizes: tuple[int, ...]) -> float:
-        """Capture the draft loop of a feature head or draft model (accel/draft_graphs.py)
+        """Capture the draft loop of a feature head, a draft model or the DFlash draft's block
+        forward (accel/draft_graphs.py)
         over a KV pool as large as the target's cache can fill (plus K per row); the seconds
         taken (0: none to capture, or it failed and proposals run eagerly)."""
         options: dict[str, Any] = dict(
@@ -823,6 +830,8 @@ class ModelRunner:
         graphs: LoopGraphs
         if isinstance(features, FeatureDrafter):
             graphs = DraftGraphs(features, **options)
+        elif isinstance(features, BlockDrafter):
+            graphs = BlockGraphs(features, **options)
         elif model is not None and self.num_spec_tokens > 1:
             graphs = DraftModelGraphs(model, **options)
         else:

@@ -25,9 +25,13 @@ holds another request's K/V (the feature drafter's rule, feature_drafter.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
+from services.worker.attention.reference import AttentionMetadata
+from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.models.base import CausalLM
 from services.worker.runner.input_batch import InputBatch
 from services.worker.spec.dflash import DFlashHead
@@ -36,6 +40,9 @@ from services.worker.spec.eagle import target_embedding
 from services.worker.spec.feature_drafter import FILL_CHUNK
 from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map
+
+if TYPE_CHECKING:
+    from services.worker.accel.draft_graphs import BlockGraphs
 
 
 class BlockDrafter:
@@ -73,6 +80,12 @@ class BlockDrafter:
         # Per row: the request and token count its context stands for (ready to propose).
         self.ready_req: list[str | None] = [None] * max_num_reqs
         self.ready_len = np.full(max_num_reqs, -1, dtype=np.int64)
+        # On CUDA, the block forward and draws captured per batch size (the runner sets it)
+        self.graphs: BlockGraphs | None = None
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.head.layout.mask_token_id
 
     @torch.inference_mode()
     def observe(
@@ -125,7 +138,11 @@ class BlockDrafter:
     @torch.inference_mode()
     def propose(self, batch: InputBatch, draws: DraftSampler) -> None:
         """Draw `draws.ks[i]` drafts for each row of `draws` (all ready, every k > 0) from one
-        non-causal forward of the draft over their blocks."""
+        non-causal forward of the draft over their blocks: a graph replay when every row
+        drafts K (accel/draft_graphs.py BlockGraphs), else eagerly."""
+        if self.graphs is not None and self.graphs.takes(draws):
+            self.graphs.run(batch, draws)
+            return
         rows, ks = draws.rows, draws.ks
         newest = batch.num_tokens[rows] - 1  # block start: the token the target has not read
         counts = ks + 1
@@ -136,12 +153,23 @@ class BlockDrafter:
         firsts = np.cumsum(counts) - counts
         tokens[firsts] = batch.token_ids[rows, newest]
         attn = self.kv.metadata(rows, newest + counts, counts, positions)
-        embeds = target_embedding(self.target, upload_ints(tokens, self.device))
-        out = self.head(embeds, upload_ints(positions, self.device), attn, self.kv.layers)
+        out = self.block_forward(
+            upload_ints(tokens, self.device), upload_ints(positions, self.device), attn
+        )
         for j in range(int(ks.max())):
             drawn = np.flatnonzero(ks > j)
             at = upload_ints(firsts[drawn] + j + 1, self.device)
             draws.draw(self.target.compute_logits(out[at]), drawn)
+
+    def block_forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata | TritonAttentionMetadata,
+    ) -> torch.Tensor:
+        """The draft over flat block tokens at `positions` (non-causal `attn`): outputs [T, H]."""
+        embeds = target_embedding(self.target, tokens)
+        return self.head(embeds, positions, attn, self.kv.layers)  # type: ignore[no-any-return]
 
     def _write(
         self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, context: torch.Tensor

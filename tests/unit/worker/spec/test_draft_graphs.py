@@ -2,8 +2,8 @@
 on the Triton kernels through the interpreter: from its static inputs, padded past the real
 rows, it proposes exactly the eager loop's drafts and q (a greedy row and a seeded sampled
 row; an EAGLE head on the target's vocabulary, an EAGLE-3 head with its own smaller one, MTP,
-a draft model after its eager catch-up and first draw) and writes the same KV, pads writing
-none. On CUDA the same body is captured and replayed
+a draft model after its eager catch-up and first draw, the DFlash draft's non-causal block
+forward) and writes the same KV, pads writing none. On CUDA the same body is captured and replayed
 (tests/gpu/test_spec_cuda.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from meshllm_kernels.attention.backends import AttentionRequirements, select_backend
-from services.worker.accel.draft_graphs import DraftGraphs, DraftModelGraphs, LoopGraphs
+from services.worker.accel.draft_graphs import (
+    BlockGraphs,
+    DraftGraphs,
+    DraftModelGraphs,
+    LoopGraphs,
+)
 from services.worker.attention.reference import AttentionMetadata
 from services.worker.loader import load_model
 from services.worker.models.base import split_aux_hidden
@@ -26,7 +31,12 @@ from services.worker.spec import SpeculativeConfig
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.drafts import Drafter
 from shared.protocol import SamplingParams
-from tests.support.spec_heads import write_eagle3_head, write_eagle_head, write_mtp_target
+from tests.support.spec_heads import (
+    write_dflash_draft,
+    write_eagle3_head,
+    write_eagle_head,
+    write_mtp_target,
+)
 from tests.support.tiny_llama import make_tiny_llama
 
 K = 3
@@ -46,6 +56,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_eagle3_head(target, root / "eagle3", std=0.3, draft_vocab_size=128)
     write_mtp_target(target, root / "mtp", std=0.3)
     make_tiny_llama(root / "draft", seed=1, num_hidden_layers=1)
+    write_dflash_draft(target, root / "dflash", std=0.3, num_layers=2, target_layers=(0, 1))
     return root
 
 
@@ -58,7 +69,8 @@ def observed(root: Path, method: str):  # type: ignore[no-untyped-def]
     vocab = target.config.vocab_size
     drafter = Drafter(spec, vocab_size=vocab, max_num_reqs=4, max_model_len=64, target=target)
     inner = drafter.features or drafter.draft_model
-    inner.kv.backend = select_backend("triton", AttentionRequirements())
+    needs = AttentionRequirements(non_causal=method == "dflash")
+    inner.kv.backend = select_backend("triton", needs)
     lens = np.array([len(p) - 1 for p in PROMPTS])
     cache = KVCache.allocate(target.config, 8, 16, torch.float32, "cpu")
     tables = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -100,7 +112,17 @@ def uncaptured(graphs: LoopGraphs) -> LoopGraphs:
     return graphs
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft"])
+#: method -> its loop's graphs
+LOOPS = {
+    "eagle": DraftGraphs,
+    "eagle3": DraftGraphs,
+    "mtp": DraftGraphs,
+    "draft": DraftModelGraphs,
+    "dflash": BlockGraphs,
+}
+
+
+@pytest.mark.parametrize("method", list(LOOPS))
 @pytest.mark.parametrize("real", [2, 1])
 def test_the_static_loop_proposes_what_the_eager_loop_does(
     checkpoints: Path, method: str, real: int
@@ -117,9 +139,7 @@ def test_the_static_loop_proposes_what_the_eager_loop_does(
             max_model_len=64, sizes=(4,),
         )  # fmt: skip
         if static:
-            graphs = DraftGraphs(inner, **options) if method != "draft" else None
-            graphs = graphs or DraftModelGraphs(inner, **options)
-            inner.graphs = uncaptured(graphs)
+            inner.graphs = uncaptured(LOOPS[method](inner, **options))
         draws = DraftSampler(sampler, batch, rows, ks, drafter.vocab_size, inner.vocab_map)
         with torch.inference_mode():
             inner.propose(batch, draws)
