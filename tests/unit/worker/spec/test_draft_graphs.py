@@ -1,10 +1,10 @@
 """The captured draft loop's body (services/worker/accel/draft_graphs.py) run without capture,
-on the Triton kernels through the interpreter: from its static inputs, padded past the real
-rows, it proposes exactly the eager loop's drafts and q (a greedy row and a seeded sampled
-row; an EAGLE head on the target's vocabulary, an EAGLE-3 head with its own smaller one, MTP,
-a draft model after its eager catch-up and first draw, the DFlash draft's non-causal block
-forward) and writes the same KV, pads writing none. On CUDA the same body is captured and replayed
-(tests/gpu/test_spec_cuda.py)."""
+on the Triton kernels (through the interpreter on a machine without a GPU): from its static
+inputs, padded past the real rows, it proposes exactly the eager loop's drafts and q (a greedy
+row and a seeded sampled row; an EAGLE head on the target's vocabulary, an EAGLE-3 head with
+its own smaller one, MTP, a draft model after its eager catch-up and first draw, the DFlash
+draft's non-causal block forward) and writes the same KV, pads writing none. On CUDA the same
+body is captured and replayed (tests/gpu/test_spec_cuda.py)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ from tests.support.spec_heads import (
 from tests.support.tiny_llama import make_tiny_llama
 
 K = 3
+#: the Triton kernels compiled on a GPU machine, through the interpreter elsewhere
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = ([5, 17, 99, 3, 250, 41, 8], list(range(20, 39)))
 PARAMS = (
     SamplingParams(temperature=0.0, max_tokens=8),
@@ -64,28 +66,31 @@ def observed(root: Path, method: str):  # type: ignore[no-untyped-def]
     """(drafter, batch, sampler) after a target prefill of both prompts, the head's cache on
     the Triton kernels."""
     served = root / ("mtp" if method == "mtp" else "target")
-    target, _ = load_model(served, torch.float32)
+    target, _ = load_model(served, torch.float32, DEVICE)
     spec = SpeculativeConfig(method=method, model=str(root / method), num_spec_tokens=K)
     vocab = target.config.vocab_size
-    drafter = Drafter(spec, vocab_size=vocab, max_num_reqs=4, max_model_len=64, target=target)
+    drafter = Drafter(
+        spec, vocab_size=vocab, max_num_reqs=4, max_model_len=64, device=DEVICE, target=target
+    )
     inner = drafter.features or drafter.draft_model
     needs = AttentionRequirements(non_causal=method == "dflash")
     inner.kv.backend = select_backend("triton", needs)
     lens = np.array([len(p) - 1 for p in PROMPTS])
-    cache = KVCache.allocate(target.config, 8, 16, torch.float32, "cpu")
+    cache = KVCache.allocate(target.config, 8, 16, torch.float32, DEVICE)
     tables = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
     slots = np.concatenate([tables[i, p // 16] * 16 + p % 16 for i, n in enumerate(lens)
                             for p in [np.arange(n)]])  # fmt: skip
     attn = AttentionMetadata.build(
-        query_lens=lens, seq_lens=lens, block_tables=tables, block_size=16, slot_mapping=slots
-    )
-    ids = torch.tensor([t for p in PROMPTS for t in p[:-1]])
-    positions = torch.tensor([i for n in lens for i in range(n)])
+        query_lens=lens, seq_lens=lens, block_tables=tables, block_size=16, slot_mapping=slots,
+        device=DEVICE,
+    )  # fmt: skip
+    ids = torch.tensor([t for p in PROMPTS for t in p[:-1]], device=DEVICE)
+    positions = torch.tensor([i for n in lens for i in range(n)], device=DEVICE)
     with torch.inference_mode():
         out = target(ids, positions, attn, cache.layers)
     hidden, aux = split_aux_hidden(out, target.config.hidden_size)
     batch = InputBatch(4, 64, 16)
-    sampler = SamplingState(4, vocab)
+    sampler = SamplingState(4, vocab, DEVICE)
     for row, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         batch.row_req[row], batch.sampling[row] = f"r{row}", params
         batch.token_ids[row, : len(prompt)] = prompt
