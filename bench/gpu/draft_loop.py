@@ -94,12 +94,15 @@ def run_method(
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out: dict[str, Any] = {}
     for task, text in TASKS.items():
-        prompts = [
+        chats = [
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"({i + 1}) {text}"}], add_generation_prompt=True
+                [{"role": "user", "content": f"({i + 1}) {text}"}],
+                add_generation_prompt=True,
+                tokenize=False,
             )
             for i in range(batch)
         ]
+        prompts = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chats]
         rows: dict[str, list[float]] = {"graphs": [], "eager": [], "propose_graphs_ms": [],
                                         "propose_eager_ms": []}  # fmt: skip
         same = True
