@@ -37,7 +37,7 @@ from services.worker.runner.input_batch import InputBatch
 from services.worker.spec.dflash import DFlashHead
 from services.worker.spec.draft_sampler import DraftSampler, upload_ints
 from services.worker.spec.eagle import target_embedding
-from services.worker.spec.feature_drafter import FILL_CHUNK
+from services.worker.spec.feature_drafter import FILL_CHUNK, verified_spans
 from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import draft_vocab_map
 
@@ -101,17 +101,10 @@ class BlockDrafter:
         states) in flat-batch order (rows, query_lens, seq_lens as the step ran them)."""
         if aux is None:
             raise ValueError("a DFlash draft needs the target's auxiliary layer states")
-        flat_starts = np.cumsum(query_lens) - query_lens
-        starts = seq_lens - query_lens
-        ends = np.minimum(batch.num_computed_tokens[rows], batch.num_tokens[rows] - 1)
-        keep = np.flatnonzero(ends > starts)
-        if not keep.size:
+        spans = verified_spans(batch, rows, query_lens, seq_lens)
+        if spans is None:
             return
-        rows, starts, ends, flat_starts = rows[keep], starts[keep], ends[keep], flat_starts[keep]
-        counts = ends - starts
-        flat = np.concatenate(
-            [np.arange(f, f + n) for f, n in zip(flat_starts, counts, strict=True)]
-        )
+        rows, starts, ends, flat = spans
         context = self.head.context(aux[upload_ints(flat, aux.device)])
         written = self.kv.written
         for i in np.flatnonzero(written[rows] < starts).tolist():  # first context after a hit

@@ -54,6 +54,26 @@ if TYPE_CHECKING:
 FILL_CHUNK = 2048
 
 
+def verified_spans(
+    batch: InputBatch, rows: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """What a step makes available to a drafter fed the target's features: per row, positions
+    [start, end) from the step's first computed position up to min(KV-verified positions,
+    known tokens - 1), for the rows with any. (rows, starts, ends, their flat-batch indices
+    concatenated), or None."""
+    flat_starts = np.cumsum(query_lens) - query_lens
+    starts = seq_lens - query_lens
+    ends = np.minimum(batch.num_computed_tokens[rows], batch.num_tokens[rows] - 1)
+    keep = np.flatnonzero(ends > starts)
+    if not keep.size:
+        return None
+    rows, starts, ends, flat_starts = rows[keep], starts[keep], ends[keep], flat_starts[keep]
+    flat = np.concatenate(
+        [np.arange(f, f + n) for f, n in zip(flat_starts, ends - starts, strict=True)]
+    )
+    return rows, starts, ends, flat
+
+
 class FeatureHead(Protocol):
     """What the loop needs from a head (eagle.py, eagle3.py, mtp.py)."""
 
@@ -135,17 +155,10 @@ class FeatureDrafter:
         """Feed the head the pairs of this step's rows; `hidden` [T, H] (and `aux`, the target's
         auxiliary layer states, when the head reads them) in flat-batch order (rows,
         query_lens, seq_lens as the step ran them)."""
-        flat_starts = np.cumsum(query_lens) - query_lens
-        starts = seq_lens - query_lens
-        ends = np.minimum(batch.num_computed_tokens[rows], batch.num_tokens[rows] - 1)
-        keep = np.flatnonzero(ends > starts)
-        if not keep.size:
+        spans = verified_spans(batch, rows, query_lens, seq_lens)
+        if spans is None:
             return
-        rows, starts, ends, flat_starts = rows[keep], starts[keep], ends[keep], flat_starts[keep]
-        counts = ends - starts
-        flat = np.concatenate(
-            [np.arange(f, f + n) for f, n in zip(flat_starts, counts, strict=True)]
-        )
+        rows, starts, ends, flat = spans
         tokens = np.concatenate(
             [batch.token_ids[r, s + 1 : e + 1] for r, s, e in zip(rows, starts, ends, strict=True)]
         )
