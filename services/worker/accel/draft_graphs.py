@@ -21,6 +21,8 @@ logits / T over the target vocabulary, zero where a smaller draft vocabulary has
 for rows at temperature > 0 only), handed to the DraftSampler, so the proposal equals the
 eager loop's.
 
+Memory: q is static, [max_num_reqs, K, V] float32 (64 x 4 x 49,152 for SmolLM2 at the
+defaults: 50 MB; an eager proposal with a sampled row allocates its rows' share each time).
 The drafter's KV pool (spec/row_kv.py) grows by reallocation and the graphs hold its tensors:
 the pool is sized at capture for what the target's cache can hold (plus K per row), and a pool
 that grows past it anyway (many rows sharing a cached prefix hold more draft positions than the
