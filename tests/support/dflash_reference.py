@@ -23,7 +23,8 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def reference_dflash_drafts(draft_dir: Path, target, tokens: list[int], k: int) -> list[int]:  # type: ignore[no-untyped-def]
     """Greedy drafts of the block after `tokens` (the target has read all but the last), in
-    float64: `target` an HF causal LM."""
+    float64: `target` an HF causal LM. The block is the draft's whole `block_size` (as
+    `dflash_generate` runs it); its first `k` drafts are returned."""
     hf = json.loads((draft_dir / "config.json").read_text())
     w = {n: t.double() for n, t in load_file(str(draft_dir / "model.safetensors")).items()}
     eps, heads, kv_heads = hf["rms_norm_eps"], hf["num_attention_heads"], hf["num_key_value_heads"]
@@ -33,7 +34,7 @@ def reference_dflash_drafts(draft_dir: Path, target, tokens: list[int], k: int) 
         out = target(torch.tensor([tokens[:-1]]), output_hidden_states=True)
         ctx = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[0].double()
         ctx = _rms(ctx @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-        block = [tokens[-1]] + [hf["dflash_config"]["mask_token_id"]] * k
+        block = [tokens[-1]] + [hf["dflash_config"]["mask_token_id"]] * (hf["block_size"] - 1)
         hidden = target.get_input_embeddings()(torch.tensor(block)).double()
         n_ctx, q_len = ctx.shape[0], len(block)
         config = Qwen3Config(**{**hf, "head_dim": head_dim})
@@ -66,4 +67,4 @@ def reference_dflash_drafts(draft_dir: Path, target, tokens: list[int], k: int) 
             hidden = hidden + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
         hidden = _rms(hidden, w["norm.weight"], eps)
         logits = hidden[1:] @ target.get_output_embeddings().weight.double().T
-    return logits.argmax(-1).tolist()  # type: ignore[no-any-return]
+    return logits.argmax(-1)[:k].tolist()  # type: ignore[no-any-return]

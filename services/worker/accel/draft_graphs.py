@@ -292,15 +292,17 @@ class DraftModelGraphs(LoopGraphs):
 
 class BlockGraphs(LoopGraphs):
     """The DFlash draft's one forward (spec/block_drafter.py): each row's block [t[N-1],
-    mask x K] at positions N-1 .. N-1+K, non-causal over its context and block, then the K
-    draws from the target's LM head at block positions 1..K."""
+    mask x (B - 1)] at positions N-1 .. N-2+B (B its trained width), non-causal over its context
+    and block, then the K draws from the target's LM head at block positions 1..K. Taken when
+    every row's whole block fits max_model_len (else eagerly, cut there)."""
 
     shift = -1
 
     def __init__(self, drafter: BlockDrafter, **sizes: Any) -> None:
         super().__init__(drafter.kv, drafter.vocab_map, **sizes)
         self.drafter = drafter
-        rows, width = self.sizes[-1], self.k + 1
+        rows, width = self.sizes[-1], drafter.block_width
+        self.width = width
         self.offsets = torch.arange(width, dtype=torch.int64, device=self.device)
         self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=self.device) * width
         self.block_index = torch.arange(rows * width, dtype=torch.int64, device=self.device)
@@ -309,11 +311,15 @@ class BlockGraphs(LoopGraphs):
         self.drafter.graphs = self
 
     def kv_ends(self, base: np.ndarray) -> np.ndarray:
-        return base + self.k  # the block's last position is N - 1 + K
+        return base - 1 + self.width  # the block's last position is N - 2 + B
+
+    def takes(self, draws: DraftSampler) -> bool:
+        fits = draws.base - 1 + self.width <= self.max_model_len
+        return super().takes(draws) and bool(fits.all())
 
     def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         drafter, st, kv = self.drafter, self.static, self.kv
-        width = self.k + 1
+        width = self.width
         base = st["base"][:size]
         pos = (base - 1).unsqueeze(1) + self.offsets  # [size, K + 1]
         first = self.offsets == 0
@@ -329,12 +335,13 @@ class BlockGraphs(LoopGraphs):
             backend=kv.backend,  # type: ignore[arg-type]
             prefill_block_tables=st["block_tables"][:size],
             prefill_cu_seqlens_q=self.cu_seqlens[: size + 1],
-            prefill_seq_lens=(base + self.k).to(torch.int32),
+            prefill_seq_lens=(base - 1 + width).to(torch.int32),
             prefill_max_seqlen_q=width,
             causal=False,
         )
         out = drafter.block_forward(tokens.flatten(), pos.flatten(), attn)
-        logits = drafter.target.compute_logits(out.view(size, width, -1)[:, 1:].flatten(0, 1))
+        read = out.view(size, width, -1)[:, 1 : self.k + 1]  # the K drafts' positions
+        logits = drafter.target.compute_logits(read.flatten(0, 1))
         logits = logits.view(size, self.k, -1)
         drafts = [
             to_target_ids(self._draw(size, j, logits[:, j]), self.vocab_map) for j in range(self.k)

@@ -10,12 +10,15 @@ Two calls per step, both after the target's sampling/verification, as the featur
   chunk writes its prompt positions, a decode one, a verification step the bonus input and the
   accepted drafts. Writes overwrite what a block wrote there before, so rejected drafts need no
   rollback. A row is ready when its context reaches N - 1 (N known tokens).
-- `propose` runs one forward of the draft over each ready row's block [t[N-1], mask x k] at
-  positions N-1 .. N-1+k, non-causal: every block query sees the context [0, N-1) and the
-  whole block. The block's own K/V land at positions >= N-1, past the context, where the next
-  `observe` overwrites them. Draft j is drawn from the target's LM head at block position
-  j + 1 (draft_sampler.py: greedy or sampled with the draft position salt). The drafts of a
-  block are drawn independently given the context; q_j is what draft j was drawn from, so
+- `propose` runs one forward of the draft over each ready row's block [t[N-1], mask x (B - 1)]
+  at positions N-1 .. N-2+B, non-causal: every block query sees the context [0, N-1) and the
+  whole block. B is the checkpoint's `block_size`, the width it was trained on, whatever the
+  K drafts asked for (K <= B - 1): a narrower block would change what each query attends to
+  (z-lab's reference always runs B, vLLM's K comes from it); only positions 1..K are read.
+  The block's own K/V land at positions >= N-1, past the context, where the next `observe`
+  overwrites them. Draft j is drawn from the target's LM head at block position j + 1
+  (draft_sampler.py: greedy or sampled with the draft position salt). The drafts of a block
+  are drawn independently given the context; q_j is what draft j was drawn from, so
   rejection sampling stays exact.
 
 Positions the target never computed for the request (a prefix-cache hit, KV from a prefill
@@ -70,6 +73,7 @@ class BlockDrafter:
             )
         self.head = head
         self.target = target
+        self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.vocab_map = draft_vocab_map(target_vocab_size, target.config.vocab_size, None)
         dtype = next(target.parameters()).dtype
@@ -86,6 +90,11 @@ class BlockDrafter:
     @property
     def mask_token_id(self) -> int:
         return self.head.layout.mask_token_id
+
+    @property
+    def block_width(self) -> int:
+        """Queries of a block: the draft's trained block_size, whatever K (module docstring)."""
+        return self.head.layout.block_size
 
     @torch.inference_mode()
     def observe(
@@ -138,7 +147,8 @@ class BlockDrafter:
             return
         rows, ks = draws.rows, draws.ks
         newest = batch.num_tokens[rows] - 1  # block start: the token the target has not read
-        counts = ks + 1
+        # the trained width, cut where it would pass max_model_len (still > k: k <= room)
+        counts = np.minimum(self.block_width, self.max_model_len - newest)
         positions = np.concatenate(
             [np.arange(s, s + n) for s, n in zip(newest, counts, strict=True)]
         )
