@@ -61,7 +61,7 @@ def root(tmp_path_factory: pytest.TempPathFactory):
     write_eagle3_head(target, root / "eagle3", draft_vocab_size=128, identity=True)
     write_eagle3_head(target, root / "eagle3s", speculators=True, identity=True)
     write_mtp_target(target, root / "mtp", identity=True)
-    write_dflash_draft(target, root / "dflash", block_size=4)
+    write_dflash_draft(target, root / "dflash", block_size=8)  # K 3: the block is wider
     reference = {rid: reference_greedy(hf, p, NEW_TOKENS) for rid, p in PROMPTS.items()}
     return root, reference
 
