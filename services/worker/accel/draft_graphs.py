@@ -1,7 +1,8 @@
 """CUDA graphs of a drafter's draft loop: a feature head's (spec/feature_drafter.py: EAGLE,
-EAGLE-3, MTP) K draws and K - 1 head forwards, or a draft model's (spec/draft_model.py) K - 1
-decode forwards and draws after its eager catch-up and first draw, in one replay per padded row
-count.
+EAGLE-3, MTP) K draws and K - 1 head forwards, a draft model's (spec/draft_model.py) K - 1
+decode forwards and draws after its eager catch-up and first draw, or the DFlash draft's
+(spec/block_drafter.py) one non-causal block forward and its K draws, in one replay per padded
+row count.
 
 Eager, a proposal is K x (the drafter's logits, the draw, q's softmax) plus K - 1 forwards: a
 few hundred kernel launches from Python, more than a small drafter's GPU time, paid on every
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 
 class LoopGraphs:
-    """What both loops share: static inputs, capture, staging, replay. A subclass sets
+    """What the loops share: static inputs, capture, staging, replay. A subclass sets
     `first_draft` (the drafts before the loop: 0 or 1), `shift` (forward i runs at position
     N + shift + i) and writes `forward`."""
 
