@@ -55,7 +55,6 @@ from services.worker.spec.draft_model import DraftModelDrafter
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.draws import DRAFT_POSITION_SALT, gumbel_draw
 from services.worker.spec.feature_drafter import FeatureDrafter
-from services.worker.spec.row_kv import RowKV
 from services.worker.spec.vocab_map import to_target_ids
 
 log = logging.getLogger(__name__)
@@ -71,8 +70,7 @@ class LoopGraphs:
 
     def __init__(
         self,
-        kv: RowKV,
-        vocab_map: torch.Tensor | None,
+        drafter: FeatureDrafter | DraftModelDrafter | BlockDrafter,
         *,
         num_spec_tokens: int,
         target_vocab_size: int,
@@ -80,8 +78,10 @@ class LoopGraphs:
         max_model_len: int,
         sizes: tuple[int, ...] = GRAPH_SIZES,
     ) -> None:
+        kv, vocab_map = drafter.kv, drafter.vocab_map
         if not isinstance(kv.backend, PagedKernelBackend):
             raise RuntimeError(f"the drafter's {kv.backend.name!r} attention has no graphs")
+        self.drafter = drafter
         self.kv = kv
         self.k = num_spec_tokens
         self.device = kv.device
@@ -139,18 +139,22 @@ class LoopGraphs:
 
     def attach(self) -> None:
         """Hand the captured graphs to their drafter (its proposals replay them)."""
-        raise NotImplementedError
+        self.drafter.graphs = self  # type: ignore[assignment]
 
     def _at(self, meta: TritonAttentionMetadata, size: int, i: int) -> tuple[torch.Tensor, Any]:
         """(positions, metadata) of forward i: each real row's slot at N + shift + i in its
         table, -1 for pads."""
-        st, kv = self.static, self.kv
-        pos = st["base"][:size] + (self.shift + i)
-        block = st["block_tables"][:size].gather(1, (pos // kv.block_size).unsqueeze(1))
-        slots = block.squeeze(1).long() * kv.block_size + pos % kv.block_size
-        slots = torch.where(st["real"][:size] != 0, slots, -1)
+        pos = self.static["base"][:size] + (self.shift + i)
+        slots = self._slots(size, pos.unsqueeze(1)).squeeze(1)
         lens = (pos + 1).to(torch.int32)
         return pos, dataclasses.replace(meta, slot_mapping=slots, decode_seq_lens=lens, rope=None)
+
+    def _slots(self, size: int, pos: torch.Tensor) -> torch.Tensor:
+        """The KV slots of positions `pos` [size, W] in each row's table; -1 for pad rows."""
+        st, bs = self.static, self.kv.block_size
+        block = st["block_tables"][:size].gather(1, pos // bs).long()
+        real = (st["real"][:size] != 0).unsqueeze(1)
+        return torch.where(real, block * bs + pos % bs, -1)
 
     def _draw(self, size: int, j: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft j of every row from its logits (the drafter's vocabulary), as DraftSampler.draw
@@ -236,12 +240,7 @@ class DraftGraphs(LoopGraphs):
 
     shift = -1
 
-    def __init__(self, drafter: FeatureDrafter, **sizes: Any) -> None:
-        super().__init__(drafter.kv, drafter.vocab_map, **sizes)
-        self.drafter = drafter
-
-    def attach(self) -> None:
-        self.drafter.graphs = self
+    drafter: FeatureDrafter
 
     def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         head, target = self.drafter.head, self.drafter.target
@@ -262,12 +261,7 @@ class DraftModelGraphs(LoopGraphs):
 
     first_draft = 1
 
-    def __init__(self, drafter: DraftModelDrafter, **sizes: Any) -> None:
-        super().__init__(drafter.kv, drafter.vocab_map, **sizes)
-        self.drafter = drafter
-
-    def attach(self) -> None:
-        self.drafter.graphs = self
+    drafter: DraftModelDrafter
 
     def forward(self, size: int, meta: TritonAttentionMetadata) -> torch.Tensor:
         model = self.drafter.model
@@ -299,17 +293,15 @@ class BlockGraphs(LoopGraphs):
 
     shift = -1
 
+    drafter: BlockDrafter
+
     def __init__(self, drafter: BlockDrafter, **sizes: Any) -> None:
-        super().__init__(drafter.kv, drafter.vocab_map, **sizes)
-        self.drafter = drafter
+        super().__init__(drafter, **sizes)
         rows, width = self.sizes[-1], drafter.block_width
         self.width = width
         self.offsets = torch.arange(width, dtype=torch.int64, device=self.device)
         self.cu_seqlens = torch.arange(rows + 1, dtype=torch.int32, device=self.device) * width
         self.block_index = torch.arange(rows * width, dtype=torch.int64, device=self.device)
-
-    def attach(self) -> None:
-        self.drafter.graphs = self
 
     def kv_ends(self, base: np.ndarray) -> np.ndarray:
         return base - 1 + self.width  # the block's last position is N - 2 + B
@@ -322,12 +314,10 @@ class BlockGraphs(LoopGraphs):
         drafter, st, kv = self.drafter, self.static, self.kv
         width = self.width
         base = st["base"][:size]
-        pos = (base - 1).unsqueeze(1) + self.offsets  # [size, K + 1]
+        pos = (base - 1).unsqueeze(1) + self.offsets  # [size, B]
         first = self.offsets == 0
         tokens = torch.where(first, st["newest"][:size].unsqueeze(1), drafter.mask_token_id)
-        block = st["block_tables"][:size].gather(1, pos // kv.block_size).long()
-        slots = block * kv.block_size + pos % kv.block_size
-        slots = torch.where((st["real"][:size] != 0).unsqueeze(1), slots, -1)
+        slots = self._slots(size, pos)
         attn = TritonAttentionMetadata(
             num_tokens=size * width,
             slot_mapping=slots.flatten(),

@@ -159,10 +159,14 @@ class BlockDrafter:
         out = self.block_forward(
             upload_ints(tokens, self.device), upload_ints(positions, self.device), attn
         )
-        for j in range(int(ks.max())):
+        # one LM head over every row's positions 1..max k (clipped to its own block)
+        k_max = int(ks.max())
+        at = firsts[:, None] + np.minimum(np.arange(1, k_max + 1), counts[:, None] - 1)
+        logits = self.target.compute_logits(out[upload_ints(at.ravel(), self.device)])
+        logits = logits.view(len(rows), k_max, -1)
+        for j in range(k_max):
             drawn = np.flatnonzero(ks > j)
-            at = upload_ints(firsts[drawn] + j + 1, self.device)
-            draws.draw(self.target.compute_logits(out[at]), drawn)
+            draws.draw(logits[upload_ints(drawn, self.device), j], drawn)
 
     def block_forward(
         self,
