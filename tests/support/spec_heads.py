@@ -13,7 +13,6 @@ tokens.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from services.worker.spec.drafts import Drafter
 from services.worker.spec.eagle import random_eagle_head, save_eagle_head
 from services.worker.spec.eagle3 import random_eagle3_head, save_eagle3_head
 from services.worker.spec.head_io import save_tensors
-from services.worker.spec.mtp import mtp_config, random_mtp_tensors
+from services.worker.spec.mtp import append_mtp_modules, random_mtp_tensors
 from shared.model.config import ModelConfig
 from shared.protocol import SamplingParams
 
@@ -166,7 +165,7 @@ def write_mtp_target(
         proj.zero_()
         proj[:, hidden:] = torch.eye(hidden)
         tensors[f"model.layers.{layer}.shared_head.head.weight"] = _target_lm_head(target_dir)
-    return _append_mtp(target_dir, path, tensors)
+    return append_mtp_modules(tensors, target_dir, path)
 
 
 def write_mtp_truncated_target(
@@ -194,19 +193,7 @@ def write_mtp_truncated_target(
         (scale * torch.eye(hidden), feature_scale * torch.eye(hidden)), 1
     )
     tensors[f"model.layers.{base}.shared_head.head.weight"] = _target_lm_head(target_dir)
-    return _append_mtp(target_dir, path, tensors)
-
-
-def _append_mtp(target_dir: Path, path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    for item in target_dir.iterdir():
-        if item.name != "config.json" and not (path / item.name).exists():
-            os.symlink(item.resolve(), path / item.name)
-    save_file(tensors, str(path / "mtp.safetensors"))
-    (path / "config.json").write_text(json.dumps(mtp_config(target_hf(target_dir)), indent=2))
-    return path
+    return append_mtp_modules(tensors, target_dir, path)
 
 
 def _target_lm_head(target_dir: Path) -> torch.Tensor:

@@ -122,9 +122,19 @@ class DFlashHead(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> None:
         """Each layer's keys/values of the context rows [T, H] at `positions`, into `slots`."""
+        for (k, v), kv_cache in zip(self.context_kv(context, positions), kv_caches, strict=True):
+            write_kv(kv_cache, k.to(kv_cache.dtype), v, slots)
+
+    def context_kv(
+        self, context: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the rotated keys and the values [T, kv_heads, d] of the context rows
+        [T, H] at `positions`: that layer's k/v projections straight from the fused feature
+        (no input norm), its k norm where it has one."""
         cos, sin = self.rotary.lookup(positions)
         tokens = context.shape[0]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        out = []
+        for layer in self.layers:
             attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
             proj = attn.qkv_proj
             bias = proj.bias[attn.q_size :] if proj.bias is not None else None
@@ -133,7 +143,8 @@ class DFlashHead(nn.Module):
             v = kv[:, attn.kv_size :].reshape(tokens, attn.num_kv_heads, attn.head_dim)
             if attn.k_norm is not None:
                 k, _ = attn.k_norm(k)
-            write_kv(kv_cache, apply_rotary(k, cos, sin).to(kv_cache.dtype), v, slots)
+            out.append((apply_rotary(k, cos, sin), v))
+        return out
 
     def forward(
         self,

@@ -18,6 +18,8 @@ at position 0 is zeroed (the module never saw a token without a predecessor in t
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,12 +241,36 @@ def random_mtp_tensors(
     that append them to a target checkpoint."""
     head = MtpHead(target_config, layer_cls, max_model_len=1, num_modules=num_modules)
     init_random_(head, std=std, seed=seed)
-    base = target_config.num_hidden_layers
+    return mtp_tensors(head)
+
+
+def mtp_tensors(head: MtpHead) -> dict[str, torch.Tensor]:
+    """The head's modules in the checkpoint's spelling (`model.layers.{L + k}.*`, mtp_name's
+    inverse)."""
+    base = head.config.num_hidden_layers
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in hf_tensors(head.state_dict(), target_config).items():
+    for name, tensor in hf_tensors(head.state_dict(), head.config).items():
         k, rest = re.match(r"^layers\.(\d+)\.(.+)$", name).groups()  # type: ignore[union-attr]
         out[f"model.layers.{base + int(k)}.{rest.removeprefix('block.')}"] = tensor
     return out
+
+
+def append_mtp_modules(tensors: dict[str, torch.Tensor], target_dir: Path, path: Path) -> Path:
+    """A copy of the target checkpoint at `path` (its files linked, not copied) with the MTP
+    `tensors` (mtp_tensors' spelling) in an extra safetensors file and config.json declaring
+    them, as DeepSeek-V3-style checkpoints ship their MTP layers."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for item in target_dir.iterdir():
+        if item.name != "config.json" and not (path / item.name).exists():
+            os.symlink(item.resolve(), path / item.name)
+    base = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
+    modules = {mtp_layer_index(name, base) for name in tensors}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "mtp.safetensors"))
+    hf = json.loads((target_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(mtp_config(hf, len(modules)), indent=2))
+    return path
 
 
 def mtp_config(hf: dict[str, Any], num_modules: int = 1) -> dict[str, Any]:
