@@ -16,7 +16,7 @@ exists for SmolLM2-135M, and random heads accept almost nothing.
    edit-a-snippet copy task, at each --batch; one untimed warm-up run, then the best of
    --repeats. Reported: acceptance per position (vLLM's `num_accepted_tokens_per_pos` /
    `num_drafts`), mean accepted length, output tok/s and the ratio to no speculation measured
-   the same way.
+   the same way, and the median wall / device ms of the decode and verify steps.
 
     python -m bench.gpu.spec_acceptance --model PATH [--k 3] [--batch 1 16] [--train-seconds 150]
                                         [--out DIR]
@@ -233,12 +233,21 @@ def measure(
     engine.generate(prompts, params)
     stats = getattr(engine.scheduler.spec, "stats", None) if engine.scheduler.spec else None
     before = deepcopy(stats)
+    for samples in engine.step_ms.values():
+        samples.clear()
     best, outputs = 0.0, None
     for _ in range(repeats):
         started = time.perf_counter()
         outputs, _ = engine.generate(prompts, params)
         best = max(best, sum(map(len, outputs)) / (time.perf_counter() - started))
     out: dict[str, Any] = {"tok_s": round(best, 1)}
+    for kind in ("decode", "verify"):  # (wall, device) ms of the timed runs' steps
+        if engine.step_ms[kind]:
+            wall, device = zip(*engine.step_ms[kind], strict=True)
+            out[f"{kind}_step_ms"] = [
+                round(float(np.median(wall)), 3),
+                round(float(np.median(device)), 3),
+            ]
     if stats is not None:
         out |= stats_delta(before, engine.scheduler.spec.stats)
     out["tokens"] = outputs
