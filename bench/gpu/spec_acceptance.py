@@ -16,7 +16,8 @@ exists for SmolLM2-135M, and random heads accept almost nothing.
    edit-a-snippet copy task, at each --batch; one untimed warm-up run, then the best of
    --repeats. Reported: acceptance per position (vLLM's `num_accepted_tokens_per_pos` /
    `num_drafts`), mean accepted length, output tok/s and the ratio to no speculation measured
-   the same way, and the median wall / device ms of the decode and verify steps.
+   the same way, the median wall / device ms of the decode and verify steps, and per method
+   the median ms between the runner's host marks of those steps (over every run).
 
     python -m bench.gpu.spec_acceptance --model PATH [--k 3] [--batch 1 16] [--train-seconds 150]
                                         [--out DIR]
@@ -267,12 +268,15 @@ def evaluate(
         spec = SpeculativeConfig(method="ngram", num_spec_tokens=args.k)
     elif method != "off":
         spec = SpeculativeConfig(method=method, model=str(path), num_spec_tokens=args.k)
-    engine = Engine(model, config, spec, device=args.device)
+    marks = tempfile.TemporaryDirectory()  # the worker's step timeline: where a step's ms go
+    engine = Engine(model, config, spec, device=args.device, marks_dir=marks.name)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    out = {}
+    out: dict[str, Any] = {}
     for name, prompts in workloads.items():
         out[name] = measure(engine, prompts, params, args.repeats)
+    out["phases"] = {kind: engine.phase_split(kind) for kind in ("decode", "verify")}
     del engine
+    marks.cleanup()
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -392,14 +396,17 @@ def main() -> None:
         for method in args.methods:
             results[method] = evaluate(model, config, method, paths.get(method), workloads, args)
             summary = {
-                w: {k: v for k, v in r.items() if k != "tokens"} for w, r in results[method].items()
+                w: {k: v for k, v in r.items() if k != "tokens"} if w != "phases" else r
+                for w, r in results[method].items()
             }
             print(method, json.dumps(summary), flush=True)
             save()
     plain = results.get("off")
-    plain_tokens = {w: row["tokens"] for w, row in (plain or {}).items()}
+    plain_tokens = {w: row["tokens"] for w, row in (plain or {}).items() if w != "phases"}
     for method in args.methods:
         for workload, row in results[method].items():
+            if workload == "phases":
+                continue
             tokens_out = row.pop("tokens")
             if plain is not None and method != "off":
                 row["speedup"] = round(row["tok_s"] / plain[workload]["tok_s"], 3)
