@@ -143,6 +143,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.offload is not None:
+            self.offload.cost.batch_running = bool(self.running)
             self.offload.on_request_added(request)
         return None
 
@@ -285,6 +286,7 @@ class Scheduler:
                 if self.offload is None:
                     hit_blocks, num_hit = kv.get_computed_blocks(request)
                 else:
+                    self.offload.cost.batch_running = bool(self.running)
                     admission = self.offload.admit(request, kv)
                     if admission.action == "defer":
                         break  # lookup unanswered (or no room): FCFS, as a failed allocation

@@ -9,8 +9,10 @@ expected to be faster than the compute it replaces:
 
 `answer_s` is what a load costs besides its bytes: the loaded blocks are copied in at a step
 boundary and the request rejoins the batch at the next plan, so it is the time of a step of the
-running batch: the recent decode step (steps computing fewer than `min_prefill_tokens` tokens;
-none while the worker idles, when a load is applied at once).
+running batch: the recent decode step (steps computing fewer than `min_prefill_tokens` tokens).
+None while no batch runs (`batch_running`, set by the scheduler before each decision): an idle
+worker applies a load at once. (Counting a decode step there made a small model's hits
+recompute whenever its decode step was about as slow as prefilling the hit.)
 Each rate is learned online as an exponential moving average, from the worker's own figures:
 its KVTransferDone (bytes and seconds of every successful load) and its StepResults (tokens
 computed per second of execute time, from steps that compute at least `min_prefill_tokens`,
@@ -49,6 +51,7 @@ class LoadCostModel:
         self.step_s = step_s
         self.smoothing = smoothing
         self.min_prefill_tokens = min_prefill_tokens
+        self.batch_running = True  # whether a load would wait for a step of a running batch
         self.stats = LoadCostStats()
 
     def _ewma(self, old: float, new: float) -> float:
@@ -70,7 +73,8 @@ class LoadCostModel:
             self.step_s = self._ewma(self.step_s, seconds)
 
     def load_seconds(self, num_bytes: int) -> float:
-        return self.step_s + num_bytes / self.load_bytes_per_s
+        answer_s = self.step_s if self.batch_running else 0.0
+        return answer_s + num_bytes / self.load_bytes_per_s
 
     def recompute_seconds(self, num_tokens: int) -> float | None:
         """None while the prefill rate is unknown."""

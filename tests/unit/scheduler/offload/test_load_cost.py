@@ -11,6 +11,8 @@ from tests.unit.scheduler.driver import submit
 from tests.unit.scheduler.offload.harness import OffloadRig, Tier
 from tests.unit.scheduler.offload.test_connector import PROMPT, keys_of, warm_tier
 
+OTHER = list(range(300, 326))  # a prompt the tier does not hold
+
 
 def test_loads_win_until_the_prefill_rate_is_known() -> None:
     model = LoadCostModel(load_bytes_per_s=1e6)
@@ -68,10 +70,12 @@ async def test_a_tier_slower_than_recompute_is_not_even_looked_up() -> None:
 
 
 async def test_a_short_hit_is_recomputed_and_a_long_one_loaded() -> None:
-    """4 ms to recompute a chunk (4 tokens at 1,000/s), 1 ms to load one, plus a 6 ms step to
-    wait for a load's answer: 6 chunks load (12 ms < 24 ms), 1 chunk does not (7 ms > 4 ms)."""
+    """4 ms to recompute a chunk (4 tokens at 1,000/s), 1 ms to load one, plus a 6 ms step of
+    the running batch (request "a") to wait for a load's answer: 6 chunks load (12 ms < 24 ms),
+    1 chunk does not (7 ms > 4 ms)."""
     tier = await warm_tier()
     rig = rig_with_rates(tier, prefill=1000, step_s=0.006, bytes_per_s=1e9)
+    rig.scheduler.add_request(submit("a", OTHER, max_tokens=8))
     rig.scheduler.add_request(submit("b", PROMPT, max_tokens=2))
     for key in keys_of(rig, "b", range(1, 6)):  # only the head chunk is left in the tier
         del tier.payloads[key]
@@ -80,7 +84,22 @@ async def test_a_short_hit_is_recomputed_and_a_long_one_loaded() -> None:
     assert (rig.connector.cost.stats.loads, rig.connector.cost.stats.computes) == (0, 1)
 
     rig = rig_with_rates(await warm_tier(), prefill=1000, step_s=0.006, bytes_per_s=1e9)
+    rig.scheduler.add_request(submit("a", OTHER, max_tokens=8))
     rig.scheduler.add_request(submit("c", PROMPT, max_tokens=2))
     await rig.run()
     assert sum(len(t.keys) for plan in rig.plans for t in plan.kv_loads) == 6
     assert (rig.connector.cost.stats.loads, rig.connector.cost.stats.computes) == (1, 0)
+
+
+async def test_an_idle_worker_loads_without_waiting_for_a_step() -> None:
+    """The short hit above (1 ms to load, 4 ms to recompute) with nothing running: no decode
+    step stands between the load and the request, so it loads."""
+    tier = await warm_tier()
+    rig = rig_with_rates(tier, prefill=1000, step_s=0.006, bytes_per_s=1e9)
+    rig.scheduler.add_request(submit("b", PROMPT, max_tokens=2))
+    for key in keys_of(rig, "b", range(1, 6)):
+        del tier.payloads[key]
+    await rig.run()
+    assert sum(len(t.keys) for plan in rig.plans for t in plan.kv_loads) == 1
+    assert (rig.connector.cost.stats.loads, rig.connector.cost.stats.computes) == (1, 0)
+    assert rig.connector.stats.lookups_skipped == 0
