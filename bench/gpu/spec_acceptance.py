@@ -178,8 +178,9 @@ def build_trainers(
     )
     for module in (eagle, eagle3, mtp, dflash, draft):
         module.to(args.device, torch.float32)
-        if hasattr(module, "rotary"):
-            module.rotary.materialize(args.device, torch.float32)
+        rotary: Any = getattr(module, "rotary", None)  # the heads' RoPE tables are not buffers
+        if rotary is not None:
+            rotary.materialize(args.device, torch.float32)
     steps = args.unroll
     trainers = {
         "eagle": FeatureHeadTrainer(module=eagle, steps=steps, regress=True),
