@@ -265,10 +265,9 @@ def append_mtp_modules(tensors: dict[str, torch.Tensor], target_dir: Path, path:
     for item in target_dir.iterdir():
         if item.name != "config.json" and not (path / item.name).exists():
             os.symlink(item.resolve(), path / item.name)
-    base = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
-    modules = {mtp_layer_index(name, base) for name in tensors}
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "mtp.safetensors"))
     hf = json.loads((target_dir / "config.json").read_text())
+    modules = {mtp_layer_index(name, hf["num_hidden_layers"]) for name in tensors}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "mtp.safetensors"))
     (path / "config.json").write_text(json.dumps(mtp_config(hf, len(modules)), indent=2))
     return path
 
