@@ -18,9 +18,12 @@ exists for SmolLM2-135M, and random heads accept almost nothing.
    `num_drafts`), mean accepted length, output tok/s and the ratio to no speculation measured
    the same way, the median wall / device ms of the decode and verify steps, and per method
    the median ms between the runner's host marks of those steps (over every run).
+   `--eager-observe` also runs each feature head (EAGLE, EAGLE-3, MTP) with its `observe`
+   forward eager instead of replaying its graphs (accel/observe_graphs.py), reported as
+   METHOD_eager_observe.
 
     python -m bench.gpu.spec_acceptance --model PATH [--k 3] [--batch 1 16] [--train-seconds 150]
-                                        [--out DIR]
+                                        [--eager-observe] [--out DIR]
 """
 
 from __future__ import annotations
@@ -263,6 +266,7 @@ def evaluate(
     path: Path | None,
     workloads: dict[str, Any],
     args: argparse.Namespace,
+    eager_observe: bool = False,
 ) -> dict[str, Any]:
     spec = None
     if method == "ngram":
@@ -271,6 +275,8 @@ def evaluate(
         spec = SpeculativeConfig(method=method, model=str(path), num_spec_tokens=args.k)
     marks = tempfile.TemporaryDirectory()  # the worker's step timeline: where a step's ms go
     engine = Engine(model, config, spec, device=args.device, marks_dir=marks.name)
+    if eager_observe:
+        engine.runner.drafter.features.observe_graphs = None  # type: ignore[union-attr]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     out: dict[str, Any] = {}
     for name, prompts in workloads.items():
@@ -312,6 +318,11 @@ def main() -> None:
         default=["off", "ngram", "draft", "eagle", "eagle3", "mtp", "dflash"],
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--eager-observe",
+        action="store_true",
+        help="also run each feature head with its observe forward eager (no graphs)",
+    )
     parser.add_argument("--out", default="", help="a directory for spec_acceptance.json")
     args = parser.parse_args()
     out_dir = Path(args.out) if args.out else None
@@ -394,17 +405,23 @@ def main() -> None:
         depth = int(config.num_hidden_layers)
         paths = save_heads(trainers, draft_ids, hf_dir, Path(tmp), depth)
         del trainers
-        for method in args.methods:
-            results[method] = evaluate(model, config, method, paths.get(method), workloads, args)
+        runs = [(m, m, False) for m in args.methods]
+        if args.eager_observe:
+            heads = [m for m in args.methods if m in ("eagle", "eagle3", "mtp")]
+            runs += [(f"{m}_eager_observe", m, True) for m in heads]
+        for name, method, eager in runs:
+            results[name] = evaluate(
+                model, config, method, paths.get(method), workloads, args, eager_observe=eager
+            )
             summary = {
                 w: {k: v for k, v in r.items() if k != "tokens"} if w != "phases" else r
-                for w, r in results[method].items()
+                for w, r in results[name].items()
             }
-            print(method, json.dumps(summary), flush=True)
+            print(name, json.dumps(summary), flush=True)
             save()
     plain = results.get("off")
     plain_tokens = {w: row["tokens"] for w, row in (plain or {}).items() if w != "phases"}
-    for method in args.methods:
+    for method, _, _ in runs:
         for workload, row in results[method].items():
             if workload == "phases":
                 continue

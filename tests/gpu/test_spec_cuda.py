@@ -111,6 +111,8 @@ def test_the_captured_draft_loop_proposes_what_the_eager_loop_does(root, label: 
         inner = drafter.features or drafter.draft_model  # type: ignore[union-attr]
         if not captured:
             inner.graphs = None
+            if hasattr(inner, "observe_graphs"):  # a feature head's observe too
+                inner.observe_graphs = None
         out = engine.generate(PROMPTS, SAMPLED)
         stats = engine.scheduler.spec.stats
         runs.append(
@@ -122,6 +124,8 @@ def test_the_captured_draft_loop_proposes_what_the_eager_loop_does(root, label: 
         )
         if captured:
             assert sum(inner.graphs.replays.values()) > 0
+            if hasattr(inner, "observe_graphs"):
+                assert sum(inner.observe_graphs.replays.values()) > 0
     assert runs[0] == runs[1]
     assert runs[0][1] > 0
 
@@ -135,27 +139,34 @@ def test_the_draft_loop_never_synchronizes(root, label: str) -> None:
     inner = drafter.features or drafter.draft_model
     assert inner is not None
     sites: list[str] = []
-    loop = inner.propose
 
-    def guarded(batch, draws) -> None:  # type: ignore[no-untyped-def]
-        def record(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
-            if SYNC_WARNING in str(message):
-                sites.append(f"{Path(filename).name}:{lineno}")
+    def guard(call):  # type: ignore[no-untyped-def]
+        def guarded(*args):  # type: ignore[no-untyped-def]
+            def record(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+                if SYNC_WARNING in str(message):
+                    sites.append(f"{Path(filename).name}:{lineno}")
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            warnings.showwarning = record
-            try:
-                loop(batch, draws)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                warnings.showwarning = record
+                try:
+                    return call(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
 
-    inner.propose = guarded  # type: ignore[method-assign]
+        return guarded
+
+    inner.propose = guard(inner.propose)  # type: ignore[method-assign]
+    observe = getattr(inner, "observe_graphs", None)  # a feature head's captured observe
+    if observe is not None:
+        observe.run = guard(observe.run)  # type: ignore[method-assign]
     out = engine.generate(PROMPTS, SAMPLED)  # sampled drafts: q kept on the device too
     assert all(len(g.token_ids) == NEW_TOKENS for g in out.values())
     assert engine.scheduler.spec.stats.num_draft_tokens > 0
     assert not sites, f"the draft loop synchronized at {sorted(set(sites))}"
+    if observe is not None:
+        assert sum(observe.replays.values()) > 0
 
 
 def chained_engine(root: Path) -> InProcessEngine:

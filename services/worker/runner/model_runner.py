@@ -47,6 +47,7 @@ from services.worker.accel.draft_graphs import (
     LoopGraphs,
 )
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
+from services.worker.accel.observe_graphs import ObserveGraphs
 from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
@@ -584,6 +585,8 @@ class ModelRunner:
             return sampled
         batch = self.batch
         self.drafter.observe(batch, hidden, aux, inputs.rows, inputs.query_lens, inputs.seq_lens)
+        if self.drafter.features is not None:  # a head fed the step's features
+            self.mark_phase("observed")
         if not sampled:
             return sampled
         rows = np.array([batch.req_rows[s.request_id] for s in sampled], dtype=np.int64)
@@ -846,6 +849,26 @@ class ModelRunner:
             log.exception("CUDA graph capture of the draft loop failed: it runs eagerly")
             return 0.0
         graphs.attach()
+        if isinstance(features, FeatureDrafter):
+            seconds += self._capture_observe(features, sizes)
+        return seconds
+
+    def _capture_observe(self, features: FeatureDrafter, sizes: tuple[int, ...]) -> float:
+        """Capture a feature head's `observe` forward (accel/observe_graphs.py) over the pool
+        the draft loop was captured over; the seconds taken (0 if it failed: eager)."""
+        observe = ObserveGraphs(
+            features,
+            num_spec_tokens=self.num_spec_tokens,
+            max_num_reqs=self.batch.max_num_reqs,
+            max_model_len=self.max_model_len,
+            sizes=sizes,
+        )
+        try:
+            seconds = observe.capture()
+        except RuntimeError:
+            log.exception("CUDA graph capture of a feature head's observe failed: it runs eagerly")
+            return 0.0
+        observe.attach()
         return seconds
 
     def _sampled_tokens(self, step: InFlightTokens, tokens: np.ndarray) -> list[SampledTokens]:

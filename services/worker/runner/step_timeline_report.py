@@ -100,8 +100,8 @@ def summarize(run: list[Step], top: int = 5) -> str:
 
 #: Host marks of a step in the order the runner reaches them (those it reached are used).
 PHASE_ORDER = (
-    "launch", "inputs", "staged", "replayed", "forward", "drawn", "verified", "proposed",
-    "queued", "landed",
+    "launch", "inputs", "staged", "replayed", "forward", "drawn", "verified", "observed",
+    "proposed", "queued", "landed",
 )  # fmt: skip
 
 

@@ -49,6 +49,7 @@ from shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.accel.draft_graphs import DraftGraphs
+    from services.worker.accel.observe_graphs import ObserveGraphs
 
 #: the most head positions one forward of `FeatureDrafter._fill` covers
 FILL_CHUNK = 2048
@@ -135,12 +136,15 @@ class FeatureDrafter:
         dtype = next(target.parameters()).dtype
         self.kv = RowKV(head.kv_config, max_num_reqs, max_model_len, block_size, dtype, self.device)
         # Per row: the head's output at its newest pair, valid while the row holds `ready_req`
-        # with `ready_len` known tokens (any other state proposes nothing).
-        self.last = torch.zeros(max_num_reqs, head.hidden_size, dtype=dtype, device=device)
+        # with `ready_len` known tokens (any other state proposes nothing). One more row, which
+        # the pad rows of a captured observe write (accel/observe_graphs.py).
+        self.last = torch.zeros(max_num_reqs + 1, head.hidden_size, dtype=dtype, device=device)
         self.ready_req: list[str | None] = [None] * max_num_reqs
         self.ready_len = np.full(max_num_reqs, -1, dtype=np.int64)
-        # On CUDA, the draft loop captured per batch size (the runner sets it after capture)
+        # On CUDA, the draft loop and observe's head forward captured per batch size (the
+        # runner sets them after capture)
         self.graphs: DraftGraphs | None = None
+        self.observe_graphs: ObserveGraphs | None = None
 
     @torch.inference_mode()
     def observe(
@@ -159,6 +163,32 @@ class FeatureDrafter:
         if spans is None:
             return
         rows, starts, ends, flat = spans
+        graphs = self.observe_graphs
+        if graphs is not None and graphs.takes(batch, rows, starts, ends):
+            counts = ends - starts
+            graphs.run(batch, hidden, aux, rows, starts, ends, flat[np.cumsum(counts) - counts])
+        else:
+            self._observe_eagerly(batch, hidden, aux, rows, starts, ends, flat)
+        self.kv.written[rows] = ends
+        at_newest = ends == batch.num_tokens[rows] - 1
+        for i, row in enumerate(rows.tolist()):
+            if at_newest[i]:
+                self.ready_req[row] = batch.row_req[row]
+                self.ready_len[row] = batch.num_tokens[row]
+            else:
+                self.ready_req[row] = None
+
+    def _observe_eagerly(
+        self,
+        batch: InputBatch,
+        hidden: torch.Tensor,
+        aux: torch.Tensor | None,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        flat: np.ndarray,
+    ) -> None:
+        """`observe`'s head forward run from Python: any step (prefill chunks, fills)."""
         tokens = np.concatenate(
             [batch.token_ids[r, s + 1 : e + 1] for r, s, e in zip(rows, starts, ends, strict=True)]
         )
@@ -168,17 +198,9 @@ class FeatureDrafter:
         for i in np.flatnonzero(written[rows] < starts).tolist():  # first pairs after a hit
             self._fill(batch, int(rows[i]), int(written[rows[i]]), int(starts[i]), features)
         g = self._forward(rows, starts, ends, upload_ints(tokens, self.device), features)
-        written[rows] = ends
-        at_newest = ends == batch.num_tokens[rows] - 1
-        newest = np.flatnonzero(at_newest)
+        newest = np.flatnonzero(ends == batch.num_tokens[rows] - 1)
         if newest.size:
             self.last[upload_ints(rows[newest], self.device)] = g[upload_ints(newest, self.device)]
-        for i, row in enumerate(rows.tolist()):
-            if at_newest[i]:
-                self.ready_req[row] = batch.row_req[row]
-                self.ready_len[row] = batch.num_tokens[row]
-            else:
-                self.ready_req[row] = None
 
     def release(self, row: int) -> None:
         """The row's request left the batch: its head KV is free."""
