@@ -18,9 +18,9 @@ exists for SmolLM2-135M, and random heads accept almost nothing.
    `num_drafts`), mean accepted length, output tok/s and the ratio to no speculation measured
    the same way, the median wall / device ms of the decode and verify steps, and per method
    the median ms between the runner's host marks of those steps (over every run).
-   `--eager-observe` also runs each feature head (EAGLE, EAGLE-3, MTP) with its `observe`
-   forward eager instead of replaying its graphs (accel/observe_graphs.py), reported as
-   METHOD_eager_observe.
+   `--eager-observe` also runs each feature head (EAGLE, EAGLE-3, MTP) and the DFlash draft
+   with its `observe` eager instead of replaying its graphs (accel/observe_graphs.py),
+   reported as METHOD_eager_observe.
 
     python -m bench.gpu.spec_acceptance --model PATH [--k 3] [--batch 1 16] [--train-seconds 150]
                                         [--eager-observe] [--out DIR]
@@ -321,7 +321,7 @@ def main() -> None:
     parser.add_argument(
         "--eager-observe",
         action="store_true",
-        help="also run each feature head with its observe forward eager (no graphs)",
+        help="also run each feature head and DFlash with its observe eager (no graphs)",
     )
     parser.add_argument("--out", default="", help="a directory for spec_acceptance.json")
     args = parser.parse_args()
@@ -407,7 +407,7 @@ def main() -> None:
         del trainers
         runs = [(m, m, False) for m in args.methods]
         if args.eager_observe:
-            heads = [m for m in args.methods if m in ("eagle", "eagle3", "mtp")]
+            heads = [m for m in args.methods if m in ("eagle", "eagle3", "mtp", "dflash")]
             runs += [(f"{m}_eager_observe", m, True) for m in heads]
         for name, method, eager in runs:
             results[name] = evaluate(

@@ -1,5 +1,7 @@
-"""CUDA graphs of a feature head's `observe` (spec/feature_drafter.py: EAGLE, EAGLE-3, MTP):
-the head's forward over the pairs a step made available, one replay per padded row count.
+"""CUDA graphs of a drafter's `observe`, one replay per padded row count: a feature head's
+forward over the pairs a step made available (spec/feature_drafter.py: EAGLE, EAGLE-3, MTP;
+`HeadObserveGraphs`), or the DFlash draft's context K/V of the step's verified positions
+(spec/block_drafter.py; `ContextGraphs`).
 
 Eager, `observe` is one head forward built in Python: the attention metadata, the feature and
 token gathers, the head's layer, the write of each row's newest output: about as many kernel
@@ -18,6 +20,11 @@ each forward writing its position before attending to it), as it overwrites its 
 drafts (feature_drafter.py). Each row's output at its newest pair goes to the drafter's
 `last`; pad rows write a scratch row past the real ones and no KV (slot -1).
 
+The DFlash draft's `observe` is the same shape without attention: each layer's K/V of the fused
+context feature at each verified position (DFlashHead.context_kv). Padded to W positions a
+row, its padding positions (>= N - 1) lie inside the next block [N - 1, N - 2 + B] (B >= K + 1),
+which writes its own K/V there before its non-causal attention reads them.
+
 Static inputs, uploaded in one copy (cuda_graphs.upload): per row its `last` row, its first
 head position, the index of its newest pair, whether it is real, its W tokens t[p + 1] and the
 flat indices of its W pairs in the step's hidden states, and its head-KV block table. The
@@ -34,6 +41,7 @@ import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
+from meshllm_kernels.attention.kv_insert import insert_kv
 from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
 from services.worker.accel.cuda_graphs import (
     GRAPH_SIZES,
@@ -44,17 +52,23 @@ from services.worker.accel.cuda_graphs import (
 )
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.runner.input_batch import InputBatch
+from services.worker.spec.block_drafter import BlockDrafter
 from services.worker.spec.feature_drafter import FeatureDrafter
 
 log = logging.getLogger(__name__)
 
 
 class ObserveGraphs:
-    """`FeatureDrafter.observe`'s head forward captured per padded row count."""
+    """A drafter's `observe` captured per padded row count: staging, capture, replay. A
+    subclass writes `forward` (and sets `reads_hidden` when it reads the final hidden
+    states)."""
+
+    reads_hidden = False
+    drafter: FeatureDrafter | BlockDrafter
 
     def __init__(
         self,
-        drafter: FeatureDrafter,
+        drafter: FeatureDrafter | BlockDrafter,
         *,
         num_spec_tokens: int,
         max_num_reqs: int,
@@ -87,8 +101,12 @@ class ObserveGraphs:
         self.static = self.inputs.gpu
         target = drafter.target
         hidden_size = target.config.hidden_size
-        dtype = drafter.last.dtype
-        self.hidden = torch.zeros(rows * width, hidden_size, dtype=dtype, device=dev)
+        dtype = next(target.parameters()).dtype
+        self.hidden = (
+            torch.zeros(rows * width, hidden_size, dtype=dtype, device=dev)
+            if self.reads_hidden
+            else None
+        )
         aux_layers = len(getattr(target, "aux_hidden_layers", ()) or ())
         self.aux = (
             torch.zeros(rows * width, aux_layers * hidden_size, dtype=dtype, device=dev)
@@ -108,18 +126,26 @@ class ObserveGraphs:
 
     # -- the captured body ------------------------------------------------------------------
 
-    def metadata(self, size: int) -> TritonAttentionMetadata:
-        """Causal attention of each row's W pairs over its own head KV, from the static
-        inputs: built inside `forward`, so that a replay computes the slots and lengths of its
-        own inputs (this is what capture_graphs hands back to it)."""
-        st, kv, width = self.static, self.kv, self.width
+    def positions(self, size: int) -> torch.Tensor:
+        """Head positions [size, W] of the pairs."""
+        return self.static["starts"][:size].unsqueeze(1) + self.offsets
+
+    def slots(self, size: int) -> torch.Tensor:
+        """The KV slots [size, W] of the pairs' positions in each row's table; -1 for pads."""
+        st, kv = self.static, self.kv
         pos = self.positions(size)
         block = st["block_tables"][:size].gather(1, pos // kv.block_size).long()
         real = (st["real"][:size] != 0).unsqueeze(1)
-        slots = torch.where(real, block * kv.block_size + pos % kv.block_size, -1)
+        return torch.where(real, block * kv.block_size + pos % kv.block_size, -1)
+
+    def metadata(self, size: int) -> TritonAttentionMetadata:
+        """Causal attention of each row's W pairs over its own KV, from the static inputs:
+        built inside `forward`, so that a replay computes the slots and lengths of its own
+        inputs (this is what capture_graphs hands back to it)."""
+        st, kv, width = self.static, self.kv, self.width
         return TritonAttentionMetadata(
             num_tokens=size * width,
-            slot_mapping=slots.flatten(),
+            slot_mapping=self.slots(size).flatten(),
             token_index=self.token_index[: size * width],
             num_kv_heads=kv.num_kv_heads,
             backend=kv.backend,  # type: ignore[arg-type]
@@ -129,24 +155,9 @@ class ObserveGraphs:
             prefill_max_seqlen_q=width,
         )
 
-    def positions(self, size: int) -> torch.Tensor:
-        """Head positions [size, W] of the pairs."""
-        return self.static["starts"][:size].unsqueeze(1) + self.offsets
-
     def forward(self, size: int, _: TritonAttentionMetadata) -> torch.Tensor:
-        """The head over the staged pairs; each row's output at its newest pair into the
-        drafter's `last` (pads: the scratch row). Returns those outputs [size, H]."""
-        drafter, st, n = self.drafter, self.static, size * self.width
-        meta = self.metadata(size)
-        head = drafter.head
-        aux = self.aux[:n] if self.aux is not None else None
-        features = head.target_features(self.hidden[:n], aux)
-        embeds = head.embed(st["tokens"][:size].flatten(), drafter.target)
-        pos = self.positions(size).flatten()
-        g = head(embeds, features, pos, meta, self.kv.layers, 0)
-        newest = g.view(size, self.width, -1)[self.row_index[:size], st["newest"][:size]]
-        drafter.last.index_copy_(0, st["dest"][:size], newest)
-        return newest
+        """The captured body over the static inputs' first `size` rows."""
+        raise NotImplementedError
 
     # -- capture ----------------------------------------------------------------------------
 
@@ -227,7 +238,8 @@ class ObserveGraphs:
         """The staged pairs' hidden (and auxiliary) states into the static buffers."""
         n = size * self.width
         index = self.static["flat"][:size].flatten()
-        torch.index_select(hidden, 0, index, out=self.hidden[:n])
+        if self.hidden is not None:
+            torch.index_select(hidden, 0, index, out=self.hidden[:n])
         if self.aux is not None and aux is not None:
             torch.index_select(aux, 0, index, out=self.aux[:n])
 
@@ -250,3 +262,42 @@ class ObserveGraphs:
         tables[:n] = self.kv.tables[rows]
         tables[n:size] = 0
         upload(self, self.inputs.end("block_tables", size))
+
+
+class HeadObserveGraphs(ObserveGraphs):
+    """A feature head's forward over each row's W pairs; each row's output at its newest pair
+    into the drafter's `last`."""
+
+    reads_hidden = True
+    drafter: FeatureDrafter
+
+    def forward(self, size: int, _: TritonAttentionMetadata) -> torch.Tensor:
+        """Returns the rows' newest outputs [size, H] (pads: into the scratch row)."""
+        drafter, st, n = self.drafter, self.static, size * self.width
+        head = drafter.head
+        aux = self.aux[:n] if self.aux is not None else None
+        assert self.hidden is not None
+        features = head.target_features(self.hidden[:n], aux)
+        embeds = head.embed(st["tokens"][:size].flatten(), drafter.target)
+        pos = self.positions(size).flatten()
+        g = head(embeds, features, pos, self.metadata(size), self.kv.layers, 0)
+        newest = g.view(size, self.width, -1)[self.row_index[:size], st["newest"][:size]]
+        drafter.last.index_copy_(0, st["dest"][:size], newest)
+        return newest
+
+
+class ContextGraphs(ObserveGraphs):
+    """The DFlash draft's context K/V at each row's W positions (pads write none)."""
+
+    drafter: BlockDrafter
+
+    def forward(self, size: int, _: TritonAttentionMetadata) -> torch.Tensor:
+        """Returns the fused context features [size x W, H]."""
+        head, n = self.drafter.head, size * self.width
+        assert self.aux is not None
+        context = head.context(self.aux[:n])
+        slots = self.slots(size).flatten()
+        pairs = head.context_kv(context, self.positions(size).flatten())
+        for (k, v), cache in zip(pairs, self.kv.layers, strict=True):
+            insert_kv(k.to(cache.dtype).contiguous(), v.contiguous(), cache, slots, None, None)
+        return context

@@ -47,7 +47,7 @@ from services.worker.accel.draft_graphs import (
     LoopGraphs,
 )
 from services.worker.accel.hybrid_graphs import HybridDecodeGraphs
-from services.worker.accel.observe_graphs import ObserveGraphs
+from services.worker.accel.observe_graphs import ContextGraphs, HeadObserveGraphs, ObserveGraphs
 from services.worker.accel.prefill_graphs import PrefillGraphs
 from services.worker.accel.verify_graphs import VerifyGraphs
 from services.worker.attention.backend_choice import resolve_backend
@@ -849,15 +849,19 @@ class ModelRunner:
             log.exception("CUDA graph capture of the draft loop failed: it runs eagerly")
             return 0.0
         graphs.attach()
-        if isinstance(features, FeatureDrafter):
+        if features is not None:
             seconds += self._capture_observe(features, sizes)
         return seconds
 
-    def _capture_observe(self, features: FeatureDrafter, sizes: tuple[int, ...]) -> float:
-        """Capture a feature head's `observe` forward (accel/observe_graphs.py) over the pool
-        the draft loop was captured over; the seconds taken (0 if it failed: eager)."""
-        observe = ObserveGraphs(
-            features,
+    def _capture_observe(
+        self, features: FeatureDrafter | BlockDrafter, sizes: tuple[int, ...]
+    ) -> float:
+        """Capture a feature head's `observe` forward or the DFlash draft's context writes
+        (accel/observe_graphs.py) over the pool the draft loop was captured over; the seconds
+        taken (0 if it failed: eager)."""
+        kind = HeadObserveGraphs if isinstance(features, FeatureDrafter) else ContextGraphs
+        observe: ObserveGraphs = kind(
+            features,  # type: ignore[arg-type]
             num_spec_tokens=self.num_spec_tokens,
             max_num_reqs=self.batch.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -866,7 +870,7 @@ class ModelRunner:
         try:
             seconds = observe.capture()
         except RuntimeError:
-            log.exception("CUDA graph capture of a feature head's observe failed: it runs eagerly")
+            log.exception("CUDA graph capture of a drafter's observe failed: it runs eagerly")
             return 0.0
         observe.attach()
         return seconds

@@ -46,6 +46,7 @@ from services.worker.spec.vocab_map import draft_vocab_map
 
 if TYPE_CHECKING:
     from services.worker.accel.draft_graphs import BlockGraphs
+    from services.worker.accel.observe_graphs import ContextGraphs
 
 
 class BlockDrafter:
@@ -84,8 +85,10 @@ class BlockDrafter:
         # Per row: the request and token count its context stands for (ready to propose).
         self.ready_req: list[str | None] = [None] * max_num_reqs
         self.ready_len = np.full(max_num_reqs, -1, dtype=np.int64)
-        # On CUDA, the block forward and draws captured per batch size (the runner sets it)
+        # On CUDA, the block forward and draws, and observe's context writes, captured per
+        # batch size (the runner sets them)
         self.graphs: BlockGraphs | None = None
+        self.observe_graphs: ContextGraphs | None = None
 
     @property
     def mask_token_id(self) -> int:
@@ -114,12 +117,17 @@ class BlockDrafter:
         if spans is None:
             return
         rows, starts, ends, flat = spans
-        context = self.head.context(aux[upload_ints(flat, aux.device)])
-        written = self.kv.written
-        for i in np.flatnonzero(written[rows] < starts).tolist():  # first context after a hit
-            self._fill(int(rows[i]), int(written[rows[i]]), int(starts[i]), context)
-        self._write(rows, starts, ends, context)
-        written[rows] = ends
+        graphs = self.observe_graphs
+        if graphs is not None and graphs.takes(batch, rows, starts, ends):
+            counts = ends - starts
+            graphs.run(batch, hidden, aux, rows, starts, ends, flat[np.cumsum(counts) - counts])
+        else:
+            context = self.head.context(aux[upload_ints(flat, aux.device)])
+            written = self.kv.written
+            for i in np.flatnonzero(written[rows] < starts).tolist():  # first context after a hit
+                self._fill(int(rows[i]), int(written[rows[i]]), int(starts[i]), context)
+            self._write(rows, starts, ends, context)
+        self.kv.written[rows] = ends
         for i, row in enumerate(rows.tolist()):
             at_newest = ends[i] == batch.num_tokens[row] - 1
             self.ready_req[row] = batch.row_req[row] if at_newest else None

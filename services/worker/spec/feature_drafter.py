@@ -49,7 +49,7 @@ from shared.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from services.worker.accel.draft_graphs import DraftGraphs
-    from services.worker.accel.observe_graphs import ObserveGraphs
+    from services.worker.accel.observe_graphs import HeadObserveGraphs
 
 #: the most head positions one forward of `FeatureDrafter._fill` covers
 FILL_CHUNK = 2048
@@ -144,7 +144,7 @@ class FeatureDrafter:
         # On CUDA, the draft loop and observe's head forward captured per batch size (the
         # runner sets them after capture)
         self.graphs: DraftGraphs | None = None
-        self.observe_graphs: ObserveGraphs | None = None
+        self.observe_graphs: HeadObserveGraphs | None = None
 
     @torch.inference_mode()
     def observe(

@@ -1,9 +1,10 @@
-"""A feature head's captured `observe` (services/worker/accel/observe_graphs.py) run without
-capture, on the Triton kernels (through the interpreter on a machine without a GPU): after a
-verify step, every row padded to K + 1 pairs, it leaves the head's newest outputs and its KV
-of the verified pairs as the eager `observe` does, pads writing none, and the next proposal
-drafts the same tokens. Steps it cannot hold (a prefill's many pairs) stay eager. On CUDA the
-same body is captured and replayed (tests/gpu/test_spec_cuda.py)."""
+"""A drafter's captured `observe` (services/worker/accel/observe_graphs.py: a feature head's
+forward, the DFlash draft's context K/V) run without capture, on the Triton kernels (through
+the interpreter on a machine without a GPU): after a verify step, every row padded to K + 1
+pairs, it leaves the head's newest outputs and its KV of the verified pairs as the eager
+`observe` does, and the next proposal drafts the same tokens. Steps it cannot hold (a
+prefill's many pairs) stay eager. On CUDA the same body is captured and replayed
+(tests/gpu/test_spec_cuda.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.accel.observe_graphs import ObserveGraphs
+from services.worker.accel.observe_graphs import ContextGraphs, HeadObserveGraphs, ObserveGraphs
 from services.worker.runner.input_batch import InputBatch
 from services.worker.spec.draft_sampler import DraftSampler
 from services.worker.spec.feature_drafter import FeatureDrafter
@@ -65,7 +66,7 @@ def verify_step(state) -> None:  # type: ignore[no-untyped-def]
         state.drafter.observe(batch, hidden, aux, np.array([0, 1]), query_lens, seq_lens)
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "dflash"])
 def test_the_static_observe_feeds_the_head_what_the_eager_observe_does(
     checkpoints: Path, method: str
 ) -> None:
@@ -73,12 +74,12 @@ def test_the_static_observe_feeds_the_head_what_the_eager_observe_does(
     for static in (False, True):
         state = observed(checkpoints, method)
         inner = state.drafter.features
-        assert isinstance(inner, FeatureDrafter)
+        assert inner is not None
         if static:
+            kind = ContextGraphs if method == "dflash" else HeadObserveGraphs
             inner.observe_graphs = uncaptured(
-                ObserveGraphs(inner, num_spec_tokens=K, max_num_reqs=4, max_model_len=64,
-                              sizes=(4,))
-            )  # fmt: skip
+                kind(inner, num_spec_tokens=K, max_num_reqs=4, max_model_len=64, sizes=(4,))
+            )
         verify_step(state)
         if static:
             assert inner.observe_graphs.replays == {4: 1}  # type: ignore[union-attr]
@@ -95,14 +96,15 @@ def test_the_static_observe_feeds_the_head_what_the_eager_observe_does(
         draws = DraftSampler(
             state.sampler, batch, rows, np.full(2, K), state.drafter.vocab_size, inner.vocab_map
         )
-        newest = inner.last[:2].clone()
+        newest = inner.last[:2].clone() if isinstance(inner, FeatureDrafter) else None
         with torch.inference_mode():
             inner.propose(batch, draws)
         runs.append((ends, newest, kv, draws.drafts()))
     (ends, newest, kv, drafts), (s_ends, s_newest, s_kv, s_drafts) = runs
     lens = np.array([len(p) for p in PROMPTS])
     assert ends.tolist() == s_ends.tolist() == (lens + np.array(ACCEPTED)).tolist()
-    torch.testing.assert_close(s_newest, newest, rtol=1e-4, atol=1e-4)
+    if newest is not None:
+        torch.testing.assert_close(s_newest, newest, rtol=1e-4, atol=1e-4)
     for eager_kv, static_kv in zip(kv, s_kv, strict=True):
         torch.testing.assert_close(static_kv, eager_kv, rtol=1e-4, atol=1e-4)
     assert s_drafts[0] == drafts[0] and len(drafts[0]) == K  # the greedy row
@@ -115,7 +117,9 @@ def test_a_prefill_is_observed_eagerly(checkpoints: Path) -> None:
     state = observed(checkpoints, "eagle")
     inner = state.drafter.features
     assert isinstance(inner, FeatureDrafter)
-    graphs = ObserveGraphs(inner, num_spec_tokens=K, max_num_reqs=4, max_model_len=64, sizes=(4,))
+    graphs = HeadObserveGraphs(
+        inner, num_spec_tokens=K, max_num_reqs=4, max_model_len=64, sizes=(4,)
+    )
     graphs.graphs = dict.fromkeys(graphs.sizes)  # type: ignore[arg-type]
     batch, rows = state.batch, np.array([0, 1])
     lens = np.array([len(p) for p in PROMPTS])
