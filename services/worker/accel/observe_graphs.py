@@ -41,7 +41,6 @@ import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
-from meshllm_kernels.attention.kv_insert import insert_kv
 from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
 from services.worker.accel.cuda_graphs import (
     GRAPH_SIZES,
@@ -50,6 +49,7 @@ from services.worker.accel.cuda_graphs import (
     padded_size,
     upload,
 )
+from services.worker.attention.context_kv import kernel_insert
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.runner.input_batch import InputBatch
 from services.worker.spec.block_drafter import BlockDrafter
@@ -299,5 +299,5 @@ class ContextGraphs(ObserveGraphs):
         slots = self.slots(size).flatten()
         pairs = head.context_kv(context, self.positions(size).flatten())
         for (k, v), cache in zip(pairs, self.kv.layers, strict=True):
-            insert_kv(k.to(cache.dtype).contiguous(), v.contiguous(), cache, slots, None, None)
+            kernel_insert(cache, k.to(cache.dtype).contiguous(), v.contiguous(), slots)
         return context
