@@ -37,6 +37,7 @@ import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend
 from meshllm_kernels.runtime.staged_copy import PackedCpuGpuBuffer
+from services.worker.accel.gc_pause import collected_then_paused
 from services.worker.attention.select import TritonAttentionMetadata, decode_splits
 from services.worker.models.base import CausalLM
 
@@ -87,15 +88,16 @@ def capture_graphs(step: StepGraphs, label: str) -> float:
     pool = None
     stream = torch.cuda.Stream(step.device)
     stream.wait_stream(torch.cuda.current_stream(step.device))
-    for size in reversed(step.sizes):
-        meta = step.metadata(size)
-        with torch.cuda.stream(stream):
-            step.forward(size, meta)  # compiles/tunes kernels outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            step.outputs[size] = step.forward(size, meta)
-        pool = graph.pool()
-        step.graphs[size] = graph
+    with collected_then_paused():  # no dead engine's graphs freed mid-capture (gc_pause.py)
+        for size in reversed(step.sizes):
+            meta = step.metadata(size)
+            with torch.cuda.stream(stream):
+                step.forward(size, meta)  # compiles/tunes kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                step.outputs[size] = step.forward(size, meta)
+            pool = graph.pool()
+            step.graphs[size] = graph
     torch.cuda.current_stream(step.device).wait_stream(stream)
     torch.cuda.synchronize(step.device)
     seconds = time.perf_counter() - started
