@@ -5,9 +5,10 @@ forward over the pairs a step made available (spec/feature_drafter.py: EAGLE, EA
 
 Eager, `observe` is one head forward built in Python: the attention metadata, the feature and
 token gathers, the head's layer, the write of each row's newest output: about as many kernel
-launches as a proposal's, paid on every step a drafter runs (1-1.4 ms of host time for a
-one-layer head on the H100 machine, more than the head's GPU time). The proposal that follows
-is already a graph replay (draft_graphs.py); so is the verify step before it.
+launches as a proposal's, paid on every step a drafter runs (2-3.7 ms of host time a verify
+step for a one-layer head of SmolLM2 on the H100 machine, against 0.35-0.5 ms replayed:
+bench/RESULTS.md). The proposal that follows is already a graph replay (draft_graphs.py); so
+is the verify step before it.
 
 A step whose every row brings at most W = K + 1 pairs (a verify step: the bonus input and the
 accepted drafts; a plain decode step: one pair), every pair up to the row's newest, and no row
@@ -15,10 +16,12 @@ needing the head KV of a prefix hit filled first (`FeatureDrafter._fill`), runs 
 is padded to W pairs at head positions start .. start + W - 1, causal over its own context, so
 a real pair never sees a padding pair. The padding pairs (the step's features and tokens past
 the row's verified ones) write head KV at positions >= N - 1 (N: the row's known tokens),
-which the proposal overwrites before any forward reads them (it runs (draft j, g) at N - 1 + j,
-each forward writing its position before attending to it), as it overwrites its own rejected
-drafts (feature_drafter.py). Each row's output at its newest pair goes to the drafter's
-`last`; pad rows write a scratch row past the real ones and no KV (slot -1).
+which nothing reads before writing them again, as with the head's own rejected drafts
+(feature_drafter.py): the proposal runs (draft j, g) at N - 1 + j, each forward writing its
+position before attending to it, and positions past its reach are written by the next step's
+observe (its verified pairs) or proposal before any forward attends to them. Each row's
+output at its newest pair goes to the drafter's `last`; pad rows write a scratch row past the
+real ones and no KV (slot -1).
 
 The DFlash draft's `observe` is the same shape without attention: each layer's K/V of the fused
 context feature at each verified position (DFlashHead.context_kv). Padded to W positions a
