@@ -60,6 +60,15 @@ from services.worker.spec.vocab_map import to_target_ids
 log = logging.getLogger(__name__)
 
 
+def row_slots(
+    block_tables: torch.Tensor, real: torch.Tensor, pos: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The KV slots of positions `pos` [R, W] in each row's block table [R, blocks]; -1 for
+    the rows whose `real` is 0 (graph padding: the KV insert skips them)."""
+    block = block_tables.gather(1, pos // block_size).long()
+    return torch.where((real != 0).unsqueeze(1), block * block_size + pos % block_size, -1)
+
+
 class LoopGraphs:
     """What the loops share: static inputs, capture, staging, replay. A subclass sets
     `first_draft` (the drafts before the loop: 0 or 1), `shift` (forward i runs at position
@@ -151,10 +160,8 @@ class LoopGraphs:
 
     def _slots(self, size: int, pos: torch.Tensor) -> torch.Tensor:
         """The KV slots of positions `pos` [size, W] in each row's table; -1 for pad rows."""
-        st, bs = self.static, self.kv.block_size
-        block = st["block_tables"][:size].gather(1, pos // bs).long()
-        real = (st["real"][:size] != 0).unsqueeze(1)
-        return torch.where(real, block * bs + pos % bs, -1)
+        st = self.static
+        return row_slots(st["block_tables"][:size], st["real"][:size], pos, self.kv.block_size)
 
     def _draw(self, size: int, j: int, logits: torch.Tensor) -> torch.Tensor:
         """Draft j of every row from its logits (the drafter's vocabulary), as DraftSampler.draw

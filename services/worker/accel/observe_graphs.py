@@ -52,6 +52,7 @@ from services.worker.accel.cuda_graphs import (
     padded_size,
     upload,
 )
+from services.worker.accel.draft_graphs import row_slots
 from services.worker.attention.context_kv import kernel_insert
 from services.worker.attention.select import TritonAttentionMetadata
 from services.worker.runner.input_batch import InputBatch
@@ -135,11 +136,9 @@ class ObserveGraphs:
 
     def slots(self, size: int) -> torch.Tensor:
         """The KV slots [size, W] of the pairs' positions in each row's table; -1 for pads."""
-        st, kv = self.static, self.kv
-        pos = self.positions(size)
-        block = st["block_tables"][:size].gather(1, pos // kv.block_size).long()
-        real = (st["real"][:size] != 0).unsqueeze(1)
-        return torch.where(real, block * kv.block_size + pos % kv.block_size, -1)
+        st = self.static
+        tables, real = st["block_tables"][:size], st["real"][:size]
+        return row_slots(tables, real, self.positions(size), self.kv.block_size)
 
     def metadata(self, size: int) -> TritonAttentionMetadata:
         """Causal attention of each row's W pairs over its own KV, from the static inputs:
