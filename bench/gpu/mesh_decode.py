@@ -19,6 +19,8 @@ tokens/s per request (tokens after the first over the time since the first), the
 run the GPU had no step queued, and the mesh's own cost per step from the scheduler's metrics:
 meshllm:scheduler_overhead_seconds (step wall time minus the worker's execute_ms: scheduling,
 both bus hops, result handling) over meshllm:scheduler_step_seconds, as deltas over the run.
+Last, once the mesh has stopped, the card's HBM read and bf16 GEMM rates, and each batch's
+computed bound with the best run's share of it (bench/gpu/run_bound.py; dense models only).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from bench.gpu.run_bound import bounds, measure_rates
 from shared.bus import Bus
 from shared.heartbeat import Heartbeater
 from shared.protocol import SamplingParams, SubmitRequest, TokenDelta
@@ -293,6 +296,19 @@ def main() -> None:
         if os.environ.get("MESH_LOGS") or not results["runs"]:
             for name, tail in logs.items():
                 print(f"--- {name} log tail ---\n{tail}")
+    if not args.dry_run and args.model.startswith("random:"):
+        # #36's bound from this card's rates, measured after the mesh freed the GPU
+        try:
+            results["bound"] = bounds(
+                args.model, args.batches, args.prompt, args.output, measure_rates()
+            )
+        except ValueError as exc:  # not a dense decoder: no bound
+            results["bound"] = {"error": str(exc)}
+        results["best_of_bound"] = {
+            b: round(tok_s / results["bound"]["per_batch"][b]["bound_tok_s"], 3)
+            for b, tok_s in results["best_tok_s"].items()
+            if "per_batch" in results["bound"]
+        }
     text = json.dumps(results, indent=1)
     if args.out:
         Path(args.out).write_text(text)

@@ -48,9 +48,9 @@ def test_split_rows_slots_and_paged_rest() -> None:
     assert split.span_lens == [3, 2] and split.max_len == 3
     assert split.cu_seqlens.tolist() == [0, 3, 5]
     slots = meta.slot_mapping[split.rows]
-    assert (split.kv_blocks * BLOCK + split.kv_offsets).tolist() == slots.tolist()
+    assert split.kv_slots.tolist() == slots.tolist()
     # fresh spans start at position 0: the first block of their own table (rows 1 and 3)
-    assert split.kv_blocks.tolist() == [5, 5, 5, 13, 13]
+    assert (split.kv_slots // BLOCK).tolist() == [5, 5, 5, 13, 13]
     paged = split.paged
     assert paged is not None and paged.rows == slice(4, 6)
     assert paged.cu_seqlens_q.tolist() == [0, 2] and paged.seq_lens.tolist() == [7]
