@@ -54,3 +54,17 @@ def smollm2_dir() -> Path:
     from shared.model.source import resolve_model
 
     return resolve_model("", MODEL_CACHE).hf_dir
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """MESHLLM_TEST_FAILURES=FILE: each failure's report appended to FILE as it happens, not
+    at the end of the run. On the lent GPU a command runs under a time limit; a suite cut by
+    it never prints its failure section, and the first error would be lost
+    (bench/gpu/run.sh sets it)."""
+    path = os.environ.get("MESHLLM_TEST_FAILURES")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as out:
+        out.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        for name, text in report.sections:  # captured logs and output of the test
+            out.write(f"--- {name}\n{text}\n")

@@ -42,10 +42,10 @@ ATTENTION_MARKS = ("_prefill_kernel", "_decode_", "attention", "flash")
 
 def kernel_group(name: str) -> str:
     low = name.lower()
+    if any(m in low for m in ATTENTION_MARKS):  # first: flash-attention's names say cutlass
+        return "attention"
     if any(m in low for m in GEMM_MARKS):
         return "gemm"
-    if any(m in low for m in ATTENTION_MARKS):
-        return "attention"
     return "other"
 
 

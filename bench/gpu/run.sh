@@ -34,6 +34,7 @@
 #   6. rows (only when asked for): bench.gpu.mesh_decode at batch 32 and 64 with steps past 16
 #      rows on cuBLAS, then on the GEMV + decode chain (--gemv-max-rows 16 / 64).
 # Written under $OUT (default /tmp/meshllm-gpu): run.log (everything printed), gpu_tests.log,
+# gpu_failures.log (each failing test's report, written when it fails),
 # kernel_timings.json, mesh_decode.json, transformers.json, gateway_serve.json. Each step runs
 # under what is left of BUDGET_S seconds (default 570) and its own cap, so one slow step cannot
 # starve the rest: `tests` alone takes ~6-7 min on a fresh H200 machine (cold Triton caches),
@@ -121,6 +122,9 @@ if [ "$MODE" = serve ]; then
         --out "$OUT/gateway_serve.json"
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
+    # Failures are written to gpu_failures.log as they happen (tests/conftest.py): the step's
+    # time limit may cut the run before pytest's own failure section.
+    export MESHLLM_TEST_FAILURES=$OUT/gpu_failures.log
     step gpu-tests 480 bash -c "set -o pipefail; python3 -m pytest -q -p no:cacheprovider \
         tests/gpu tests/kernels tests/unit/worker/test_cuda_graphs.py \
         tests/unit/worker/test_verify_graphs.py 2>&1 | tee '$OUT/gpu_tests.log'"
