@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
-INNER = '''
+INNER = """
 import logging
 from pathlib import Path
 
@@ -27,7 +27,7 @@ def test_sees_the_failure_already_written():
 
 def test_passes():
     pass
-'''
+"""
 
 
 def test_failures_are_written_as_they_happen(tmp_path: Path) -> None:
