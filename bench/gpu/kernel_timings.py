@@ -4,8 +4,8 @@ torch SDPA, torch ops, one split):
 
 - HBM ceilings (device copy, read-only sum) of this run;
 - GEMV (meshllm_kernels/decode_chain/gemv.py): a tile sweep per layer shape (graph time at 1 + 16
-  rows; the winners print as the body of gemv.py's H200_CONFIGS), then 1/4/8/16 rows vs cuBLAS and
-  the sum over one batch-1 decode step's weight products;
+  rows; the winners print as the body of gemv.py's H200_CONFIGS), then 1/4/8/16/32/64 rows vs
+  cuBLAS and the sum over one batch-1 decode step's weight products;
 - paged decode attention: a tile/split sweep at batch 1, 32k keys, then bf16 batch 1/8 at 32k,
   batch 64 at 4k, fp8 batch 1 at 32k;
 - paged prefill attention (causal; vs SDPA on contiguous K/V), KV insert with fused RoPE,
@@ -108,6 +108,11 @@ def time_hbm_ceiling(report: Report) -> None:
     report.timing("read-only sum (ceiling)", "2 GiB", ms, bytes_moved=src.numel() * 4)
 
 
+# Rows timed per shape: the decode chain's (up to 16), and 32 / 64, where steps run cuBLAS today
+# (#36: cuBLAS reads qkv, o and down at 75-81% of the H100's read rate at 64 rows).
+GEMV_ROWS = (1, 4, 8, 16, 32, 64)
+
+
 def gemv_candidates(n: int, k: int) -> list[GemvConfig]:
     out = []
     for bn, bk, nw, ns in [
@@ -125,7 +130,7 @@ def gemv_bytes(m: int, n: int, k: int) -> int:
 
 
 def time_gemv(report: Report) -> dict[tuple[int, int], GemvConfig]:
-    """Sweep configs at batch 1 and 16 (graph time), then time the best at 1/4/8/16."""
+    """Sweep configs at batch 1 and 16 (graph time), then time the best at GEMV_ROWS."""
     best: dict[tuple[int, int], GemvConfig] = {}
     step = {"triton": 0.0, "cublas": 0.0}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -137,7 +142,7 @@ def time_gemv(report: Report) -> dict[tuple[int, int], GemvConfig]:
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             for _ in range(copies_for(n * k * 2))
         ]
-        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 8, 16)}
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in GEMV_ROWS}
 
         def calls(m: int, cfg: GemvConfig | None, ws=ws, xs=xs) -> list:  # type: ignore[no-untyped-def,type-arg]
             if cfg is None:
@@ -158,7 +163,7 @@ def time_gemv(report: Report) -> dict[tuple[int, int], GemvConfig]:
             + "; ".join(f"{c} {ms * 1e3:.1f}" for ms, c in sweep[:3])
             + f" | heuristic {heur}"
         )
-        for m in (1, 4, 8, 16):
+        for m in GEMV_ROWS:
             ms = graph_ms(calls(m, best[(n, k)]))
             ms_h = graph_ms(calls(m, heur))
             ms_cublas = graph_ms(calls(m, None))
