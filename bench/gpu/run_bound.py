@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import asdict, dataclass
 
 from services.worker.models.random_init import random_hf_config
@@ -90,22 +89,12 @@ def run_bound(costs: ModelCosts, rates: Rates, batch: int, prompt: int, output: 
     }
 
 
-def measure_rates(repeats: int = 20) -> Rates:
-    """Median HBM read rate (a sum over 2 GiB) and bf16 GEMM rate (8192^3) on CUDA device 0."""
+def measure_rates() -> Rates:
+    """HBM read rate (a sum over 2 GiB) and bf16 GEMM rate (8192^3) on CUDA device 0, each the
+    median of graph_timing.median_ms (the timer of kernel_timings' HBM ceilings)."""
     import torch
 
-    def median_ms(fn: object) -> float:
-        for _ in range(3):
-            fn()  # type: ignore[operator]
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()  # type: ignore[operator]
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+    from bench.gpu.graph_timing import median_ms
 
     src = torch.randn(1 << 29, device="cuda")  # 2 GiB of fp32
     read_ms = median_ms(src.sum)
