@@ -2,10 +2,11 @@
 worker's own runner (bootstrap.build_runner from the MESHLLM_* settings below, warm-up and CUDA
 graphs as the worker serves) stepped by the scheduler core, `batch` prompts prefilled, then
 decode-only steps timed (wall time of each step, which waits for its tokens: no overlap of
-steps, unlike the mesh) and a few more under the PyTorch profiler: each kernel's device time
-per step, grouped as GEMM (cuBLAS / CUTLASS), attention and the rest, beside the step's bytes
-(weights + the K/V its attention reads) at the card's HBM read rate measured at the end
-(run_bound.measure_rates).
+steps, unlike the mesh), the step's CUDA graph replayed alone (its kernels and the gaps between
+them, without the host's part), and a few more steps under the PyTorch profiler: each kernel's
+device time per step, grouped as GEMM (cuBLAS / CUTLASS), attention and the rest, beside the
+step's bytes (weights + the K/V its attention reads) at the card's HBM read rate measured at the
+end (run_bound.measure_rates).
 
     python3 -m bench.gpu.decode_profile --batch 64 256 --out $OUT/decode_profile.json
     python3 -m bench.gpu.decode_profile --batch 64 --blas cublaslt   # cuBLASLt for the GEMMs
@@ -79,6 +80,25 @@ def kernel_table(prof: Any, per: float, top: int, cuda: bool) -> dict[str, Any]:
     }
 
 
+def graph_replay_ms(runner: Any, batch: int, replays: int = 20) -> float | None:
+    """Device time of one replay of the decode graph a `batch`-row step runs, CUDA events
+    around `replays` back-to-back replays of the inputs the last step staged (its K/V rows are
+    rewritten with the same values): the kernels plus the gaps between them inside the graph,
+    without the host's part of a step. None without graphs."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None or not getattr(graphs, "graphs", None):
+        return None
+    graph = graphs.graphs[graphs.graph_size(batch)]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def profile_batch(
     runner: Any,
     scheduler: Scheduler,
@@ -94,7 +114,10 @@ def profile_batch(
     activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
     costs = ModelCosts.of(runner.config)
     rng = np.random.default_rng(batch)
-    steps_needed = args.warm_steps + args.timed_steps + args.profiled_steps + 2
+    # the first prompts decode while the later ones prefill (one token a chunk): enough
+    # tokens that every request is still decoding when the steps are timed and replayed
+    prefill_chunks = -(-batch * args.prompt // args.max_num_batched_tokens)
+    steps_needed = args.warm_steps + args.timed_steps + args.profiled_steps + prefill_chunks + 3
     params = SamplingParams(temperature=0.0, max_tokens=steps_needed + 1, ignore_eos=True)
     vocab = runner.config.vocab_size
     for i in range(batch):
@@ -135,12 +158,14 @@ def profile_batch(
         plan = step()
         step_ms.append((time.perf_counter() - t0) * 1000.0)
         assert decode_only(plan)
+    replay_ms = graph_replay_ms(runner, batch) if cuda else None
     with profile(activities=activities) as decode_prof:
         for _ in range(args.profiled_steps):
             step()
     while scheduler.has_work():  # the runner's batch must be empty for the next batch size
         step()
-    context = args.prompt + 1 + args.warm_steps + args.timed_steps
+    # the mean context: a prompt of chunk c (0-based) decoded (chunks - 1 - c) tokens early
+    context = args.prompt + 1 + args.warm_steps + args.timed_steps + (prefill_chunks - 1) // 2
     weight_gb = (costs.layer_params + costs.head_params) * costs.dtype_bytes / 1e9
     kv_gb = batch * context * costs.kv_bytes_per_token / 1e9
     bound_ms = (weight_gb + kv_gb) / rates.read_tbs
@@ -157,6 +182,7 @@ def profile_batch(
             "context": context,
             "step_ms": [round(x, 3) for x in step_ms],
             "median_step_ms": round(median, 3),
+            "graph_replay_ms": None if replay_ms is None else round(replay_ms, 3),
             "weights_gb": round(weight_gb, 2),
             "kv_read_gb": round(kv_gb, 2),
             "bound_ms": round(bound_ms, 3),
@@ -176,6 +202,7 @@ def main() -> None:
     parser.add_argument("--profiled-steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--gemv-max-rows", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default")
     parser.add_argument("--device", default="cuda", help="cpu: a check of this program only")
     parser.add_argument("--out", default="")
@@ -189,7 +216,7 @@ def main() -> None:
         max_model_len=args.prompt + 64,
         kv_cache_bytes=24 * 2**30 if args.device == "cuda" else 2**24,
         max_num_seqs=max(args.batch),
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         gemv_max_rows=args.gemv_max_rows,
         kv_offload=False,
     )
@@ -201,7 +228,7 @@ def main() -> None:
             num_gpu_blocks=ready.num_kv_blocks,
             max_model_len=ready.max_model_len,
             max_num_seqs=max(args.batch),
-            max_num_batched_tokens=8192,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             eos_token_ids=[],
             vocab_size=ready.vocab_size,
         ),
@@ -219,7 +246,8 @@ def main() -> None:
         print(
             f"batch {run['batch']}: prefill {pre['wall_ms']} ms in {pre['steps']} steps (bound "
             f"{pre['bound_ms']} ms), device us {pre['device_us']}; decode step "
-            f"{dec['median_step_ms']} ms, bound {dec['bound_ms']} ms ({dec['of_bound']:.0%}), "
+            f"{dec['median_step_ms']} ms (graph replay {dec['graph_replay_ms']} ms), bound "
+            f"{dec['bound_ms']} ms ({dec['of_bound']:.0%}), "
             f"device us/step {dec['device_us']}",
             flush=True,
         )

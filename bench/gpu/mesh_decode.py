@@ -225,6 +225,12 @@ def main() -> None:
         default=16,
         help="MESHLLM_GEMV_MAX_ROWS: steps of up to this many rows run the GEMV + decode chain",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="MESHLLM_MAX_NUM_BATCHED_TOKENS: tokens a step holds (prefill chunk size)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch (best-of-N)")
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
@@ -237,7 +243,7 @@ def main() -> None:
         "MESHLLM_MAX_MODEL_LEN": str(max(1024, args.prompt + args.output)),
         "MESHLLM_KV_CACHE_BYTES": str(24 * 2**30),
         "MESHLLM_MAX_NUM_SEQS": str(max(args.batches)),
-        "MESHLLM_MAX_NUM_BATCHED_TOKENS": "8192",
+        "MESHLLM_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
         "MESHLLM_LOG_JSON": "false",
         "MESHLLM_ASYNC_SCHEDULING": args.async_scheduling,
         "MESHLLM_OVERLAP_STEPS": args.overlap,
@@ -263,6 +269,7 @@ def main() -> None:
         "async_scheduling": args.async_scheduling == "true",
         "overlap_steps": args.overlap,
         "gemv_max_rows": args.gemv_max_rows,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "runs": [],
     }
     mesh = Mesh(services=("scheduler", "worker"), env=env)

@@ -31,6 +31,7 @@ from meshllm_kernels.layers.rmsnorm import (
     norm_warps,
 )
 from meshllm_kernels.runtime.pdl import chain_handoff
+from meshllm_kernels.runtime.specialization import jit_options
 from meshllm_kernels.runtime.tensor_checks import (
     check_tensor,
     interpreting,
@@ -80,7 +81,9 @@ WS_CONFIGS: dict[tuple[int, int], GemvConfig] = {
 }
 
 
-@triton.jit
+# M, the rows, follows the step (the logits rows of a prefill chunk: 1, 16, ...): not
+# specialized, so every row count up to a BLOCK_M is the one kernel the warm-up compiled.
+@triton.jit(**jit_options(values=["M"]))
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -149,7 +152,7 @@ def _gemv_kernel(
         tl.store(part, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(**jit_options(values=["M"]))
 def _split_k_reduce_kernel(
     part_ptr,
     out_ptr,
@@ -171,7 +174,7 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
+@triton.jit(**jit_options(values=["M"]))
 def _split_k_norm_kernel(
     part_ptr,
     residual_ptr,

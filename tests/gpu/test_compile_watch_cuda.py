@@ -104,3 +104,32 @@ def test_no_draw_compiles_after_the_sampler_warmup() -> None:
     finally:
         watch.uninstall()
     assert [c.kernel for c in watch.after_warmup()] == []
+
+
+def test_the_gemv_compiles_once_for_every_row_count_up_to_its_block() -> None:
+    """An eager step's rows (a prefill chunk's logits rows: 1 when one prompt ends in it, 16
+    when sixteen do) must not make a new GEMV specialization after the warm-up's rows: on the
+    H100 an eager LM head over 16 rows compiled `_gemv_kernel` in a serving step (192 ms). A
+    shape of its own, so that no earlier test has compiled it; split-K, so the reduce kernel
+    is launched too."""
+    from meshllm_kernels.decode_chain.gemv import GemvConfig, gemv
+
+    config = GemvConfig(block_n=64, block_k=128, split_k=2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(320, 768, device="cuda", dtype=torch.bfloat16, generator=g)
+    watch = CompileWatch().install()
+    try:
+        for rows in (4, 1, 16, 9, 2):
+            x = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16, generator=g)
+            got = gemv(x, weight, config)
+            want = x.float() @ weight.float().T
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+            watch.mark_warm()
+        torch.cuda.synchronize()
+    finally:
+        watch.uninstall()
+    assert [c.kernel for c in watch.compiles if not c.after_warmup] == [
+        "_gemv_kernel",
+        "_split_k_reduce_kernel",
+    ]
+    assert watch.after_warmup() == [], watch.after_warmup()

@@ -3,10 +3,16 @@ bootstrap.py runs them) serving compiles no Triton kernel: prefill chunks that c
 cached prefix (paged prefill), prefix-cache hits, decode steps of odd and even sizes, eager
 steps mixing decodes and prefills, sampled rows, top_p and logprobs (the fp32 copy), steps
 overlapped as the worker overlaps them. Any compile after the warm-up held a serving step
-(0.35-1.5 s each on the H200); the assertion names the kernels still compiled late."""
+(0.35-1.5 s each on the H200); the assertion names the kernels still compiled late.
+
+The engine runs in a fresh (spawned) process: Triton keeps compiled kernels in memory, so in a
+suite the earlier GPU tests would already hold what the warm-up compiles, the watch would see
+no compile at all, and a kernel the warm-up misses could hide behind an earlier test's."""
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,10 +29,11 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (length,), generator=generator).tolist()
 
 
-def test_serving_after_the_warmup_compiles_nothing(tmp_path: Path) -> None:
-    make_tiny_llama(tmp_path)
+def _serve_after_warmup(model_dir: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """In this process: warm up, capture, serve; (kernels the warm-up compiled, (kernel,
+    specialization) of every compile after it)."""
     eng = InProcessEngine(
-        tmp_path,
+        model_dir,
         device="cuda",
         dtype=torch.bfloat16,
         num_blocks=512,
@@ -55,6 +62,14 @@ def test_serving_after_the_warmup_compiles_nothing(tmp_path: Path) -> None:
         torch.cuda.synchronize()
     finally:
         watch.uninstall()
-    assert [c for c in watch.compiles if not c.after_warmup], "the warm-up compiled nothing"
-    late = [(c.kernel, c.specialization) for c in watch.after_warmup()]
+    warm = [c.kernel for c in watch.compiles if not c.after_warmup]
+    return warm, [(c.kernel, c.specialization) for c in watch.after_warmup()]
+
+
+def test_serving_after_the_warmup_compiles_nothing(tmp_path: Path) -> None:
+    make_tiny_llama(tmp_path)
+    spawn = multiprocessing.get_context("spawn")  # a fresh Triton cache in memory (docstring)
+    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        warm, late = pool.submit(_serve_after_warmup, tmp_path).result(timeout=600)
+    assert warm, "the warm-up compiled nothing: the watch saw no compile"
     assert late == [], late
