@@ -271,6 +271,12 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # (services/worker/accel/cuda_layers.py), larger ones cuBLAS. 16: the batches its tiles were
     # tuned for on the H200; up to 128 to compare the two at 17-128 rows (bench/RESULTS.md).
     gemv_max_rows: int = Field(16, ge=1, le=128)
+    # CUDA: attention of fresh prompt spans (no cached prefix) in one dense call instead of the
+    # paged Triton kernel (services/worker/attention/dense_prefill.py): "auto" flash-attention
+    # varlen (else SDPA); "sdpa" SDPA per run of equal-length spans (cuDNN on the H100: up to
+    # 2.4x faster, but ~70 ms of host time at each new prompt length: fixed-shape workloads
+    # only); "flash-varlen" that one; "off" the paged kernel.
+    dense_prefill: Literal["auto", "sdpa", "flash-varlen", "off"] = "auto"
     # CUDA: prefill and mixed steps of up to this many tokens replay CUDA graphs too
     # (services/worker/accel/prefill_graphs.py; 0 = eager). For small models, whose eager
     # forward is launch-bound (SmolLM2: ~15 ms a prefill step on the H200 against ~1.2 ms a

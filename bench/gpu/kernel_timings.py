@@ -8,8 +8,9 @@ torch SDPA, torch ops, one split):
   cuBLAS and the sum over one batch-1 decode step's weight products;
 - paged decode attention: a tile/split sweep at batch 1, 32k keys, then bf16 batch 1/8 at 32k,
   batch 64 at 4k, fp8 batch 1 at 32k;
-- paged prefill attention (causal; vs SDPA on contiguous K/V), KV insert with fused RoPE,
-  RMSNorm+residual, the pinned staged host->device copy.
+- paged prefill attention (causal; vs SDPA on contiguous K/V), the dense prefill path's
+  implementations on packed fresh spans (eager: SDPA's cuDNN graph is built on the host), KV
+  insert with fused RoPE, RMSNorm+residual, the pinned staged host->device copy.
 
 Times are per call inside a CUDA graph (the worker runs decode in graphs, so launch overhead is
 not counted), median of replays, inputs rotated across copies that together exceed L2 so each
@@ -23,6 +24,7 @@ Each part runs on its own: a failing part is reported and the others still run.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -286,6 +288,53 @@ def time_prefill(report: Report) -> None:
         )  # fmt: skip
 
 
+def time_dense_prefill(report: Report) -> None:
+    """The dense prefill path's implementations (services/worker/attention/dense_prefill.py)
+    on packed causal spans of fresh prompts, grouped KV heads: 16 x 512 is one 8192-token
+    chunk of the batch benchmarks' prompts. Eager (do_bench): cuDNN builds its graph on the
+    host at the first call of a shape."""
+    from services.worker.attention.dense_prefill import IMPLS, dense_attention
+
+    cases = {
+        "16x512": [512] * 16,
+        "2x4096": [4096] * 2,
+        "1x8192": [8192],
+        "4 lengths": [2048, 1024, 3072, 2048],
+        "8 lengths": [300, 700, 512, 1024, 256, 900, 600, 800],
+    }
+    for label, lens in cases.items():
+        n = sum(lens)
+        g = torch.Generator(device="cuda").manual_seed(n)
+        q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        cu = torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
+        flops = sum(4 * HEADS * HEAD_DIM * m * (m + 1) / 2 for m in lens)
+        times: dict[str, float] = {}
+        outs: dict[str, torch.Tensor] = {}
+        for impl in IMPLS:
+            call = functools.partial(
+                dense_attention, impl, q, k, v, cu, lens, max(lens), HEAD_DIM**-0.5
+            )
+            try:
+                outs[impl] = call()
+                times[impl] = median_ms(call)
+            except (RuntimeError, TypeError, NotImplementedError, AttributeError) as exc:
+                report.notes.append(f"dense prefill {impl} {label}: {exc!r}"[:300])
+        base = times.get("flash-varlen")
+        for impl, ms in times.items():
+            diff = (
+                (outs[impl].float() - outs["flash-varlen"].float()).abs().max().item()
+                if ("flash-varlen" in outs)
+                else None
+            )
+            report.timing(
+                f"dense prefill {impl}", f"bf16 {label} causal", ms, flops=flops,
+                baseline="flash-varlen" if base else None, baseline_ms=base,
+                max_abs_diff_vs_flash=diff,
+            )  # fmt: skip
+
+
 def time_kv_insert(report: Report) -> None:
     tokens = 16384
     blocks = tokens // 16 + 16
@@ -348,6 +397,7 @@ PARTS: list[tuple[str, Callable[[Report], Any]]] = [
     ("gemv", time_gemv),
     ("decode", time_decode),
     ("prefill", time_prefill),
+    ("dense_prefill", time_dense_prefill),
     ("kv_insert", time_kv_insert),
     ("rmsnorm", time_rmsnorm),
     ("staged_copy", time_staged_copy),

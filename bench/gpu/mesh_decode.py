@@ -231,6 +231,11 @@ def main() -> None:
         default=8192,
         help="MESHLLM_MAX_NUM_BATCHED_TOKENS: tokens a step holds (prefill chunk size)",
     )
+    parser.add_argument(
+        "--dense-prefill",
+        default="auto",
+        help="MESHLLM_DENSE_PREFILL: fresh prompt spans' attention (auto|sdpa|flash-varlen|off)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch (best-of-N)")
     parser.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     parser.add_argument("--out", default="")
@@ -251,6 +256,7 @@ def main() -> None:
         "MESHLLM_SCHEDULE_AHEAD": args.schedule_ahead,
         "MESHLLM_ENFORCE_EAGER": str(args.enforce_eager).lower(),
         "MESHLLM_GEMV_MAX_ROWS": str(args.gemv_max_rows),
+        "MESHLLM_DENSE_PREFILL": args.dense_prefill,
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"
@@ -270,6 +276,7 @@ def main() -> None:
         "overlap_steps": args.overlap,
         "gemv_max_rows": args.gemv_max_rows,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "dense_prefill": args.dense_prefill,
         "runs": [],
     }
     mesh = Mesh(services=("scheduler", "worker"), env=env)

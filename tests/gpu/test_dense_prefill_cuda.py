@@ -14,9 +14,13 @@ from services.worker.attention.select import TritonAttentionMetadata, rotary_att
 HEADS, KV_HEADS, D, BLOCK = 32, 8, 128, 16
 
 
-def test_h200_bf16_chooses_flash_varlen() -> None:
+def test_bf16_passes_both_probes_and_auto_chooses_flash_varlen() -> None:
     impl = dense_prefill_impl(torch.device("cuda"), torch.bfloat16, HEADS, KV_HEADS, D)
     print("dense prefill choices:", DENSE_PREFILL_CHOICES)
+    assert DENSE_PREFILL_CHOICES[("cuda", "torch.bfloat16", HEADS, KV_HEADS, D)] == (
+        "flash-varlen",
+        "sdpa",
+    )
     assert impl == "flash-varlen"
 
 
@@ -64,3 +68,22 @@ def test_dense_prefill_equals_paged_kernel_bf16() -> None:
     # every row was written (the decode and extend rows by the paged kernels)
     assert torch.isfinite(dense_out).all()
     torch.testing.assert_close(dense_out[:1], paged_out[:1], rtol=0, atol=0)
+
+
+def test_batched_sdpa_agrees_with_the_float32_reference() -> None:
+    """`sdpa` on CUDA (cuDNN's attention on the H100) over runs of equal spans batched as one
+    call each, grouped KV heads, against the float32 reference."""
+    from services.worker.attention.dense_prefill import dense_attention, reference_attention
+
+    lens = [512, 512, 512, 300, 300, 129]
+    n = sum(lens)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (
+        torch.randn(n, h, D, device="cuda", generator=g).to(torch.bfloat16)
+        for h in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    cu = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int32, device="cuda")
+    out = dense_attention("sdpa", q, k, v, cu, lens, max(lens), D**-0.5)
+    ref = reference_attention(q, k, v, lens, D**-0.5)
+    assert out.shape == q.shape
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2

@@ -6,16 +6,23 @@ are gathered from the cache once (after the fused RoPE insert wrote them, so att
 exact cached bytes) and one variable-length flash-attention call covers every such span. Spans
 that continue a cached prefix keep the paged Triton kernel (attention_select).
 
-Implementations, probed once per (device, dtype, heads, kv heads, head dim) on a small input
-against a float32 reference and chosen in this order:
+Implementations, each probed once per (device, dtype, heads, kv heads, head dim) on a small
+input against a float32 reference; "auto" (settings.dense_prefill) takes the first that passed:
 - `flash-varlen`: `torch.ops.aten._flash_attention_forward` with cumulative lengths (the
-  flash-attention 2 kernel behind SDPA; grouped KV heads natively). Its positional signature
-  is stable across torch 2.4-2.13, unlike the Python wrappers (torch.nn.attention.varlen has
-  changed its keyword arguments in every release since 2.9).
-- `sdpa`: one `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` per span (flash
-  or memory-efficient backend as torch chooses; also what the CPU interpreter tests run).
+  flash-attention 2 kernel behind SDPA; grouped KV heads natively), one call for every span.
+  Its positional signature is stable across torch 2.4-2.13, unlike the Python wrappers
+  (torch.nn.attention.varlen has changed its keyword arguments in every release since 2.9).
+- `sdpa`: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)`, one call per run of
+  consecutive spans of one length, batched as [spans, heads, length, d] views (also what the
+  CPU interpreter tests run). On the H100 torch runs cuDNN's attention here: 2.4x flash-varlen
+  on 16 x 512 causal spans, 1.7-1.8x on 2 x 4096 and 1 x 8192, 0.6x over 8 lengths (eight
+  calls). But cuDNN builds a plan on the host at the first call of every new (spans, length):
+  43-153 ms, a serving step held, for each prompt length a server meets. So only by name, for
+  workloads of a few fixed shapes (bench/RESULTS.md).
 - none: the Triton kernel keeps every span (`dense_prefill_impl` returns None).
-`DENSE_PREFILL_CHOICES` records each probe's outcome, so a benchmark can report what ran.
+`DENSE_PREFILL_CHOICES` records what each probe passed, so a benchmark can report it.
+(`torch.ops.aten._cudnn_attention_forward` with cumulative lengths, cuDNN's ragged path, agrees
+with the reference but took 79-81 ms a call on the H100: a new plan every call.)
 
 Invariant: the host computes every length and index here from the plan's numpy arrays, so
 launching the dense path needs no read-back from the GPU.
@@ -38,12 +45,14 @@ __all__ = [
     "DensePrefill",
     "dense_attention",
     "dense_prefill_impl",
+    "set_dense_prefill",
+    "span_runs",
     "split_prefill_spans",
 ]
 
 IMPLS = ("flash-varlen", "sdpa")
 DENSE_PREFILL_DTYPES = (torch.bfloat16, torch.float16)  # flash-attention's dtypes
-DENSE_PREFILL_CHOICES: dict[tuple[str, str, int, int, int], str | None] = {}
+DENSE_PREFILL_CHOICES: dict[tuple[str, str, int, int, int], tuple[str, ...]] = {}
 
 
 def split_prefill_spans(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
@@ -171,21 +180,36 @@ def dense_attention(
         )[0]
         return out
     if impl == "sdpa":
-        out = torch.empty_like(q)
-        start = 0
-        for n in span_lens:
-            span = slice(start, start + n)
-            out[span] = F.scaled_dot_product_attention(
-                q[span].transpose(0, 1).unsqueeze(0),
-                k[span].transpose(0, 1).unsqueeze(0),
-                v[span].transpose(0, 1).unsqueeze(0),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )[0].transpose(0, 1)
-            start += n
-        return out
+        runs = span_runs(span_lens)
+        heads, head_dim = q.shape[1], q.shape[2]
+        outs = []
+        for first, count, n in runs:
+            q_, k_, v_ = (_batched(t, first, count, n) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(
+                q_, k_, v_, is_causal=True, scale=scale, enable_gqa=True
+            )
+            outs.append(out.transpose(1, 2).reshape(count * n, heads, head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
     raise ValueError(f"unknown dense prefill implementation {impl!r}; known: {IMPLS}")
+
+
+def _batched(t: torch.Tensor, first: int, count: int, n: int) -> torch.Tensor:
+    """Rows [first, first + count * n) of packed [N, heads, d] as [count, heads, n, d] (a
+    view)."""
+    return t[first : first + count * n].view(count, n, t.shape[1], t.shape[2]).transpose(1, 2)
+
+
+def span_runs(span_lens: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive spans of one length: (first row, spans, length) of each run."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for n in span_lens:
+        if runs and runs[-1][2] == n:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+        else:
+            runs.append((start, 1, n))
+        start += n
+    return runs
 
 
 def reference_attention(
@@ -225,16 +249,34 @@ def _probe(
     return out.shape == q.shape and err < (2e-2 if dtype != torch.float32 else 1e-4)
 
 
+DENSE_PREFILL_POLICIES = ("auto", *IMPLS, "off")
+_policy = "auto"
+
+
+def set_dense_prefill(policy: str) -> None:
+    """settings.dense_prefill: "auto" (the first implementation that passed its probe), one's
+    name (that one wherever its probe passed, else the paged kernel), or "off" (the paged
+    kernel always)."""
+    global _policy
+    if policy not in DENSE_PREFILL_POLICIES:
+        raise ValueError(f"dense_prefill must be one of {DENSE_PREFILL_POLICIES}, got {policy!r}")
+    _policy = policy
+
+
 def dense_prefill_impl(
     device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> str | None:
-    """The first implementation that runs and agrees with the reference here (None: none do,
-    or the device is not CUDA / the dtype not flash-attention's). Probed once per shape."""
-    if device.type != "cuda" or dtype not in DENSE_PREFILL_DTYPES:
+    """The implementation settings.dense_prefill asks for where its probe passed: "auto" the
+    first of IMPLS that runs and agrees with the reference (None: none does, the device is not
+    CUDA, the dtype not flash-attention's, or the setting is "off"). Probed once per shape."""
+    if device.type != "cuda" or dtype not in DENSE_PREFILL_DTYPES or _policy == "off":
         return None
     key = (str(device), str(dtype), heads, kv_heads, head_dim)
     if key not in DENSE_PREFILL_CHOICES:
-        DENSE_PREFILL_CHOICES[key] = next(
-            (i for i in IMPLS if _probe(i, device, dtype, heads, kv_heads, head_dim)), None
+        DENSE_PREFILL_CHOICES[key] = tuple(
+            i for i in IMPLS if _probe(i, device, dtype, heads, kv_heads, head_dim)
         )
-    return DENSE_PREFILL_CHOICES[key]
+    passed = DENSE_PREFILL_CHOICES[key]
+    if _policy != "auto":
+        return _policy if _policy in passed else None
+    return passed[0] if passed else None

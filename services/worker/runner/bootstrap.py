@@ -14,6 +14,7 @@ import torch
 
 from services.worker.accel.cpu_compile import compile_supported
 from services.worker.accel.cuda_layers import set_gemv_max_rows
+from services.worker.attention.dense_prefill import set_dense_prefill
 from services.worker.loader import load_model, prepare_for_device
 from services.worker.models.random_init import (
     RANDOM_SCHEME,
@@ -154,6 +155,7 @@ def build_runner(
             f"MESHLLM_KV_CACHE_MEMORY_FRACTION) or lower MESHLLM_MAX_MODEL_LEN"
         )
     set_gemv_max_rows(settings.gemv_max_rows)  # before the warm-up and the graph capture
+    set_dense_prefill(settings.dense_prefill)
     runner = ModelRunner(
         model,
         config,

@@ -4,14 +4,17 @@ which spans qualify, their rows/cache slots, the paged rest, and the CPU staying
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from meshllm_kernels.attention.backends import TritonPagedAttention
 from services.worker.attention.dense_prefill import (
+    DENSE_PREFILL_CHOICES,
     DensePrefill,
     dense_attention,
     dense_prefill_impl,
     reference_attention,
+    span_runs,
     split_prefill_spans,
 )
 from services.worker.attention.select import TritonAttentionMetadata
@@ -123,3 +126,57 @@ def test_eager_tables_are_as_wide_as_a_multiple_of_16_blocks_or_the_capacity() -
     assert meta.decode_block_tables.shape == (1, 16)
     assert meta.prefill_block_tables.shape == (1, 16)
     assert meta.decode_block_tables[0, :3].tolist() == [1, 2, 3]  # the row's own blocks first
+
+
+def test_span_runs_group_consecutive_spans_of_one_length() -> None:
+    assert span_runs([3, 3, 3, 5, 5, 3]) == [(0, 3, 3), (9, 2, 5), (19, 1, 3)]
+    assert span_runs([7]) == [(0, 1, 7)] and span_runs([]) == []
+
+
+def test_sdpa_batches_runs_of_equal_spans_and_keeps_their_boundaries() -> None:
+    gen = torch.Generator().manual_seed(1)
+    lens = [4, 4, 4, 2, 2, 7, 1]
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, 8, generator=gen) for h in (6, 2, 2))
+    cu = torch.tensor(np.concatenate(([0], np.cumsum(lens))), dtype=torch.int32)
+    out = dense_attention("sdpa", q, k, v, cu, lens, 7, 0.3)
+    torch.testing.assert_close(out, reference_attention(q, k, v, lens, 0.3), rtol=1e-5, atol=1e-5)
+    # the first token of the second span of the first run attends to itself only
+    torch.testing.assert_close(out[4], v[4].repeat_interleave(3, 0), rtol=1e-6, atol=1e-6)
+
+
+def test_auto_takes_the_first_implementation_that_passed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """flash-varlen before sdpa (the module docstring: cuDNN's plan per new shape); CUDA need
+    not be present: the probes' outcome is given."""
+    cuda = torch.device("cuda")
+    key = (str(cuda), str(torch.bfloat16), 8, 2, 64)
+    for passed, want in (
+        (("flash-varlen", "sdpa"), "flash-varlen"),
+        (("sdpa",), "sdpa"),
+        ((), None),
+    ):
+        monkeypatch.setitem(DENSE_PREFILL_CHOICES, key, passed)
+        assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) == want
+
+
+def test_the_setting_forces_an_implementation_or_the_paged_kernel(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """settings.dense_prefill: a named implementation where its probe passed (else the paged
+    kernel: None), "off" never dense, anything else refused."""
+    from services.worker.attention.dense_prefill import set_dense_prefill
+
+    cuda = torch.device("cuda")
+    key = (str(cuda), str(torch.bfloat16), 8, 2, 64)
+    try:
+        monkeypatch.setitem(DENSE_PREFILL_CHOICES, key, ("flash-varlen", "sdpa"))
+        set_dense_prefill("sdpa")
+        assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) == "sdpa"
+        set_dense_prefill("off")
+        assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) is None
+        monkeypatch.setitem(DENSE_PREFILL_CHOICES, key, ("flash-varlen",))
+        set_dense_prefill("sdpa")
+        assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) is None
+        with pytest.raises(ValueError, match="dense_prefill must be one of"):
+            set_dense_prefill("cudnn")
+    finally:
+        set_dense_prefill("auto")
+    assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) == "flash-varlen"
