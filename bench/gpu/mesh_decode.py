@@ -19,8 +19,9 @@ tokens/s per request (tokens after the first over the time since the first), the
 run the GPU had no step queued, and the mesh's own cost per step from the scheduler's metrics:
 meshllm:scheduler_overhead_seconds (step wall time minus the worker's execute_ms: scheduling,
 both bus hops, result handling) over meshllm:scheduler_step_seconds, as deltas over the run.
-Last, once the mesh has stopped, the card's HBM read and bf16 GEMM rates, and each batch's
-computed bound with the best run's share of it (bench/gpu/run_bound.py; dense models only).
+Last, each batch's computed bound with the best run's share of it (bench/gpu/run_bound.py;
+dense models only), from the card's HBM read and bf16 GEMM rates measured before the mesh
+starts and after it stops, the faster of each.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.gpu.run_bound import bounds, measure_rates
+from bench.gpu.run_bound import Rates, bounds, measure_rates
 from shared.bus import Bus
 from shared.heartbeat import Heartbeater
 from shared.protocol import SamplingParams, SubmitRequest, TokenDelta
@@ -279,6 +281,11 @@ def main() -> None:
         "dense_prefill": args.dense_prefill,
         "runs": [],
     }
+    bounded = not args.dry_run and args.model.startswith("random:")
+    # #36's bound: the card's rates measured before the mesh (a cool card) and after it, the
+    # faster of each kept (run_bound.measure_rates: the same card varies by ~10% between
+    # measurements)
+    rates_before = measure_rates() if bounded else None
     mesh = Mesh(services=("scheduler", "worker"), env=env)
     # A `timeout` on this script sends SIGTERM: exit through `finally` so the services stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -310,12 +317,15 @@ def main() -> None:
         if os.environ.get("MESH_LOGS") or not results["runs"]:
             for name, tail in logs.items():
                 print(f"--- {name} log tail ---\n{tail}")
-    if not args.dry_run and args.model.startswith("random:"):
-        # #36's bound from this card's rates, measured after the mesh freed the GPU
+    if bounded and rates_before is not None:
+        after = measure_rates()  # once the mesh freed the GPU
+        rates = Rates(
+            read_tbs=max(rates_before.read_tbs, after.read_tbs),
+            gemm_tflops=max(rates_before.gemm_tflops, after.gemm_tflops),
+        )
+        results["rates_measured"] = [asdict(rates_before), asdict(after)]
         try:
-            results["bound"] = bounds(
-                args.model, args.batches, args.prompt, args.output, measure_rates()
-            )
+            results["bound"] = bounds(args.model, args.batches, args.prompt, args.output, rates)
         except ValueError as exc:  # not a dense decoder: no bound
             results["bound"] = {"error": str(exc)}
         results["best_of_bound"] = {
