@@ -45,6 +45,7 @@ __all__ = [
     "DensePrefill",
     "dense_attention",
     "dense_prefill_impl",
+    "dense_prefill_on",
     "set_dense_prefill",
     "span_runs",
     "split_prefill_spans",
@@ -261,6 +262,11 @@ def set_dense_prefill(policy: str) -> None:
     if policy not in DENSE_PREFILL_POLICIES:
         raise ValueError(f"dense_prefill must be one of {DENSE_PREFILL_POLICIES}, got {policy!r}")
     _policy = policy
+
+
+def dense_prefill_on() -> bool:
+    """False when settings.dense_prefill is "off": no step builds the dense split."""
+    return _policy != "off"
 
 
 def dense_prefill_impl(

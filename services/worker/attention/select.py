@@ -40,7 +40,11 @@ from meshllm_kernels.attention.backends import AttentionBackend, PagedKernelBack
 from meshllm_kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from services.worker.attention.bound import LayerAttention
-from services.worker.attention.dense_prefill import DensePrefill, dense_prefill_impl
+from services.worker.attention.dense_prefill import (
+    DensePrefill,
+    dense_prefill_impl,
+    dense_prefill_on,
+)
 from services.worker.attention.reference import AttentionMetadata, paged_attention, step_lengths
 from services.worker.attention.table_width import table_width
 from services.worker.models.rope import apply_rotary
@@ -177,7 +181,7 @@ class TritonAttentionMetadata:
             )
             meta.prefill_seq_lens = _upload(lens, device, np.int32)
             meta.prefill_max_seqlen_q = int(q_lens.max())
-            if dense_prefill and sliding_window is None and causal:
+            if dense_prefill and dense_prefill_on() and sliding_window is None and causal:
                 meta.dense_prefill = DensePrefill.build(
                     first_row=int(query_lens[:num_decodes].sum()),
                     query_lens=q_lens,

@@ -172,6 +172,7 @@ def test_the_setting_forces_an_implementation_or_the_paged_kernel(monkeypatch) -
         assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) == "sdpa"
         set_dense_prefill("off")
         assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) is None
+        assert _meta([1, 4, 6], [3, 4, 6]).dense_prefill is None  # no split is built
         monkeypatch.setitem(DENSE_PREFILL_CHOICES, key, ("flash-varlen",))
         set_dense_prefill("sdpa")
         assert dense_prefill_impl(cuda, torch.bfloat16, 8, 2, 64) is None
