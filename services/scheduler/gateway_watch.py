@@ -9,8 +9,10 @@ Silence counts only while the bus answers. The watch is told each time a heartbe
 returns; a gap between two answers longer than `max_read_gap_s` was a Redis outage (or this
 scheduler stalled), when no beat could arrive: every gateway's silence then starts again from
 the end of the gap, so an outage of any length never makes the gateways look dead. A stream
-never heard from since the watch (re)started is judged from that start: a restarted scheduler
-that claims a dead gateway's requests aborts them one `timeout_s` later.
+never heard from is judged from the first time the watch was asked about it (its first request
+held here), or from the watch's (re)start if later: a gateway that has just started may publish
+its first requests before its first beat is read, and must not be taken for dead then; a
+restarted scheduler that claims a dead gateway's requests aborts them one `timeout_s` later.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ class GatewayWatch:
         self.reply_stream_of = reply_stream_of
         self.max_read_gap_s = max_read_gap_s
         self._seen: dict[str, float] = {}  # reply stream -> its gateway's last beat
+        self._first_asked: dict[str, float] = {}  # never-beaten reply stream -> first asked
         self._origin = now  # silence before this is not counted
         self._answered_at = now
 
     def beat(self, heartbeat: Heartbeat, now: float) -> None:
         if heartbeat.service == "gateway":
-            self._seen[self.reply_stream_of(heartbeat.instance_id)] = now
+            stream = self.reply_stream_of(heartbeat.instance_id)
+            self._seen[stream] = now
+            self._first_asked.pop(stream, None)
 
     def bus_answered(self, now: float) -> None:
         """A heartbeat read returned (with beats or without)."""
@@ -49,15 +54,20 @@ class GatewayWatch:
         self._answered_at = now
 
     def silent_for(self, reply_stream: str, now: float) -> float:
-        return now - max(self._seen.get(reply_stream, self._origin), self._origin)
+        since = self._seen.get(reply_stream, self._first_asked.get(reply_stream, now))
+        return now - max(since, self._origin)
 
     def orphaned(self, reply_streams: Iterable[str], now: float) -> set[str]:
         """The streams among `reply_streams` whose gateway is dead; none while the bus is not
         answering (the gap is counted when it ends)."""
         if self.timeout_s <= 0 or now - self._answered_at > self.max_read_gap_s:
             return set()
-        return {s for s in set(reply_streams) if self.silent_for(s, now) > self.timeout_s}
+        streams = set(reply_streams)
+        for stream in streams - self._seen.keys():
+            self._first_asked.setdefault(stream, now)
+        return {s for s in streams if self.silent_for(s, now) > self.timeout_s}
 
     def forget_older_than(self, now: float, age_s: float) -> None:
         """Drop gateways silent for `age_s` (bounded memory across many gateway restarts)."""
         self._seen = {s: t for s, t in self._seen.items() if now - t <= age_s}
+        self._first_asked = {s: t for s, t in self._first_asked.items() if now - t <= age_s}
