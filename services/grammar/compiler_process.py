@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from services.grammar.grammar_spec import JSON_STRICT_MODE, CompileJob
+from services.grammar.json_strings import json_schema_grammar
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +162,12 @@ def compile_grammar(compiler: Any, job: CompileJob) -> Any:
 
     method, source = job.method, job.source
     if method == "json_schema":
-        return compiler.compile_json_schema(
+        # Built through json_strings: xgrammar's length-bounded strings admit raw control
+        # characters and no escapes (json_strings.py).
+        grammar = json_schema_grammar(
             source, any_whitespace=job.json_any_whitespace, strict_mode=JSON_STRICT_MODE
         )
+        return compiler.compile_grammar(grammar)
     if method == "json_object":
         # json_object: any JSON object (OpenAI's JSON mode), whitespace as configured.
         return compiler.compile_json_schema(

@@ -41,8 +41,9 @@ KINDS: tuple[str, ...] = (
 Method = Literal["json_schema", "json_object", "regex", "ebnf", "lark", "structural_tag"]
 
 #: Bump when what a (kind, spec) compiles to changes (options below, the choice encoding), so
-#: stale cache entries are never served under the new meaning.
-COMPILE_FORMAT = 1
+#: stale cache entries are never served under the new meaning. 2: JSON schemas' bounded strings
+#: are JSON characters (json_strings.py).
+COMPILE_FORMAT = 2
 #: Strict JSON schemas (as vLLM): no properties or items beyond the schema's.
 JSON_STRICT_MODE = True
 #: Arrays/objects nested deeper than this in a JSON spec are refused. Twice the gateway's
