@@ -11,13 +11,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
-.PHONY: help venv redis cxx kubectl up test docker-test swarm-test lint format bench gpu-bundle gpu-weights clean
+.PHONY: help venv redis cxx kubectl up test docker-test swarm-test stress lint format bench gpu-bundle gpu-weights clean
 
 help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1; PROFILE=pd)"
 	@echo "make test   the whole test suite (what CI runs), docker-test included when it can run"
 	@echo "make docker-test  build the images, test \`docker compose up\` for real (root: installs docker.io)"
 	@echo "make swarm-test   the same images as a Docker Swarm stack: deploy, scale, roll, remove"
+	@echo "make stress     the mesh under sustained load and faults (tests/stress; minutes, not in CI)"
 	@echo "make lint   ruff check + ruff format --check"
 	@echo "make bench  the CPU component benchmarks in BENCH_MODULES (bench/README.md lists the rest)"
 	@echo "make gpu-bundle  .whl/ + .redisbin/ + .tokenizer/ for a GPU machine without network (bench/gpu/run.sh)"
@@ -94,6 +95,16 @@ docker-test: venv
 # and a rolling update under load, `docker stack rm`, swarm left (infra/swarm/swarm_test.sh).
 swarm-test: venv
 	VENV=$(VENV) infra/swarm/swarm_test.sh
+
+# tests/stress: rounds of load with client cuts, preemption, kill -9 and restarts, structured
+# outputs and the KV tier, each round checked for lost requests and leaked KV blocks. Outside
+# CI (the default 20 rounds a scenario take ~8 min here): run it after changing the scheduler,
+# the worker loop or the bus. STRESS_ROUNDS=N, STRESS_SEED=S; a failure names its evidence.
+STRESS_ROUNDS ?= 20
+STRESS_SEED ?= 0
+stress: venv redis cxx
+	MESHLLM_STRESS_TEST=1 MESHLLM_STRESS_ROUNDS=$(STRESS_ROUNDS) MESHLLM_STRESS_SEED=$(STRESS_SEED) \
+		$(VENV)/bin/pytest -q -s --timeout 7200 --durations=0 tests/stress $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
