@@ -52,8 +52,11 @@ def build_model(
     config: ModelConfig, max_model_len: int = 0, impls: LayerImpls | None = None
 ) -> CausalLM:
     """An un-initialised model (call under `torch.device('meta')` to allocate nothing) whose
-    layers are `impls`' (layer_impls.py; None: the PyTorch reference)."""
+    layers are `impls`' (layer_impls.py; None: the PyTorch reference). Its layers' own
+    initialisation is skipped (skip_init.py): the caller assigns or initialises every weight."""
     from services.worker.models.layer_impls import REFERENCE
+    from services.worker.models.skip_init import init_skipped
 
     cls = model_class(config.architecture)
-    return cls(config, max_model_len=max_model_len, impls=impls or REFERENCE)  # type: ignore[call-arg]
+    with init_skipped():
+        return cls(config, max_model_len=max_model_len, impls=impls or REFERENCE)  # type: ignore[call-arg]
