@@ -1,10 +1,19 @@
-"""`python -m services.gateway`: wiring only."""
+"""`python -m services.gateway`: wiring only.
+
+The imports are in main(): the planning pool's processes are started with `spawn`, which imports
+this module in each of them (as `__mp_main__`), and they need none of the service.
+"""
 
 from __future__ import annotations
 
-from services.gateway.service import GatewayService
-from shared.config import GatewaySettings
-from shared.service import run_service
+
+def main() -> None:
+    from services.gateway.service import GatewayService
+    from shared.config import GatewaySettings
+    from shared.service import run_service
+
+    run_service(GatewayService(GatewaySettings()))
+
 
 if __name__ == "__main__":
-    run_service(GatewayService(GatewaySettings()))
+    main()

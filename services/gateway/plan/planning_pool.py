@@ -15,8 +15,15 @@ facts and the settings once, and ignore SIGINT (a terminal's Ctrl-C is for the g
 them down) and die with the gateway (shared/child_process.py). They run at a lower CPU priority
 (nice +10), so the event loop gets the CPU first when a large body is being tokenized: on the 2-core
 dev machine under load, /health during a 10 MB prompt answered in a median 2.5 ms (p99 15-20 ms)
-with it, against 9-10 ms (p99 25-34 ms) at equal priority. A worker that dies (killed, out of memory
-on a hostile body) breaks the pool: that request gets a 500, and a fresh pool takes the next ones.
+with it, against 9-10 ms (p99 25-34 ms) at equal priority.
+
+The tokenizer goes to them as its directory, loaded again there after the niceness is set: as a
+pickle (~1.5 MB for SmolLM2's) the pipe write starting each process blocked the event loop until
+that process had done its imports and read it, ~0.8 s a process at every gateway start and every
+fresh pool, and the load ran at full priority beside the mesh's other services.
+
+A worker that dies (killed, out of memory on a hostile body) breaks the pool: that request gets a
+500, and a fresh pool takes the next ones.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import os
 import signal
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any, Literal
 
 from prometheus_client import Gauge
@@ -97,11 +105,12 @@ class PlanningPool:
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
             planner = self.planner
+            tokenizer = tokenizer_payload(planner.tokenizer)
             self._executor = ProcessPoolExecutor(
                 max_workers=self.processes,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
-                initargs=(planner.tokenizer.hf, planner.model, planner.settings, os.getpid()),
+                initargs=(tokenizer, planner.model, planner.settings, os.getpid()),
             )
         return self._executor
 
@@ -120,6 +129,12 @@ class PlanningPool:
         return self._pool().submit(_run_in_worker, task, raw)
 
 
+def tokenizer_payload(tokenizer: PromptTokenizer) -> Path | Any:
+    """What a worker process gets to build its tokenizer from: the directory it was loaded
+    from, else the transformers tokenizer itself."""
+    return tokenizer.source_dir if tokenizer.source_dir is not None else tokenizer.hf
+
+
 def _log_failure(future: Future[None]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.error("a planning process failed to start: %r", future.exception())
@@ -131,13 +146,18 @@ _planner: Planner | None = None
 
 
 def _start_worker(
-    hf_tokenizer: Any, model: ModelInfo, settings: GatewaySettings, gateway_pid: int
+    tokenizer: Path | Any, model: ModelInfo, settings: GatewaySettings, gateway_pid: int
 ) -> None:
     global _planner
     die_with_parent(gateway_pid)  # a gateway killed with SIGKILL leaves no planner behind
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.nice(WORKER_NICENESS)
-    _planner = Planner(PromptTokenizer(hf_tokenizer), model, settings)
+    loaded = (
+        PromptTokenizer.from_dir(tokenizer)
+        if isinstance(tokenizer, Path)
+        else PromptTokenizer(tokenizer)
+    )
+    _planner = Planner(loaded, model, settings)
 
 
 def _ready() -> None:

@@ -57,8 +57,9 @@ def tokenizer_class(hf_dir: Path) -> str | None:
 class PromptTokenizer:
     """Wraps a transformers tokenizer: encode, chat template, decode, per-token bytes."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, source_dir: Path | None = None) -> None:
         self.hf = tokenizer
+        self.source_dir = source_dir  # where from_dir loaded it from
         self.special_ids = frozenset(int(i) for i in tokenizer.all_special_ids)
         self._byte_decoder = _gpt2_byte_decoder() if _is_byte_level(tokenizer) else None
         self._added = {int(i): t.content for i, t in tokenizer.added_tokens_decoder.items()}
@@ -81,10 +82,10 @@ class PromptTokenizer:
             # imports torch through transformers' config modules: ~3 s of every gateway start.
             from transformers import PreTrainedTokenizerFast
 
-            return cls(PreTrainedTokenizerFast.from_pretrained(str(hf_dir)))
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(hf_dir)), hf_dir)
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(hf_dir)))
+        return cls(AutoTokenizer.from_pretrained(str(hf_dir)), hf_dir)
 
     # --- prompts ----------------------------------------------------------------------------
 

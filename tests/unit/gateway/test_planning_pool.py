@@ -8,6 +8,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from prometheus_client import REGISTRY
 from services.gateway.api.errors import OpenAIError
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.planner import Planner
-from services.gateway.plan.planning_pool import INLINE_BELOW_BYTES, PlanningPool
+from services.gateway.plan.planning_pool import INLINE_BELOW_BYTES, PlanningPool, tokenizer_payload
 from services.gateway.plan.tokenization import PromptTokenizer
 from shared.config import GatewaySettings
 
@@ -76,3 +77,31 @@ async def test_a_worker_dying_mid_plan_costs_that_request_a_500_only(pool: Plann
     assert err.value.status == 500 and err.value.type == "internal_server_error"
     plan = await pool.run("completion", completion("again", pad="x" * INLINE_BELOW_BYTES))
     assert plan.prompts[0].text == "again"
+
+
+def test_processes_are_sent_the_tokenizers_directory_not_its_pickle(
+    tokenizer: PromptTokenizer, smollm2_dir: Path
+) -> None:
+    """What starts each process must fit a pipe's buffer (64 KiB): a larger write blocks the
+    gateway's event loop until the new process has done its imports and read it."""
+    settings = GatewaySettings(model=str(smollm2_dir), served_model_name="smol")
+    model = ModelInfo.from_hf_dir("smol", smollm2_dir, 4096)
+    assert tokenizer_payload(tokenizer) == smollm2_dir
+    assert len(pickle.dumps((tokenizer_payload(tokenizer), model, settings, 1))) < 2**16
+    assert len(pickle.dumps(tokenizer.hf)) > 2**16  # what was sent before
+
+
+async def test_a_tokenizer_without_a_directory_is_sent_whole(
+    tokenizer: PromptTokenizer, smollm2_dir: Path
+) -> None:
+    settings = GatewaySettings(model=str(smollm2_dir), served_model_name="smol")
+    model = ModelInfo.from_hf_dir("smol", smollm2_dir, 4096)
+    built = PromptTokenizer(tokenizer.hf)  # no source directory
+    assert tokenizer_payload(built) is tokenizer.hf
+    planning = PlanningPool(Planner(built, model, settings), processes=1)
+    try:
+        large = completion("Once upon a time", pad="x" * INLINE_BELOW_BYTES)
+        remote = await planning.run("completion", large)
+        assert remote.prompts[0].token_ids == tokenizer.encode("Once upon a time")
+    finally:
+        planning.close()
