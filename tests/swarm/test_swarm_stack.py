@@ -132,7 +132,16 @@ def test_scale_down_keeps_scheduler_and_worker_paired(swarm_stack: SwarmStack) -
     with load(swarm_stack) as requests:
         requests.wait_for(3, timeout=300)
         started = time.monotonic()
-        swarm_stack.scale(1, detach=False)
+        # Detached, then watched: without --detach the CLI also waits out the scheduler's
+        # update monitor (60 s) to call the service stable, which is not the mesh's time.
+        swarm_stack.scale(1, detach=True)
+        deadline = started + 600
+        while not (
+            set(swarm_stack.tasks("scheduler")) == set(swarm_stack.tasks("worker")) == {1}
+            and swarm_stack.gateway_groups() == {"1": True}
+        ):
+            assert time.monotonic() < deadline, f"not scaled down: {requests.summary()}"
+            time.sleep(0.5)
         took = time.monotonic() - started
         ended = len(requests.outcomes)
         requests.wait_for(ended + 6, timeout=300)
