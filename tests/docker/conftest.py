@@ -6,24 +6,19 @@ is a deselection by the suite's entry point, never a skip of a feature that exis
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.docker.stack import Stack, start_stack, stop_stack
+from tests.support.entry_point_suite import deselect_unless
 
 HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("MESHLLM_DOCKER_TEST") == "1":
-        return
-    ours = [i for i in items if HERE in Path(str(i.fspath)).resolve().parents]
-    if ours:
-        config.hook.pytest_deselected(items=ours)
-        items[:] = [i for i in items if i not in ours]
+    deselect_unless("MESHLLM_DOCKER_TEST", HERE, config, items)
 
 
 @pytest.fixture(scope="session")

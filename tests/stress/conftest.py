@@ -19,6 +19,7 @@ import pytest
 
 from bench.gpu.gateway_serve import model_dir, tokenizer_dir
 from bench.gpu.mesh_decode import TINY
+from tests.support.entry_point_suite import deselect_unless
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,12 +28,7 @@ CONTEXT = 256
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("MESHLLM_STRESS_TEST") == "1":
-        return
-    ours = [i for i in items if HERE in Path(str(i.fspath)).resolve().parents]
-    if ours:
-        config.hook.pytest_deselected(items=ours)
-        items[:] = [i for i in items if i not in ours]
+    deselect_unless("MESHLLM_STRESS_TEST", HERE, config, items)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@ that the scheduler let go of everything the round brought."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +70,39 @@ async def complete(
     if done.finish is None:
         done.problem = "the stream ended without a finish reason"
     return done
+
+
+def loaded_env(base: dict[str, str], concurrency: int, kv_bytes: int) -> dict[str, str]:
+    """`base` for a mesh that takes `concurrency` requests at once into `kv_bytes` of KV (too
+    little for all of them: preemption), none refused or held back at the gateway."""
+    return {
+        **base,
+        "MESHLLM_KV_CACHE_BYTES": str(kv_bytes),
+        "MESHLLM_MAX_NUM_SEQS": str(concurrency),
+        "MESHLLM_MAX_NUM_BATCHED_TOKENS": "1024",
+        "MESHLLM_MAX_PENDING_REQUESTS": "4096",
+        "MESHLLM_MAX_QUEUED_PER_GROUP": "0",
+    }
+
+
+def client_cuts(rng: random.Random, count: int) -> list[int | None]:
+    """For each of `count` requests: None, or (a fifth of them) the chunk after which its
+    client drops the stream."""
+    return [rng.randint(1, 5) if rng.random() < 0.2 else None for _ in range(count)]
+
+
+async def send_all(
+    api: str, bodies: list[dict[str, Any]], cuts: list[int | None] | None = None
+) -> list[Completion]:
+    """Every body at once, each on a connection of its own."""
+    limits = httpx.Limits(max_connections=len(bodies) + 8)
+    async with httpx.AsyncClient(limits=limits) as client:
+        return await asyncio.gather(
+            *(
+                complete(client, api, body, cut)
+                for body, cut in zip(bodies, cuts or [None] * len(bodies), strict=True)
+            )
+        )
 
 
 def ran_to_length(done: Completion) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.stress.rounds import Completion, RoundCheck, complete, ran_to_length
+from tests.stress.rounds import Completion, RoundCheck, ran_to_length, send_all
 from tests.support.mesh import Mesh
 
 REQUESTS = 48
@@ -54,13 +54,14 @@ async def one_round(
             body["stream_options"] = {"include_usage": True}
         bodies.append(body)
     kill_after = rng.uniform(0.2, 1.5)
-    limits = httpx.Limits(max_connections=REQUESTS + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        sent = [asyncio.create_task(complete(client, mesh.api, b)) for b in bodies]
+
+    async def kill_and_restart() -> None:
         await asyncio.sleep(kill_after)
         await asyncio.to_thread(mesh.kill, victim)
         await asyncio.to_thread(mesh.restart, victim)
-        return await asyncio.gather(*sent)
+
+    done, _ = await asyncio.gather(send_all(mesh.api, bodies), kill_and_restart())
+    return done
 
 
 def test_a_killed_service_loses_no_request(

@@ -13,7 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.stress.rounds import Completion, RoundCheck, complete, ran_to_length
+from tests.stress.rounds import (
+    Completion,
+    RoundCheck,
+    client_cuts,
+    loaded_env,
+    ran_to_length,
+    send_all,
+)
 from tests.support.mesh import Mesh
 
 CONCURRENCY = 64
@@ -24,12 +31,7 @@ LOREM = "lorem ipsum dolor sit amet " * 40
 @pytest.fixture(scope="module")
 def mesh(tiny_env: dict[str, str]) -> Iterator[Mesh]:
     env = {
-        **tiny_env,
-        "MESHLLM_KV_CACHE_BYTES": str(2**20),
-        "MESHLLM_MAX_NUM_SEQS": str(CONCURRENCY),
-        "MESHLLM_MAX_NUM_BATCHED_TOKENS": "1024",
-        "MESHLLM_MAX_PENDING_REQUESTS": "4096",
-        "MESHLLM_MAX_QUEUED_PER_GROUP": "0",
+        **loaded_env(tiny_env, CONCURRENCY, 2**20),
         "MESHLLM_KV_OFFLOAD": "true",
         "MESHLLM_KV_STORE_POLICY": "always",
         "MESHLLM_KV_LOAD_BYTES_PER_S": "1e12",
@@ -54,12 +56,7 @@ async def one_round(mesh: Mesh, model: str, rng: random.Random, first_id: int) -
         }
         for i in range(first_id, first_id + CONCURRENCY)
     ]
-    cuts = [rng.randint(1, 5) if rng.random() < 0.2 else None for _ in bodies]
-    limits = httpx.Limits(max_connections=CONCURRENCY + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        return await asyncio.gather(
-            *(complete(client, mesh.api, b, cut) for b, cut in zip(bodies, cuts, strict=True))
-        )
+    return await send_all(mesh.api, bodies, client_cuts(rng, len(bodies)))
 
 
 def test_offloaded_prefixes_survive_worker_restarts(

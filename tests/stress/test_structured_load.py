@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from tests.e2e.test_structured_outputs import SCHEMAS
-from tests.stress.rounds import Completion, RoundCheck, complete
+from tests.stress.rounds import Completion, RoundCheck, client_cuts, loaded_env, send_all
 from tests.support.mesh import Mesh
 
 CONCURRENCY = 64
@@ -26,15 +26,7 @@ CONCURRENCY = 64
 
 @pytest.fixture(scope="module")
 def mesh(tiny_env: dict[str, str]) -> Iterator[Mesh]:
-    env = {
-        **tiny_env,
-        "MESHLLM_KV_CACHE_BYTES": str(2**20),
-        "MESHLLM_MAX_NUM_SEQS": str(CONCURRENCY),
-        "MESHLLM_MAX_NUM_BATCHED_TOKENS": "1024",
-        "MESHLLM_MAX_PENDING_REQUESTS": "4096",
-        "MESHLLM_MAX_QUEUED_PER_GROUP": "0",
-        "MESHLLM_OVERLAP_STEPS": "on",
-    }
+    env = {**loaded_env(tiny_env, CONCURRENCY, 2**20), "MESHLLM_OVERLAP_STEPS": "on"}
     with Mesh(services=("gateway", "scheduler", "worker", "grammar"), env=env) as m:
         yield m
 
@@ -69,12 +61,7 @@ async def one_round(mesh: Mesh, model: str, rng: random.Random, first_id: int) -
                 "response_format": {"type": "json_schema", "json_schema": schema},
             }
         )
-    cuts = [rng.randint(1, 5) if rng.random() < 0.2 else None for _ in bodies]
-    limits = httpx.Limits(max_connections=CONCURRENCY + 8)
-    async with httpx.AsyncClient(limits=limits) as client:
-        return await asyncio.gather(
-            *(complete(client, mesh.api, b, cut) for b, cut in zip(bodies, cuts, strict=True))
-        )
+    return await send_all(mesh.api, bodies, client_cuts(rng, len(bodies)))
 
 
 def test_every_finished_output_is_valid_json_for_its_schema(

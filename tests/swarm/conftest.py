@@ -6,24 +6,19 @@ deselection by the suite's entry point, never a skip of a feature that exists.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.entry_point_suite import deselect_unless
 from tests.swarm.stack import SwarmStack, create_secrets, deploy, remove_secrets, remove_stack
 
 HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("MESHLLM_SWARM_TEST") == "1":
-        return
-    ours = [i for i in items if HERE in Path(str(i.fspath)).resolve().parents]
-    if ours:
-        config.hook.pytest_deselected(items=ours)
-        items[:] = [i for i in items if i not in ours]
+    deselect_unless("MESHLLM_SWARM_TEST", HERE, config, items)
 
 
 @pytest.fixture(scope="session")
