@@ -9,6 +9,7 @@ functions through its Python references, and the first such call imports torch._
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,6 +35,11 @@ INIT_FUNCTIONS = (
 )
 
 
+#: Held while the initialisers are replaced: a second build in another thread waits, rather
+#: than saving the replacements as the originals and restoring them for good.
+_REPLACING = threading.RLock()
+
+
 def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return tensor
 
@@ -41,12 +47,13 @@ def _unchanged(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.T
 @contextmanager
 def init_skipped() -> Iterator[None]:
     """Within: nn.init's initialisers return their tensor untouched. Process-wide while it
-    lasts, so only for building a model (nothing else initialises modules then)."""
-    saved = {name: getattr(init, name) for name in INIT_FUNCTIONS}
-    for name in INIT_FUNCTIONS:
-        setattr(init, name, _unchanged)
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(init, name, function)
+    lasts, so only for building a model; builds in other threads wait for it."""
+    with _REPLACING:
+        saved = {name: getattr(init, name) for name in INIT_FUNCTIONS}
+        for name in INIT_FUNCTIONS:
+            setattr(init, name, _unchanged)
+        try:
+            yield
+        finally:
+            for name, function in saved.items():
+                setattr(init, name, function)

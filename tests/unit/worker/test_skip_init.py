@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,31 @@ print("torch._dynamo" in sys.modules)
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_builds_in_two_threads_leave_the_initialisers_as_they_were() -> None:
+    """The second build ends after the first: without the lock it would restore the first's
+    replacements, and nn.init would stay disabled for good."""
+    before = {name: getattr(init, name) for name in INIT_FUNCTIONS}
+    inside, release, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with init_skipped():
+            inside.set()
+            release.wait(10)
+        first_done.set()
+
+    def second() -> None:
+        inside.wait(10)
+        with init_skipped():
+            first_done.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    inside.wait(10)
+    time.sleep(0.2)  # the second build is at (or, unlocked, inside) init_skipped
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert {name: getattr(init, name) for name in INIT_FUNCTIONS} == before
