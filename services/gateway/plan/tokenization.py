@@ -82,10 +82,10 @@ class PromptTokenizer:
             # imports torch through transformers' config modules: ~3 s of every gateway start.
             from transformers import PreTrainedTokenizerFast
 
-            return cls(PreTrainedTokenizerFast.from_pretrained(str(hf_dir)), hf_dir)
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(hf_dir)), Path(hf_dir))
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(hf_dir)), hf_dir)
+        return cls(AutoTokenizer.from_pretrained(str(hf_dir)), Path(hf_dir))
 
     # --- prompts ----------------------------------------------------------------------------
 
