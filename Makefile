@@ -11,7 +11,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 BENCH_MODULES ?= bench.bus_roundtrip bench.scheduler_step bench.worker_step bench.baseline_transformers
 
-.PHONY: help venv redis cxx kubectl up test docker-test swarm-test stress lint format bench gpu-bundle gpu-weights clean
+.PHONY: help venv redis cxx kubectl up test docker-test swarm-test stress lint format bench gpu-bundle gpu-weights vllm-client clean
 
 help:
 	@echo "make up     run the mesh as local processes (API at http://127.0.0.1:8000/v1; PROFILE=pd)"
@@ -23,6 +23,7 @@ help:
 	@echo "make bench  the CPU component benchmarks in BENCH_MODULES (bench/README.md lists the rest)"
 	@echo "make gpu-bundle  .whl/ + .redisbin/ + .tokenizer/ for a GPU machine without network (bench/gpu/run.sh)"
 	@echo "make gpu-weights the embedded SmolLM2 GGUF in three carryable parts (bench/gpu/weights.sh)"
+	@echo "make vllm-client vLLM's own \`vllm bench serve\` as a pure client in .vllmclient/ (bench/vllm_client.sh)"
 	@echo "make venv   create/refresh $(VENV) (re-runs only when pyproject.toml changes)"
 	@echo "make redis  install redis-server with apt when it is missing"
 
@@ -125,6 +126,10 @@ bench: venv redis
 # bench/gpu/run.sh installs them there and runs the GPU tests and benchmarks.
 gpu-bundle: venv redis
 	VENV_PY=$(VENV_PY) bench/gpu/bundle.sh
+
+# vLLM's benchmark client without the engine: bench/vllm_client.py runs it against the gateway.
+vllm-client: venv
+	VENV_PY=$(VENV_PY) bench/vllm_client.sh
 
 # The embedded SmolLM2 GGUF in three parts (.weights0..2/), for a device tool that carries at
 # most 64 MiB a call: bench/gpu/weights.sh says how they travel and are joined there.

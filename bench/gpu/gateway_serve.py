@@ -1,5 +1,8 @@
 """GPU serving as users measure it: through the gateway, with a real tokenizer, driven by an
-OpenAI-API benchmark client (bench/serve.py, which measures as `vllm bench serve` does).
+OpenAI-API benchmark client: `vllm bench serve` itself (`--client vllm`, bench/vllm_client.py;
+`make vllm-client` builds it) or bench/serve.py (`--client builtin`, the same metrics; token-id
+prompts, so the gateway does not tokenize them). With several `--client`s the gateway-cost
+runs drive every one of them and the datasets the first.
 
     python3 -m bench.gpu.gateway_serve --out $OUT/gateway_serve.json        # GPU (run.sh serve)
     .venv/bin/python -m bench.gpu.gateway_serve --dry-run                    # CPU, tiny model
@@ -14,7 +17,7 @@ worker processes (tests/support/mesh.py).
    alternating, the same shape two ways: `c` requests of `--prompt` random token ids and
    `--output` greedy tokens (ignore_eos) at once, (a) put on the scheduler's request stream
    as token ids (bench/gpu/mesh_decode.py's run_batch: no gateway), (b) streamed through
-   `/v1/completions` by bench/serve.py, in ABBA order (direct first on even repeats). Output
+   `/v1/completions` by each client, in ABBA order (direct first on even repeats). Output
    tok/s of each, best-of-N, with the scheduler's steps and each process's CPU per token; the
    target is gateway >= 95% of direct at every concurrency.
 2. Closed loop through the gateway: random dataset, `2 c` prompts at max concurrency `c`,
@@ -43,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import serve
+from bench import serve, vllm_client
 from bench.gpu.mesh_decode import TINY, run_batch, scrape
 from services.worker.models.random_init import PRESETS
 from shared.model.source import resolve_model
@@ -97,7 +100,8 @@ def serve_args(base_url: str, vocab: int, **overrides: Any) -> argparse.Namespac
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The figures a results table takes from one bench/serve.py run."""
     keys = (
-        "completed", "failed", "duration", "output_throughput", "request_goodput",
+        "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+        "output_throughput", "request_goodput",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
         "median_itl_ms", "p99_itl_ms", "errors",
     )  # fmt: skip
@@ -146,84 +150,105 @@ async def direct_run(
     return got["throughput_tok_s"], {"path": "direct", **before.since(c * args.output)}
 
 
+async def drive(client: str, workload: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
+    """One benchmark run of `workload` (bench/serve.py's arguments) by `client`."""
+    if client == "vllm":
+        return await vllm_client.run(workload, tokenizer)
+    return await serve.run(workload)
+
+
 async def gateway_run(
-    mesh: Mesh, c: int, args: argparse.Namespace, vocab: int, repeat: int
+    mesh: Mesh, c: int, args: argparse.Namespace, vocab: int, repeat: int, client: str
 ) -> tuple[float, dict[str, Any]]:
-    """The same shape streamed through the gateway by bench/serve.py: (output tok/s, costs)."""
+    """The same shape streamed through the gateway by `client`: (output tok/s, costs)."""
     before = RunCosts(mesh)
-    ran = await serve.run(
-        serve_args(
-            mesh.api, vocab, num_prompts=c, max_concurrency=c, input_len=args.prompt,
-            output_len=args.output, seed=10_000 * c + repeat, goodput=args.goodput,
-        )
+    workload = serve_args(
+        mesh.api, vocab, num_prompts=c, max_concurrency=c, input_len=args.prompt,
+        output_len=args.output, seed=10_000 * c + repeat, goodput=args.goodput,
     )  # fmt: skip
+    ran = await drive(client, workload, args.served)
     if ran["failed"]:
-        raise RuntimeError(f"gateway run at {c}: {ran.get('errors')}")
-    costs = {"path": "gateway", **before.since(ran["total_output_tokens"])}
+        raise RuntimeError(f"gateway run at {c} ({client}): {ran.get('errors')}")
+    costs = {"path": f"gateway-{client}", **before.since(ran["total_output_tokens"])}
     return round(ran["output_throughput"], 1), costs
 
 
 async def gateway_cost(mesh: Mesh, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
-    """Direct (bus) and gateway runs of the same shape per concurrency, in ABBA order."""
+    """Direct (bus) and gateway runs (one per client) of the same shape per concurrency, in
+    ABBA order."""
     rows = []
     for c in args.concurrency:
-        tok_s: dict[str, list[float]] = {"direct": [], "gateway": []}
+        tok_s: dict[str, list[float]] = {"direct": []} | {f"gateway-{k}": [] for k in args.client}
         costs = []
         for repeat in range(args.repeats):
-            runs = (direct_run, gateway_run) if repeat % 2 == 0 else (gateway_run, direct_run)
-            for run in runs:
-                speed, cost = await run(mesh, c, args, vocab, repeat)
+            paths = ["direct", *args.client]
+            for path in paths if repeat % 2 == 0 else reversed(paths):
+                if path == "direct":
+                    speed, cost = await direct_run(mesh, c, args, vocab, repeat)
+                else:
+                    speed, cost = await gateway_run(mesh, c, args, vocab, repeat, path)
                 tok_s[cost["path"]].append(speed)
                 costs.append(cost)
-        row = {
-            "concurrency": c,
-            "direct_tok_s": tok_s["direct"],
-            "gateway_tok_s": tok_s["gateway"],
-            "gateway_over_direct": round(max(tok_s["gateway"]) / max(tok_s["direct"]), 4),
-            "costs": costs,
-        }
+        row: dict[str, Any] = {"concurrency": c, "direct_tok_s": tok_s["direct"]}
+        for client in args.client:
+            row[f"gateway_{client}_tok_s"] = tok_s[f"gateway-{client}"]
+            best = max(tok_s[f"gateway-{client}"]) / max(tok_s["direct"])
+            row[f"gateway_{client}_over_direct"] = round(best, 4)
+        row["costs"] = costs
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
 async def datasets(mesh: Mesh, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """Closed-loop, shared-prefix, request-rate and long-prompt runs through the gateway."""
-    out: dict[str, Any] = {"closed_loop": [], "shared_prefix": {}, "rates": [], "long": []}
+    """Closed-loop, shared-prefix, request-rate and long-prompt runs through the gateway, driven
+    by the first client."""
+    client = args.client[0]
+    out: dict[str, Any] = {
+        "client": client, "closed_loop": [], "shared_prefix": {}, "rates": [], "long": [],
+    }  # fmt: skip
     common = dict(goodput=args.goodput, output_len=args.output)
     for c in args.concurrency:
-        ran = await serve.run(
+        ran = await drive(
+            client,
             serve_args(
                 mesh.api, vocab, num_prompts=2 * c, max_concurrency=c, input_len=args.prompt,
                 seed=20_000 + c, **common,
-            )
+            ),
+            args.served,
         )  # fmt: skip
         out["closed_loop"].append({"concurrency": c, **summary(ran)})
         print(json.dumps(out["closed_loop"][-1]), flush=True)
-    ran = await serve.run(
+    ran = await drive(
+        client,
         serve_args(
             mesh.api, vocab, dataset="shared-prefix", num_prompts=4 * args.shared_concurrency,
             max_concurrency=args.shared_concurrency, prefix_len=args.shared_prefix,
             num_prefixes=8, input_len=128, seed=30_000, **common,
-        )
+        ),
+        args.served,
     )  # fmt: skip
     out["shared_prefix"] = {"concurrency": args.shared_concurrency, **summary(ran)}
     print(json.dumps(out["shared_prefix"]), flush=True)
     for rate in args.rates:
-        ran = await serve.run(
+        ran = await drive(
+            client,
             serve_args(
                 mesh.api, vocab, num_prompts=args.rate_prompts, max_concurrency=256,
                 request_rate=rate, input_len=args.prompt, seed=40_000 + int(rate), **common,
-            )
+            ),
+            args.served,
         )  # fmt: skip
         out["rates"].append({"request_rate": rate, **summary(ran)})
         print(json.dumps(out["rates"][-1]), flush=True)
     for length in args.long:
-        ran = await serve.run(
+        ran = await drive(
+            client,
             serve_args(
                 mesh.api, vocab, num_prompts=1, max_concurrency=1, input_len=length,
                 output_len=64, seed=50_000 + length, goodput=[],
-            )
+            ),
+            args.served,
         )  # fmt: skip
         out["long"].append({"prompt": length, **summary(ran)})
         print(json.dumps(out["long"][-1]), flush=True)
@@ -258,7 +283,14 @@ def main() -> None:
     p.add_argument("--long", type=int, nargs="*", default=[8192, 32768])
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:50"])
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument(
+        "--client", nargs="+", choices=("vllm", "builtin"),
+        default=["vllm"] if vllm_client.available() else ["builtin"],
+        help="vllm: `vllm bench serve` (the default once `make vllm-client` built it); builtin: "
+        "bench/serve.py",
+    )  # fmt: skip
     p.add_argument("--cost-only", action="store_true", help="step 1 only (gateway vs direct)")
+    p.add_argument("--datasets-only", action="store_true", help="steps 2-5 only")
     p.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
     p.add_argument("--out", default="")
     p.add_argument("--logs", default="", help="on failure: services' logs and state here")
@@ -295,7 +327,10 @@ def main() -> None:
     served = model_dir(shape, tokenizer_dir(args.tokenizer), work / "llama-3-8b-shape", context)
     env["MESHLLM_MODEL"] = str(served)
     vocab = json.loads((served / "config.json").read_text())["vocab_size"]
-    results: dict[str, Any] = {"model": "llama-3-8b shape, random weights, SmolLM2 tokenizer"}
+    args.served = served  # the tokenizer vllm bench serve writes its prompts with
+    results: dict[str, Any] = {
+        "model": "llama-3-8b shape, random weights, SmolLM2 tokenizer", "clients": args.client,
+    }  # fmt: skip
     mesh = Mesh(services=("gateway", "scheduler", "worker"), env=env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -311,13 +346,14 @@ def main() -> None:
             # Untimed first: Triton's compile of every step kind, through both paths.
             warm = argparse.Namespace(prompt=args.prompt, output=4, vocab=vocab, timeout=600)
             await run_batch(mesh, max(args.concurrency), warm, "warm")
-            await serve.run(
-                serve_args(
+            for client in args.client:
+                workload = serve_args(
                     mesh.api, vocab, num_prompts=max(args.concurrency), input_len=args.prompt,
                     output_len=4, seed=1, timeout=600,
-                )
-            )  # fmt: skip
-            results["gateway_cost"] = await gateway_cost(mesh, args, vocab)
+                )  # fmt: skip
+                await drive(client, workload, served)
+            if not args.datasets_only:
+                results["gateway_cost"] = await gateway_cost(mesh, args, vocab)
             if not args.cost_only:
                 results.update(await datasets(mesh, args, vocab))
 

@@ -16,8 +16,10 @@
 #      output 128); bench.baseline_transformers on the same shape at 1/64/256 (warmed,
 #      best-of-2); then the mesh / transformers ratio per batch.
 #   4. serve (only when asked for: `run.sh serve`): bench.gpu.gateway_serve, the same shape with
-#      the SmolLM2 tokenizer through the gateway, driven by bench/serve.py (gateway cost
-#      against the scheduler-direct path, datasets, request rates, 8k/32k prompts).
+#      the SmolLM2 tokenizer through the gateway, driven by `vllm bench serve` when the call
+#      carries .vllmclient/ (`make vllm-client`), and by bench/serve.py (gateway cost against
+#      the scheduler-direct path, datasets, request rates, 8k/32k prompts); SERVE_ARGS adds
+#      gateway_serve flags (e.g. "--cost-only --concurrency 64 256").
 #   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
 #      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
 #      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only);
@@ -118,8 +120,26 @@ if [ "$MODE" = rows ]; then
     done
 fi
 if [ "$MODE" = serve ]; then
-    step gateway-serve 540 python3 -m bench.gpu.gateway_serve --tokenizer .tokenizer \
-        --out "$OUT/gateway_serve.json"
+    # `vllm bench serve` where `make vllm-client` built it and the call carried
+    # .vllmclient/vllm-src.tar.gz and .vllmclient/wheels (bench/vllm_client.sh); it drives the
+    # datasets, and the gateway-cost runs beside bench/serve.py.
+    CLIENTS=builtin
+    if [ -f .vllmclient/vllm-src.tar.gz ]; then
+        mkdir -p /tmp/vllmclient/src
+        tar -xzf .vllmclient/vllm-src.tar.gz -C /tmp/vllmclient/src &&
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+                --upgrade --target /tmp/vllmclient/site .vllmclient/wheels/*.whl || exit 1
+        export MESHLLM_VLLM_CLIENT_PATH=/tmp/vllmclient/site:/tmp/vllmclient/src
+        if python3 -m bench.vllm_client --help >"$OUT/vllm_client_check.log" 2>&1; then
+            CLIENTS="vllm builtin"
+        else
+            echo "vllm bench serve does not start here (bench/serve.py alone drives the runs):"
+            tail -20 "$OUT/vllm_client_check.log"
+        fi
+    fi
+    # shellcheck disable=SC2086 # CLIENTS: one argument each
+    step gateway-serve 560 python3 -m bench.gpu.gateway_serve --tokenizer .tokenizer \
+        --client $CLIENTS --logs "$OUT/serve_logs" --out "$OUT/gateway_serve.json" ${SERVE_ARGS:-}
 fi
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
     # Failures are written to gpu_failures.log as they happen (tests/conftest.py): the step's
