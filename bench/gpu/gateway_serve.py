@@ -100,7 +100,8 @@ def serve_args(base_url: str, vocab: int, **overrides: Any) -> argparse.Namespac
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """The figures a results table takes from one bench/serve.py run."""
     keys = (
-        "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+        "completed", "failed", "duration", "client_wall_s", "total_input_tokens",
+        "total_output_tokens",
         "output_throughput", "request_goodput",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
         "median_itl_ms", "p99_itl_ms", "errors",
@@ -151,10 +152,14 @@ async def direct_run(
 
 
 async def drive(client: str, workload: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
-    """One benchmark run of `workload` (bench/serve.py's arguments) by `client`."""
+    """One benchmark run of `workload` (bench/serve.py's arguments) by `client`, with the
+    client's whole wall time (`client_wall_s`: its start and prompt making included)."""
+    started = time.monotonic()
     if client == "vllm":
-        return await vllm_client.run(workload, tokenizer)
-    return await serve.run(workload)
+        ran = await vllm_client.run(workload, tokenizer)
+    else:
+        ran = await serve.run(workload)
+    return ran | {"client_wall_s": time.monotonic() - started}
 
 
 async def gateway_run(
@@ -341,6 +346,7 @@ def main() -> None:
         for name in ("scheduler", "worker", "gateway"):  # the gateway waits for a worker
             mesh.wait_ready(name, timeout=400)
         results["start_s"] = round(time.monotonic() - started, 1)
+        print(f"mesh ready in {results['start_s']} s", flush=True)
 
         async def measure() -> None:
             # Untimed first: Triton's compile of every step kind, through both paths.
@@ -352,6 +358,8 @@ def main() -> None:
                     output_len=4, seed=1, timeout=600,
                 )  # fmt: skip
                 await drive(client, workload, served)
+            results["warm_s"] = round(time.monotonic() - started - results["start_s"], 1)
+            print(f"warmed in {results['warm_s']} s", flush=True)
             if not args.datasets_only:
                 results["gateway_cost"] = await gateway_cost(mesh, args, vocab)
             if not args.cost_only:

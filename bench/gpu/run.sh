@@ -19,7 +19,8 @@
 #      the SmolLM2 tokenizer through the gateway, driven by `vllm bench serve` when the call
 #      carries .vllmclient/ (`make vllm-client`), and by bench/serve.py (gateway cost against
 #      the scheduler-direct path, datasets, request rates, 8k/32k prompts); SERVE_ARGS adds
-#      gateway_serve flags (e.g. "--cost-only --concurrency 64 256").
+#      gateway_serve flags (e.g. "--cost-only --concurrency 64 256"), SERVE_CLIENTS="vllm"
+#      leaves bench/serve.py out.
 #   5. spec (only when asked for: `run.sh spec`): n-gram speculation with the real SmolLM2
 #      weights (bench/gpu/weights.sh brings them): bench.spec_ngram at batch 1 and 16 and
 #      bench.gpu.spec_serve through the gateway (SPEC_BATCHES="16": that batch/concurrency only);
@@ -131,7 +132,7 @@ if [ "$MODE" = serve ]; then
                 --upgrade --target /tmp/vllmclient/site .vllmclient/wheels/*.whl || exit 1
         export MESHLLM_VLLM_CLIENT_PATH=/tmp/vllmclient/site:/tmp/vllmclient/src
         if python3 -m bench.vllm_client --help >"$OUT/vllm_client_check.log" 2>&1; then
-            CLIENTS="vllm builtin"
+            CLIENTS=${SERVE_CLIENTS:-vllm builtin}
         else
             echo "vllm bench serve does not start here (bench/serve.py alone drives the runs):"
             tail -20 "$OUT/vllm_client_check.log"
