@@ -213,7 +213,7 @@ async def datasets(mesh: Mesh, args: argparse.Namespace, vocab: int) -> dict[str
         "client": client, "closed_loop": [], "shared_prefix": {}, "rates": [], "long": [],
     }  # fmt: skip
     common = dict(goodput=args.goodput, output_len=args.output)
-    for c in args.concurrency:
+    for c in args.concurrency if args.closed_loop is None else args.closed_loop:
         ran = await drive(
             client,
             serve_args(
@@ -224,17 +224,18 @@ async def datasets(mesh: Mesh, args: argparse.Namespace, vocab: int) -> dict[str
         )  # fmt: skip
         out["closed_loop"].append({"concurrency": c, **summary(ran)})
         print(json.dumps(out["closed_loop"][-1]), flush=True)
-    ran = await drive(
-        client,
-        serve_args(
-            mesh.api, vocab, dataset="shared-prefix", num_prompts=4 * args.shared_concurrency,
-            max_concurrency=args.shared_concurrency, prefix_len=args.shared_prefix,
-            num_prefixes=8, input_len=128, seed=30_000, **common,
-        ),
-        args.served,
-    )  # fmt: skip
-    out["shared_prefix"] = {"concurrency": args.shared_concurrency, **summary(ran)}
-    print(json.dumps(out["shared_prefix"]), flush=True)
+    if args.shared_concurrency:
+        ran = await drive(
+            client,
+            serve_args(
+                mesh.api, vocab, dataset="shared-prefix", num_prompts=4 * args.shared_concurrency,
+                max_concurrency=args.shared_concurrency, prefix_len=args.shared_prefix,
+                num_prefixes=8, input_len=128, seed=30_000, **common,
+            ),
+            args.served,
+        )  # fmt: skip
+        out["shared_prefix"] = {"concurrency": args.shared_concurrency, **summary(ran)}
+        print(json.dumps(out["shared_prefix"]), flush=True)
     for rate in args.rates:
         ran = await drive(
             client,
@@ -282,7 +283,10 @@ def main() -> None:
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--shared-prefix", type=int, default=1024)
-    p.add_argument("--shared-concurrency", type=int, default=64)
+    p.add_argument(
+        "--closed-loop", type=int, nargs="*", help="step 2's concurrencies (default: --concurrency)"
+    )
+    p.add_argument("--shared-concurrency", type=int, default=64, help="0: no step 3")
     p.add_argument("--rates", type=float, nargs="*", default=[8.0, 32.0, 64.0])
     p.add_argument("--rate-prompts", type=int, default=256)
     p.add_argument("--long", type=int, nargs="*", default=[8192, 32768])
