@@ -31,6 +31,24 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / ".vllmclient"
 MAIN = "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
+DONE = "@@meshllm-vllm-client-done"
+#: Session's client process: one JSON list of CLI arguments a line in, each run's output and
+#: then `DONE <exit status>` out.
+LOOP = f"""
+import json, sys, traceback
+from vllm.entrypoints.cli.main import main
+for line in sys.stdin:
+    sys.argv = ["vllm", *json.loads(line)]
+    rc = 0
+    try:
+        main()
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except Exception:
+        traceback.print_exc()
+        rc = 1
+    print("{DONE}", rc, flush=True)
+"""
 
 
 def client_path() -> str:
@@ -43,13 +61,13 @@ def available() -> bool:
     return any((Path(p) / "vllm" / "benchmarks").is_dir() for p in client_path().split(":"))
 
 
-def command(cli_args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """argv and environment of one `vllm <cli_args>` process."""
+def command(cli_args: list[str], code: str = MAIN) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of one `vllm <cli_args>` process (of a Python running `code`)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ":".join(p for p in (client_path(), env.get("PYTHONPATH", "")) if p)
     env["VLLM_TARGET_DEVICE"] = "cpu"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return [sys.executable, "-c", MAIN, *cli_args], env
+    return [sys.executable, "-c", code, *cli_args], env
 
 
 def serve_cli_args(args: argparse.Namespace, tokenizer: Path, result: Path) -> list[str]:
@@ -93,33 +111,81 @@ def serve_cli_args(args: argparse.Namespace, tokenizer: Path, result: Path) -> l
     return cli
 
 
-async def run(args: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
-    """One `vllm bench serve` run of bench/serve.py's workload `args`; its result JSON.
-    Raises when the client exits non-zero or writes no result."""
-    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
-        result = Path(tmp) / "result.json"
-        argv, env = command(serve_cli_args(args, tokenizer, result))
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
+class Session:
+    """One client process that runs `vllm bench serve` once per `run()`, so its imports (torch,
+    vLLM, transformers: ~10 s here, ~25 s on the GPU machine) are paid once, not per run. Each
+    run goes through vLLM's CLI entry point as a fresh `vllm bench serve ARGS` would."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> Session:
+        await self._start()
+        return self
+
+    async def _start(self) -> None:
+        argv, env = command([], LOOP)
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, limit=2**20,
+        )  # fmt: skip
+
+    async def __aexit__(self, *exc: object) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.returncode is not None:
+            return
+        assert proc.stdin is not None
+        proc.stdin.close()
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), args.timeout)
+            await asyncio.wait_for(proc.wait(), 10)
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            raise
-        if proc.returncode or not result.exists():
-            tail = out.decode(errors="replace")[-3000:]
-            raise RuntimeError(f"vllm bench serve exited {proc.returncode}:\n{tail}")
-        ran: dict[str, Any] = json.loads(result.read_text())
-    errors = [e for e in ran.pop("errors", []) if e][:3]
-    for per_request in ("ttfts", "itls", "generated_texts", "input_lens", "output_lens",
-                        "latencies", "queue_times", "start_times"):  # fmt: skip
-        ran.pop(per_request, None)
-    if errors:
-        ran["errors"] = errors
-    ran["client"] = "vllm bench serve"
-    return ran
+
+    async def _one(self, cli: list[str]) -> tuple[int, str]:
+        """Run `vllm CLI...` in the client process (a new one after a run was cut short):
+        (its exit status, what it printed)."""
+        if self.proc is None or self.proc.returncode is not None:
+            await self._start()
+        assert self.proc is not None and self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write((json.dumps(cli) + "\n").encode())
+        await self.proc.stdin.drain()
+        printed: list[str] = []
+        while line := (await self.proc.stdout.readline()).decode(errors="replace"):
+            if line.startswith(DONE):
+                return int(line.split()[1]), "".join(printed)
+            printed.append(line)
+        return -1, "".join(printed) + "(the client process ended)"
+
+    async def run(self, args: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
+        """One `vllm bench serve` run of bench/serve.py's workload `args`; its result JSON.
+        Raises when the run fails, writes no result or outlasts `args.timeout`."""
+        with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+            result = Path(tmp) / "result.json"
+            try:
+                rc, out = await asyncio.wait_for(
+                    self._one(serve_cli_args(args, tokenizer, result)), args.timeout
+                )
+            except TimeoutError:
+                await self.__aexit__()  # a run cut short leaves the process mid-run
+                raise
+            if rc or not result.exists():
+                raise RuntimeError(f"vllm bench serve exited {rc}:\n{out[-3000:]}")
+            ran: dict[str, Any] = json.loads(result.read_text())
+        errors = [e for e in ran.pop("errors", []) if e][:3]
+        for per_request in ("ttfts", "itls", "generated_texts", "input_lens", "output_lens",
+                            "latencies", "queue_times", "start_times"):  # fmt: skip
+            ran.pop(per_request, None)
+        if errors:
+            ran["errors"] = errors
+        ran["client"] = "vllm bench serve"
+        return ran
+
+
+async def run(args: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run in a client process of its own (Session.run)."""
+    async with Session() as session:
+        return await session.run(args, tokenizer)
 
 
 def main() -> None:

@@ -151,12 +151,16 @@ async def direct_run(
     return got["throughput_tok_s"], {"path": "direct", **before.since(c * args.output)}
 
 
+#: The `vllm bench serve` process every run of a benchmark shares (its imports paid once).
+VLLM = vllm_client.Session()
+
+
 async def drive(client: str, workload: argparse.Namespace, tokenizer: Path) -> dict[str, Any]:
     """One benchmark run of `workload` (bench/serve.py's arguments) by `client`, with the
     client's whole wall time (`client_wall_s`: its start and prompt making included)."""
     started = time.monotonic()
     if client == "vllm":
-        ran = await vllm_client.run(workload, tokenizer)
+        ran = await VLLM.run(workload, tokenizer)
     else:
         ran = await serve.run(workload)
     return ran | {"client_wall_s": time.monotonic() - started}
@@ -353,6 +357,13 @@ def main() -> None:
         print(f"mesh ready in {results['start_s']} s", flush=True)
 
         async def measure() -> None:
+            if "vllm" in args.client:
+                async with VLLM:  # one client process for every run
+                    await measure_with_clients()
+            else:
+                await measure_with_clients()
+
+        async def measure_with_clients() -> None:
             # Untimed first: Triton's compile of every step kind, through both paths.
             warm = argparse.Namespace(prompt=args.prompt, output=4, vocab=vocab, timeout=600)
             await run_batch(mesh, max(args.concurrency), warm, "warm")
