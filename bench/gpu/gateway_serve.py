@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve, vllm_client
-from bench.gpu.mesh_decode import TINY, run_batch, scrape
+from bench.gpu.mesh_decode import TINY, run_batch, scrape, start_phases
 from services.worker.models.random_init import PRESETS
 from shared.model.source import resolve_model
 from tests.support.mesh import Mesh
@@ -354,7 +354,9 @@ def main() -> None:
         for name in ("scheduler", "worker", "gateway"):  # the gateway waits for a worker
             mesh.wait_ready(name, timeout=400)
         results["start_s"] = round(time.monotonic() - started, 1)
-        print(f"mesh ready in {results['start_s']} s", flush=True)
+        results["start_phases"] = start_phases(mesh)
+        ready = f"mesh ready in {results['start_s']} s"
+        print(ready, *results["start_phases"], sep="\n", flush=True)
 
         async def measure() -> None:
             if "vllm" in args.client:

@@ -84,6 +84,21 @@ def scrape(mesh: Mesh) -> dict[str, float]:
     return values
 
 
+#: What the worker logs of its start's phases (services/worker/runner/bootstrap.py and the
+#: kernels it compiles, the graphs it captures): a GPU run's start time, phase by phase.
+START_PHASES = ("loaded on", "compiled in", "CUDA graphs for batch sizes")
+
+
+def start_phases(mesh: Mesh) -> list[str]:
+    """The worker's log lines about its start's phases, each with its seconds."""
+    lines = []
+    for log in sorted(mesh.logdir.glob("worker.*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if any(phase in line for phase in START_PHASES):
+                lines.append(line.strip()[-300:])
+    return lines
+
+
 async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     streams = Streams(mesh.cluster)
     bus = Bus(mesh.redis.url, f"bench-{tag}")
@@ -297,6 +312,8 @@ def main() -> None:
         for name in ("scheduler", "worker"):
             mesh.wait_ready(name, timeout=400)
         results["start_s"] = round(time.monotonic() - started, 1)
+        results["start_phases"] = start_phases(mesh)
+        print("\n".join(results["start_phases"]), flush=True)
         # Untimed first: allocations, and Triton's compile of each step kind (mixed steps at
         # the largest batch too), which would otherwise land in the timed runs.
         warm = argparse.Namespace(**{**vars(args), "output": 4})
