@@ -74,7 +74,7 @@ DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
 # The in-process layers run on two pytest workers (a test file stays on one worker: its module
 # fixtures are built once), 473 s of tests in 293 s here; tests/e2e run alone after them: each
 # starts meshes of 3+ processes whose timeouts assume the machine's cores are theirs.
-test: venv redis cxx kubectl
+test: venv redis cxx kubectl $(VLLM_CLIENT)
 	@$(VENV)/bin/pytest -q --durations=10 -n 2 --dist loadfile --ignore=tests/e2e $(PYTEST_ARGS); \
 	inproc=$$?; if [ $$inproc -ne 0 ] && [ $$inproc -ne 5 ]; then exit $$inproc; fi; \
 	$(VENV)/bin/pytest -q --durations=20 tests/e2e $(PYTEST_ARGS); e2e=$$?; \
@@ -127,8 +127,13 @@ bench: venv redis
 gpu-bundle: venv redis
 	VENV_PY=$(VENV_PY) bench/gpu/bundle.sh
 
-# vLLM's benchmark client without the engine: bench/vllm_client.py runs it against the gateway.
-vllm-client: venv
+# vLLM's benchmark client without the engine: bench/vllm_client.py runs it against the gateway
+# (tests/e2e/test_vllm_bench_client.py, the GPU serving benchmark). Rebuilt when its script
+# changes; the vllm wheel is cached in ~/.cache/meshllm/wheels.
+VLLM_CLIENT := .vllmclient/.built
+vllm-client: $(VLLM_CLIENT)
+
+$(VLLM_CLIENT): bench/vllm_client.sh $(STAMP)
 	VENV_PY=$(VENV_PY) bench/vllm_client.sh
 
 # The embedded SmolLM2 GGUF in three parts (.weights0..2/), for a device tool that carries at

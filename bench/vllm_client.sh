@@ -67,3 +67,4 @@ echo "== the client's requirements: $DIR/wheels (cp312), $DIR/site (this venv)"
 echo "== check: vllm bench serve --help"
 "$VENV_PY" -m bench.vllm_client --help >/dev/null
 du -sh "$DIR/vllm-src.tar.gz" "$DIR/wheels"
+touch "$DIR/.built"  # make's target: the whole build succeeded
