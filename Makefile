@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 VENV_PY := $(VENV)/bin/python
 STAMP := $(VENV)/.meshllm-installed
+# `make vllm-client`'s target (defined before `test` names it: make expands prerequisites as it
+# reads them)
+VLLM_CLIENT := .vllmclient/.built
 # CPU machines get the CPU torch wheel, pinned: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -130,7 +133,6 @@ gpu-bundle: venv redis
 # vLLM's benchmark client without the engine: bench/vllm_client.py runs it against the gateway
 # (tests/e2e/test_vllm_bench_client.py, the GPU serving benchmark). Rebuilt when its script
 # changes; the vllm wheel is cached in ~/.cache/meshllm/wheels.
-VLLM_CLIENT := .vllmclient/.built
 vllm-client: $(VLLM_CLIENT)
 
 $(VLLM_CLIENT): bench/vllm_client.sh $(STAMP)
