@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve, vllm_client
+from bench.gpu.clocks import ClockSampler
 from bench.gpu.mesh_decode import TINY, run_batch, scrape, start_phases
 from services.worker.models.random_init import PRESETS
 from shared.model.source import resolve_model
@@ -117,9 +118,11 @@ def cpu_seconds(pid: int) -> float:
 
 class RunCosts:
     """What one run cost besides its wall time: the scheduler's steps (and their mean wall
-    time) and each service process's CPU time per output token."""
+    time), each service process's CPU time per output token, and the GPU's clocks and power
+    over the run (bench/gpu/clocks.py; none on a CPU)."""
 
     def __init__(self, mesh: Mesh) -> None:
+        self.clocks = ClockSampler()
         self.mesh = mesh
         self.pids = {name: proc.pid for name, proc in mesh.procs.items()}
         self.metrics = scrape(mesh)
@@ -136,6 +139,8 @@ class RunCosts:
         for name, pid in self.pids.items():
             used = cpu_seconds(pid) - self.cpu[name]
             out[f"{name}_cpu_us_per_token"] = round(1e6 * used / max(output_tokens, 1), 1)
+        if gpu := self.clocks.stop():
+            out["gpu"] = gpu
         return out
 
 
