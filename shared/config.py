@@ -285,6 +285,10 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # CUDA: decode steps replay captured CUDA graphs (services/worker/accel/cuda_graphs.py);
     # true runs every step eagerly (vLLM's --enforce-eager: debugging, graph-vs-eager timing).
     enforce_eager: bool = False
+    # CUDA warm-up: Triton compiles the kernels it must have before serving in this many
+    # threads (meshllm_kernels/parallel_compile.py); 0 = the CPUs available, at most 16;
+    # 1 = one by one as launched.
+    kernel_compile_threads: int = Field(0, ge=0)
     # Compile the forward with torch.compile on CPU (services/worker/accel/cpu_compile.py). "auto":
     # on where supported (bf16, dense models, no speculative decoding); start-up then takes
     # tens of seconds longer. "on" is "auto" that also logs why it cannot compile a model.

@@ -249,6 +249,12 @@ def main() -> None:
         help="MESHLLM_GEMV_MAX_ROWS: steps of up to this many rows run the GEMV + decode chain",
     )
     parser.add_argument(
+        "--kernel-compile-threads",
+        type=int,
+        default=0,
+        help="MESHLLM_KERNEL_COMPILE_THREADS: the warm-up's Triton compiles (1: one by one)",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=8192,
@@ -280,6 +286,7 @@ def main() -> None:
         "MESHLLM_ENFORCE_EAGER": str(args.enforce_eager).lower(),
         "MESHLLM_GEMV_MAX_ROWS": str(args.gemv_max_rows),
         "MESHLLM_DENSE_PREFILL": args.dense_prefill,
+        "MESHLLM_KERNEL_COMPILE_THREADS": str(args.kernel_compile_threads),
     }
     if args.dry_run:
         config = Path(tempfile.mkdtemp()) / "config.json"

@@ -174,6 +174,7 @@ def build_runner(
         ),
         draft_graphs=tp.size == 1,
     )
+    runner.compile_threads = settings.kernel_compile_threads or None
     if settings.step_timeline:
         runner.timeline = StepTimeline(settings.step_timeline, device)
     if device.type == "cuda":  # Triton compiles after the warm-up are logged as stalls

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend, TritonPagedAttention
+from meshllm_kernels.parallel_compile import compiles_in_parallel
 from meshllm_kernels.runtime.compile_watch import CompileWatch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from meshllm_kernels.runtime.tensor_checks import sm_count
@@ -270,6 +271,9 @@ class ModelRunner:
         # CUDA: Triton compiles of this process, those after the warm-up logged as stalls
         # (runner/compile_stalls.py, installed by bootstrap.py).
         self.compile_watch: CompileWatch | None = None
+        # CUDA warm-up: Triton compiles in this many threads (MESHLLM_KERNEL_COMPILE_THREADS;
+        # None: the CPUs available, at most 16; 1: one by one as launched).
+        self.compile_threads: int | None = None
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -1032,7 +1036,11 @@ class ModelRunner:
         dtype = next(self.model.parameters()).dtype
         rows = min(2, self.batch.max_num_reqs)
         hidden = torch.zeros(rows, self.config.hidden_size, dtype=dtype, device=self.device)
-        count = compile_draws(self.sampler, self.compute_logits(hidden))
+        logits = self.compute_logits(hidden)
+        with compiles_in_parallel(self.compile_threads) as pooled:  # as _compile_attention_variants
+            if pooled:
+                compile_draws(self.sampler, logits)
+        count = compile_draws(self.sampler, logits)
         seconds = time.perf_counter() - started
         log.info("sampler: %d draw variants compiled in %.1f s", count, seconds)
         return seconds
@@ -1066,14 +1074,26 @@ class ModelRunner:
         widths = {min(capacity, WIDTH_MULTIPLE), capacity}
         dtype = next(self.model.parameters()).dtype
         heads = self.config.num_attention_heads
-        seconds = compile_decode_variants(cache[0], heads, dtype, variants, widths)
-        seconds += compile_prefill_variants(cache[0], heads, dtype, widths)
+        started = time.perf_counter()
+
+        def launch_each() -> None:
+            compile_decode_variants(cache[0], heads, dtype, variants, widths)
+            compile_prefill_variants(cache[0], heads, dtype, widths)
+
+        # Compiled in a pool of threads first (launches there only compile), then launched for
+        # real: those launches find their kernels compiled (meshllm_kernels/parallel_compile.py).
+        with compiles_in_parallel(self.compile_threads) as pooled:
+            if pooled:
+                launch_each()
+        launch_each()
+        seconds = time.perf_counter() - started
         log.info(
             "attention: %d decode kernel choices and the paged prefill x %d table widths "
-            "compiled in %.1f s",
+            "compiled in %.1f s (%s)",
             len(variants),
             len(widths),
             seconds,
+            "in parallel" if pooled else "one by one",
         )
         return seconds
 
