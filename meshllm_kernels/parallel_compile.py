@@ -10,8 +10,9 @@ returns a future instead of waiting, if it is only compiled and not run (`warmup
 
 `compiles_in_parallel(threads)` is that: inside it every Triton launch compiles its kernel in
 the pool and runs nothing; leaving it waits for every compile and puts each kernel in its
-function's cache, so the launches after it find their kernels compiled. The warm-up runs its
-launches once inside (compile only) and once after (the real launches, which check them).
+function's cache, so the launches after it find their kernels compiled. `precompiled(launch)`
+runs the warm-up's launches once inside (compile only) and once after (the real launches,
+which check them).
 Nothing inside may read a launched kernel's output: nothing runs. Without the mode (a Triton
 without it) or with one thread it compiles nothing itself, and the launches after it compile
 one by one as before.
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The pool's size by default: the CPUs this process may use, at most this many.
 MAX_THREADS = 16
@@ -63,3 +66,12 @@ def compiles_in_parallel(threads: int | None = None) -> Iterator[bool]:
             yield True
         finally:
             JITFunction.run = run  # type: ignore[method-assign]
+
+
+def precompiled(launch: Callable[[], T], threads: int | None = None) -> tuple[T, bool]:
+    """Run `launch` (a function of Triton launches) once inside the pool, where it only
+    compiles, then for real; (what the real run returned, whether the pool was used)."""
+    with compiles_in_parallel(threads) as pooled:
+        if pooled:
+            launch()
+    return launch(), pooled

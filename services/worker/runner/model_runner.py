@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from meshllm_kernels.attention.backends import PagedKernelBackend, TritonPagedAttention
-from meshllm_kernels.parallel_compile import compiles_in_parallel
+from meshllm_kernels.parallel_compile import precompiled
 from meshllm_kernels.runtime.compile_watch import CompileWatch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from meshllm_kernels.runtime.tensor_checks import sm_count
@@ -1037,10 +1037,7 @@ class ModelRunner:
         rows = min(2, self.batch.max_num_reqs)
         hidden = torch.zeros(rows, self.config.hidden_size, dtype=dtype, device=self.device)
         logits = self.compute_logits(hidden)
-        with compiles_in_parallel(self.compile_threads) as pooled:  # as _compile_attention_variants
-            if pooled:
-                compile_draws(self.sampler, logits)
-        count = compile_draws(self.sampler, logits)
+        count, _ = precompiled(lambda: compile_draws(self.sampler, logits), self.compile_threads)
         seconds = time.perf_counter() - started
         log.info("sampler: %d draw variants compiled in %.1f s", count, seconds)
         return seconds
@@ -1082,10 +1079,7 @@ class ModelRunner:
 
         # Compiled in a pool of threads first (launches there only compile), then launched for
         # real: those launches find their kernels compiled (meshllm_kernels/parallel_compile.py).
-        with compiles_in_parallel(self.compile_threads) as pooled:
-            if pooled:
-                launch_each()
-        launch_each()
+        _, pooled = precompiled(launch_each, self.compile_threads)
         seconds = time.perf_counter() - started
         log.info(
             "attention: %d decode kernel choices and the paged prefill x %d table widths "
