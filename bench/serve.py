@@ -62,7 +62,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def random_prompts(
-    n: int, input_len: int, vocab: int, seed: int, range_ratio: float = 0.0
+    n: int, input_len: int, vocab: int, seed: int | str, range_ratio: float = 0.0
 ) -> list[list[int]]:
     rng = random.Random(seed)
     low = max(1, round(input_len * (1 - range_ratio)))

@@ -17,8 +17,8 @@ QUERY = "clocks.sm,clocks.mem,power.draw,temperature.gpu"
 
 
 def summarize(text: str) -> dict[str, float] | None:
-    """`nvidia-smi --format=csv,noheader,nounits` lines of QUERY's fields (first GPU's rows
-    only where there are several) -> means and extremes; None without a whole sample."""
+    """`nvidia-smi --format=csv,noheader,nounits` lines of QUERY's fields (one GPU's: the
+    sampler passes `--id`) -> means and extremes; None without a whole sample."""
     rows = []
     for line in text.splitlines():
         fields = [f.strip() for f in line.split(",")]

@@ -31,7 +31,6 @@ import asyncio
 import hashlib
 import json
 import os
-import random
 import signal
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from typing import Any
 import httpx
 
 from bench.gpu.run_bound import Rates, bounds, measure_rates
+from bench.serve import random_prompts
 from shared.bus import Bus
 from shared.heartbeat import Heartbeater
 from shared.protocol import SamplingParams, SubmitRequest, TokenDelta
@@ -100,14 +100,14 @@ def start_phases(mesh: Mesh) -> list[str]:
 
 
 def prompt_ids(request_id: str, length: int, vocab: int) -> list[int]:
-    """`length` token ids drawn for `request_id` alone (a generator seeded by it): no request
-    of any run shares a prompt block with another, so the warm-up's or an earlier run's blocks
-    never serve a run's prefill from the prefix cache (transformers, the baseline, has none).
+    """`length` token ids drawn for `request_id` alone (bench/serve.py's random prompts, seeded
+    by it): no request of any run shares a prompt block with another, so the warm-up's or an
+    earlier run's blocks never serve a run's prefill from the prefix cache (transformers, the
+    baseline, has none).
     The affine prompts salted per run that this replaces did share: the 16 prompts of
     gateway_serve's `direct-16-0` were 16 of the 64 of `direct-64-0` (a quarter of its prefill
     cached), which made the "first direct run at c 64" 9-13% faster than every other run."""
-    draw = random.Random(request_id)
-    return [draw.randrange(vocab) for _ in range(length)]
+    return random_prompts(1, length, vocab, seed=request_id)[0]
 
 
 async def run_batch(mesh: Mesh, batch: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
