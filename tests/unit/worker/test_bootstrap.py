@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.models.packed_linear import PackedLinear
+from services.worker.models.packed_linear import PackedLinear, packing_supported
 from services.worker.models.random_init import random_source
 from services.worker.runner.bootstrap import build_runner, check_parallel_settings
 from services.worker.runner.kv_cache import KVCacheSizeError
@@ -74,8 +74,10 @@ def test_worker_stays_eager_where_it_cannot_compile(
         monkeypatch.setenv(name, value)
     runner, _ = build_runner(*compile_settings(tmp_path, **overrides), "inc")
     assert runner.compiled is None
-    # the eager layout is in place (bf16: packed linears; fp32: plain, column-major)
-    assert packed(runner) == (runner.kv_cache.layers[0].dtype == torch.bfloat16)
+    # the eager layout is in place: bf16 linears packed where this CPU has oneDNN's bf16
+    # kernels (AMD EPYC without AVX-512 has none), plain otherwise and in fp32
+    dtype = runner.kv_cache.layers[0].dtype
+    assert packed(runner) == (dtype == torch.bfloat16 and packing_supported(dtype, runner.device))
 
 
 def test_tensor_parallel_groups_take_kv_offload_and_every_drafter_but_not_random_weights() -> None:
