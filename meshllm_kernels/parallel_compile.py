@@ -13,11 +13,11 @@ the pool and runs nothing; leaving it waits for every compile and puts each kern
 function's cache, so the launches after it find their kernels compiled. `precompiled(launch)`
 runs the warm-up's launches once inside (compile only) and once after (the real launches,
 which check them).
+
 Nothing inside may read a launched kernel's output: nothing runs. The switch is the JIT's, for
 the whole process: use it only while no other thread launches Triton kernels (the worker's
-warm-up, before it serves). Without the mode (a Triton
-without it) or with one thread it compiles nothing itself, and the launches after it compile
-one by one as before.
+warm-up, before it serves). Without the mode (a Triton without it) or with one thread it
+compiles nothing itself, and the launches after it compile one by one as before.
 """
 
 from __future__ import annotations
