@@ -15,12 +15,15 @@ from tests.support.mesh import Mesh
 #: The context is capped at what that cache holds (the worker refuses a context it cannot hold).
 #: Overlapped steps (the GPU worker's loop: launch, answer the previous step, ...) are forced on
 #: so the API tests run through that loop too; the default CPU loop is what the other e2e
-#: modules' meshes run.
+#: modules' meshes run. One planning process (the gateway's default is 2): each imports
+#: transformers and loads the tokenizer at every gateway start (1.45 CPU-s here), the suite
+#: starts ~50 gateways, and the bodies that take the pool (4 KiB or more) are few.
 E2E_ENV = {
     "MESHLLM_KV_CACHE_BYTES": str(256 * 2**20),
     "MESHLLM_MAX_MODEL_LEN": "4096",
     "MESHLLM_NUM_THREADS": "1",
     "MESHLLM_OVERLAP_STEPS": "on",
+    "MESHLLM_PLANNING_PROCESSES": "1",
 }
 
 
