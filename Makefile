@@ -74,13 +74,17 @@ DOCKER_POSSIBLE := $(shell [ "$$(id -u)" = 0 ] && { command -v dockerd || \
 # broken suite, not a pass (one of them may select nothing under a PYTEST_ARGS filter). The
 # slowest tests are listed (CI time is watched).
 # tests/docker are deselected here (they need built images); docker-test runs them after.
-# The in-process layers run on two pytest workers (a test file stays on one worker: its module
-# fixtures are built once), 473 s of tests in 293 s here; tests/e2e run alone after them: each
-# starts meshes of 3+ processes whose timeouts assume the machine's cores are theirs.
+# Both runs use two pytest workers, a test file on one worker (its module fixtures, a mesh in
+# tests/e2e, are built once): the in-process layers first, then tests/e2e, two meshes at a time
+# (757 s against 933 s serially here; bench/RESULTS.md, "Start-up and CI time").
+# Where docker-test will run, its images are built in the background meanwhile (build_ahead.sh).
 test: venv redis cxx kubectl $(VLLM_CLIENT)
+ifeq ($(DOCKER_POSSIBLE),yes)
+	@VENV=$(VENV) infra/docker/build_ahead.sh start
+endif
 	@$(VENV)/bin/pytest -q --durations=10 -n 2 --dist loadfile --ignore=tests/e2e $(PYTEST_ARGS); \
 	inproc=$$?; if [ $$inproc -ne 0 ] && [ $$inproc -ne 5 ]; then exit $$inproc; fi; \
-	$(VENV)/bin/pytest -q --durations=20 tests/e2e $(PYTEST_ARGS); e2e=$$?; \
+	$(VENV)/bin/pytest -q --durations=20 -n 2 --dist loadfile tests/e2e $(PYTEST_ARGS); e2e=$$?; \
 	if [ $$inproc -eq 5 ] && [ $$e2e -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; \
 	if [ $$e2e -ne 0 ] && [ $$e2e -ne 5 ]; then exit $$e2e; fi
 ifeq ($(DOCKER_POSSIBLE),yes)

@@ -19,6 +19,7 @@ CPU_IMAGE=$(sed -n 's/^MESHLLM_IMAGE_CPU=//p' infra/docker/test.env)
 PROJECT=meshllm-test
 log() { echo "[docker-test] $*" >&2; }
 
+infra/docker/build_ahead.sh wait  # `make test` may be building the images
 owned=0
 infra/docker/dockerd.sh running || owned=1
 

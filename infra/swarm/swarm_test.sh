@@ -19,6 +19,7 @@ export MESHLLM_SWARM_STACK=${MESHLLM_SWARM_STACK:-meshllm-swarm-test}
 STACK=$MESHLLM_SWARM_STACK
 log() { echo "[swarm-test] $*" >&2; }
 
+infra/docker/build_ahead.sh wait  # `make test` may be building the images
 owned=0
 infra/docker/dockerd.sh running || owned=1
 made_swarm=0
