@@ -24,7 +24,7 @@ build() {
     infra/docker/dockerd.sh running 9>&- || owned=1
     infra/docker/dockerd.sh start 9>&- &&
         eval "$(infra/docker/dockerd.sh env)" &&
-        infra/docker/build_images.sh "$(sed -n 's/^MESHLLM_IMAGE_CPU=//p' infra/docker/test.env)" 9>&-
+        infra/docker/build_images.sh 9>&-
     local status=$?
     [ "$owned" = 1 ] && infra/docker/dockerd.sh stop 9>&-
     echo "[build_ahead.sh] exit $status (${SECONDS} s)"

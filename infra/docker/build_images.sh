@@ -3,12 +3,13 @@
 #   1. the local base images (debootstrap; build_base.sh), skipped when present
 #   2. the CPU image, with the host's CA bundle and the CPU torch wheel
 #      (fetch_build_extras.sh), its dependency stage tagged so `docker image prune` keeps it
-# Used by `make docker-test` (docker_test.sh) and `make swarm-test` (swarm_test.sh).
-# usage: build_images.sh CPU_IMAGE [BASE_IMAGE] [REDIS_IMAGE]
+# Used by `make docker-test` (docker_test.sh), `make swarm-test` (swarm_test.sh) and `make test`
+# ahead of them (build_ahead.sh).
+# usage: build_images.sh [CPU_IMAGE] [BASE_IMAGE] [REDIS_IMAGE] (CPU_IMAGE: test.env's by default)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
-CPU_IMAGE=${1:?usage: build_images.sh CPU_IMAGE [BASE_IMAGE] [REDIS_IMAGE]}
+CPU_IMAGE=${1:-$(sed -n 's/^MESHLLM_IMAGE_CPU=//p' infra/docker/test.env)}
 BASE_IMAGE=${2:-${MESHLLM_DOCKER_BASE:-meshllm-base:bookworm}}
 REDIS_IMAGE=${3:-${MESHLLM_DOCKER_REDIS:-meshllm-redis:bookworm}}
 log() { echo "[build_images.sh] $*" >&2; }
