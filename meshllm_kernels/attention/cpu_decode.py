@@ -31,7 +31,7 @@ __all__ = ["CpuDecodeAttention", "DecodeStep", "KernelUnavailable", "load", "sup
 SOURCE = Path(__file__).parent / "cpu" / "decode_attention.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
-VECTOR_WIDTH = 16  # floats per vector in the kernel: head_dim must be a multiple
+VECTOR_WIDTH = 16  # head_dim must be a multiple (the kernel's vectors are 16 or 8 floats)
 MAX_HEAD_DIM = 128
 
 _P = ctypes.c_void_p

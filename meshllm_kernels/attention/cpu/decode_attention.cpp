@@ -14,9 +14,10 @@
 // elements apart, with the heads of a row contiguous. head_dim must be a multiple of 16, at most
 // 128.
 //
-// Vectors are GCC vector extensions of 16 floats: AVX-512 registers where the CPU has them,
-// pairs of AVX2 ones (or narrower) where not. Built at worker start by
-// meshllm_kernels/attention/cpu_decode.py (no torch headers; loaded with ctypes).
+// Vectors are GCC vector extensions: 16 floats (an AVX-512 register) where the CPU has AVX-512,
+// else 8 (one AVX2 register). 16-float vectors on AVX2 become register pairs that GCC builds
+// twice as slowly and runs 1.6-3.6x slower (bench/RESULTS.md, session 33). Built at worker start
+// by meshllm_kernels/attention/cpu_decode.py (no torch headers; loaded with ctypes).
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -25,11 +26,15 @@
 
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int64_t kWidth = 16;
-typedef float Floats __attribute__((vector_size(64)));
-typedef int32_t Ints __attribute__((vector_size(64)));
-typedef uint32_t Words __attribute__((vector_size(64)));
-typedef uint16_t Halves __attribute__((vector_size(32)));
+#else
+constexpr int64_t kWidth = 8;  // AVX2 and narrower: GCC builds 16-float vectors there slowly
+#endif
+typedef float Floats __attribute__((vector_size(kWidth * 4)));
+typedef int32_t Ints __attribute__((vector_size(kWidth * 4)));
+typedef uint32_t Words __attribute__((vector_size(kWidth * 4)));
+typedef uint16_t Halves __attribute__((vector_size(kWidth * 2)));
 
 // bfloat16 values are held as their bits (uint16_t): the upper half of a float.
 inline Floats load(const float* p) {
@@ -62,6 +67,7 @@ inline void store(uint16_t* p, Floats v) {
 typedef float Floats8 __attribute__((vector_size(32)));
 typedef float Floats4 __attribute__((vector_size(16)));
 
+#if defined(__AVX512F__)
 // A tree of halvings (4 shuffle + add steps), not 16 dependent scalar adds.
 inline float horizontal_sum(Floats v) {
     const Floats8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -91,6 +97,25 @@ inline Floats4 horizontal_sums(Floats a, Floats b, Floats c, Floats d) {
                       __builtin_shufflevector(e, e, 2, 3, 6, 7, 10, 11, 14, 15);
     return __builtin_shufflevector(f, f, 0, 2, 4, 6) + __builtin_shufflevector(f, f, 1, 3, 5, 7);
 }
+#else
+inline float horizontal_sum(Floats v) {
+    const Floats4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                      __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// [sum(a), sum(b), sum(c), sum(d)] in 6 shuffles and 3 adds.
+inline Floats4 horizontal_sums(Floats a, Floats b, Floats c, Floats d) {
+    const Floats ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                      __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    const Floats cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                      __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    // 2 lanes each of a, b, c, d
+    const Floats e = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                     __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(e, e, 0, 2, 4, 6) + __builtin_shufflevector(e, e, 1, 3, 5, 7);
+}
+#endif
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' expf polynomial: within 2 ulp of
 // std::exp down to -87, 0 below.
@@ -117,7 +142,7 @@ struct Shape {
     int64_t num_blocks, block_size, heads, kv_heads, head_dim;
 };
 
-constexpr int kMaxChunks = 8;  // head_dim up to 128
+constexpr int kPer16 = 16 / kWidth;  // vectors per 16 floats of head_dim
 constexpr int kMaxGroup = 4;   // query heads computed together; larger groups go 4 at a time
 
 // In place: each of `rows` rows of scores (len valid of `padded`) -> softmax probabilities
@@ -215,7 +240,7 @@ void attend_group(const T* q, const T* cache_k, const T* cache_v, const int64_t*
     });
     softmax_rows(scores, G, len, padded);
     Floats acc[G][C] = {};
-    constexpr int kRows = C <= 4 ? 4 : 1;
+    constexpr int kRows = C * kWidth <= 64 ? 4 : 1;
     for_each_block(cache_v, table, len, s, head, [&](int64_t start, const T* block, int64_t count) {
         int64_t j = 0;
         for (; j + kRows <= count; j += kRows)
@@ -250,16 +275,16 @@ using HeadFunction = void (*)(const T*, const T*, const T*, const int64_t*, int6
                               int64_t, int64_t, float, float*, int64_t, T*);
 
 template <typename T>
-HeadFunction<T> head_function(int64_t chunks) {
-    switch (chunks) {
-        case 1: return attend_head<T, 1>;
-        case 2: return attend_head<T, 2>;
-        case 3: return attend_head<T, 3>;
-        case 4: return attend_head<T, 4>;
-        case 5: return attend_head<T, 5>;
-        case 6: return attend_head<T, 6>;
-        case 7: return attend_head<T, 7>;
-        case 8: return attend_head<T, 8>;
+HeadFunction<T> head_function(int64_t sixteens) {  // head_dim / 16
+    switch (sixteens) {
+        case 1: return attend_head<T, 1 * kPer16>;
+        case 2: return attend_head<T, 2 * kPer16>;
+        case 3: return attend_head<T, 3 * kPer16>;
+        case 4: return attend_head<T, 4 * kPer16>;
+        case 5: return attend_head<T, 5 * kPer16>;
+        case 6: return attend_head<T, 6 * kPer16>;
+        case 7: return attend_head<T, 7 * kPer16>;
+        case 8: return attend_head<T, 8 * kPer16>;
         default: return nullptr;
     }
 }
@@ -269,8 +294,8 @@ int decode_attention(const T* q, int64_t q_stride, const T* k, const T* v, int64
                      T* cache, const Shape& s, const int64_t* slots, int64_t num_writes,
                      const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
                      int64_t num_decodes, float scale, T* out, int64_t out_stride) {
-    const HeadFunction<T> attend = head_function<T>(s.head_dim / kWidth);
-    if (s.head_dim % kWidth != 0 || !attend || s.kv_heads <= 0 || s.heads % s.kv_heads != 0)
+    const HeadFunction<T> attend = head_function<T>(s.head_dim / 16);
+    if (s.head_dim % 16 != 0 || !attend || s.kv_heads <= 0 || s.heads % s.kv_heads != 0)
         return -1;
     const int64_t row = s.kv_heads * s.head_dim;
     T* cache_k = cache;
