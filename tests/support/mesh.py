@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import redis as redis_py
 
 from infra.redis.render_acl import redis_url, render_acl
 from tests.support.redis_server import RedisServer, free_port
+from tests.support.scratch import scratch_dir
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("gateway", "scheduler", "worker", "grammar", "kvstore")
@@ -46,7 +46,7 @@ class Mesh:
         self.services = (*services, *(name for name, _, _ in extra))
         self.modules = {name: module for name, module, _ in extra}
         self.group_env = {name: {"MESHLLM_GROUP": str(i)} for name, _, i in extra}
-        self.logdir = Path(tempfile.mkdtemp(prefix="meshllm-e2e-"))
+        self.logdir = scratch_dir(self, "meshllm-e2e-")
         self.acl_env = {"MESHLLM_REDIS_PASSWORD_ADMIN": "e2e-admin"} if acl else None
         if redis is None and self.acl_env is not None:
             acl_file = self.logdir / "users.acl"

@@ -6,11 +6,12 @@ import random
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.support.scratch import scratch_dir
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -69,7 +70,7 @@ class RedisServer:
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = list(extra_args or [])
-        self.workdir = Path(tempfile.mkdtemp(prefix="meshllm-redis-"))
+        self.workdir = scratch_dir(self, "meshllm-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
