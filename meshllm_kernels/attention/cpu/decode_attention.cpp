@@ -26,11 +26,16 @@
 
 namespace {
 
+// -DMESHLLM_VECTOR_WIDTH=8|16 builds the other width (tests build both on every machine).
+#if !defined(MESHLLM_VECTOR_WIDTH)
 #if defined(__AVX512F__)
-constexpr int64_t kWidth = 16;
+#define MESHLLM_VECTOR_WIDTH 16
 #else
-constexpr int64_t kWidth = 8;  // AVX2 and narrower: GCC builds 16-float vectors there slowly
+#define MESHLLM_VECTOR_WIDTH 8  // AVX2 and narrower: GCC builds 16-float vectors there slowly
 #endif
+#endif
+constexpr int64_t kWidth = MESHLLM_VECTOR_WIDTH;
+static_assert(kWidth == 8 || kWidth == 16, "MESHLLM_VECTOR_WIDTH is 8 or 16");
 typedef float Floats __attribute__((vector_size(kWidth * 4)));
 typedef int32_t Ints __attribute__((vector_size(kWidth * 4)));
 typedef uint32_t Words __attribute__((vector_size(kWidth * 4)));
@@ -67,7 +72,7 @@ inline void store(uint16_t* p, Floats v) {
 typedef float Floats8 __attribute__((vector_size(32)));
 typedef float Floats4 __attribute__((vector_size(16)));
 
-#if defined(__AVX512F__)
+#if MESHLLM_VECTOR_WIDTH == 16
 // A tree of halvings (4 shuffle + add steps), not 16 dependent scalar adds.
 inline float horizontal_sum(Floats v) {
     const Floats8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from meshllm_kernels.attention.cpu_decode import CpuDecodeAttention, KernelUnavailable, load
+from meshllm_kernels.attention.cpu_decode import (
+    SOURCE,
+    CpuDecodeAttention,
+    KernelUnavailable,
+    load,
+)
+from meshllm_kernels.runtime.cpu_library import load_library
 from services.worker.attention.reference import AttentionMetadata, paged_attention
 from services.worker.attention.select import cpu_decode_kernel
 
@@ -15,6 +21,20 @@ from services.worker.attention.select import cpu_decode_kernel
 @pytest.fixture(scope="module")
 def kernel() -> CpuDecodeAttention:
     return load()
+
+
+@pytest.fixture(scope="module")
+def kernels(kernel, tmp_path_factory) -> dict[str, CpuDecodeAttention]:
+    """The serving build, and both vector widths built unoptimised (seconds, not tens): the
+    width this CPU does not serve with is checked here too (16 floats on AVX2 runs as register
+    pairs, 8 on AVX-512 as AVX2 code)."""
+    cache = tmp_path_factory.mktemp("cpu-kernels")
+    built = {"serving": kernel}
+    for width in (8, 16):
+        flags = ("-O0", "-march=native", "-fopenmp", "-shared", "-fPIC")
+        library = load_library(SOURCE, (*flags, f"-DMESHLLM_VECTOR_WIDTH={width}"), cache)
+        built[f"width-{width}"] = CpuDecodeAttention(*library)
+    return built
 
 
 def decode_step(
@@ -67,9 +87,18 @@ def metadata(lens: list[int], tables: torch.Tensor, slots: torch.Tensor, block_s
         (8, 1, 32, 1, [40]),  # multi-query, one token per block
     ],
 )
+@pytest.mark.parametrize("build", ["serving", "width-8", "width-16"])
 def test_kernel_matches_the_reference_path(
-    kernel: CpuDecodeAttention, dtype, heads, kv_heads, head_dim, block_size, lens
+    kernels: dict[str, CpuDecodeAttention],
+    build,
+    dtype,
+    heads,
+    kv_heads,
+    head_dim,
+    block_size,
+    lens,
 ) -> None:
+    kernel = kernels[build]
     cache, tables, slots, q, k, v = decode_step(
         lens=lens,
         heads=heads,
