@@ -1,10 +1,10 @@
 """C++ libraries for the CPU side, built once per machine and loaded with ctypes.
 
 A library is compiled with the system C++ compiler (`$CXX`, else g++) into
-`<cache>/cpu_kernels/`, named by a hash of its source, the compiler's version, the flags and
-the CPU's flags (so a changed source, compiler or machine gets its own build). No compiler, or a
-build that fails: `load_library` raises KernelUnavailable with the reason, and the caller keeps
-its Python path.
+`<cache>/cpu_kernels/` (`<cache>`: the model cache), named by a hash of its source, the
+compiler's version, the flags and the CPU's flags (so a changed source, compiler or machine gets
+its own build). No compiler, or a build that fails: `load_library` raises KernelUnavailable with
+the reason, and the caller keeps its Python path.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class KernelUnavailable(RuntimeError):
 
 
 def default_cache_dir() -> Path:
+    """The model cache (`MESHLLM_MODEL_CACHE_DIR`, the same default): in a container that is the
+    model-cache volume, so a recreated container finds its libraries built."""
+    if path := os.environ.get("MESHLLM_MODEL_CACHE_DIR"):
+        return Path(path).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "meshllm"
 
 

@@ -1,6 +1,6 @@
 """`docker compose up` as users run it: every container healthy, the API answers, no container
-runs as root, Redis refuses the default user and confines each service to its own keys, and
-the CPU runtime image stays under 3 GB."""
+runs as root, Redis refuses the default user and confines each service to its own keys, the
+CPU worker runs its C++ kernels, and the CPU runtime image stays under 3 GB."""
 
 from __future__ import annotations
 
@@ -105,6 +105,17 @@ def test_service_credentials_reach_only_its_own_keys(stack: Stack, service: str)
     assert verdicts.pop("user") == service
     assert verdicts.pop("own") == "allowed"
     assert verdicts and set(verdicts.values()) == {"denied"}, verdicts
+
+
+def test_the_cpu_worker_serves_with_its_cpp_kernels(stack: Stack) -> None:
+    """The image brings g++: the worker built its decode attention for this CPU at start, into
+    the model-cache volume (where a recreated container finds it), not the PyTorch fallback."""
+    code, listing = stack.exec("worker", ["ls", "/var/cache/meshllm/cpu_kernels"])
+    assert code == 0, listing
+    assert any(
+        name.startswith("decode_attention-") and name.endswith(".so") for name in listing.split()
+    ), listing
+    assert "kernel unavailable" not in stack.container("worker").logs().decode(errors="replace")
 
 
 def test_cpu_runtime_image_is_under_3_gb(stack: Stack) -> None:

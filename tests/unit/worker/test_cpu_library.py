@@ -59,3 +59,14 @@ def test_without_a_compiler_the_caller_is_told(tmp_path: Path, monkeypatch) -> N
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
         load_library(source(tmp_path, "return 1;"), FLAGS, tmp_path / "cache")
+
+
+def test_libraries_live_in_the_model_cache(tmp_path: Path, monkeypatch) -> None:
+    """A container's model cache is its volume: a recreated worker finds its libraries."""
+    monkeypatch.setenv("MESHLLM_MODEL_CACHE_DIR", str(tmp_path / "volume"))
+    _, path = load_library(source(tmp_path, "return 3;"), FLAGS)
+    assert path.parent == tmp_path / "volume" / "cpu_kernels"
+    monkeypatch.delenv("MESHLLM_MODEL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    _, path = load_library(source(tmp_path, "return 4;"), FLAGS)
+    assert path.parent == tmp_path / "xdg" / "meshllm" / "cpu_kernels"
