@@ -24,7 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sysconfig
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +53,14 @@ def compile_supported(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:  # inductor builds its CPU kernels with it
         return f"no C++ compiler ({compiler}; set CXX or install g++)"
+    headers = python_headers()
+    if not (headers / "Python.h").exists():  # its kernels' modules are Python extensions
+        return f"no Python headers ({headers}/Python.h; install python3-dev)"
     return ""
+
+
+def python_headers() -> Path:
+    return Path(sysconfig.get_paths()["include"])
 
 
 class CompiledForward:

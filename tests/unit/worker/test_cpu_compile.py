@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from services.worker.accel import cpu_compile
 from services.worker.accel.cpu_compile import compile_supported
 from services.worker.attention.bound import LayerAttention, bind
 from services.worker.attention.reference import AttentionMetadata, paged_attention
@@ -157,3 +158,14 @@ def test_compile_supported_names_what_stays_eager(tiny: tuple[Path, Any]) -> Non
     assert compile_supported(config, torch.bfloat16, cpu) == ""
     assert "bfloat16" in compile_supported(config, torch.float32, cpu)
     assert "CUDA" in compile_supported(config, torch.bfloat16, torch.device("cuda"))
+
+
+def test_without_python_headers_the_forward_stays_eager(
+    tiny: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base image with g++ but no Python.h (Debian's python3 without python3-dev): inductor
+    would fail at the first step, so the worker must not try."""
+    config = ModelConfig.from_hf_dir(tiny[0])
+    monkeypatch.setattr(cpu_compile, "python_headers", lambda: tmp_path)
+    why = compile_supported(config, torch.bfloat16, torch.device("cpu"))
+    assert "Python.h" in why and str(tmp_path) in why
