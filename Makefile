@@ -53,11 +53,15 @@ kubectl:
 	command -v kubectl >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y kubernetes-client)
 
-# A C++ compiler: the CPU worker builds its decode attention kernel and inductor its compiled
-# forward with it (without one both fall back to PyTorch eager, but their tests need it).
+# A C++ compiler and Python's headers: the CPU worker builds its decode attention kernel with
+# the compiler, and inductor its compiled forward with both (its kernels are Python extensions;
+# without them both fall back to PyTorch eager, but their tests need them). Debian's python3
+# has no headers until python3-dev.
 cxx:
 	command -v $${CXX:-g++} >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y g++)
+	test -e "$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y python3-dev)
 
 # PROFILE=gpu / PROFILE=pd: compose profiles (pd: the default group prefills, a decode group
 # decodes; MESHLLM_ROLE defaults to prefill then). REPLICAS=N: N worker groups (ports +100 each).

@@ -13,9 +13,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 VENV=${VENV:-.venv}
 export VENV VENV_PY=$VENV/bin/python
 eval "$(infra/docker/dockerd.sh env)"
-BASE_IMAGE=${MESHLLM_DOCKER_BASE:-meshllm-base:bookworm}
-REDIS_IMAGE=${MESHLLM_DOCKER_REDIS:-meshllm-redis:bookworm}
-CPU_IMAGE=$(sed -n 's/^MESHLLM_IMAGE_CPU=//p' infra/docker/test.env)
 PROJECT=meshllm-test
 log() { echo "[docker-test] $*" >&2; }
 
@@ -37,7 +34,7 @@ trap cleanup EXIT
 
 SECONDS=0
 infra/docker/dockerd.sh start
-infra/docker/build_images.sh "$CPU_IMAGE" "$BASE_IMAGE" "$REDIS_IMAGE"
+infra/docker/build_images.sh  # test.env's image on the local base images
 
 MESHLLM_DOCKER_TEST=1 "$VENV/bin/pytest" -q -rA --durations=5 -p no:cacheprovider tests/docker "$@"
 log "done (${SECONDS} s)"

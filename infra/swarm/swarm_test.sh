@@ -14,7 +14,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 VENV=${VENV:-.venv}
 export VENV VENV_PY=$VENV/bin/python
 eval "$(infra/docker/dockerd.sh env)"
-CPU_IMAGE=$(sed -n 's/^MESHLLM_IMAGE_CPU=//p' infra/docker/test.env)
 export MESHLLM_SWARM_STACK=${MESHLLM_SWARM_STACK:-meshllm-swarm-test}
 STACK=$MESHLLM_SWARM_STACK
 log() { echo "[swarm-test] $*" >&2; }
@@ -49,7 +48,7 @@ trap cleanup EXIT
 
 SECONDS=0
 infra/docker/dockerd.sh start
-infra/docker/build_images.sh "$CPU_IMAGE"
+infra/docker/build_images.sh  # test.env's image
 if [ "$(docker info --format '{{.Swarm.LocalNodeState}}')" != active ]; then
     docker swarm init --advertise-addr 127.0.0.1 >/dev/null
     made_swarm=1
