@@ -175,6 +175,9 @@ class WorkerService(Service):
         tokens reach the host or the next plan has been launched, whichever comes first."""
         reading: asyncio.Task[list[Any]] | None = None
         landing: tuple[LaunchedStep, asyncio.Task[None]] | None = None
+        # A stop ends the wait for plans at once: a read waits out a Redis outage, and with
+        # Redis gone (a stack torn down at once) it would hold the exit to the drain's timeout.
+        stop = asyncio.create_task(self.stopping.wait(), name="stop")
         try:
             while not self.stopping.is_set():
                 if reading is None:
@@ -182,7 +185,7 @@ class WorkerService(Service):
                 in_flight = self._in_flight
                 if in_flight is not None and (landing is None or landing[0] is not in_flight):
                     landing = (in_flight, asyncio.create_task(self._tokens_landed(in_flight)))
-                waits: set[asyncio.Task[Any]] = {reading}
+                waits: set[asyncio.Task[Any]] = {reading, stop}
                 if landing is not None:
                     waits.add(landing[1])
                 if reading.done() and landing is None:
@@ -204,7 +207,7 @@ class WorkerService(Service):
                         if isinstance(delivery.message, StepPlan):
                             await self._execute(delivery.message)
         finally:
-            for task in (reading, landing[1] if landing else None):
+            for task in (stop, reading, landing[1] if landing else None):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):

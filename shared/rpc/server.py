@@ -34,6 +34,7 @@ from shared.metrics import metric_name
 from shared.protocol import Ping, Pong, RpcErrorReply, RpcReply, RpcRequest
 from shared.rpc.envelope import envelope_problem, expired
 from shared.rpc.errors import RpcError
+from shared.stopping import unless_stopped
 from shared.streams import RPC_GROUP
 
 log = logging.getLogger(__name__)
@@ -85,25 +86,24 @@ class RpcServer:
         await self.bus.ensure_group(self.stream, self.group)
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Serve until `stopping` is set (noticed within one read block), then let the handlers
-        in flight finish."""
+        """Serve until `stopping` is set (a read in progress is given up: its entries stay
+        pending for a claim), then let the handlers in flight finish."""
         loop = asyncio.get_running_loop()
         # What this consumer took before a restart and never answered: served now if the
         # caller still waits, instead of after `claim_idle_ms`.
-        await self._serve_all(
-            await self.bus.read_group(self.group, [self.stream], own_pending=True)
-        )
+        own = self.bus.read_group(self.group, [self.stream], own_pending=True)
+        await self._serve_all(await unless_stopped(own, stopping) or [])
         next_claim = loop.time() + self.claim_idle_ms / 1000
         try:
             while not stopping.is_set():
-                deliveries = await self.bus.read_group(
+                read = self.bus.read_group(
                     self.group, [self.stream], count=64, block_ms=READ_BLOCK_MS
                 )
-                await self._serve_all(deliveries)
-                if loop.time() >= next_claim:
+                await self._serve_all(await unless_stopped(read, stopping) or [])
+                if loop.time() >= next_claim and not stopping.is_set():
                     next_claim = loop.time() + self.claim_idle_ms / 1000
-                    claimed = await self.bus.claim_idle(self.stream, self.group, self.claim_idle_ms)
-                    await self._serve_all(claimed)
+                    claim = self.bus.claim_idle(self.stream, self.group, self.claim_idle_ms)
+                    await self._serve_all(await unless_stopped(claim, stopping) or [])
         finally:
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)

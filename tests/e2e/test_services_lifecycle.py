@@ -133,6 +133,21 @@ def test_sigterm_exits_0(mesh: Mesh, name: str) -> None:
     assert "shutting down" in mesh.tail(name)
 
 
+def test_sigterm_with_redis_gone_exits_0_before_the_drain_timeout() -> None:
+    """A stack torn down at once (`docker stack rm`) stops Redis with the services. Every
+    service still exits 0 promptly: none sits out the drain timeout in a bus call that waits
+    for Redis (the worker's plan read, the RPC servers' group reads took the whole 30 s)."""
+    names = ("gateway", *SHELLS)
+    env = {**FAST_BEATS, "MESHLLM_SHUTDOWN_TIMEOUT_S": "30"}
+    with Mesh(services=names, env=env) as m:
+        m.redis.stop()
+        for name in names:
+            m.procs[name].send_signal(signal.SIGTERM)
+        for name in names:
+            assert m.procs[name].wait(10) == 0, m.tail(name)
+            assert "did not stop within" not in m.tail(name, 200), m.tail(name)
+
+
 def test_drain_action_then_sigterm() -> None:
     with Mesh(services=("kvstore",), env={**FAST_BEATS, "MESHLLM_ADMIN_TOKEN": TOKEN}) as m:
         base = m.url("kvstore")
