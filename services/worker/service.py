@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from prometheus_client import Counter, Histogram
 
+from services.worker.attention.select import prebuild_cpu_decode_kernel
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.kv_offload.wiring import head_shards
 from services.worker.models.random_init import is_random_spec, random_source
@@ -98,12 +99,25 @@ class WorkerService(Service):
         await super().start()
         if self.settings.num_threads:
             torch.set_num_threads(self.settings.num_threads)
-        if is_random_spec(self.settings.model):
-            source = random_source(self.settings.model, self.settings.served_model_name)
-        else:
-            source = resolve_model(
-                self.settings.model, self.settings.model_cache_dir, self.settings.served_model_name
+        # The CPU decode kernel builds while the model resolves (a first start converts it),
+        # both off the event loop: /health answers meanwhile.
+        kernel = asyncio.create_task(
+            asyncio.to_thread(
+                prebuild_cpu_decode_kernel,
+                self.settings.cpu_attention,
+                pick_device(self.settings.device),
             )
+        )
+        try:
+            if is_random_spec(self.settings.model):
+                source = random_source(self.settings.model, self.settings.served_model_name)
+            else:
+                s = self.settings
+                source = await asyncio.to_thread(
+                    resolve_model, s.model, s.model_cache_dir, s.served_model_name
+                )
+        finally:
+            await kernel  # the runner then loads the built library
         tp = SINGLE
         if self.settings.tp > 1:
             check_parallel_settings(self.settings)

@@ -15,7 +15,7 @@ from meshllm_kernels.attention.cpu_decode import (
 )
 from meshllm_kernels.runtime.cpu_library import load_library
 from services.worker.attention.reference import AttentionMetadata, paged_attention
-from services.worker.attention.select import cpu_decode_kernel
+from services.worker.attention.select import cpu_decode_kernel, prebuild_cpu_decode_kernel
 
 
 @pytest.fixture(scope="module")
@@ -269,11 +269,20 @@ def test_choice_of_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     assert cpu_decode_kernel("torch", "cpu") is None
     assert cpu_decode_kernel("auto", "meta") is None  # not a CPU runner
     assert isinstance(cpu_decode_kernel("auto", "cpu"), CpuDecodeAttention)
+    load.cache_clear()
+    prebuild_cpu_decode_kernel("torch", "cpu")
+    prebuild_cpu_decode_kernel("auto", "meta")
+    assert load.cache_info().currsize == 0  # neither would use the kernel
+    prebuild_cpu_decode_kernel("auto", "cpu")  # the worker's start, beside the model's
+    assert load.cache_info().currsize == 1
+    built = load()
+    assert cpu_decode_kernel("auto", "cpu") is built  # the runner takes the library built
     monkeypatch.setenv("CXX", "no-such-compiler")
     load.cache_clear()
     try:
         with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
             load(tmp_path)
+        prebuild_cpu_decode_kernel("kernel", "cpu")  # no build: reported by the runner's call
         assert cpu_decode_kernel("auto", "cpu") is None
         with pytest.raises(KernelUnavailable):
             cpu_decode_kernel("kernel", "cpu")
