@@ -258,7 +258,7 @@ class WorkerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # (vLLM's --load-format dummy): benchmarks of large shapes behind the gateway, which still
     # needs the directory's tokenizer. "auto": the checkpoint's weights.
     load_format: Literal["auto", "dummy"] = "auto"
-    num_threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    num_threads: int = 0  # torch intra-op threads; 0 = auto on CPU (services/worker/cpu_threads)
     # Launch step N+1 while step N still runs on the device (its sampled tokens fed forward on
     # the device; services/worker/runner/in_flight.py). "auto": on for CUDA, off on CPU, where a
     # step is computed while it is launched and holding its result back would only add latency.

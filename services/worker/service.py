@@ -42,6 +42,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.worker.attention.select import prebuild_cpu_decode_kernel
+from services.worker.cpu_threads import available_cpus, worker_threads
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.kv_offload.wiring import head_shards
 from services.worker.models.random_init import is_random_spec, random_source
@@ -97,12 +98,15 @@ class WorkerService(Service):
 
     async def start(self) -> None:
         await super().start()
-        if self.settings.num_threads:
-            torch.set_num_threads(self.settings.num_threads)
+        if self.settings.num_threads or pick_device(self.settings.device).type == "cpu":
+            threads = worker_threads(self.settings.num_threads, self.settings.tp)
+            torch.set_num_threads(threads)
+            log.info("%d torch threads (%d CPUs available)", threads, available_cpus())
         # The CPU decode kernel builds while the model resolves (a first start converts it),
-        # both off the event loop: /health answers meanwhile.
+        # both off the event loop: /health answers meanwhile. The build runs on the step
+        # thread, idle until the runner is built there, so the worker starts no thread for it.
         kernel = asyncio.create_task(
-            asyncio.to_thread(
+            self.step_thread.run(
                 prebuild_cpu_decode_kernel,
                 self.settings.cpu_attention,
                 pick_device(self.settings.device),

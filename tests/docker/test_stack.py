@@ -129,6 +129,22 @@ def test_the_cpu_image_builds_inductor_kernels(stack: Stack) -> None:
     assert output.split()[-1] == "tensor(0.)", output
 
 
+def test_a_containers_cpu_limit_sets_the_workers_threads(stack: Stack) -> None:
+    """`--cpus 1` is a CFS quota the affinity mask does not show (torch's default would take
+    every core of the host): the worker's auto thread count reads it from the cgroup."""
+    name = env_file_values()["MESHLLM_IMAGE_CPU"]
+    probe = (
+        "import os; from services.worker.cpu_threads import available_cpus, cpu_quota; "
+        "print(len(os.sched_getaffinity(0)), cpu_quota(), available_cpus())"
+    )
+    output = stack.client.containers.run(
+        name, ["python", "-c", probe], remove=True, network_mode="none", nano_cpus=10**9
+    ).decode()
+    mask, quota, threads = output.split()[-3:]
+    assert (quota, threads) == ("1.0", "1"), output
+    print(f"\n--cpus 1 on {mask} CPUs: quota {quota}, {threads} thread")
+
+
 def test_cpu_runtime_image_is_under_3_gb(stack: Stack) -> None:
     name = env_file_values()["MESHLLM_IMAGE_CPU"]
     size = int(stack.client.images.get(name).attrs["Size"])

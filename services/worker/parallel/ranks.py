@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from services.worker.cpu_threads import worker_threads
 from services.worker.parallel.group import TensorParallel, join_group, leave_group
 from shared.child_process import die_with_parent
 from shared.config import WorkerSettings
@@ -143,11 +144,11 @@ def follower_main(
     configure_logging(
         f"worker-rank{rank}", settings.instance_id, settings.log_level, settings.log_json
     )
-    if settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
     from services.worker.runner.bootstrap import build_runner, pick_device
 
     device = pick_device(settings.device, rank)
+    if settings.num_threads or device.type == "cpu":
+        torch.set_num_threads(worker_threads(settings.num_threads, settings.tp))
     tp = join_group(rank, settings.tp, init_method, device, settings.tp_timeout_s)
     try:
         runner, _ = build_runner(source, settings, incarnation, tp)
