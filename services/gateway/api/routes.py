@@ -16,8 +16,6 @@ aborts the running choices; a non-streaming request watches the connection while
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -41,6 +39,7 @@ from services.gateway.frontend import Frontend
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.stream.generation import Generation
 from shared.logs import bind_request_id
+from shared.stopping import result_or_none
 
 log = logging.getLogger(__name__)
 
@@ -160,19 +159,7 @@ async def _unless_disconnected(
     request: Request, work: Awaitable[dict[str, Any]]
 ) -> dict[str, Any] | None:
     """`work`'s result, or None when the client disconnects first (work is cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return None
-    return task.result()
+    return await result_or_none(work, _disconnected(request))
 
 
 async def _disconnected(request: Request) -> None:

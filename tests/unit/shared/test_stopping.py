@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.stopping import unless_stopped
+from shared.stopping import result_or_none, unless_stopped
 
 
 async def _after(delay_s: float, value: object, seen: list[str]) -> object:
@@ -68,3 +68,15 @@ def test_cancelling_the_waiter_cancels_the_call() -> None:
         return seen
 
     assert asyncio.run(main()) == ["cancelled"]
+
+
+def test_any_rival_ends_the_wait() -> None:
+    """The gateway's use: a client's disconnect (any awaitable) in place of a stop."""
+
+    async def main() -> tuple[object, object, list[str]]:
+        seen: list[str] = []
+        beaten = await result_or_none(_after(60.0, "slow", seen), asyncio.sleep(0.01))
+        won = await result_or_none(_after(0.0, "fast", seen), asyncio.sleep(60.0))
+        return beaten, won, seen
+
+    assert asyncio.run(main()) == (None, "fast", ["cancelled"])
