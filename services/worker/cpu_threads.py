@@ -21,9 +21,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 def _v2_quota(directory: Path) -> float | None:
     try:
         quota, period = (directory / "cpu.max").read_text().split()[:2]
-    except (OSError, ValueError):
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
         return None
-    return None if quota == "max" else int(quota) / int(period)
 
 
 def _v1_quota(directory: Path) -> float | None:

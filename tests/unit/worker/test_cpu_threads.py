@@ -58,6 +58,9 @@ def test_no_quota_or_nothing_readable_is_none(tmp_path: Path) -> None:
     assert cpu_quota(root, tmp_path / "missing") is None
     write(proc, "garbage\n0::/x\n")
     assert cpu_quota(root, proc) is None
+    write(root / "x" / "cpu.max", "lots 0\n")  # unreadable values count as no quota
+    write(root / "cpu.max", "100000 0\n")
+    assert cpu_quota(root, proc) is None
 
 
 def test_the_count_follows_mask_quota_and_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
