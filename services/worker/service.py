@@ -42,7 +42,7 @@ import torch
 from prometheus_client import Counter, Histogram
 
 from services.worker.attention.select import prebuild_cpu_decode_kernel
-from services.worker.cpu_threads import available_cpus, worker_threads
+from services.worker.cpu_threads import worker_threads
 from services.worker.kv_offload.pump import KVTransferPump, attach_kv_offload
 from services.worker.kv_offload.wiring import head_shards
 from services.worker.models.random_init import is_random_spec, random_source
@@ -98,25 +98,21 @@ class WorkerService(Service):
 
     async def start(self) -> None:
         await super().start()
-        if self.settings.num_threads or pick_device(self.settings.device).type == "cpu":
-            threads = worker_threads(self.settings.num_threads, self.settings.tp)
+        s, device = self.settings, pick_device(self.settings.device)
+        if s.num_threads or device.type == "cpu":
+            threads = worker_threads(s.num_threads, s.tp)
             torch.set_num_threads(threads)
-            log.info("%d torch threads (%d CPUs available)", threads, available_cpus())
+            log.info("%d torch threads", threads)
         # The CPU decode kernel builds while the model resolves (a first start converts it),
         # both off the event loop: /health answers meanwhile. The build runs on the step
         # thread, idle until the runner is built there, so the worker starts no thread for it.
         kernel = asyncio.create_task(
-            self.step_thread.run(
-                prebuild_cpu_decode_kernel,
-                self.settings.cpu_attention,
-                pick_device(self.settings.device),
-            )
+            self.step_thread.run(prebuild_cpu_decode_kernel, s.cpu_attention, device)
         )
         try:
-            if is_random_spec(self.settings.model):
-                source = random_source(self.settings.model, self.settings.served_model_name)
+            if is_random_spec(s.model):
+                source = random_source(s.model, s.served_model_name)
             else:
-                s = self.settings
                 source = await asyncio.to_thread(
                     resolve_model, s.model, s.model_cache_dir, s.served_model_name
                 )
@@ -132,7 +128,7 @@ class WorkerService(Service):
                 0,
                 self.settings.tp,
                 init_method,
-                pick_device(self.settings.device),
+                device,
                 self.settings.tp_timeout_s,
             )
         runner, announcement = await self.step_thread.run(
