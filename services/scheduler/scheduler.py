@@ -239,6 +239,12 @@ class Scheduler:
             if num_new <= 0 or self._stops_before_placeholder(request):
                 i += 1  # scheduled up to its known tokens, or its in-flight token is its last
                 continue
+            if request.num_output_placeholders and request.request_id in self.structured:
+                # Its next bitmask row needs the token in flight (the service stops planning
+                # ahead once a grammar request runs, but one admitted while plans were out
+                # ahead can have its prefill in flight with them).
+                i += 1
+                continue
             verify = self._verify_slots(request, num_new, budget)
             if verify is None:
                 i += 1  # its slots would be cut by in-flight ones: planned from results

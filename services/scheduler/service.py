@@ -331,12 +331,9 @@ class SchedulerService(Service):
                 continue
             if self.pd is not None:
                 await self._hand_off(core)
-            depth = (
-                self.settings.schedule_ahead
-                if self.settings.async_scheduling and core.can_pipeline()
-                else 1
-            )
-            while len(pending) < depth:
+            # The depth is asked again before each plan: a request admitted while the last one
+            # was published (a grammar, routed experts) can make the core stop pipelining.
+            while len(pending) < self._depth(core):
                 plan = core.schedule()
                 if self.offload is not None:  # probes, load pins, which stores to write
                     await self.offload.prepare(core, plan)
@@ -418,6 +415,12 @@ class SchedulerService(Service):
         if self.finished:
             finished, self.finished = self.finished, []
             await self.bus.ack(self.intake.group, finished)
+
+    def _depth(self, core: Scheduler) -> int:
+        """How many plans may be out at once now."""
+        if self.settings.async_scheduling and core.can_pipeline():
+            return self.settings.schedule_ahead
+        return 1
 
     def _abandon(self, pending: deque[_InFlight]) -> None:
         """Forget plans made ahead whose results no longer matter (the core was reset)."""

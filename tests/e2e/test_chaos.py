@@ -338,7 +338,8 @@ def test_a_silent_worker_recomputes_constrained_requests_exactly(mesh: Mesh) -> 
     request (its grammar state kept), the thawed worker drops its old batch. Each request
     completes as in an undisturbed run, the constrained outputs within their grammar. (A soak
     once saw a 500 "the model produced token N, which the grammar does not allow" after a
-    worker was declared silent; this case does not reproduce it.)"""
+    worker was declared silent; its cause was a constrained request planned ahead of its first
+    token, tests/unit/scheduler/structured_output/test_scheduler_hooks.py.)"""
     model = api(mesh).models.list().data[0].id
     undisturbed = run_mixed(mesh, model)
     silent_s = max(5.0, 5 * float(ENV["MESHLLM_HEARTBEAT_INTERVAL_S"]))  # the scheduler's bound

@@ -247,3 +247,31 @@ def test_with_drafts_on_the_worker_a_grammar_request_keeps_its_drafts_in_the_pla
     assert plan.num_scheduled_tokens == {"g": 3, "free": 4}
     assert [r for r in rows_of(plan)] == ["g"]
     assert len(plan.grammar_bitmask) // 4 == 3  # one row per draft, then the bonus row
+
+
+def test_a_constrained_request_is_not_planned_past_its_token_in_flight(compiled: Any) -> None:
+    """Plans go out ahead for free requests (async scheduling); a constrained request that
+    arrives meanwhile may have its prefill planned with them, but its next row needs the token
+    that prefill samples: no plan carries it again until that result is in. (Planned on with a
+    row from the state before its first token, it was allowed that token again, sampled it,
+    and failed with "the model produced token N, which the grammar does not allow".)"""
+    core = scheduler()
+    core.add_request(submit("free", [HMM], grammar=False, max_tokens=8))
+    first = core.schedule()
+    core.add_request(submit("g", [HMM, HMM]), compiled)
+    second = core.schedule()
+    third = core.schedule()
+    assert first is not None and second is not None and third is not None
+    assert rows_of(second) == {"g": frozenset({LB})}
+    assert "g" not in third.num_scheduled_tokens and rows_of(third) == {}
+    for plan, sampled in (
+        (first, {"free": X}),
+        (second, {"free": X, "g": LB}),
+        (third, {"free": X}),
+    ):
+        tokens = [SampledTokens(request_id=rid, token_ids=[t]) for rid, t in sampled.items()]
+        core.update_from_output(
+            plan, StepResult(step_id=plan.step_id, worker_id="w", sampled=tokens)
+        )
+    fourth = core.schedule()
+    assert fourth is not None and rows_of(fourth)["g"] == frozenset({KEY})
