@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI API (and vLLM's extra parameters), as pydantic models.
 
 Unknown fields are ignored, as OpenAI does. Every field declared here is honoured somewhere
-down the line; a field OpenAI defines but meshllm cannot honour (`suffix`, `best_of > 1`, tools)
-is declared only to be refused with a 400 rather than silently dropped.
+down the line; a field OpenAI defines but meshllm cannot honour (`suffix`, `best_of > 1`) is
+declared only to be refused with a 400 rather than silently dropped.
 
 Checks of one field live here (types, ranges fixed by the API); checks across fields, or that
 need the settings or the tokenized prompt, live in `validation.py`, where they can name the
@@ -43,6 +43,9 @@ MAX_SEED = 2**63
 #: vocabulary already means "disabled", and no useful penalty comes near float32's maximum.
 MAX_TOP_K = 2**31 - 1
 MAX_REPETITION_PENALTY = 3.4028234663852886e38
+#: OpenAI's limits on function tools: 128 per request, names of [a-zA-Z0-9_-]{1,64}.
+MAX_TOOLS = 128
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 #: OpenAI's max_tokens for /v1/completions when it is omitted or null (chat has none: the rest
 #: of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -259,16 +262,60 @@ class CompletionRequest(SamplingFields):
         raise ValueError("mixes strings, token ids and lists; use one form")
 
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionDefinition(ApiModel):
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (tool_choice.py checks it)
+    # A forced call (named, "required") is always held to its schema; under "auto" a strict
+    # tool holds every call the model opens (tool_choice.py).
+    strict: bool | None = None
+
+
+class Tool(ApiModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(ApiModel):
+    name: str
+
+
+class NamedToolChoice(ApiModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+class CalledFunction(ApiModel):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCall(ApiModel):
+    """A call the assistant made earlier in the conversation, sent back with its result."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(ApiModel):
     """One chat turn. A list of content parts is joined with newlines (as vLLM does); only
-    text parts exist for a text-only model. `developer` is OpenAI's newer name for `system`."""
+    text parts exist for a text-only model. `developer` is OpenAI's newer name for `system`.
+    An assistant turn may carry the tool calls it made (then its content may be null); a
+    `tool` turn carries a call's result and the id of the call it answers."""
 
     role: Role
     content: str | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -295,6 +342,26 @@ class ChatMessage(ApiModel):
             raise ValueError(f"a {role} message needs content")
         return value
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_by_assistant(
+        cls, value: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
+        role = info.data.get("role")
+        if value is not None and role is not None and role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {role} messages")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _result_of_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and not value:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if value is not None and role is not None and role != "tool":
+            raise ValueError(f"only tool messages carry a tool_call_id, not {role} messages")
+        return value
+
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. Without max_tokens the rest of the context may be used."""
@@ -305,8 +372,28 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value is None or value in TOOL_CHOICES:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(
+                'must be "none", "auto", "required" or {"type": "function", "function": '
+                '{"name": ...}}'
+            )
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = param_path(first.get("loc", ())) or ""
+            message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+            raise ValueError(f"{where}: {message}" if where else message) from None
 
     @field_validator("messages")
     @classmethod
@@ -327,6 +414,7 @@ class TokenizeRequest(ApiModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the template
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

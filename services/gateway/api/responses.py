@@ -3,7 +3,9 @@
 Shapes follow OpenAI exactly (the `openai` client parses them): `text_completion` /
 `chat.completion` bodies, `text_completion` / `chat.completion.chunk` stream chunks, usage
 `{prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}`
-(OpenAI's and vLLM's field for prompt tokens served from cache). meshllm adds `routed_experts`
+(OpenAI's and vLLM's field for prompt tokens served from cache). With tools in play a chat
+choice's text is read as tool calls (stream/tool_calls.py): `message.tool_calls` in a body,
+`delta.tool_calls` parts in a stream. meshllm adds `routed_experts`
 to a choice when it was asked for: one entry per returned position (prompt positions from the
 requested start, then one per generated token), each a list over MoE layers of the top-k expert
 ids.
@@ -21,6 +23,12 @@ from typing import Any
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate, TokenLogprob
+from services.gateway.stream.tool_calls import (
+    ToolOutput,
+    joined_calls,
+    tool_call_reader,
+    tool_finish_reason,
+)
 
 MIN_LOGPROB = -9999.0
 DONE = "data: [DONE]\n\n"
@@ -123,11 +131,12 @@ def chat_body(
 ) -> dict[str, Any]:
     out = []
     for choice in choices:
+        message, finish_reason = _chat_message(plan, choice)
         item: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": chat_logprobs(tok, choice.logprobs) if plan.logprobs is not None else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
         }
         if plan.return_routed_experts:
             item["routed_experts"] = choice.routed_rows
@@ -140,6 +149,21 @@ def chat_body(
         "choices": out,
         "usage": plan_usage(plan, choices),
     }
+
+
+def _chat_message(plan: RequestPlan, choice: ChoiceAssembler) -> tuple[dict[str, Any], str | None]:
+    """The assistant message and finish reason of a whole choice: its text read as tool calls
+    when the request has tools in play (the stream's reader over the whole text at once)."""
+    if plan.tools is None or choice.finish_reason is None:
+        return {"role": "assistant", "content": choice.text}, choice.finish_reason
+    reader = tool_call_reader(plan.tools)
+    output = reader.feed(choice.text).then(reader.finish())
+    message: dict[str, Any] = {"role": "assistant", "content": output.content}
+    if reader.called:
+        # OpenAI: content is null beside calls unless the model also wrote something.
+        message["content"] = output.content if output.content.strip() else None
+        message["tool_calls"] = joined_calls(output.parts)
+    return message, tool_finish_reason(plan.tools, reader, choice.finish_reason)
 
 
 # --- stream chunks ---------------------------------------------------------------------------
@@ -171,9 +195,13 @@ def update_chunk(
     *,
     prefix: str = "",
     text_offset: int = 0,
+    tool_output: ToolOutput | None = None,
+    finish_reason: str | None = None,
 ) -> tuple[dict[str, Any], int]:
     """One choice's update as a chunk; `prefix` is echoed prompt text (completions, first
-    chunk). Returns the chunk and the text offset after it (completions logprobs)."""
+    chunk). Returns the chunk and the text offset after it (completions logprobs).
+    With tools in play, `tool_output` (the update's text read as calls) is the delta, and
+    `finish_reason` the reason the reader gives (a chat choice that called tools)."""
     text = prefix + update.text
     item: dict[str, Any]
     if plan.kind == "completion":
@@ -188,11 +216,16 @@ def update_chunk(
                 tok, update.logprobs, text_offset + len(prefix)
             )
     else:
+        delta: dict[str, Any] = {"content": text} if text or update.finish_reason is None else {}
+        if tool_output is not None:
+            delta = {"content": tool_output.content} if tool_output.content else {}
+            if tool_output.parts:
+                delta["tool_calls"] = [part.delta() for part in tool_output.parts]
         item = {
             "index": index,
-            "delta": {"content": text} if text or update.finish_reason is None else {},
+            "delta": delta,
             "logprobs": chat_logprobs(tok, update.logprobs) if plan.logprobs is not None else None,
-            "finish_reason": update.finish_reason,
+            "finish_reason": finish_reason or update.finish_reason,
         }
     if plan.return_routed_experts:
         item["routed_experts"] = update.routed_rows

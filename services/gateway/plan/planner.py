@@ -66,6 +66,7 @@ class Planner:
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
+                tools=req.tools,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:

@@ -12,6 +12,7 @@ with it, and the n choices of one prompt differ.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.sampling_params import sampling_params
 from services.gateway.plan.structured_outputs import grammar_param, grammar_ref
 from services.gateway.plan.tokenization import PromptTokenizer, PromptTooLong, TokenizedPrompt
+from services.gateway.plan.tool_choice import ToolCalling, plan_tools
 from services.gateway.plan.validation import (
     check_prompt,
     check_request,
@@ -57,6 +59,7 @@ class RequestPlan:
     include_usage: bool
     user: str | None
     grammar_param: str | None = None  # the request field `grammar` came from (for a 400)
+    tools: ToolCalling | None = None  # chat: how the output is read as tool calls
 
     @property
     def num_choices(self) -> int:
@@ -144,12 +147,14 @@ def plan_chat(
 ) -> RequestPlan:
     check_model_name(req.model, model)
     check_request(req, settings, model)
+    tools, tool_grammar = plan_tools(req, settings.tool_call_parser)
     try:
         prompt = tok.chat_prompt(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             token_limit=model.max_model_len,
+            tools=req.tools,
         )
     except PromptTooLong as exc:
         raise prompt_too_long(exc.num_tokens, model, "messages") from None
@@ -163,7 +168,7 @@ def plan_chat(
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     sampling = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
-    return _plan(
+    plan = _plan(
         "chat",
         f"chatcmpl-{uuid.uuid4().hex}",
         req,
@@ -174,6 +179,12 @@ def plan_chat(
         echo=False,
         logprobs=logprobs,
     )
+    if tools is None:
+        return plan
+    if tool_grammar is None:
+        return dataclasses.replace(plan, tools=tools)
+    # plan_tools refused response_format / structured_outputs beside a forcing tool choice.
+    return dataclasses.replace(plan, tools=tools, grammar=tool_grammar, grammar_param="tools")
 
 
 def _plan(

@@ -67,7 +67,7 @@ def _from_response_format(fmt: ResponseFormat) -> GrammarRef:
         return GrammarRef(kind="json_object", spec="")
     assert fmt.json_schema is not None  # ResponseFormat's validator guarantees it
     schema = fmt.json_schema.schema_
-    _check_schema(schema, "response_format.json_schema.schema")
+    check_schema(schema, "response_format.json_schema.schema")
     return GrammarRef(kind="json_schema", spec=json.dumps(schema, ensure_ascii=False))
 
 
@@ -81,7 +81,7 @@ def _from_structured_outputs(so: StructuredOutputs, max_depth: int) -> GrammarRe
                 schema = json.loads(schema)
             except ValueError as exc:
                 raise invalid_request(f"json is not valid JSON: {exc}", f"{param}.json") from None
-        _check_schema(schema, f"{param}.json")
+        check_schema(schema, f"{param}.json")
         return GrammarRef(kind="json_schema", spec=json.dumps(schema, ensure_ascii=False))
     if so.json_object:
         return GrammarRef(kind="json_object", spec="")
@@ -109,7 +109,7 @@ def _from_structured_outputs(so: StructuredOutputs, max_depth: int) -> GrammarRe
     return GrammarRef(kind="structural_tag", spec=tag)
 
 
-def _check_schema(schema: Any, param: str) -> None:
+def check_schema(schema: Any, param: str) -> None:
     if not isinstance(schema, dict | bool):
         raise invalid_request("a JSON schema must be an object (or a boolean)", param)
     try:

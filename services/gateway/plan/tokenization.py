@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from services.gateway.api.errors import invalid_request
-from services.gateway.api.protocol_openai import ChatMessage
+from services.gateway.api.protocol_openai import ChatMessage, Tool
 
 log = logging.getLogger(__name__)
 
@@ -121,14 +121,20 @@ class PromptTokenizer:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[Tool] | None = None,
     ) -> str:
+        """The conversation as the model's template writes it. `tools` go to the template in
+        OpenAI's form (a template that knows tools describes them to the model; one that does
+        not ignores them), whatever the tool choice, as vLLM passes them."""
         if not getattr(self.hf, "chat_template", None):
             raise invalid_request("this model has no chat template", "messages")
         conversation = [_template_message(m) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             return str(
                 self.hf.apply_chat_template(
                     conversation,
+                    tools=tool_dicts,
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
@@ -145,11 +151,13 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         token_limit: int | None = None,
+        tools: list[Tool] | None = None,
     ) -> TokenizedPrompt:
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
         )
         ids = self.encode(text, add_special_tokens=False, token_limit=token_limit)
         return TokenizedPrompt(ids, text)
@@ -180,12 +188,37 @@ class PromptTokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
+def _template_message(message: ChatMessage) -> dict[str, Any]:
     role = "system" if message.role == "developer" else message.role
-    out = {"role": role, "content": message.content or ""}
+    out: dict[str, Any] = {"role": role, "content": message.content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates expect them: the JSON object itself (Qwen's and
+    Llama's templates serialise it with `tojson`, which would quote the API's string form
+    again), or the text as sent when it is not a JSON object (as vLLM does)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _is_byte_level(tokenizer: Any) -> bool:

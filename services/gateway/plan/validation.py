@@ -92,10 +92,6 @@ def _check_chat(req: ChatCompletionRequest, settings: GatewaySettings) -> None:
             raise invalid_request(
                 "continue_final_message needs a final assistant message", "continue_final_message"
             )
-    if req.tools:
-        raise invalid_request("tools are not supported", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise invalid_request("tool_choice is not supported", "tool_choice")
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
     _check_min_tokens(req.min_tokens, req.max_new_tokens, param)
 

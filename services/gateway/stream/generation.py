@@ -30,6 +30,12 @@ from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import RequestHandle
 from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate
 from services.gateway.stream.request_deadline import Bound, RequestDeadline
+from services.gateway.stream.tool_calls import (
+    ToolCallReader,
+    ToolOutput,
+    tool_call_reader,
+    tool_finish_reason,
+)
 from shared.protocol import RequestDelta
 
 log = logging.getLogger(__name__)
@@ -170,6 +176,10 @@ class Generation:
         plan = self.plan
         offsets = [0] * plan.num_choices
         opened = [False] * plan.num_choices
+        readers = [
+            tool_call_reader(plan.tools) if plan.tools is not None else None
+            for _ in range(plan.num_choices)
+        ]
         try:
             async for index, update in self.updates():
                 if update.error is not None:
@@ -182,12 +192,18 @@ class Generation:
                     first, offsets[index] = self._first_chunk(index)
                     if first is not None:
                         yield sse(first)
-                if not (
-                    update.text or update.logprobs or update.routed_rows or update.finish_reason
-                ):
-                    continue  # text held back (partial character, possible stop string)
+                tools, finish_reason = self._read_tools(readers[index], update)
+                said = tools.content or tools.parts if tools is not None else update.text
+                if not (said or update.logprobs or update.routed_rows or update.finish_reason):
+                    continue  # held back (partial character, possible stop string or call)
                 chunk, offsets[index] = update_chunk(
-                    plan, index, update, self.tok, text_offset=offsets[index]
+                    plan,
+                    index,
+                    update,
+                    self.tok,
+                    text_offset=offsets[index],
+                    tool_output=tools,
+                    finish_reason=finish_reason,
                 )
                 yield sse(chunk)
         except RequestTimedOut as exc:
@@ -201,6 +217,20 @@ class Generation:
         if plan.include_usage:
             yield sse(usage_chunk(plan, self.choices))
         yield DONE
+
+    def _read_tools(
+        self, reader: ToolCallReader | None, update: ChoiceUpdate
+    ) -> tuple[ToolOutput | None, str | None]:
+        """The update's text read as tool calls, and the finish reason the calls make (None
+        without tools in play, or before the choice ends)."""
+        if reader is None:
+            return None, None
+        output = reader.feed(update.text)
+        if update.finish_reason is None:
+            return output, None
+        assert self.plan.tools is not None
+        reason = tool_finish_reason(self.plan.tools, reader, update.finish_reason)
+        return output.then(reader.finish()), reason
 
     def _first_chunk(self, index: int) -> tuple[dict[str, Any] | None, int]:
         """A choice's opening chunk (chat: the role; completions with echo: the prompt) and

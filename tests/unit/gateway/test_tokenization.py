@@ -153,3 +153,50 @@ def test_a_generic_fast_tokenizer_loads_as_autotokenizer_would_without_torch(
     assert ids == reference(text)["input_ids"]
     assert template == reference.chat_template
     assert specials == reference.all_special_tokens
+
+
+#: A tool-aware template of the usual shape (tools listed up front, an assistant's calls with
+#: their arguments as JSON objects, a tool turn naming the call it answers), to show what the
+#: gateway hands a template: the embedded model's own template ignores tools.
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call {{ c.id }}>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}"
+    "{% if m.tool_call_id %}<answers {{ m.tool_call_id }}>{% endif %}{% endfor %}"
+)
+
+
+def test_tools_calls_and_results_reach_the_template(smollm2_dir: Path) -> None:
+    from services.gateway.api.protocol_openai import Tool
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    hf.chat_template = TOOL_TEMPLATE
+    tok = PromptTokenizer(hf)
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [
+        Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": params}})
+    ]
+    chat = [
+        ChatMessage(role="user", content="Weather in Paris?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_1", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+                    {"id": "call_2", "function": {"name": "f", "arguments": "not json"}},
+                ],
+            }
+        ),
+        ChatMessage(role="tool", content="18 C", tool_call_id="call_1"),
+    ]
+    text = tok.render_chat(chat, add_generation_prompt=False, tools=tools)
+    listed = json.loads(text[len("<tools>") : text.index("</tools>")])
+    assert listed == {"type": "function", "function": {"name": "f", "parameters": params}}
+    # Arguments reach the template as the object (tojson writes it once, not a quoted string);
+    # arguments that are not a JSON object stay the text the client sent.
+    assert '<call call_1>f{"city": "Paris"}</call>' in text
+    assert '<call call_2>f"not json"</call>' in text
+    assert text.endswith("<|tool|>18 C<answers call_1>")
+    assert tok.render_chat(chat[:1], add_generation_prompt=False) == "<|user|>Weather in Paris?"

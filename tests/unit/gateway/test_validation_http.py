@@ -37,6 +37,10 @@ def msg(role: str = "user", content: Any = "Hi") -> dict[str, Any]:
     return {"role": role, "content": content}
 
 
+CALLED = {"name": "f", "arguments": "{}"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 CASES: list[tuple[str, dict[str, Any], str]] = [
     # context length
     ("completions", {"prompt": list(range(10, 10 + MAX_LEN))}, "prompt"),
@@ -93,7 +97,18 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     # messages
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [msg(role="wizard")]}, "messages[0].role"),
-    ("chat", {"messages": [msg(), msg(role="tool")]}, "messages[1].role"),
+    ("chat", {"messages": [msg(), msg(role="tool")]}, "messages[1].tool_call_id"),
+    (
+        "chat",
+        {"messages": [{**msg(), "tool_calls": [{"id": "c", "function": CALLED}]}]},
+        "messages[0].tool_calls",
+    ),
+    ("chat", {"messages": [{**msg(), "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+    (
+        "chat",
+        {"messages": [msg(), {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+        "messages[1].tool_calls[0].function",
+    ),
     ("chat", {"messages": [msg(content=None)]}, "messages[0].content"),
     (
         "chat",
@@ -108,8 +123,44 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"continue_final_message": True, "add_generation_prompt": False},
         "continue_final_message",
     ),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    # tools
+    ("chat", {"tools": [TOOL]}, "tool_choice"),  # "auto" (the default) without a parser
+    ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),  # no tools
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("chat", {"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    (
+        "chat",
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice.function.name",
+    ),
+    ("chat", {"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools[1].function.name"),
+    (
+        "chat",
+        {"tools": [{"type": "function", "function": {"name": "two words"}}], "tool_choice": "none"},
+        "tools[0].function.name",
+    ),
+    ("chat", {"tools": [{"type": "retrieval", "function": TOOL["function"]}]}, "tools[0].type"),
+    ("chat", {"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0].function"),
+    (
+        "chat",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+            "tool_choice": "required",
+        },
+        "tools[0].function.parameters",
+    ),
+    ("chat", {"tools": [TOOL] * 129, "tool_choice": "none"}, "tools"),
+    (
+        "chat",
+        {"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    (
+        "chat",
+        {"tools": [TOOL], "tool_choice": "required", "structured_outputs": {"regex": "a"}},
+        "tool_choice",
+    ),
     # streaming
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     # unsupported OpenAI fields are refused, not ignored
