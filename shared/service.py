@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import logging
 import signal
@@ -380,6 +381,9 @@ def run_service(service: Service) -> None:
     """Entry point of every `services/<name>/__main__.py`; exits the process with its status."""
     settings = service.settings
     configure_logging(service.name, settings.instance_id, settings.log_level, settings.log_json)
+    # `kill -USR1 <pid>`: every thread's Python stack on stderr, for a process that hangs
+    # (py-spy's dump without installing it; the signal handler runs even with the loop stuck).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         status = asyncio.run(serve(service, freeze_heap=True))
     except OSError as exc:

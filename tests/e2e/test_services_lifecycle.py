@@ -127,6 +127,18 @@ def test_heartbeats_carry_the_incarnation(mesh: Mesh, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", SHELLS)
+def test_sigusr1_dumps_every_threads_stack_and_the_service_goes_on(mesh: Mesh, name: str) -> None:
+    mesh.signal(name, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    # faulthandler's dump: the main thread with its Python frames, down to run_service.
+    while "run_service" not in (log := mesh.tail(name, 400)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "Current thread" in log and 'File "' in log and "run_service" in log, log[-2000:]
+    assert mesh.procs[name].poll() is None
+    assert httpx.get(f"{mesh.url(name)}/ready").json()["ready"] is True
+
+
+@pytest.mark.parametrize("name", SHELLS)
 def test_sigterm_exits_0(mesh: Mesh, name: str) -> None:
     mesh.procs[name].send_signal(signal.SIGTERM)
     assert mesh.procs[name].wait(10) == 0, mesh.tail(name)

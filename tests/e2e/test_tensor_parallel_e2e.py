@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -87,7 +88,14 @@ def test_killed_rank_takes_the_group_down_and_loses_no_request(tp_mesh: Mesh) ->
     os.kill(follower, signal.SIGKILL)
     worker = tp_mesh.procs["worker"]
     # Rank 0 notices (the broken collective or the exited process) and exits by itself.
-    assert worker.wait(timeout=60) != 0, tp_mesh.tail("worker")
+    try:
+        code = worker.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        tp_mesh.signal("worker", signal.SIGUSR1)  # its threads' stacks into its log
+        time.sleep(2)
+        tail = tp_mesh.tail("worker", 120)
+        pytest.fail(f"rank 0 still runs 60 s after rank 1 was killed:\n{tail}")
+    assert code != 0, tp_mesh.tail("worker")
     tp_mesh.restart("worker")  # what the supervisor does (compose restart, infra/launcher.py)
     streams.join(300)
     assert result, "requests did not complete"
