@@ -156,9 +156,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     max_queued_per_group: int = Field(256, ge=0)
     max_queued_total: int = Field(0, ge=0)
     # The model's tool-call format, for tool_choice "auto" (vLLM's --tool-call-parser): "hermes"
-    # reads <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5/Qwen3, Hermes).
+    # reads <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5/Qwen3, Hermes),
+    # "llama3_json" an output of {"name": ..., "parameters": ...} objects (Llama 3.1/3.2).
     # Empty: "auto" is a 400; "none", "required" and a named function work with every model.
-    tool_call_parser: Literal["", "hermes"] = ""
+    tool_call_parser: Literal["", "hermes", "llama3_json"] = ""
 
     @property
     def api_key_list(self) -> list[str]:

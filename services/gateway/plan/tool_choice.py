@@ -10,9 +10,11 @@ The four choices, as OpenAI defines them and vLLM serves them:
 - "auto", the default when tools are given: the model decides, and a parser for the model's own
   call format finds the calls in its text (MESHLLM_TOOL_CALL_PARSER; `hermes`:
   `<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the format of Qwen2.5/Qwen3 and
-  Hermes). Without a parser "auto" is a 400, as in vLLM: the calls would reach the client as
-  text it cannot tell from an answer. With a `strict` tool, a structural tag holds every call
-  the model opens to a tool's schema, and the text around the calls stays free.
+  Hermes; `llama3_json`: `{"name": ..., "parameters": ...}` objects separated by `;`, Llama
+  3.1/3.2's JSON calls). Without a parser "auto" is a 400, as in vLLM: the calls would reach
+  the client as text it cannot tell from an answer. With a `strict` tool, a structural tag
+  holds every call the model opens to a tool's schema, and the text around the calls stays
+  free.
 The output side (text -> calls) is services/gateway/stream/tool_calls.py.
 """
 
@@ -27,7 +29,13 @@ from services.gateway.api.protocol_openai import ChatCompletionRequest, NamedToo
 from services.gateway.plan.structured_outputs import check_schema
 from shared.protocol import GrammarRef
 
-ToolCallParserName = Literal["", "hermes"]
+ToolCallParserName = Literal["", "hermes", "llama3_json"]
+#: Each parser's call format as (start of a call before its name, between the name and the
+#: arguments, end of a call, the text that opens a call), for the structural tag of strict tools.
+CALL_FORMATS: dict[str, tuple[str, str, str, str]] = {
+    "hermes": ('<tool_call>\n{"name": ', ', "arguments": ', "}\n</tool_call>", "<tool_call>"),
+    "llama3_json": ('{"name": ', ', "parameters": ', "}", '{"name": '),
+}
 #: The arguments of a function declared without parameters: an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -68,7 +76,7 @@ def plan_tools(
         if not any(t.function.strict for t in tools):
             return calling, None
         _check_no_other_constraint(req, 'tool_choice "auto" with a strict tool')
-        return calling, _hermes_calls_tag(tools)
+        return calling, _calls_tag(tools, parser)
     _check_no_other_constraint(req, f"tool_choice {_describe(choice)}")
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
@@ -93,20 +101,21 @@ def _check_no_other_constraint(req: ChatCompletionRequest, what: str) -> None:
         )
 
 
-def _hermes_calls_tag(tools: list[Tool]) -> GrammarRef:
-    """`strict` tools under "auto": the text stays free, but once the model opens a call
-    (`<tool_call>`) a structural tag holds it to one tool's name and parameters, in the exact
-    form the hermes parser reads. Every tool gets a structure (a non-strict one its own schema
-    too): with only some, the trigger would bar the model from calling the others."""
+def _calls_tag(tools: list[Tool], parser: ToolCallParserName) -> GrammarRef:
+    """`strict` tools under "auto": the text stays free, but once the model opens a call a
+    structural tag holds it to one tool's name and parameters, in the exact form the parser
+    reads. Every tool gets a structure (a non-strict one its own schema too): with only some,
+    the trigger would bar the model from calling the others."""
+    start, between, end, trigger = CALL_FORMATS[parser]
     structures = [
         {
-            "begin": f'<tool_call>\n{{"name": {json.dumps(t.function.name)}, "arguments": ',
+            "begin": f"{start}{json.dumps(t.function.name)}{between}",
             "schema": t.function.parameters or NO_PARAMETERS,
-            "end": "}\n</tool_call>",
+            "end": end,
         }
         for t in tools
     ]
-    tag = {"structures": structures, "triggers": ["<tool_call>"]}
+    tag = {"structures": structures, "triggers": [trigger]}
     return GrammarRef(kind="structural_tag", spec=json.dumps(tag, ensure_ascii=False))
 
 

@@ -13,6 +13,8 @@ whole text at once and joins the parts, so both forms say the same.
 - hermes (auto): text outside `<tool_call>...</tool_call>` is content, streamed as it comes
   but for a possible start tag at its end; each call is sent once it is closed. A call whose
   JSON does not parse is content, tags included, as vLLM returns it.
+- llama3_json (auto): an output that opens with a JSON object is calls, each sent once its
+  object closes; any other output is content.
 Text a reader cannot read as calls (a required array cut short by max_tokens before any call
 was complete) comes back as content, never dropped.
 """
@@ -28,6 +30,7 @@ from services.gateway.plan.tool_choice import ToolCalling
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -102,13 +105,20 @@ class NamedCallReader(ToolCallReader):
         return ToolOutput() if self.called else ToolOutput(parts=[self._call(self.function, "")])
 
 
-class RequiredCallsReader(ToolCallReader):
-    """Reads `[{"name": ..., "parameters": {...}}, ...]` one complete element at a time."""
+class JsonCallsReader(ToolCallReader):
+    """Calls written as a run of JSON objects `{"name": ..., <arguments>: {...}}` between
+    separator characters; each call is sent once its object closes. Text from the first thing
+    that is not such an object on is `rest` (content, unless calls were read before it and it is
+    only the run's closing)."""
 
-    def __init__(self) -> None:
+    SEPARATORS = " \t\r\n"
+    ARGUMENT_KEYS: tuple[str, ...] = ("parameters",)
+
+    def __init__(self, parallel: bool = True) -> None:
         super().__init__()
+        self.parallel = parallel
         self._buffer = ""
-        self._pos = 0  # where the next element (or separator) starts in the buffer
+        self._pos = 0  # where the next object (or separator) starts in the buffer
         self._failed = False
         self._decoder = json.JSONDecoder()
 
@@ -116,30 +126,84 @@ class RequiredCallsReader(ToolCallReader):
         self._buffer += text
         out = ToolOutput()
         while not self._failed:
-            start = self._skip(self._pos)
-            if start >= len(self._buffer) or self._buffer[start] == "]":
+            start = self._pos
+            while start < len(self._buffer) and self._buffer[start] in self.SEPARATORS:
+                start += 1
+            if start >= len(self._buffer):
                 break
             try:
                 element, end = self._decoder.raw_decode(self._buffer, start)
             except ValueError:
-                break  # not complete yet
+                if self._buffer[start] != "{":
+                    self._failed = True  # not an object: the calls are over
+                break  # an object not complete yet
             if not (isinstance(element, dict) and isinstance(element.get("name"), str)):
                 self._failed = True
                 break
-            out.parts.append(self._call(element["name"], element.get("parameters", {})))
+            arguments = next((element[k] for k in self.ARGUMENT_KEYS if k in element), {})
+            if self.parallel or not self.called:
+                out.parts.append(self._call(element["name"], arguments))
             self._pos = end
         return out
 
     def finish(self) -> ToolOutput:
-        if self.called:
-            return ToolOutput()
-        return ToolOutput(content=self._buffer)
+        return ToolOutput(content=self.rest())
 
-    def _skip(self, pos: int) -> int:
-        """Past whitespace, the array's `[` and the commas between elements."""
-        while pos < len(self._buffer) and self._buffer[pos] in " \t\r\n[,":
-            pos += 1
-        return pos
+    def rest(self) -> str:
+        """What finish returns as content: the whole text when no call was read, else what
+        follows the calls (the run's closing excepted)."""
+        if not self.called:
+            return self._buffer
+        rest = self._buffer[self._pos :].lstrip(self.SEPARATORS)
+        return "" if not rest.strip(self.SEPARATORS + "]") else rest
+
+
+class RequiredCallsReader(JsonCallsReader):
+    """Reads `[{"name": ..., "parameters": {...}}, ...]` (the "required" grammar's array) one
+    complete element at a time."""
+
+    SEPARATORS = " \t\r\n[,"
+
+
+class Llama3JsonCallsReader(JsonCallsReader):
+    """Llama 3.1/3.2's JSON calls (vLLM's `llama3_json`): an output that opens with `{` (after
+    the `<|python_tag|>` marker, when the detokenizer keeps it) is calls, `{"name": ...,
+    "parameters": {...}}` objects separated by `;`; any other output is content, streamed as it
+    comes."""
+
+    SEPARATORS = " \t\r\n;"
+    ARGUMENT_KEYS = ("parameters", "arguments")
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self._mode: str | None = None  # "content" or "calls" once the output's start tells
+        self._head = ""  # the output until then
+
+    def feed(self, text: str) -> ToolOutput:
+        if self._mode == "content":
+            return ToolOutput(content=text)
+        if self._mode == "calls":
+            return super().feed(text)
+        self._head += text
+        opening = self._head.lstrip()
+        if opening.startswith(PYTHON_TAG):
+            opening = opening[len(PYTHON_TAG) :].lstrip()
+        elif PYTHON_TAG.startswith(opening):
+            return ToolOutput()  # nothing yet, or the start of the marker
+        if not opening:
+            return ToolOutput()
+        if opening[0] != "{":
+            self._mode = "content"
+            return ToolOutput(content=self._head)
+        self._mode = "calls"
+        return super().feed(opening)
+
+    def finish(self) -> ToolOutput:
+        if self._mode is None:  # the output ended before it told: it is content
+            return ToolOutput(content=self._head)
+        if self._mode == "calls" and not self.called:
+            return ToolOutput(content=self._head)  # no call parsed: the text as written
+        return super().finish() if self._mode == "calls" else ToolOutput()
 
 
 class HermesCallsReader(ToolCallReader):
@@ -224,6 +288,8 @@ def tool_call_reader(calling: ToolCalling) -> ToolCallReader:
         return RequiredCallsReader()
     if calling.parser == "hermes":
         return HermesCallsReader(calling.parallel)
+    if calling.parser == "llama3_json":
+        return Llama3JsonCallsReader(calling.parallel)
     raise ValueError(f"no tool-call parser {calling.parser!r}")
 
 

@@ -11,7 +11,9 @@ import pytest
 from services.gateway.plan.tool_choice import ToolCalling
 from services.gateway.stream.tool_calls import (
     CALL_START,
+    PYTHON_TAG,
     HermesCallsReader,
+    Llama3JsonCallsReader,
     NamedCallReader,
     RequiredCallsReader,
     ToolCallReader,
@@ -97,10 +99,10 @@ def test_required_output_cut_before_a_whole_call_is_content() -> None:
     assert calls == [] and content == cut
 
 
-def test_required_output_cut_after_a_whole_call_keeps_it() -> None:
+def test_required_output_cut_after_a_whole_call_keeps_it_and_what_follows() -> None:
     cut = CALLS_TEXT[: CALLS_TEXT.index("}}") + 10]
     content, calls, _ = read(RequiredCallsReader(), [cut])
-    assert calls_of(calls) == CALLS[:1] and content == ""
+    assert calls_of(calls) == CALLS[:1] and content == '{"name'  # the call max_tokens cut
 
 
 def test_parameters_keep_non_ascii_text() -> None:
@@ -181,6 +183,51 @@ def test_without_parallel_calls_only_the_first_call_is_kept() -> None:
     assert calls_of(calls) == CALLS[:1] and content == "Let me check.\n"
 
 
+# --- llama3_json (auto) ----------------------------------------------------------------------
+
+LLAMA_TEXT = (
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "arguments": {}}'
+)
+
+
+@pytest.mark.parametrize("pieces", splits(LLAMA_TEXT) + splits(PYTHON_TAG + LLAMA_TEXT))
+def test_llama_calls_are_the_same_however_the_text_is_cut(pieces: list[str]) -> None:
+    content, calls, outputs = read(Llama3JsonCallsReader(), pieces)
+    assert content == "" and calls_of(calls) == CALLS
+    sent_at = [i for i, o in enumerate(outputs) for _ in o.parts]
+    if len(pieces) > 2:  # char by char: each call as its object closes
+        offset = len(PYTHON_TAG) if pieces[0] == "<" else 0
+        assert sent_at == [offset + LLAMA_TEXT.index("}}") + 1, len(pieces) - 1]
+
+
+@pytest.mark.parametrize("text", ["The weather is fine.", "  <|python", "<b>bold</b> text", ""])
+def test_llama_output_that_does_not_open_with_an_object_is_content(text: str) -> None:
+    for pieces in splits(text) if text else [[]]:
+        reader = Llama3JsonCallsReader()
+        content, calls, _ = read(reader, pieces)
+        assert (content, calls, reader.called) == (text, [], False)
+
+
+def test_llama_content_streams_as_it_comes() -> None:
+    reader = Llama3JsonCallsReader()
+    assert reader.feed("Sun").content == "Sun"  # told at the first character
+    assert reader.feed("ny.").content == "ny."
+
+
+def test_llama_object_that_is_not_a_call_is_the_text_as_written() -> None:
+    for text in ['{"city": "Paris"}', '{"name": "now", "parameters": {}', "{not json"]:
+        content, calls, _ = read(Llama3JsonCallsReader(), [text])
+        assert (content, calls) == (text, [])
+
+
+def test_llama_words_after_the_calls_are_content() -> None:
+    text = '{"name": "now", "parameters": {}}; Done.'
+    content, calls, _ = read(Llama3JsonCallsReader(), list(text))
+    assert calls_of(calls) == [("now", "{}")] and content == "Done."
+    content, calls, _ = read(Llama3JsonCallsReader(parallel=False), [LLAMA_TEXT])
+    assert calls_of(calls) == CALLS[:1] and content == ""
+
+
 # --- choice of reader and finish reason ------------------------------------------------------
 
 
@@ -191,6 +238,8 @@ def test_reader_and_finish_reason_follow_the_tool_choice() -> None:
     assert isinstance(tool_call_reader(named), NamedCallReader)
     assert isinstance(tool_call_reader(required), RequiredCallsReader)
     assert isinstance(tool_call_reader(auto), HermesCallsReader)
+    llama = ToolCalling("auto", parser="llama3_json")
+    assert isinstance(tool_call_reader(llama), Llama3JsonCallsReader)
 
     called = tool_call_reader(auto)
     called.feed('<tool_call>{"name": "now", "arguments": {}}</tool_call>')

@@ -145,3 +145,14 @@ def test_auto_with_a_strict_tool_holds_each_call_the_model_opens(compiler: Any) 
     )
     assert not accepts(compiler, grammar, call.replace('"city"', '"town"'))
     assert not accepts(compiler, grammar, call.replace("get_weather", "launch"))
+
+
+def test_llama_strict_calls_take_its_own_format(compiler: Any) -> None:
+    tools = [tool("get_weather", WEATHER, strict=True)]
+    calling, grammar = plan_tools(request(tools=tools), "llama3_json")
+    assert calling == ToolCalling("auto", parser="llama3_json")
+    assert grammar is not None and grammar.kind == "structural_tag"
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert accepts(compiler, grammar, call)
+    assert accepts(compiler, grammar, "It is sunny.")
+    assert not accepts(compiler, grammar, call.replace("Oslo", "x" * 13))  # maxLength 12
