@@ -17,6 +17,7 @@ import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -46,6 +47,15 @@ MAX_REPETITION_PENALTY = 3.4028234663852886e38
 #: OpenAI's limits on function tools: 128 per request, names of [a-zA-Z0-9_-]{1,64}.
 MAX_TOOLS = 128
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+#: apply_chat_template's own arguments: chat_template_kwargs may not set them (the request's
+#: fields do), only the template's variables.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+        "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+        "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+    }
+)  # fmt: skip
 #: OpenAI's max_tokens for /v1/completions when it is omitted or null (chat has none: the rest
 #: of the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -85,6 +95,16 @@ Prompts = Annotated[
         }
     ),
 ]
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    reserved = sorted(TEMPLATE_ARGUMENTS.intersection(value or {}))
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)}: set by the request's own fields, not here")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
 
 
 class ApiModel(BaseModel):
@@ -373,6 +393,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    # vLLM's: variables for the chat template (Qwen3's `enable_thinking`, for one).
+    chat_template_kwargs: TemplateKwargs = None
     # None: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -415,6 +437,7 @@ class TokenizeRequest(ApiModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered by the template
+    chat_template_kwargs: TemplateKwargs = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

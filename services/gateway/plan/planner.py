@@ -67,6 +67,7 @@ class Planner:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
+                template_kwargs=req.chat_template_kwargs,
             )
             ids = self.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
         else:

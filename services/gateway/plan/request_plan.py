@@ -155,6 +155,7 @@ def plan_chat(
             continue_final_message=req.continue_final_message,
             token_limit=model.max_model_len,
             tools=req.tools,
+            template_kwargs=req.chat_template_kwargs,
         )
     except PromptTooLong as exc:
         raise prompt_too_long(exc.num_tokens, model, "messages") from None

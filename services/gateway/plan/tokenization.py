@@ -122,6 +122,7 @@ class PromptTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as the model's template writes it. `tools` go to the template in
         OpenAI's form (a template that knows tools describes them to the model; one that does
@@ -138,6 +139,7 @@ class PromptTokenizer:
                     tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
+                    **(template_kwargs or {}),
                 )
             )
         except Exception as exc:  # jinja TemplateError, the template's raise_exception()
@@ -152,12 +154,14 @@ class PromptTokenizer:
         continue_final_message: bool = False,
         token_limit: int | None = None,
         tools: list[Tool] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> TokenizedPrompt:
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
+            template_kwargs=template_kwargs,
         )
         ids = self.encode(text, add_special_tokens=False, token_limit=token_limit)
         return TokenizedPrompt(ids, text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -72,3 +73,30 @@ async def test_models_lists_the_served_model(gateway: GatewayHarness) -> None:
     assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [
         (MODEL_NAME, "model", 2048)
     ]
+
+
+#: A template with a variable of its own, as Qwen3's has `enable_thinking`.
+GREETING_TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+    "{% if greeting is defined %} {{ greeting }}{% endif %}"
+)
+
+
+async def test_chat_template_kwargs_reach_the_template(redis_url: str, smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    hf.chat_template = GREETING_TEMPLATE
+    tok = PromptTokenizer(hf)
+    async with gateway_harness(redis_url, tok, smollm2_dir) as gw:
+        messages = [{"role": "user", "content": "Hi"}]
+        kwargs = {"chat_template_kwargs": {"greeting": "Bonjour"}}
+        body = {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": False}
+        plain = (await gw.http.post("/tokenize", json=body)).json()["tokens"]
+        greeted = (await gw.http.post("/tokenize", json={**body, **kwargs})).json()["tokens"]
+        assert (tok.decode(plain), tok.decode(greeted)) == ("Hi", "Hi Bonjour")
+        chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1, **kwargs}
+        posted = asyncio.create_task(gw.http.post("/v1/chat/completions", json=chat))
+        submit = await gw.next_submit()
+        assert tok.decode(submit.prompt_token_ids) == "Hi Bonjour"
+        posted.cancel()

@@ -161,6 +161,8 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"tools": [TOOL], "tool_choice": "required", "structured_outputs": {"regex": "a"}},
         "tool_choice",
     ),
+    ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("chat", {"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     # streaming
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     # unsupported OpenAI fields are refused, not ignored
