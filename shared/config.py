@@ -160,6 +160,10 @@ class GatewaySettings(CommonSettings, ModelSettings):
     # "llama3_json" an output of {"name": ..., "parameters": ...} objects (Llama 3.1/3.2).
     # Empty: "auto" is a 400; "none", "required" and a named function work with every model.
     tool_call_parser: Literal["", "hermes", "llama3_json"] = ""
+    # A reasoning model's thinking (<think>...</think>) returned apart as reasoning_content
+    # (vLLM's --reasoning-parser): "deepseek_r1" (the output starts inside the thinking),
+    # "qwen3" (the output opens it itself); empty: all text is content.
+    reasoning_parser: Literal["", "deepseek_r1", "qwen3"] = ""
 
     @property
     def api_key_list(self) -> list[str]:

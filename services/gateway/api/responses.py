@@ -3,9 +3,9 @@
 Shapes follow OpenAI exactly (the `openai` client parses them): `text_completion` /
 `chat.completion` bodies, `text_completion` / `chat.completion.chunk` stream chunks, usage
 `{prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details: {cached_tokens}}`
-(OpenAI's and vLLM's field for prompt tokens served from cache). With tools in play a chat
-choice's text is read as tool calls (stream/tool_calls.py): `message.tool_calls` in a body,
-`delta.tool_calls` parts in a stream. meshllm adds `routed_experts`
+(OpenAI's and vLLM's field for prompt tokens served from cache). With reasoning or tools in
+play a chat choice's text is read for them (stream/message_reader.py): `reasoning_content` and
+`tool_calls` in a body's message, and in a stream's deltas. meshllm adds `routed_experts`
 to a choice when it was asked for: one entry per returned position (prompt positions from the
 requested start, then one per generated token), each a list over MoE layers of the top-k expert
 ids.
@@ -23,12 +23,8 @@ from typing import Any
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate, TokenLogprob
-from services.gateway.stream.tool_calls import (
-    ToolOutput,
-    joined_calls,
-    tool_call_reader,
-    tool_finish_reason,
-)
+from services.gateway.stream.message_reader import MessageDelta, message_reader
+from services.gateway.stream.tool_calls import joined_calls
 
 MIN_LOGPROB = -9999.0
 DONE = "data: [DONE]\n\n"
@@ -152,18 +148,22 @@ def chat_body(
 
 
 def _chat_message(plan: RequestPlan, choice: ChoiceAssembler) -> tuple[dict[str, Any], str | None]:
-    """The assistant message and finish reason of a whole choice: its text read as tool calls
-    when the request has tools in play (the stream's reader over the whole text at once)."""
-    if plan.tools is None or choice.finish_reason is None:
+    """The assistant message and finish reason of a whole choice: its text read for reasoning
+    and tool calls when the gateway or the request puts them in play (the stream's reader
+    over the whole text at once)."""
+    reader = message_reader(plan.tools, plan.reasoning)
+    if reader is None or choice.finish_reason is None:
         return {"role": "assistant", "content": choice.text}, choice.finish_reason
-    reader = tool_call_reader(plan.tools)
     output = reader.feed(choice.text).then(reader.finish())
     message: dict[str, Any] = {"role": "assistant", "content": output.content}
+    if plan.reasoning:
+        message["reasoning_content"] = output.reasoning or None
+        message["content"] = output.content or None
     if reader.called:
         # OpenAI: content is null beside calls unless the model also wrote something.
         message["content"] = output.content if output.content.strip() else None
         message["tool_calls"] = joined_calls(output.parts)
-    return message, tool_finish_reason(plan.tools, reader, choice.finish_reason)
+    return message, reader.finish_reason(choice.finish_reason)
 
 
 # --- stream chunks ---------------------------------------------------------------------------
@@ -195,13 +195,13 @@ def update_chunk(
     *,
     prefix: str = "",
     text_offset: int = 0,
-    tool_output: ToolOutput | None = None,
+    message: MessageDelta | None = None,
     finish_reason: str | None = None,
 ) -> tuple[dict[str, Any], int]:
     """One choice's update as a chunk; `prefix` is echoed prompt text (completions, first
     chunk). Returns the chunk and the text offset after it (completions logprobs).
-    With tools in play, `tool_output` (the update's text read as calls) is the delta, and
-    `finish_reason` the reason the reader gives (a chat choice that called tools)."""
+    With reasoning or tools in play, `message` (the update's text read for them) is the delta,
+    and `finish_reason` the reason the reader gives (a chat choice that called tools)."""
     text = prefix + update.text
     item: dict[str, Any]
     if plan.kind == "completion":
@@ -217,10 +217,8 @@ def update_chunk(
             )
     else:
         delta: dict[str, Any] = {"content": text} if text or update.finish_reason is None else {}
-        if tool_output is not None:
-            delta = {"content": tool_output.content} if tool_output.content else {}
-            if tool_output.parts:
-                delta["tool_calls"] = [part.delta() for part in tool_output.parts]
+        if message is not None:
+            delta = message.delta()
         item = {
             "index": index,
             "delta": delta,

@@ -35,6 +35,7 @@ from services.gateway.plan.validation import (
     check_routed_experts_start,
     prompt_too_long,
 )
+from services.gateway.stream.reasoning import ReasoningParserName
 from shared.config import GatewaySettings
 from shared.protocol import GrammarRef, SamplingParams, SubmitRequest
 
@@ -60,6 +61,7 @@ class RequestPlan:
     user: str | None
     grammar_param: str | None = None  # the request field `grammar` came from (for a 400)
     tools: ToolCalling | None = None  # chat: how the output is read as tool calls
+    reasoning: ReasoningParserName = ""  # chat: the parser that splits off the reasoning
 
     @property
     def num_choices(self) -> int:
@@ -180,12 +182,11 @@ def plan_chat(
         echo=False,
         logprobs=logprobs,
     )
-    if tools is None:
-        return plan
+    plan = dataclasses.replace(plan, tools=tools, reasoning=settings.reasoning_parser)
     if tool_grammar is None:
-        return dataclasses.replace(plan, tools=tools)
+        return plan
     # plan_tools refused response_format / structured_outputs beside a forcing tool choice.
-    return dataclasses.replace(plan, tools=tools, grammar=tool_grammar, grammar_param="tools")
+    return dataclasses.replace(plan, grammar=tool_grammar, grammar_param="tools")
 
 
 def _plan(

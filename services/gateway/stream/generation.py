@@ -29,13 +29,8 @@ from services.gateway.metrics import ChoiceTimer
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.bus_client import RequestHandle
 from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate
+from services.gateway.stream.message_reader import MessageDelta, MessageReader, message_reader
 from services.gateway.stream.request_deadline import Bound, RequestDeadline
-from services.gateway.stream.tool_calls import (
-    ToolCallReader,
-    ToolOutput,
-    tool_call_reader,
-    tool_finish_reason,
-)
 from shared.protocol import RequestDelta
 
 log = logging.getLogger(__name__)
@@ -176,10 +171,7 @@ class Generation:
         plan = self.plan
         offsets = [0] * plan.num_choices
         opened = [False] * plan.num_choices
-        readers = [
-            tool_call_reader(plan.tools) if plan.tools is not None else None
-            for _ in range(plan.num_choices)
-        ]
+        readers = [message_reader(plan.tools, plan.reasoning) for _ in range(plan.num_choices)]
         try:
             async for index, update in self.updates():
                 if update.error is not None:
@@ -192,8 +184,8 @@ class Generation:
                     first, offsets[index] = self._first_chunk(index)
                     if first is not None:
                         yield sse(first)
-                tools, finish_reason = self._read_tools(readers[index], update)
-                said = tools.content or tools.parts if tools is not None else update.text
+                message, finish_reason = self._read_message(readers[index], update)
+                said = message.delta() if message is not None else update.text
                 if not (said or update.logprobs or update.routed_rows or update.finish_reason):
                     continue  # held back (partial character, possible stop string or call)
                 chunk, offsets[index] = update_chunk(
@@ -202,7 +194,7 @@ class Generation:
                     update,
                     self.tok,
                     text_offset=offsets[index],
-                    tool_output=tools,
+                    message=message,
                     finish_reason=finish_reason,
                 )
                 yield sse(chunk)
@@ -218,19 +210,17 @@ class Generation:
             yield sse(usage_chunk(plan, self.choices))
         yield DONE
 
-    def _read_tools(
-        self, reader: ToolCallReader | None, update: ChoiceUpdate
-    ) -> tuple[ToolOutput | None, str | None]:
-        """The update's text read as tool calls, and the finish reason the calls make (None
-        without tools in play, or before the choice ends)."""
+    def _read_message(
+        self, reader: MessageReader | None, update: ChoiceUpdate
+    ) -> tuple[MessageDelta | None, str | None]:
+        """The update's text read for reasoning and tool calls, and the finish reason the calls
+        make (None without a reader, or before the choice ends)."""
         if reader is None:
             return None, None
-        output = reader.feed(update.text)
+        message = reader.feed(update.text)
         if update.finish_reason is None:
-            return output, None
-        assert self.plan.tools is not None
-        reason = tool_finish_reason(self.plan.tools, reader, update.finish_reason)
-        return output.then(reader.finish()), reason
+            return message, None
+        return message.then(reader.finish()), reader.finish_reason(update.finish_reason)
 
     def _first_chunk(self, index: int) -> tuple[dict[str, Any] | None, int]:
         """A choice's opening chunk (chat: the role; completions with echo: the prompt) and

@@ -46,10 +46,14 @@ class StopStringMatcher:
 
     def _partial_tail(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+        return max(partial_tail(text, stop) for stop in self.stops)
+
+
+def partial_tail(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a
+    reader of streamed text holds back until the next piece says whether the marker comes
+    (stop strings; the tags of reasoning and tool calls)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.plan.tool_choice import ToolCalling
+from services.gateway.stream.stop_strings import partial_tail
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -222,7 +223,7 @@ class HermesCallsReader(ToolCallReader):
             if self._call_text is None:
                 start = text.find(CALL_START)
                 if start < 0:
-                    keep = _partial_tag_at_end(text, CALL_START)
+                    keep = partial_tail(text, CALL_START)
                     out.content += self._content(text[: len(text) - keep])
                     self._held = text[len(text) - keep :]
                     break
@@ -270,14 +271,6 @@ class HermesCallsReader(ToolCallReader):
             return ""
         text, self._spacing = self._spacing, ""
         return text
-
-
-def _partial_tag_at_end(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def tool_call_reader(calling: ToolCalling) -> ToolCallReader:

@@ -110,6 +110,26 @@ class GatewayHarness:
         msg = TokenDelta(scheduler_id="test-scheduler", deltas=list(deltas))
         await self.scheduler_bus.publish(self.reply_stream, msg)
 
+    async def answer(self, text: str, pieces: int) -> None:
+        """Answer the next request with `text`'s token ids in `pieces` deltas, then the
+        end-of-turn token (a "stop"), as a scheduler would."""
+        submit = await self.next_submit()
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        eos = self.tokenizer.hf.eos_token_id
+        size = -(-len(ids) // pieces)
+        chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            await self.reply(
+                RequestDelta(
+                    request_id=submit.request_id,
+                    start_index=i * size,
+                    token_ids=chunk + ([eos] if last else []),
+                    finish_reason="stop" if last else None,
+                    stop_token_id=eos if last else None,
+                )
+            )
+
 
 def load_tokenizer(hf_dir: Path) -> PromptTokenizer:
     return PromptTokenizer.from_dir(hf_dir)

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from services.gateway.plan.tokenization import PromptTokenizer
-from shared.protocol import RequestDelta
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -40,33 +39,13 @@ async def gateway(
         yield harness
 
 
-async def answer(gw: GatewayHarness, text: str, pieces: int) -> None:
-    """Play the scheduler: `text`'s tokens in `pieces` deltas, then the end-of-turn token."""
-    submit = await gw.next_submit()
-    ids = gw.tokenizer.encode(text, add_special_tokens=False)
-    eos = gw.tokenizer.hf.eos_token_id
-    size = -(-len(ids) // pieces)
-    chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
-    for i, chunk in enumerate(chunks):
-        last = i == len(chunks) - 1
-        await gw.reply(
-            RequestDelta(
-                request_id=submit.request_id,
-                start_index=i * size,
-                token_ids=chunk + ([eos] if last else []),
-                finish_reason="stop" if last else None,
-                stop_token_id=eos if last else None,
-            )
-        )
-
-
 def calls_of(calls: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
 async def test_llama_calls_in_a_body(gateway: GatewayHarness) -> None:
     posted = asyncio.create_task(gateway.http.post("/v1/chat/completions", json=BODY))
-    await answer(gateway, OUTPUT, pieces=3)
+    await gateway.answer(OUTPUT, pieces=3)
     resp = await posted
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
@@ -83,7 +62,7 @@ async def test_llama_calls_in_a_body(gateway: GatewayHarness) -> None:
 async def test_llama_calls_streamed_token_by_token(gateway: GatewayHarness) -> None:
     body = {**BODY, "stream": True}
     posted = asyncio.create_task(gateway.http.post("/v1/chat/completions", json=body))
-    await answer(gateway, OUTPUT, pieces=len(gateway.tokenizer.encode(OUTPUT)))
+    await gateway.answer(OUTPUT, pieces=len(gateway.tokenizer.encode(OUTPUT)))
     resp = await posted
     events = [
         json.loads(line.removeprefix("data: "))
@@ -110,7 +89,7 @@ async def test_llama_calls_streamed_token_by_token(gateway: GatewayHarness) -> N
 
 async def test_llama_plain_answer_is_content(gateway: GatewayHarness) -> None:
     posted = asyncio.create_task(gateway.http.post("/v1/chat/completions", json=BODY))
-    await answer(gateway, "It is sunny in Paris.", pieces=2)
+    await gateway.answer("It is sunny in Paris.", pieces=2)
     choice = (await posted).json()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "It is sunny in Paris."}
     assert choice["finish_reason"] == "stop"

@@ -1,0 +1,70 @@
+"""A reasoning model's answer through the gateway's HTTP API with MESHLLM_REASONING_PARSER=qwen3:
+the real router, planner and response path, a real Redis, the scheduler's side played by the
+test with the SmolLM2 tokenizer's ids of a Qwen3-style output. Streamed and whole, the
+thinking comes back as `reasoning_content` and the answer as `content`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.gateway.plan.tokenization import PromptTokenizer
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+
+BODY: dict[str, Any] = {
+    "model": MODEL_NAME,
+    "messages": [{"role": "user", "content": "Capital of France?"}],
+    "max_tokens": 64,
+}
+THOUGHT = "The user asks for the capital of France. It is Paris."
+OUTPUT = f"<think>\n{THOUGHT}\n</think>\n\nParis."
+
+
+@pytest.fixture
+async def gateway(
+    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
+) -> AsyncIterator[GatewayHarness]:
+    async with gateway_harness(redis_url, tokenizer, smollm2_dir, reasoning_parser="qwen3") as h:
+        yield h
+
+
+async def test_thinking_apart_from_the_answer_in_a_body(gateway: GatewayHarness) -> None:
+    posted = asyncio.create_task(gateway.http.post("/v1/chat/completions", json=BODY))
+    await gateway.answer(OUTPUT, pieces=4)
+    choice = (await posted).json()["choices"][0]
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "\n\nParis.",
+        "reasoning_content": f"\n{THOUGHT}\n",
+    }
+    assert choice["finish_reason"] == "stop"
+
+
+async def test_thinking_apart_from_the_answer_streamed(gateway: GatewayHarness) -> None:
+    posted = asyncio.create_task(
+        gateway.http.post("/v1/chat/completions", json={**BODY, "stream": True})
+    )
+    await gateway.answer(OUTPUT, pieces=len(gateway.tokenizer.encode(OUTPUT)))
+    text = (await posted).text
+    deltas = [
+        json.loads(line.removeprefix("data: "))["choices"][0]["delta"]
+        for line in text.splitlines()
+        if line.startswith("data: {")
+    ]
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert (reasoning, content) == (f"\n{THOUGHT}\n", "\n\nParis.")
+    # The thinking streamed as it came: several chunks carry it.
+    assert sum("reasoning_content" in d for d in deltas) > 5
+
+
+async def test_an_answer_without_thinking_is_content(gateway: GatewayHarness) -> None:
+    posted = asyncio.create_task(gateway.http.post("/v1/chat/completions", json=BODY))
+    await gateway.answer("Paris.", pieces=1)
+    message = (await posted).json()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "Paris.", "reasoning_content": None}
