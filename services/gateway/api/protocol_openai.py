@@ -113,6 +113,8 @@ class ApiModel(BaseModel):
 
 class StreamOptions(ApiModel):
     include_usage: bool = False
+    # vLLM's: every chunk carries its choice's usage so far (with include_usage).
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(ApiModel):

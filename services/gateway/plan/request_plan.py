@@ -58,6 +58,7 @@ class RequestPlan:
     logprobs: int | None  # top alternatives per token; None = no logprobs
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # with include_usage: usage on every chunk, not only the last
     user: str | None
     grammar_param: str | None = None  # the request field `grammar` came from (for a 400)
     tools: ToolCalling | None = None  # chat: how the output is read as tool calls
@@ -222,6 +223,11 @@ def _plan(
         logprobs=logprobs,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        continuous_usage=bool(
+            req.stream_options
+            and req.stream_options.include_usage
+            and req.stream_options.continuous_usage_stats
+        ),
         user=req.user,
         grammar_param=grammar_param(req.response_format, req.structured_outputs),
     )

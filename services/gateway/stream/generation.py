@@ -23,6 +23,7 @@ from services.gateway.api.responses import (
     error_event,
     sse,
     update_chunk,
+    usage,
     usage_chunk,
 )
 from services.gateway.metrics import ChoiceTimer
@@ -183,7 +184,7 @@ class Generation:
                     opened[index] = True
                     first, offsets[index] = self._first_chunk(index)
                     if first is not None:
-                        yield sse(first)
+                        yield sse(self._with_usage(first, index))
                 message, finish_reason = self._read_message(readers[index], update)
                 said = message.delta() if message is not None else update.text
                 if not (said or update.logprobs or update.routed_rows or update.finish_reason):
@@ -197,7 +198,7 @@ class Generation:
                     message=message,
                     finish_reason=finish_reason,
                 )
-                yield sse(chunk)
+                yield sse(self._with_usage(chunk, index))
         except RequestTimedOut as exc:
             yield error_event(exc.message, "timeout_error", 504)
             yield DONE
@@ -209,6 +210,14 @@ class Generation:
         if plan.include_usage:
             yield sse(usage_chunk(plan, self.choices))
         yield DONE
+
+    def _with_usage(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        """With continuous usage stats (vLLM's), the chunk carries its choice's usage so far."""
+        if self.plan.continuous_usage:
+            choice = self.choices[index]
+            prompt = len(self.plan.prompt_of(index).token_ids)
+            chunk["usage"] = usage(prompt, choice.num_tokens, choice.num_cached_tokens)
+        return chunk
 
     def _read_message(
         self, reader: MessageReader | None, update: ChoiceUpdate
