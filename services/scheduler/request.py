@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 
+from services.scheduler.prompt_logprobs import PromptLogprobsRecord
 from services.scheduler.routed_experts import RoutedExpertsRecord
 from shared.kv.block_hash import BlockHash, extend_block_hashes
 from shared.protocol import FinishReason, SamplingParams, SubmitRequest
@@ -66,6 +67,7 @@ class Request:
         "num_prompt_tokens",
         "num_step_failures",
         "output_token_ids",
+        "prompt_logprobs",
         "reply_stream",
         "request_id",
         "return_routed_experts",
@@ -101,6 +103,10 @@ class Request:
             if return_routed_experts
             else None
         )
+        k = sampling.prompt_logprobs
+        self.prompt_logprobs = (  # services/scheduler/prompt_logprobs.py; None if not asked
+            PromptLogprobsRecord(k, len(prompt_token_ids)) if k is not None else None
+        )
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens scheduled to be sampled whose result has not come back (async scheduling:
@@ -130,6 +136,12 @@ class Request:
             return_routed_experts=msg.return_routed_experts,
             routed_experts_prompt_start=msg.routed_experts_prompt_start,
         )
+
+    @property
+    def computes_every_position(self) -> bool:
+        """Routed experts and prompt logprobs come from the forward of each prompt position:
+        such a request never starts from a cached prefix (nor loads one from the KV tier)."""
+        return self.return_routed_experts or self.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -385,6 +385,8 @@ class Scheduler:
                 continue  # aborted (or reset) while the step ran
             if request.routed_experts is not None and request_id in sampled:
                 request.routed_experts.record(sampled[request_id], planned_end(plan, request_id))
+            if request.prompt_logprobs is not None and request_id in sampled:
+                request.prompt_logprobs.record(sampled[request_id])
             if request_id not in sampling:
                 continue  # partial prefill: nothing sampled
             slots = plan.spec_lookahead.get(request_id, 0)  # the worker's own drafts
@@ -524,6 +526,8 @@ class Scheduler:
             delta.top_logprobs = sampled.top_logprobs[: n * k]
         if request.routed_experts is not None:
             request.routed_experts.attach(delta)
+        if request.prompt_logprobs is not None:
+            request.prompt_logprobs.attach(delta)
         if not request.first_delta_sent:
             request.first_delta_sent = True
             delta.num_prompt_tokens = request.num_prompt_tokens

@@ -27,6 +27,11 @@ class RequestDelta(Struct):
     top_logprobs: PackedFloat32 | None = None
     routed_experts: PackedInt32 | None = None  # [positions, moe_layers, top_k] row-major
     routed_experts_shape: list[int] | None = None
+    # The first delta of a request that asked for prompt logprobs: one per prompt token after
+    # the first (the logprob of token i given tokens < i), top-k rows as for logprobs.
+    prompt_logprobs: PackedFloat32 | None = None
+    prompt_top_token_ids: PackedInt32 | None = None
+    prompt_top_logprobs: PackedFloat32 | None = None
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the stop/eos token that finished it, if any
     num_prompt_tokens: int = 0

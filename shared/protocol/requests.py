@@ -35,6 +35,9 @@ class SamplingParams(Struct):
     allowed_token_ids: PackedInt32 | None = None
     bad_token_ids: PackedInt32 = Field(default_factory=list)
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)  # top-k per token (0 = chosen only)
+    # The same for every prompt token after the first (its logprob given the tokens before
+    # it); None = not computed. Such a request takes no prefix-cache hit.
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
 
     @field_validator("logit_bias")
     @classmethod

@@ -98,6 +98,13 @@ class SampledTokens(Struct):
     top_logprobs: PackedFloat32 | None = None  # same shape
     routed_experts: PackedInt32 | None = None  # [positions * moe_layers * top_k], row-major
     routed_experts_shape: list[int] | None = None  # [positions, moe_layers, top_k]
+    # Prompt logprobs (SamplingParams.prompt_logprobs): entry j is the logprob of prompt token
+    # prompt_logprobs_start + j + 1 given the tokens before it, for the positions computed since
+    # the request's previous SampledTokens; top-k rows as for the sampled tokens.
+    prompt_logprobs_start: int = Field(default=0, ge=0)
+    prompt_logprobs: PackedFloat32 | None = None
+    prompt_top_token_ids: PackedInt32 | None = None
+    prompt_top_logprobs: PackedFloat32 | None = None
     # Speculative decoding: the worker's drafts for this request's next step (unverified).
     draft_token_ids: PackedInt32 | None = None
     # Speculative decoding: drafts verified this step (the plan's, or the worker's own in

@@ -261,6 +261,40 @@ def test_completion_logprobs_equal_transformers(
             assert lp.top_logprobs[j][text] == pytest.approx(value, abs=TOL)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(
+    client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
+) -> None:
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 1): every prompt token but
+    the first gets its logprob given the tokens before it, streamed or not, and n > 1
+    choices score it alike."""
+    model, tok = reference
+    prompt, k = "The capital of France is Paris, and the capital of Italy is Rome", 2
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    args: dict[str, Any] = {
+        "model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
+        "logprobs": k, "extra_body": FIXED,
+    }  # fmt: skip
+    resp = client.completions.create(n=2, **args)
+    streamed = [c for c in client.completions.create(stream=True, **args) if c.choices]
+    echoed = streamed[0].choices[0]
+    assert echoed.text == prompt
+    for lp in [c.logprobs for c in resp.choices] + [echoed.logprobs]:
+        assert lp is not None
+        assert lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for p, token in enumerate(ids[1:]):
+            assert lp.token_logprobs[p + 1] == pytest.approx(ref[p, token].item(), abs=TOL)
+            top = ref[p].topk(k)
+            assert list(lp.top_logprobs[p + 1]) == [tok.decode([t]) for t in top.indices]
+    whole = resp.choices[0]
+    assert whole.text.startswith(prompt) and len(whole.logprobs.tokens) == len(ids) + 1
+    assert whole.logprobs.text_offset[: len(ids)] == [
+        sum(len(t) for t in whole.logprobs.tokens[:i]) for i in range(len(ids))
+    ]
+
+
 def test_chat_logprobs_equal_transformers(
     client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
 ) -> None:

@@ -30,6 +30,9 @@ class Generation:
     top_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None  # when the request asked for them
+    prompt_top_token_ids: list[int] = field(default_factory=list)
+    prompt_top_logprobs: list[float] = field(default_factory=list)
 
 
 class InProcessEngine:
@@ -171,6 +174,11 @@ class InProcessEngine:
             gen.top_logprobs.extend(delta.top_logprobs)
         if delta.num_cached_tokens:
             gen.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            assert gen.prompt_logprobs is None, "prompt logprobs come once"
+            gen.prompt_logprobs = list(delta.prompt_logprobs)
+            gen.prompt_top_token_ids = list(delta.prompt_top_token_ids or [])
+            gen.prompt_top_logprobs = list(delta.prompt_top_logprobs or [])
         if delta.finish_reason is not None:
             gen.finish_reason = delta.finish_reason
 

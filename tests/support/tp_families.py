@@ -23,7 +23,9 @@ from tests.support.grouped_plans import GroupedPlanDriver
 from tests.support.tiny_llama import LogitsCapture
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=5, logprobs=2)
+SEEDED = SamplingParams(
+    temperature=0.9, top_p=0.95, seed=1234, max_tokens=5, logprobs=2, prompt_logprobs=2
+)
 PROMPTS = {
     "long": [1, *range(40, 60)],
     "short": [1, 400, 17],

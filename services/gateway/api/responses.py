@@ -80,6 +80,26 @@ def completion_logprobs(
     return body, text_offset
 
 
+def echo_logprobs(
+    tok: PromptTokenizer, prompt_ids: list[int], entries: list[TokenLogprob]
+) -> dict[str, Any]:
+    """The echoed prompt's part of legacy completions logprobs: every prompt token, the first
+    with a null logprob and null alternatives (nothing comes before it), as vLLM returns it."""
+    texts = [tok.token_text(t) for t in prompt_ids]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [None] + [_finite(e.logprob) for e in entries],
+        "top_logprobs": [None]
+        + [{tok.token_text(t): _finite(lp) for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + then[key] for key in first}
+
+
 def chat_logprobs(tok: PromptTokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         raw = tok.token_bytes(token_id)
@@ -109,6 +129,11 @@ def completion_body(
         }
         if plan.logprobs is not None:
             item["logprobs"] = completion_logprobs(tok, choice.logprobs, len(prefix))[0]
+            if plan.echo:
+                prompt = echo_logprobs(
+                    tok, plan.prompt_of(choice.index).token_ids, choice.prompt_logprobs
+                )
+                item["logprobs"] = _joined(prompt, item["logprobs"])
         if plan.return_routed_experts:
             item["routed_experts"] = choice.routed_rows
         out.append(item)
@@ -197,11 +222,13 @@ def update_chunk(
     text_offset: int = 0,
     message: MessageDelta | None = None,
     finish_reason: str | None = None,
+    prompt: ChoiceAssembler | None = None,
 ) -> tuple[dict[str, Any], int]:
     """One choice's update as a chunk; `prefix` is echoed prompt text (completions, first
     chunk). Returns the chunk and the text offset after it (completions logprobs).
     With reasoning or tools in play, `message` (the update's text read for them) is the delta,
-    and `finish_reason` the reason the reader gives (a chat choice that called tools)."""
+    and `finish_reason` the reason the reader gives (a chat choice that called tools).
+    `prompt`: the choice whose echoed prompt this chunk carries, with its prompt logprobs."""
     text = prefix + update.text
     item: dict[str, Any]
     if plan.kind == "completion":
@@ -215,6 +242,11 @@ def update_chunk(
             item["logprobs"], _ = completion_logprobs(
                 tok, update.logprobs, text_offset + len(prefix)
             )
+            if prompt is not None:
+                ids = plan.prompt_of(index).token_ids
+                item["logprobs"] = _joined(
+                    echo_logprobs(tok, ids, prompt.prompt_logprobs), item["logprobs"]
+                )
     else:
         delta: dict[str, Any] = {"content": text} if text or update.finish_reason is None else {}
         if message is not None:

@@ -131,7 +131,13 @@ def plan_completion(
             min_tokens=req.min_tokens,
             default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
         )
-        samplings.append(sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs))
+        # echo with logprobs (lm-eval's loglikelihood requests): the prompt's logprobs too.
+        prompt_logprobs = req.logprobs if req.echo else None
+        samplings.append(
+            sampling_params(
+                req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs
+            )
+        )
     return _plan(
         "completion",
         f"cmpl-{uuid.uuid4().hex}",

@@ -12,10 +12,15 @@ from shared.protocol import SamplingParams
 
 
 def sampling_params(
-    req: SamplingFields, *, max_tokens: int, logprobs: int | None
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """`max_tokens` is the checked value (see validation.check_prompt); `logprobs` the number of
-    top alternatives per token when logprobs were asked for (0 = the chosen token only)."""
+    top alternatives per token when logprobs were asked for (0 = the chosen token only), and
+    `prompt_logprobs` the same for the prompt's tokens (completions' echo with logprobs)."""
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -31,4 +36,5 @@ def sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=dict(req.logit_bias or {}),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -66,10 +66,6 @@ def _check_completion(req: CompletionRequest, settings: GatewaySettings) -> None
         raise invalid_request(
             f"logprobs must be at most {settings.max_logprobs}, got {req.logprobs}", "logprobs"
         )
-    if req.echo and req.logprobs is not None:
-        raise invalid_request(
-            "echo with logprobs is not supported: prompt logprobs are not computed", "echo"
-        )
     _check_min_tokens(req.min_tokens, req.max_tokens, "max_tokens")
 
 

@@ -63,8 +63,13 @@ class ChoiceAssembler:
         stop: list[str],
         logprobs: bool,
         routed_experts: bool,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.index = index
+        self._prompt_ids = prompt_ids
+        self._want_prompt_logprobs = prompt_logprobs
+        # One per prompt token after the first (its logprob given the tokens before it).
+        self.prompt_logprobs: list[TokenLogprob] = []
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._stops = StopStringMatcher(stop)
         self._want_logprobs = logprobs
@@ -91,6 +96,11 @@ class ChoiceAssembler:
             return self._fail(update, delta.error or "the request failed in the engine")
         if self._want_logprobs and delta.token_ids and delta.logprobs is None:
             return self._fail(update, "logprobs were requested but the engine sent none")
+        if self._want_prompt_logprobs and delta.start_index == 0 and delta.token_ids:
+            entries = _prompt_entries(delta, self._prompt_ids)
+            if entries is None:
+                return self._fail(update, "prompt logprobs were requested but the engine sent none")
+            self.prompt_logprobs = entries
         rows = _routed_rows(delta) if self._want_routed else []
         prompt_rows = len(rows) - len(delta.token_ids)
         update.routed_rows.extend(rows[: max(prompt_rows, 0)])
@@ -141,6 +151,28 @@ def _logprob_entry(delta: RequestDelta, i: int, k: int) -> TokenLogprob:
         lps = delta.top_logprobs[i * k : (i + 1) * k]
         top = list(zip(ids, lps, strict=True))
     return TokenLogprob(delta.token_ids[i], delta.logprobs[i], top)
+
+
+def _prompt_entries(delta: RequestDelta, prompt_ids: list[int]) -> list[TokenLogprob] | None:
+    """The first delta's prompt logprobs, one entry per prompt token after the first; None
+    when they are missing or do not fit the prompt."""
+    values = delta.prompt_logprobs
+    if len(prompt_ids) <= 1:
+        return []  # a one-token prompt has no token with something before it
+    if values is None or len(values) != len(prompt_ids) - 1:
+        return None
+    ids, top = delta.prompt_top_token_ids or [], delta.prompt_top_logprobs or []
+    k = len(ids) // len(values) if values else 0
+    if len(top) != len(ids) or len(ids) != k * len(values):
+        return None
+    return [
+        TokenLogprob(
+            prompt_ids[i + 1],
+            value,
+            list(zip(ids[i * k : (i + 1) * k], top[i * k : (i + 1) * k], strict=True)),
+        )
+        for i, value in enumerate(values)
+    ]
 
 
 def _routed_rows(delta: RequestDelta) -> list[list[list[int]]]:

@@ -82,6 +82,7 @@ class Generation:
                 stop=plan.stop,
                 logprobs=plan.logprobs is not None,
                 routed_experts=plan.return_routed_experts,
+                prompt_logprobs=plan.echo and plan.logprobs is not None,
             )
             for i in range(plan.num_choices)
         ]
@@ -239,7 +240,12 @@ class Generation:
             return chat_role_chunk(plan, index), 0
         if plan.echo:
             return update_chunk(
-                plan, index, ChoiceUpdate(), self.tok, prefix=plan.prompt_of(index).text
+                plan,
+                index,
+                ChoiceUpdate(),
+                self.tok,
+                prefix=plan.prompt_of(index).text,
+                prompt=self.choices[index],
             )
         return None, 0
 

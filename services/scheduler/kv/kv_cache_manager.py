@@ -92,11 +92,11 @@ class KVCacheManager:
 
         Capped at `num_tokens - 1`: the last known token must be computed to get the logits
         for the next one, so a fully cached prompt still recomputes its last block.
-        A request asking for routed experts gets no hit (see below).
+        A request asking for routed experts or prompt logprobs gets no hit (see below).
         """
-        if not self.enable_caching or request.return_routed_experts:
-            # Routed experts are recorded during the forward: every prompt position must be
-            # computed, so such a request never starts from a cached prefix.
+        if not self.enable_caching or request.computes_every_position:
+            # Routed experts and prompt logprobs come from the forward: every prompt position
+            # must be computed, so such a request never starts from a cached prefix.
             return self.coordinator.empty_blocks(), 0
         return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
 

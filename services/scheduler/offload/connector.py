@@ -260,7 +260,7 @@ class OffloadConnector:
         hit_blocks, num_hit = kv.get_computed_blocks(request)
         if not self.groups or not self.loads_supported or not kv.enable_caching:
             return Admission("compute", hit_blocks, num_hit)
-        if request.return_routed_experts:  # every position computed: its routing is recorded
+        if request.computes_every_position:  # routed experts, prompt logprobs
             return Admission("compute", hit_blocks, num_hit)
         first = num_hit // self.block_size
         cap = self._max_hit_blocks(request)

@@ -38,7 +38,10 @@ class PrefillPolicy:
     def job_for(self, msg: SubmitRequest) -> SubmitRequest | None:
         """The prefill job for `msg`, or None when it goes to the decode side uncomputed."""
         num_tokens = self.num_prefill_tokens(len(msg.prompt_token_ids))
-        if msg.return_routed_experts or num_tokens < self.block_size:
+        # Routed experts and prompt logprobs come from the forward of every prompt position:
+        # the decode side computes such a prompt itself.
+        every_position = msg.return_routed_experts or msg.sampling.prompt_logprobs is not None
+        if every_position or num_tokens < self.block_size:
             return None
         sampling = msg.sampling.model_copy(update={"max_tokens": 1, "min_tokens": 0})
         return msg.model_copy(

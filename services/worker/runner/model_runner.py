@@ -66,6 +66,7 @@ from services.worker.models.base import CausalLM, split_aux_hidden
 from services.worker.runner.in_flight import InFlightTokens, PendingFeed, fed_id
 from services.worker.runner.input_batch import InputBatch, PlanError
 from services.worker.runner.kv_cache import KVCache
+from services.worker.runner.prompt_logprobs import PromptLogprobsTracker
 from services.worker.runner.routed_experts import RoutedExpertsTracker
 from services.worker.runner.step_timeline import StepMarks, StepTimeline
 from services.worker.sampling import SamplerOutput, SamplingState
@@ -204,6 +205,7 @@ class ModelRunner:
         )
         # Routed experts of MoE models (services/worker/runner/routed_experts.py).
         self.routed_experts = RoutedExpertsTracker(getattr(model, "routed_experts", None))
+        self.prompt_logprobs = PromptLogprobsTracker()
         self.sampler = SamplingState(
             max_num_reqs, config.vocab_size, self.device, eos_token_ids=config.eos_token_ids
         )
@@ -283,14 +285,16 @@ class ModelRunner:
     def can_overlap(self, plan: StepPlan) -> bool:
         """May the next plan be launched before this one's `finish`? Not when a step's tokens
         must be on the host before the next step is planned or run: drafts (proposed from
-        them), grammars (the scheduler advances the matcher), routed experts (recorded on the
-        host) and KV transfers (copies the connector runs between steps)."""
+        them), grammars (the scheduler advances the matcher), routed experts and prompt
+        logprobs (recorded on the host) and KV transfers (copies the connector runs between
+        steps)."""
         if (
             plan.spec_token_ids
             or plan.grammar_request_ids
             or plan.kv_stores
             or plan.kv_loads
             or self.routed_experts.wanted
+            or self.prompt_logprobs.wanted
         ):
             return False
         return self.drafter is None or self._chains(plan)
@@ -388,6 +392,8 @@ class ModelRunner:
             self.last_device_seconds = start.elapsed_time(end) / 1000.0
         if self.timeline is not None and step.marks is not None:
             self.timeline.write(step.step_id, step.marks, step.device_span)
+        if self.prompt_logprobs.wanted:
+            sampled = self.prompt_logprobs.attach(sampled)
         return StepResult(
             step_id=step.step_id,
             worker_id=self.worker_id,
@@ -408,6 +414,7 @@ class ModelRunner:
     def _apply(self, plan: StepPlan) -> None:
         changes = self.batch.apply(plan)
         self.routed_experts.apply(plan)
+        self.prompt_logprobs.apply(plan)
         for row in changes.removed_rows:
             self.sampler.remove_request(row)
             self.feed.drop(row)
@@ -433,6 +440,7 @@ class ModelRunner:
         """Forget every request (after a failed step: the scheduler recomputes them). The KV
         cache tensors stay; their contents are simply no longer referenced."""
         self.routed_experts.clear()
+        self.prompt_logprobs.clear()
         self.feed.clear()
         if self.chain is not None:
             self.chain.reset()
@@ -542,6 +550,11 @@ class ModelRunner:
         if recording:
             self.routed_experts.collect(inputs.request_ids, inputs.query_lens)
         self.batch.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        if self.prompt_logprobs.wanted:
+            self.prompt_logprobs.collect(
+                hidden, inputs.request_ids, inputs.query_lens, inputs.seq_lens, self.compute_logits
+            )
+            self.mark_phase("prompt logprobs")
         if inputs.num_drafts is not None:
             sampled = verify_and_sample(self, hidden, inputs, plan)
             self.mark_phase("verified")

@@ -132,3 +132,28 @@ def test_routed_rows_nested_per_position_and_layer(tokenizer: PromptTokenizer) -
         )
     )
     assert choice.routed_rows == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+
+
+def test_prompt_logprobs_come_with_the_first_delta_and_must_fit_the_prompt(
+    tokenizer: PromptTokenizer,
+) -> None:
+    prompt = tokenizer.encode("Q:", add_special_tokens=False)
+    assert len(prompt) == 2
+    choice = assembler(tokenizer, logprobs=True, prompt_logprobs=True)
+    first = RequestDelta(
+        request_id="x", start_index=0, token_ids=[5], logprobs=[-0.1],
+        prompt_logprobs=[-2.5], prompt_top_token_ids=[9, prompt[1]],
+        prompt_top_logprobs=[-0.5, -2.5],
+    )  # fmt: skip
+    assert choice.consume(first).error is None
+    (entry,) = choice.prompt_logprobs
+    assert (entry.token_id, entry.logprob, entry.top) == (
+        prompt[1],
+        -2.5,
+        [(9, -0.5), (prompt[1], -2.5)],
+    )
+    for wrong in ({}, {"prompt_logprobs": [-2.5, -1.0]}):  # none, or more than the prompt has
+        bad = assembler(tokenizer, logprobs=True, prompt_logprobs=True)
+        delta = RequestDelta(request_id="x", start_index=0, token_ids=[5], logprobs=[-0.1], **wrong)
+        update = bad.consume(delta)  # type: ignore[arg-type]
+        assert update.finish_reason == "error" and "prompt logprobs" in (update.error or "")

@@ -79,7 +79,6 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
     # stop
     ("completions", {"stop": [1]}, "stop"),
     ("completions", {"stop": [""]}, "stop"),

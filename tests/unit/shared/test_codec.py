@@ -78,6 +78,7 @@ def sampling() -> SamplingParams:
         allowed_token_ids=[1, 2, 3],
         bad_token_ids=[9],
         logprobs=5,
+        prompt_logprobs=2,
     )
 
 
@@ -221,6 +222,10 @@ SAMPLES: dict[str, Message] = {
                     top_logprobs=[-0.5, -2.0, -1.25, -3.0],
                     routed_experts=[0, 3, 1, 2],
                     routed_experts_shape=[2, 1, 2],
+                    prompt_logprobs_start=3,
+                    prompt_logprobs=[-1.5],
+                    prompt_top_token_ids=[9],
+                    prompt_top_logprobs=[-0.25],
                     draft_token_ids=[44, 45],
                     num_drafts=3,
                 )
@@ -240,6 +245,9 @@ SAMPLES: dict[str, Message] = {
                     top_logprobs=[-0.5, -2.0],
                     routed_experts=[5, 6],
                     routed_experts_shape=[1, 1, 2],
+                    prompt_logprobs=[-1.5, -0.75],
+                    prompt_top_token_ids=[9, 10],
+                    prompt_top_logprobs=[-0.25, -0.5],
                     finish_reason="stop",
                     stop_token_id=2,
                     num_prompt_tokens=6,

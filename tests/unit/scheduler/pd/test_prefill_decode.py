@@ -116,6 +116,9 @@ def test_a_prompt_without_a_full_block_to_ship_goes_to_decode_uncomputed() -> No
     assert policy.job_for(submit("a", list(range(100, 106)))) is None  # 3 tokens < one block
     routed = submit("b", PROMPT).model_copy(update={"return_routed_experts": True})
     assert policy.job_for(routed) is None  # every position computed where it is decoded
+    scored = submit("b", PROMPT)
+    scored.sampling.prompt_logprobs = 1
+    assert policy.job_for(scored) is None  # prompt logprobs too
     job = policy.job_for(submit("c", list(range(100, 107)), max_tokens=9))
     assert job is not None and job.prompt_token_ids == list(range(100, 104))
     assert job.sampling.max_tokens == 1 and job.grammar is None

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, two real rank processes): for every supported family on tiny
 random weights, TP=2 gives transformers' greedy tokens and TP=1's logits (within fp32
-reduction-order tolerance), identical seeded samples and logprobs, and the same routed experts.
+reduction-order tolerance), identical seeded samples, logprobs and prompt logprobs, and the same
+routed experts.
 Both ranks compute the same results (rank 0 answers for the group; the others must agree to
 stay in step). Variants: a Llama with one KV head (replicated on both ranks) and a vocabulary
 that does not split evenly (padded vocab-parallel embedding and LM head), one with 3 KV heads
@@ -83,6 +84,12 @@ def test_tp2_seeded_sampling_equals_tp1(runs: dict[str, Any], variant: str) -> N
         assert ours["top_token_ids"] == theirs["top_token_ids"]
         ours_lp, theirs_lp = (np.frombuffer(x["logprobs"], "<f4") for x in (ours, theirs))
         np.testing.assert_allclose(ours_lp, theirs_lp, atol=1e-4)
+        # Prompt logprobs (chunked prefill: the driver's chunks of 5) as TP=1's
+        assert ours["prompt_logprobs_start"] == theirs["prompt_logprobs_start"]
+        assert ours["prompt_top_token_ids"] == theirs["prompt_top_token_ids"]
+        if theirs["prompt_logprobs"] is not None:
+            ours_p, theirs_p = (np.frombuffer(x["prompt_logprobs"], "<f4") for x in (ours, theirs))
+            np.testing.assert_allclose(ours_p, theirs_p, atol=1e-4)
         # MoE families: the routed experts of every position are TP=1's
         assert ours["routed_experts"] == theirs["routed_experts"]
         assert ours["routed_experts_shape"] == theirs["routed_experts_shape"]
@@ -98,6 +105,9 @@ def test_shards_are_what_the_layout_says(runs: dict[str, Any]) -> None:
     assert [r["llama_uneven_heads"]["greedy"]["kv_heads"] for r in runs["tp2"]] == [1, 2]
     moe = rank0["mixtral"]["greedy"]["sampled"]
     assert moe and all(s["routed_experts"] is not None for s in moe)
+    # Prompt logprobs came (with each request's first token): all but "one"'s empty prompt part
+    firsts = [s for s in rank0["llama"]["seeded"]["sampled"] if s["prompt_logprobs"] is not None]
+    assert {s["request_id"] for s in firsts} == {"long", "short"}
 
 
 @pytest.mark.slow
