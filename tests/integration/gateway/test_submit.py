@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,6 @@ from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta, SubmitRequest
 from tests.support.grammar_server import grammar_service
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
-
-
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir) as harness:
-        yield harness
 
 
 async def submitted(

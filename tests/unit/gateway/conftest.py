@@ -1,14 +1,16 @@
-"""Gateway test fixtures: the SmolLM2 tokenizer (loaded once) and a tiny MoE model dir."""
+"""Gateway test fixtures: the SmolLM2 tokenizer (loaded once), a tiny MoE model dir, and a
+gateway harness with the default settings (modules that need others define their own)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from services.gateway.plan.tokenization import PromptTokenizer
-from tests.unit.gateway.harness import load_tokenizer
+from tests.unit.gateway.harness import GatewayHarness, gateway_harness, load_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +40,11 @@ def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smollm2_dir / name, out / name)
     return out
+
+
+@pytest.fixture
+async def gateway(
+    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
+) -> AsyncIterator[GatewayHarness]:
+    async with gateway_harness(redis_url, tokenizer, smollm2_dir) as harness:
+        yield harness

@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-
-from services.gateway.plan.tokenization import PromptTokenizer
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 ANSWER = "The capital of France is Paris, a city on the Seine."
-
-
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir) as harness:
-        yield harness
 
 
 async def streamed_chunks(gw: GatewayHarness, options: dict[str, Any]) -> list[dict[str, Any]]:
