@@ -187,7 +187,7 @@ class Generation:
                     if first is not None:
                         yield sse(self._with_usage(first, index))
                 message, finish_reason = self._read_message(readers[index], update)
-                said = message.delta() if message is not None else update.text
+                said = message if message is not None else update.text
                 if not (said or update.logprobs or update.routed_rows or update.finish_reason):
                     continue  # held back (partial character, possible stop string or call)
                 chunk, offsets[index] = update_chunk(

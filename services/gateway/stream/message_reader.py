@@ -32,6 +32,10 @@ class MessageDelta:
             self.reasoning + later.reasoning, self.content + later.content, self.parts + later.parts
         )
 
+    def __bool__(self) -> bool:
+        """Whether it says anything (text held back by a reader says nothing yet)."""
+        return bool(self.reasoning or self.content or self.parts)
+
     def delta(self) -> dict[str, Any]:
         """As a stream chunk's `delta` (vLLM's field for the reasoning)."""
         out: dict[str, Any] = {}
