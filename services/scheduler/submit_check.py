@@ -45,6 +45,10 @@ def token_ids_error(msg: SubmitRequest, vocab_size: int) -> str | None:
         ("sampling.bad_token_ids", sampling.bad_token_ids),
         ("sampling.allowed_token_ids", sampling.allowed_token_ids or ()),
         ("sampling.logit_bias", sampling.logit_bias.keys()),
+        (
+            "sampling.bad_words_token_ids",
+            (t for word in sampling.bad_words_token_ids for t in word),
+        ),
     ]
     for field, ids in lists:
         ids = list(ids)

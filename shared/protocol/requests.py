@@ -10,6 +10,9 @@ from shared.protocol.base import Message, Struct, register
 from shared.protocol.packed import INT32_MAX, INT32_MIN, PackedInt32
 
 MAX_STREAM_NAME = 512
+#: Bounds on vLLM's `bad_words` (a word is matched against the latest outputs every step).
+MAX_BAD_WORDS = 256
+MAX_BAD_WORD_TOKENS = 64
 
 
 class SamplingParams(Struct):
@@ -34,10 +37,21 @@ class SamplingParams(Struct):
     logit_bias: dict[int, float] = Field(default_factory=dict)
     allowed_token_ids: PackedInt32 | None = None
     bad_token_ids: PackedInt32 = Field(default_factory=list)
+    # vLLM's `bad_words`, each word as token ids: the word's last token is banned after its
+    # other tokens were the request's latest outputs (a one-token word: always banned).
+    bad_words_token_ids: list[PackedInt32] = Field(default_factory=list, max_length=MAX_BAD_WORDS)
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)  # top-k per token (0 = chosen only)
     # The same for every prompt token after the first (its logprob given the tokens before
     # it); None = not computed. Such a request takes no prefix-cache hit.
     prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+
+    @field_validator("bad_words_token_ids")
+    @classmethod
+    def _words_not_empty(cls, value: list[list[int]]) -> list[list[int]]:
+        for word in value:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"a bad word must have 1 to {MAX_BAD_WORD_TOKENS} token ids")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -73,6 +87,9 @@ class SubmitRequest(Message):
     return_routed_experts: bool = False
     routed_experts_prompt_start: int = Field(0, ge=0)
     cache_salt: str | None = None
+    # vLLM's: lower is served earlier under the scheduler's `priority` policy; with `fcfs`
+    # (the default) any other value than 0 is refused.
+    priority: int = Field(0, ge=INT32_MIN, le=INT32_MAX)
 
 
 @register

@@ -41,6 +41,13 @@ PARAMS = [
     ),
     SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=[11], max_tokens=12),
     SamplingParams(temperature=0.6, seed=6, logprobs=3, max_tokens=12, ignore_eos=True),
+    SamplingParams(
+        temperature=0.5,
+        seed=7,
+        bad_words_token_ids=[[9], [20, 21], [30, 31, 32]],
+        max_tokens=12,
+        ignore_eos=True,
+    ),
 ]
 
 

@@ -5,7 +5,8 @@
 - `add_request` / `remove_request` when the batch composition changes (not every step): all
   per-request work — parameter tensors, sparse token lists, prompt-token presence — is done
   there, so a step does no Python work per request.
-- `record_sampled` after each step, vectorized (penalties and min_tokens need output counts).
+- `record_sampled` after each step, vectorized (penalties and min_tokens need output counts,
+  bad words the latest outputs).
 - `sample(logits, rows, positions, bitmask)`: `positions[i]` is the sequence position of the
   token being sampled for row `rows[i]` — the counter of the RNG. A row with seed s at position
   p draws the same token whatever else is in the batch and in whichever batch slot it sits.
@@ -29,6 +30,7 @@ import torch
 from meshllm_kernels.runtime.staged_copy import stage_to_device
 from meshllm_kernels.sampling.bitmask import allowed_mask
 from meshllm_kernels.sampling.gumbel import gumbel_argmax
+from services.worker.sampling.bad_words import BadWords
 from services.worker.sampling.logprobs import model_logprobs, pick_logprobs
 from services.worker.sampling.row_params import RowParams
 from services.worker.sampling.row_tokens import RowTokens
@@ -120,6 +122,7 @@ class SamplingState:
         self.logit_bias = RowTokens(dev)
         self.allowed = RowTokens(dev)
         self.banned = RowTokens(dev)
+        self.bad_words = BadWords(rows, dev)
         self.min_tokens_stops = RowTokens(dev)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self._random_rows: set[int] = set()
@@ -161,6 +164,10 @@ class SamplingState:
         bias_ids = [int(t) for t in params.logit_bias]
         self._check_ids("logit_bias", bias_ids)
         self._check_ids("bad_token_ids", params.bad_token_ids)
+        words = [list(word) for word in params.bad_words_token_ids]
+        if not all(words):
+            raise ValueError("bad_words_token_ids must not hold an empty word")
+        self._check_ids("bad_words_token_ids", [t for word in words for t in word])
         if params.allowed_token_ids is not None:
             if not params.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
@@ -201,6 +208,7 @@ class SamplingState:
             self.allowed.set(row, list(params.allowed_token_ids))
             values["restricted"] = 1
         self.banned.set(row, list(params.bad_token_ids))
+        self.bad_words.set(row, words, output_token_ids)
 
         stops = {t for t in params.stop_token_ids if 0 <= t < self.vocab_size}
         if not params.ignore_eos:
@@ -223,6 +231,7 @@ class SamplingState:
         self.row_params.reset(row)
         for table in (self.logit_bias, self.allowed, self.banned, self.min_tokens_stops):
             table.clear(row)
+        self.bad_words.clear(row)
         for rows in (self._random_rows, self._top_p_rows, self._min_p_rows, self._penalty_rows):
             rows.discard(row)
         self._top_k_rows.pop(row, None)
@@ -243,6 +252,8 @@ class SamplingState:
         if not self.counts_outputs:
             return
         valid = (token_ids >= 0) & (token_ids < self.vocab_size)
+        if self.bad_words.reads_history:
+            self.bad_words.record(rows, token_ids, valid)
         self.num_output.index_add_(0, rows, valid.to(torch.int64))
         if self.output_counts is not None:
             self.output_counts.index_put_(
@@ -255,26 +266,37 @@ class SamplingState:
 
     @property
     def counts_outputs(self) -> bool:
-        """Whether `record_sampled` records anything: only min_tokens stops and the penalties'
-        output counts read what it counts (num_output gates min_tokens, and a row that gets a
-        min_tokens stop has it set by add_request). Otherwise it is skipped: five launches a
-        step saved, and a verify step's upload of its tokens."""
-        return bool(self.min_tokens_stops) or self.output_counts is not None
+        """Whether `record_sampled` records anything: only min_tokens stops, the penalties'
+        output counts and bad words of two tokens or more (the windows of latest outputs)
+        read what it records (num_output gates min_tokens, and a row that gets a min_tokens
+        stop has it set by add_request, a bad-words row its window). Otherwise it is skipped:
+        five launches a step saved, and a verify step's upload of its tokens."""
+        return (
+            bool(self.min_tokens_stops)
+            or self.output_counts is not None
+            or self.bad_words.reads_history
+        )
 
     @property
     def rows_repeatable(self) -> bool:
         """Whether one `sample` call may list a state row several times (at different
         positions: a verify step's rows): no stage that scatters per-entry tables by batch
-        position (allowed/banned tokens, min_tokens stops, logit bias) is active. The other
-        stages only read their rows' parameters."""
-        return not (self.allowed or self.banned or self.min_tokens_stops or self.logit_bias)
+        position (allowed/banned tokens, bad words, min_tokens stops, logit bias) is active.
+        The other stages only read their rows' parameters."""
+        return not (
+            self.allowed
+            or self.banned
+            or self.bad_words
+            or self.min_tokens_stops
+            or self.logit_bias
+        )
 
     @property
     def draws_read_no_history(self) -> bool:
         """Whether every row's draw reads only its logits, parameters, seed and position: no
-        per-entry stage, nothing recorded from earlier draws (min_tokens, penalties), no
-        logprobs. Then a verify step may run before the host has seen the previous step's
-        tokens (services/worker/spec/chain.py)."""
+        per-entry stage, nothing recorded from earlier draws (min_tokens, penalties, bad
+        words), no logprobs. Then a verify step may run before the host has seen the previous
+        step's tokens (services/worker/spec/chain.py)."""
         return (
             self.rows_repeatable
             and not self.counts_outputs
@@ -345,6 +367,8 @@ class SamplingState:
             keep_only_entries(staged, self.restricted[rows], allowed)
         if self.banned:
             mask_entries(staged, self.banned.in_batch(batch_pos, batch))
+        if self.bad_words:
+            mask_entries(staged, self.bad_words.in_batch(batch_pos, batch))
         if self.min_tokens_stops:
             below_min = self.num_output < self.min_tokens
             mask_entries(staged, self.min_tokens_stops.in_batch(batch_pos, batch, below_min))

@@ -4,7 +4,8 @@ The order is vLLM v1's, because users expect its results for the same parameters
 
 1. grammar bitmask (vLLM's model runner applies it before the sampler sees the logits);
 2. allowed_token_ids: every other token -inf;
-3. bad_token_ids: -inf;
+3. bad_token_ids and bad_words: -inf; a bad word's last token only while its other tokens are
+   the latest outputs (bad_words.py);
 4. min_tokens: eos and stop ids -inf while fewer than min_tokens outputs exist;
 5. logit_bias: added;
 6. penalties: repetition (prompt and output tokens: positive logits divided by it, others

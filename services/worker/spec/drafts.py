@@ -8,8 +8,9 @@ KV (slots the scheduler reserved as lookahead) is overwritten by later steps bef
 attends to it, and the scheduler never registers those slots in the prefix cache.
 
 Proposing skips requests whose sampling reads per-row history the verification rows would see
-stale (repetition/frequency/presence penalties, and min_tokens not yet reached): those decode
-one token per step, unchanged.
+stale (repetition/frequency/presence penalties, min_tokens not yet reached, and bad words of two
+tokens or more, whose match reads the latest outputs): those decode one token per step,
+unchanged.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool
     if params is None:
         return False
     if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+        return False
+    # A draft's row would match the words against the outputs before the step's earlier drafts.
+    if any(len(word) > 1 for word in params.bad_words_token_ids):
         return False
     return num_output_tokens >= params.min_tokens
 
