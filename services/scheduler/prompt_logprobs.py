@@ -15,13 +15,14 @@ from shared.protocol import RequestDelta, SampledTokens
 
 
 class PromptLogprobsRecord:
-    __slots__ = ("_logprobs", "_top", "k", "sent")
+    __slots__ = ("_logprobs", "_ranks", "_top", "k", "sent")
 
     def __init__(self, k: int, num_prompt_tokens: int) -> None:
         self.k = k
         self.sent = False
         n = max(num_prompt_tokens - 1, 0)
         self._logprobs: list[float | None] = [None] * n
+        self._ranks: list[int] = [0] * n  # 0: the worker sent none
         self._top: list[tuple[list[int], list[float]] | None] = [None] * n
 
     def record(self, sampled: SampledTokens) -> None:
@@ -29,22 +30,28 @@ class PromptLogprobsRecord:
         if self.sent or not values:
             return
         ids, top = sampled.prompt_top_token_ids or [], sampled.prompt_top_logprobs or []
+        ranks = sampled.prompt_ranks or []
         k = self.k
         if k and (len(ids) != len(values) * k or len(top) != len(ids)):
             return  # malformed: leave the positions empty
+        if ranks and len(ranks) != len(values):
+            return
         for j, value in enumerate(values):
             pos = sampled.prompt_logprobs_start + j
             if not 0 <= pos < len(self._logprobs):
                 return
             self._logprobs[pos] = value
+            self._ranks[pos] = ranks[j] if ranks else 0
             self._top[pos] = (ids[j * k : (j + 1) * k], top[j * k : (j + 1) * k]) if k else None
 
     def attach(self, delta: RequestDelta) -> None:
         if self.sent or delta.start_index != 0 or any(v is None for v in self._logprobs):
             return
         delta.prompt_logprobs = [v for v in self._logprobs if v is not None]
+        if all(self._ranks):
+            delta.prompt_ranks = self._ranks
         if self.k:
             delta.prompt_top_token_ids = [t for row in self._top if row for t in row[0]]
             delta.prompt_top_logprobs = [v for row in self._top if row for v in row[1]]
         self.sent = True
-        self._logprobs, self._top = [], []
+        self._logprobs, self._ranks, self._top = [], [], []

@@ -32,6 +32,7 @@ class RequestDelta(Struct):
     prompt_logprobs: PackedFloat32 | None = None
     prompt_top_token_ids: PackedInt32 | None = None
     prompt_top_logprobs: PackedFloat32 | None = None
+    prompt_ranks: PackedInt32 | None = None  # each one's rank in its distribution (1 = best)
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None  # the stop/eos token that finished it, if any
     num_prompt_tokens: int = 0

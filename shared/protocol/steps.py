@@ -105,6 +105,7 @@ class SampledTokens(Struct):
     prompt_logprobs: PackedFloat32 | None = None
     prompt_top_token_ids: PackedInt32 | None = None
     prompt_top_logprobs: PackedFloat32 | None = None
+    prompt_ranks: PackedInt32 | None = None  # tokens at least as likely as the prompt's
     # Speculative decoding: the worker's drafts for this request's next step (unverified).
     draft_token_ids: PackedInt32 | None = None
     # Speculative decoding: drafts verified this step (the plan's, or the worker's own in

@@ -33,6 +33,7 @@ class Generation:
     prompt_logprobs: list[float] | None = None  # when the request asked for them
     prompt_top_token_ids: list[int] = field(default_factory=list)
     prompt_top_logprobs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
 
 
 class InProcessEngine:
@@ -179,6 +180,7 @@ class InProcessEngine:
             gen.prompt_logprobs = list(delta.prompt_logprobs)
             gen.prompt_top_token_ids = list(delta.prompt_top_token_ids or [])
             gen.prompt_top_logprobs = list(delta.prompt_top_logprobs or [])
+            gen.prompt_ranks = list(delta.prompt_ranks or [])
         if delta.finish_reason is not None:
             gen.finish_reason = delta.finish_reason
 

@@ -33,6 +33,7 @@ class _Asking:
     prompt: np.ndarray  # the prompt's token ids
     start: int = 0  # position of the first pending entry
     logprobs: list[np.ndarray] = field(default_factory=list)  # pending, in position order
+    ranks: list[np.ndarray] = field(default_factory=list)
     top_ids: list[np.ndarray] = field(default_factory=list)
     top_logprobs: list[np.ndarray] = field(default_factory=list)
 
@@ -41,7 +42,8 @@ class _Asking:
         return self.start + sum(len(x) for x in self.logprobs)
 
     def restart(self, start: int) -> None:
-        self.start, self.logprobs, self.top_ids, self.top_logprobs = start, [], [], []
+        self.start, self.logprobs, self.ranks = start, [], []
+        self.top_ids, self.top_logprobs = [], []
 
 
 class PromptLogprobsTracker:
@@ -99,6 +101,9 @@ class PromptLogprobsTracker:
             logprobs = torch.log_softmax(logits, dim=-1)
             own = logprobs.gather(1, targets[lo : lo + ROWS_PER_SLICE, None]).squeeze(1)
             asking.logprobs.append(own.cpu().numpy())
+            # vLLM's rank: the tokens at least as likely as the prompt's (itself included).
+            rank = (logprobs >= own[:, None]).sum(dim=-1)
+            asking.ranks.append(rank.to(torch.int32).cpu().numpy())
             if asking.k:
                 top = torch.topk(logprobs, asking.k, dim=-1)
                 asking.top_ids.append(top.indices.to(torch.int32).cpu().numpy())
@@ -115,6 +120,7 @@ class PromptLogprobsTracker:
             fields: dict[str, object] = {
                 "prompt_logprobs_start": asking.start,
                 "prompt_logprobs": np.concatenate(asking.logprobs).tolist(),
+                "prompt_ranks": np.concatenate(asking.ranks).tolist(),
             }
             if asking.k:
                 fields["prompt_top_token_ids"] = np.concatenate(asking.top_ids).ravel().tolist()

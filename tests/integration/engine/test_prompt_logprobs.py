@@ -62,6 +62,14 @@ def check(got: Generation, ids: list[int], ref: torch.Tensor) -> None:
     assert torch.allclose(got_top, top.values, atol=2e-4, rtol=0)
     got_ids = torch.tensor(got.prompt_top_token_ids).view(-1, K)
     assert (got_ids[:, 0] == top.indices[:, 0]).float().mean() > 0.95  # ties may swap
+    # Ranks: the tokens at least as likely as the prompt's (vLLM's). Near-ties may differ by
+    # the fp32 noise between the two forwards, so compare with a margin.
+    ranks = torch.tensor(got.prompt_ranks)
+    assert ranks.shape == expected.shape and bool((ranks >= 1).all())
+    low = (ref >= expected[:, None] + 1e-3).sum(dim=-1)
+    high = (ref >= expected[:, None] - 1e-3).sum(dim=-1)
+    assert bool(((low <= ranks) & (ranks <= high)).all())
+    assert len(set(ranks.tolist())) > 3  # not a constant
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,7 @@ def sampling() -> SamplingParams:
         logit_bias={5: -100.0, 49151: 2.5},
         allowed_token_ids=[1, 2, 3],
         bad_token_ids=[9],
+        bad_words_token_ids=[[4, 8], [6]],
         logprobs=5,
         prompt_logprobs=2,
     )
@@ -152,6 +153,7 @@ SAMPLES: dict[str, Message] = {
             return_routed_experts=True,
             routed_experts_prompt_start=3,
             cache_salt="salt",
+            priority=-3,
         ),
         AbortRequest(request_id="req-1", reason="timeout"),
         StepPlan(
@@ -226,6 +228,7 @@ SAMPLES: dict[str, Message] = {
                     prompt_logprobs=[-1.5],
                     prompt_top_token_ids=[9],
                     prompt_top_logprobs=[-0.25],
+                    prompt_ranks=[4],
                     draft_token_ids=[44, 45],
                     num_drafts=3,
                 )
@@ -248,6 +251,7 @@ SAMPLES: dict[str, Message] = {
                     prompt_logprobs=[-1.5, -0.75],
                     prompt_top_token_ids=[9, 10],
                     prompt_top_logprobs=[-0.25, -0.5],
+                    prompt_ranks=[2, 1],
                     finish_reason="stop",
                     stop_token_id=2,
                     num_prompt_tokens=6,
