@@ -195,6 +195,11 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # leaves room in each for others: a request whose prompt is mostly cached is not kept
     # waiting a whole long prefill's step for its first token.
     long_prefill_token_threshold: int = Field(0, ge=0)
+    # vLLM's --scheduling-policy: "fcfs" serves requests in arrival order and refuses a request
+    # priority other than 0; "priority" serves the lowest SubmitRequest.priority first (arrival
+    # breaking ties) and preempts the least urgent running request (services/scheduler/
+    # waiting_queue.py).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     enable_prefix_caching: bool = True
     step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
     # Plan step N+1 while the worker runs step N (the worker feeds its sampled tokens forward).

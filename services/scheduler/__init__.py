@@ -4,8 +4,9 @@ Reading order:
 - `kv/` bottom-up: `kv_cache_spec` -> `block_pool` -> `single_type_manager` ->
   `kv_cache_coordinator` -> `kv_cache_manager` (prefix lookup, admission estimates that equal
   allocations); block hashes are shared with the kvstore and worker (shared/kv);
-- `request`, `stop`, `routed_experts` -> `scheduler` (queues, admission, chunked prefill,
-  preemption; StepPlans out, StepResults in) -> `scheduler_output`; `config`;
+- `request`, `stop`, `routed_experts`, `waiting_queue` (fcfs or priority order) -> `scheduler`
+  (queues, admission, chunked prefill, preemption; StepPlans out, StepResults in) ->
+  `scheduler_output`; `config`;
 - `spec/` (lookahead slots, draft bookkeeping), `structured_output/` (grammar matchers run
   in-process), `offload/` (the KV offload tier: pure `connector` and its I/O `edge`, with the
   kvstore client), `pd/` (prefill/decode disaggregation, pure core and `edge`);

@@ -3,6 +3,8 @@ announced (its KV capacity and block size are authoritative: they describe real 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.scheduler.kv.kv_cache_spec import (
@@ -18,6 +20,9 @@ from services.scheduler.structured_output.reasoning import ReasoningConfig
 from shared.config import SchedulerSettings
 from shared.kv.groups import KVGroupSpec
 from shared.protocol import WorkerReady
+
+# SchedulerSettings.scheduling_policy (vLLM's --scheduling-policy; waiting_queue.py).
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 class SchedulerConfig(BaseModel):
@@ -59,6 +64,7 @@ class SchedulerConfig(BaseModel):
     # The one prefill-lookahead number (services.scheduler.spec.lookahead): P/D's handoff
     # point and the tokens a sliding-window group retains beyond its window.
     lookahead_tokens: int = Field(default=0, ge=0)
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     @model_validator(mode="after")
     def _default_groups(self) -> SchedulerConfig:
@@ -86,7 +92,8 @@ class SchedulerConfig(BaseModel):
 
     @classmethod
     def from_worker(cls, settings: SchedulerSettings, ready: WorkerReady) -> SchedulerConfig:
-        """Settings for policy (batch limits, prefix caching), the worker for capacity.
+        """Settings for policy (batch limits, prefix caching, the queue), the worker for
+        capacity.
 
         `settings.max_model_len` may only shrink the worker's context length (0 = the worker's).
         """
@@ -110,6 +117,7 @@ class SchedulerConfig(BaseModel):
             num_spec_tokens=settings.spec_tokens if settings.spec_method else 0,
             spec_drafts_on_worker=settings.async_scheduling and settings.spec_drafts_on_worker,
             lookahead_tokens=lookahead_of(settings),
+            scheduling_policy=settings.scheduling_policy,
             kv_cache_groups=kv_cache_groups_from(ready.kv_groups, ready.block_size),
             reasoning=ReasoningConfig(
                 end_token_ids=tuple(settings.reasoning_end_token_ids),

@@ -54,6 +54,7 @@ _BY_REASON: dict[str, RequestStatus] = {
 class Request:
     __slots__ = (
         "all_token_ids",
+        "arrival_seq",
         "arrival_time",
         "block_hashes",
         "block_size",
@@ -67,6 +68,7 @@ class Request:
         "num_prompt_tokens",
         "num_step_failures",
         "output_token_ids",
+        "priority",
         "prompt_logprobs",
         "reply_stream",
         "request_id",
@@ -87,6 +89,8 @@ class Request:
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
         routed_experts_prompt_start: int = 0,
+        priority: int = 0,
+        arrival_seq: int = 0,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -95,6 +99,10 @@ class Request:
         self.sampling = sampling
         self.reply_stream = reply_stream
         self.arrival_time = arrival_time
+        # Under the "priority" policy lower is served sooner, and the largest (priority,
+        # arrival) running request is preempted first (waiting_queue.py); "fcfs" ignores both.
+        self.priority = priority
+        self.arrival_seq = arrival_seq  # the scheduler's intake order: ties of arrival_time
         self.cache_salt = cache_salt
         self.return_routed_experts = return_routed_experts
         # Rows collected for the reply (services/scheduler/routed_experts.py); None if not asked.
@@ -124,7 +132,7 @@ class Request:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 
     @classmethod
-    def from_submit(cls, msg: SubmitRequest, block_size: int) -> Request:
+    def from_submit(cls, msg: SubmitRequest, block_size: int, arrival_seq: int = 0) -> Request:
         return cls(
             request_id=msg.request_id,
             prompt_token_ids=msg.prompt_token_ids,
@@ -135,6 +143,8 @@ class Request:
             cache_salt=msg.cache_salt,
             return_routed_experts=msg.return_routed_experts,
             routed_experts_prompt_start=msg.routed_experts_prompt_start,
+            priority=msg.priority,
+            arrival_seq=arrival_seq,
         )
 
     @property

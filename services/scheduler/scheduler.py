@@ -2,14 +2,21 @@
 
 Policy (vLLM v1): every step, running requests first, in admission order, each getting its
 remaining tokens (1 when decoding, its next chunk when prefilling) within the step's token
-budget; then waiting requests FCFS while the budget and `max_num_seqs` allow, a prompt longer
-than the remaining budget being split across steps (chunked prefill); with
-`long_prefill_token_threshold` no request gets more than that many tokens in one step, so a
-long prefill leaves room for others in each of its steps. When a running request
-cannot get a block, the lowest-priority running request (the last admitted) is preempted by
-recompute: its blocks are freed and it goes back to the FRONT of the waiting queue, to be
-re-admitted later as a new request carrying prompt + outputs so far. No waiting request is
-admitted in a step that preempted, so a victim is never re-admitted in the plan that drops it.
+budget; then waiting requests from the head of the waiting queue while the budget and
+`max_num_seqs` allow, a prompt longer than the remaining budget being split across steps
+(chunked prefill); with `long_prefill_token_threshold` no request gets more than that many
+tokens in one step, so a long prefill leaves room for others in each of its steps. When a
+running request cannot get a block, a running request is preempted by recompute: its blocks
+are freed and it goes back to the waiting queue, to be re-admitted later as a new request
+carrying prompt + outputs so far. No waiting request is admitted in a step that preempted, so
+a victim is never re-admitted in the plan that drops it.
+
+The scheduling policy (`SchedulerConfig.scheduling_policy`, waiting_queue.py) picks the order:
+"fcfs" queues by arrival, a request going back goes to the FRONT, and the victim is the last
+admitted; "priority" queues by (priority, arrival) on every insert, and the victim is the
+least urgent running request, largest (priority, arrival), even one the running pass already
+scheduled this step (its part of the plan is taken back). As in vLLM, a waiting request never
+preempts a running one, whatever its priority.
 
 Step protocol: `schedule()` advances `num_computed_tokens` by what it schedules; the caller
 runs the plan and then calls `update_from_output(plan, result)` (or `step_failed`) before the
@@ -23,8 +30,8 @@ and `preempted_request_ids` before adding `new_requests`.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections import deque
 from typing import TYPE_CHECKING
 
 from services.scheduler.config import SchedulerConfig
@@ -40,6 +47,7 @@ from services.scheduler.spec import SpecDecoding
 from services.scheduler.stop import check_stop
 from services.scheduler.structured_output import StructuredOutputManager
 from services.scheduler.submit_check import token_ids_error
+from services.scheduler.waiting_queue import WaitingQueue, priority_key, waiting_queue
 from shared.protocol import (
     CachedRequestData,
     FinishReason,
@@ -72,8 +80,9 @@ class Scheduler:
         self.worker_incarnation = ""  # stamped on every plan; set by reset_worker_state
         self.kv = KVCacheManager(config)
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order = priority order
+        self.waiting: WaitingQueue = waiting_queue(config.scheduling_policy)
+        self.running: list[Request] = []  # admission order
+        self._arrivals = itertools.count()  # intake order: ties of arrival_time (priority)
         self.step_id = 0
         # Plans handed out and not yet updated. A result for any other step (one that ran on
         # a worker since reset, or a duplicate) is ignored: its requests have moved on.
@@ -130,12 +139,14 @@ class Scheduler:
         (`get_request(...).num_output_tokens` tells which)."""
         if msg.request_id in self.requests:
             return None
-        error = self._admission_error(msg)
-        if error is None and msg.grammar is not None and grammar is None:
+        if error := self._admission_error(msg):  # the request's own fault: a 400
+            delta = _final_delta(msg.request_id, 0, "error", error=error)
+            delta.error_type = "invalid_request_error"
+            return delta
+        if msg.grammar is not None and grammar is None:
             error = "the request's structured-output grammar is not loaded"
-        if error is not None:
             return _final_delta(msg.request_id, 0, "error", error=error)
-        request = Request.from_submit(msg, self.config.block_size)
+        request = Request.from_submit(msg, self.config.block_size, next(self._arrivals))
         if grammar is not None:
             self.structured.add(request.request_id, grammar)
         if checkpoint is not None:
@@ -254,14 +265,24 @@ class Scheduler:
             num_kv = self.spec.slots_to_allocate(request, num_new) if on_worker else num_new
             new_blocks = kv.allocate_slots(request, num_kv) if num_kv else kv.no_blocks
             while new_blocks is None:
-                victim = self.running.pop()
+                victim, index = self._pop_victim()
+                if victim.request_id in num_scheduled:  # earlier in this pass (priority)
+                    budget += self._unschedule(
+                        victim, num_scheduled, cached, spec_tokens, spec_lookahead, sampling
+                    )
+                if index < i:
+                    i -= 1  # `request` moved up one
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
                 new_blocks = kv.allocate_slots(request, num_kv)
             if new_blocks is None:
-                break
+                # It preempted itself. The requests after it still run: under fcfs there are
+                # none, under priority they are more urgent. (vLLM ends the pass here and its
+                # engine loop plans again at once; a plan left empty here would idle the
+                # service's loop until its next wake-up.)
+                continue
             cached.append(
                 _cached_request_data(
                     request_id=request.request_id,
@@ -283,7 +304,7 @@ class Scheduler:
             i += 1
 
         # Requests waiting for another request's load of their next block: set aside for this
-        # step, then back at the front in their order (services/scheduler/offload: HOLD).
+        # step, then back in their place (services/scheduler/offload: HOLD).
         held: list[Request] = []
         if not preempted:
             max_seqs = self.config.max_num_seqs
@@ -295,7 +316,7 @@ class Scheduler:
                     self.offload.cost.batch_running = bool(self.running)
                     admission = self.offload.admit(request, kv)
                     if admission.action == "defer":
-                        break  # lookup unanswered (or no room): FCFS, as a failed allocation
+                        break  # lookup unanswered (or no room): in order, as a failed allocation
                     if admission.action == "hold":
                         held.append(self.waiting.popleft())
                         continue
@@ -305,7 +326,7 @@ class Scheduler:
                     hit_blocks, num_hit = admission.hit_blocks, admission.num_hit_tokens
                 num_new = min(request.num_tokens - num_hit, budget, self._prefill_cap)
                 if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-                    break  # FCFS: nobody overtakes the head of the queue
+                    break  # in queue order: nobody overtakes the head of the queue
                 self.waiting.popleft()
                 kv.record_admission(request, num_hit)
                 if request.num_cached_tokens < 0:
@@ -440,7 +461,7 @@ class Scheduler:
         """The worker restarted and holds nothing: every running request recomputes (keeping
         its outputs) and is sent again as new; the prefix cache is dropped, since no cached
         block has KV on the new worker."""
-        if self.offload is not None:  # loads are void: requeued behind the running requests
+        if self.offload is not None:  # loads are void: requeued (fcfs: behind the running ones)
             self.waiting.extendleft(reversed(self.offload.worker_reset(self.kv)))
         for request in self.running:
             self.kv.free(request)
@@ -463,7 +484,8 @@ class Scheduler:
         self, transfer_id: str, ok: bool, failed_keys: list[str]
     ) -> LoadOutcome | None:
         """The worker answered a KV load (or the edge could not pin it): the request goes back
-        to the front of the waiting queue, its loaded blocks computed, or freed to recompute."""
+        to the waiting queue (its front, or its place by priority), its loaded blocks computed,
+        or freed to recompute."""
         if self.offload is None:
             return None
         outcome = self.offload.load_done(transfer_id, ok, failed_keys, self.kv)
@@ -558,9 +580,43 @@ class Scheduler:
             self._worker_known.discard(request.request_id)
             self._finished_for_worker.append(request.request_id)
 
+    def _pop_victim(self) -> tuple[Request, int]:
+        """Take the request to preempt out of `running`, with the index it had there: the last
+        admitted ("fcfs"), or the least urgent, largest `priority_key` ("priority": vLLM v1's
+        `max(running, key=(priority, arrival_time))`), which may precede the request that
+        needs the block."""
+        running = self.running
+        if self.config.scheduling_policy == "fcfs":
+            return running.pop(), len(running)
+        index = max(range(len(running)), key=lambda k: priority_key(running[k]))
+        return running.pop(index), index
+
+    def _unschedule(
+        self,
+        request: Request,
+        num_scheduled: dict[str, int],
+        cached: list[CachedRequestData],
+        spec_tokens: dict[str, list[int]],
+        spec_lookahead: dict[str, int],
+        sampling: list[str],
+    ) -> int:
+        """Take a preemption victim back out of the plan being built (it was scheduled earlier
+        in the running pass); returns its tokens to the step budget. Its counters are reset by
+        `_preempt`; the blocks its allocation registered will not be written by this step, so
+        they are unregistered before `_preempt` frees them (as for a failed step)."""
+        rid = request.request_id
+        self.kv.uncache_newly_cached(request)
+        cached[:] = [c for c in cached if c.request_id != rid]
+        spec_tokens.pop(rid, None)
+        spec_lookahead.pop(rid, None)
+        if rid in sampling:
+            sampling.remove(rid)
+        return num_scheduled.pop(rid)
+
     def _preempt(self, request: Request) -> None:
         """Recompute later: blocks freed (their cached prefix usually survives in the free
-        queue, so resumption is often a prefix hit), front of the waiting queue."""
+        queue, so resumption is often a prefix hit), back to the waiting queue (its front, or
+        its place by priority)."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -572,8 +628,8 @@ class Scheduler:
         self._drop_from_worker(request.request_id)
 
     def _recompute(self, requests: list[Request], error: str, out: SchedulerOutput) -> None:
-        """Put running requests back at the front of the waiting queue, in their order; ones
-        that failed too often finish with "error"."""
+        """Put running requests back in the waiting queue (at its front in their order, or in
+        their place by priority); ones that failed too often finish with "error"."""
         if not requests:
             return
         requeue: list[Request] = []
@@ -692,6 +748,11 @@ class Scheduler:
             self._preempted_for_worker.append(request_id)
 
     def _admission_error(self, msg: SubmitRequest) -> str | None:
+        if msg.priority and self.config.scheduling_policy == "fcfs":
+            return (  # vLLM refuses it too, rather than ignore what the client asked for
+                "priority scheduling is not enabled (MESHLLM_SCHEDULING_POLICY=fcfs); "
+                "priority must be 0"
+            )
         if error := prompt_start_error(msg):
             return error
         if error := token_ids_error(msg, self.config.vocab_size):

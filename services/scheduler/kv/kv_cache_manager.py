@@ -188,6 +188,19 @@ class KVCacheManager:
             if block.block_hash is not None:
                 coordinator.pool_of_group(block.block_hash[1]).uncache_blocks((block,))
 
+    def uncache_newly_cached(self, request: Request) -> None:
+        """Unregister the blocks the request's allocations registered since the last
+        `take_newly_cached`: it leaves the step being planned (a preemption victim scheduled
+        earlier in the pass), so no step will write them. Call before freeing it: its block
+        table names them. Nobody else holds them (a block registered now was hit by nobody)."""
+        held = {id(b) for group in self.coordinator.get_blocks(request.request_id) for b in group}
+        if not held or not self._newly_cached:
+            return
+        mine = [b for b in self._newly_cached if id(b) in held]
+        if mine:
+            self._newly_cached = [b for b in self._newly_cached if id(b) not in held]
+            self.uncache(mine)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks made full by its first `num_computed_tokens` tokens,
         whose KV is already written. (`allocate_slots` registers what each planned step fills;

@@ -14,6 +14,8 @@ def submit(
     prompt: list[int],
     max_tokens: int = 8,
     cache_salt: str | None = None,
+    priority: int = 0,
+    arrival_time: float = 0.0,
     **sampling: object,
 ) -> SubmitRequest:
     return SubmitRequest(
@@ -22,6 +24,8 @@ def submit(
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
         reply_stream=f"replies:{request_id[:1]}",
         cache_salt=cache_salt,
+        priority=priority,
+        arrival_time=arrival_time,
     )
 
 
