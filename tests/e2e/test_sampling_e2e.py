@@ -347,3 +347,147 @@ def test_an_unseeded_requests_logged_seed_reproduces_it(
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
     assert texts[0] != texts[1]  # choice i runs with seed + i
+
+
+# --- vLLM's extra parameters -----------------------------------------------------------------
+
+
+def _ids(logprobs: Any) -> list[int]:
+    """Generated token ids, read from logprobs named `token_id:<id>`."""
+    tokens = logprobs.tokens if hasattr(logprobs, "tokens") else [e.token for e in logprobs.content]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def _greedy(client: openai.OpenAI, model_name: str, prompt: str, **extra: Any) -> Any:
+    return client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+        extra_body={**FIXED, "return_tokens_as_token_ids": True, **extra},
+    )  # fmt: skip
+
+
+def test_prompt_logprobs_equal_transformers(
+    client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
+) -> None:
+    """vLLM's `prompt_logprobs` (no echo): the choice's prompt_logprobs hold each prompt token
+    after the first with its logprob, its rank, and the top-k alternatives, as transformers'
+    log-softmax gives them; chat has them at the body's top level."""
+    model, tok = reference
+    prompt, k = "The capital of France is Paris, and the capital of Italy is Rome", 2
+    ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    resp = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": k},
+    )  # fmt: skip
+    got = resp.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for p, token in enumerate(ids[1:]):
+        entry = got[p + 1]
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(ref[p, token].item(), abs=TOL)
+        assert own["decoded_token"] == tok.decode([token])
+        low = int((ref[p] > ref[p, token] + TOL).sum()) + 1
+        high = int((ref[p] >= ref[p, token] - TOL).sum())
+        assert low <= own["rank"] <= high, p
+        top = ref[p].topk(k)
+        for t in top.indices.tolist():
+            assert entry[str(t)]["logprob"] == pytest.approx(ref[p, t].item(), abs=TOL)
+        assert set(entry) <= {str(token), *map(str, top.indices.tolist())}
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    assert chat.usage is not None
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+
+
+def test_bad_words_ban_a_word_only_where_it_would_complete(
+    client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
+) -> None:
+    """A two-token word the greedy output contains: with it banned, the output is the same up
+    to the word's first token, then takes transformers' best token other than its second."""
+    model, tok = reference
+    prompt = "The capital of France is"
+    gen = _ids(_greedy(client, model_name, prompt).choices[0].logprobs)
+    j = next(
+        i for i in range(1, len(gen) - 1)
+        if tok.convert_ids_to_tokens(gen[i]).startswith("Ġ")
+        and tok(" " + tok.decode(gen[i : i + 2]).lstrip(), add_special_tokens=False)["input_ids"]
+        == gen[i : i + 2]
+    )  # fmt: skip
+    word = tok.decode(gen[j : j + 2]).strip()
+    banned = _ids(_greedy(client, model_name, prompt, bad_words=[word]).choices[0].logprobs)
+    assert banned[: j + 1] == gen[: j + 1]
+    prompt_ids = tok(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + gen[: j + 1]])).logits[0, -1].float()
+        logits[gen[j + 1]] = float("-inf")
+    assert banned[j + 1] == int(logits.argmax())
+
+
+def test_allowed_token_ids_hold_the_output_to_them(
+    client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
+) -> None:
+    model, tok = reference
+    prompt = "Is the sky blue? Answer:"
+    allowed = [tok(w, add_special_tokens=False)["input_ids"][0] for w in (" yes", " no", " maybe")]
+    out = _ids(_greedy(client, model_name, prompt, allowed_token_ids=allowed).choices[0].logprobs)
+    assert set(out) <= set(allowed)
+    with torch.inference_mode():
+        logits = model(torch.tensor([tok(prompt)["input_ids"]])).logits[0, -1].float()
+    assert out[0] == allowed[int(logits[allowed].argmax())]
+
+
+def test_truncated_prompt_equals_its_tail_sent_as_ids(
+    client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
+) -> None:
+    _, tok = reference
+    prompt = "One two three four five six seven eight nine ten eleven twelve"
+    ids = tok(prompt)["input_ids"]
+    cut = _greedy(client, model_name, prompt, truncate_prompt_tokens=5)
+    tail = _greedy(client, model_name, ids[-5:])  # type: ignore[arg-type]
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == tail.choices[0].text
+
+
+def test_stop_string_and_special_tokens_kept_when_asked(
+    client: openai.OpenAI, model_name: str, reference: tuple[Any, Any]
+) -> None:
+    _, tok = reference
+    prompt = "The capital of France is"
+    base = _greedy(client, model_name, prompt).choices[0].text
+    stop = base.split()[1]  # a word the output is known to contain
+    kept = _greedy(client, model_name, prompt, include_stop_str_in_output=True)
+    cut = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+        extra_body={**FIXED, "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text == base
+    assert cut.choices[0].text == base[: base.index(stop) + len(stop)]
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Say hi."}], max_tokens=40,
+        temperature=0, logprobs=True,
+        extra_body={**FIXED, "skip_special_tokens": False, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    out = _ids(chat.choices[0].logprobs)
+    assert chat.choices[0].message.content == tok.decode(out, skip_special_tokens=False)
+    assert "<|im_end|>" in chat.choices[0].message.content  # ignore_eos: it runs past its end
+
+
+def test_cache_salt_keeps_prefix_caches_apart(client: openai.OpenAI, model_name: str) -> None:
+    """The same prompt hits the cache only under the salt it was computed with."""
+    prompt = "A long and specific preamble for the cache salt test. " * 6 + str(uuid.uuid4())
+
+    def cached(**extra: Any) -> int:
+        resp = client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=1, extra_body=extra
+        )
+        assert resp.usage is not None and resp.usage.prompt_tokens_details is not None
+        return resp.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached() == 0
+    assert cached() > 0  # the plain prompt is cached now
+    assert cached(cache_salt="tenant-a") == 0  # not for another tenant
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0

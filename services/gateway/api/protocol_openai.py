@@ -47,6 +47,11 @@ MAX_REPETITION_PENALTY = 3.4028234663852886e38
 #: OpenAI's limits on function tools: 128 per request, names of [a-zA-Z0-9_-]{1,64}.
 MAX_TOOLS = 128
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+#: vLLM's `bad_words`: each word is banned at the start of text and after a space, so up to
+#: two token sequences per word (shared/protocol's MAX_BAD_WORDS bounds the total).
+MAX_BAD_WORDS = 128
+#: int32 bounds of `priority` (the scheduler compares it as a number).
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 #: apply_chat_template's own arguments: chat_template_kwargs may not set them (the request's
 #: fields do), only the template's variables.
 TEMPLATE_ARGUMENTS = frozenset(
@@ -194,6 +199,32 @@ class SamplingFields(ApiModel):
     structured_outputs: StructuredOutputs | None = None
     return_routed_experts: bool = False
     routed_experts_prompt_start: int | None = None
+    # vLLM's extra sampling parameters.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = Field(None, ge=0)
+    return_tokens_as_token_ids: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _allowed_ids(cls, value: Any) -> list[int] | None:
+        if value is None:
+            return None
+        if not isinstance(value, list) or not value or not all(_is_token_id(v) for v in value):
+            raise ValueError("must be a non-empty list of non-negative integer token ids")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not word.strip() for word in value):
+            raise ValueError("a bad word must not be empty or only whitespace")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -10,23 +10,29 @@ to a choice when it was asked for: one entry per returned position (prompt posit
 requested start, then one per generated token), each a list over MoE layers of the top-k expert
 ids.
 
-Logprobs are finite in JSON: -inf (a token the sampler could never pick) becomes -9999.0, as
-vLLM renders it.
+vLLM's `prompt_logprobs`, when asked for, are a completions choice's `prompt_logprobs` and a
+chat body's top-level `prompt_logprobs` (vLLM's places). Logprobs are rendered by
+logprobs_format.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
+from services.gateway.api.logprobs_format import (
+    TokenNames,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    prompt_logprobs,
+)
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.plan.tokenization import PromptTokenizer
-from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate, TokenLogprob
+from services.gateway.stream.choice_assembler import ChoiceAssembler, ChoiceUpdate
 from services.gateway.stream.message_reader import MessageDelta, message_reader
 from services.gateway.stream.tool_calls import joined_calls
 
-MIN_LOGPROB = -9999.0
 DONE = "data: [DONE]\n\n"
 
 
@@ -51,65 +57,12 @@ def plan_usage(plan: RequestPlan, choices: list[ChoiceAssembler]) -> dict[str, A
     return usage(plan.num_prompt_tokens, sum(c.num_tokens for c in choices), cached)
 
 
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
-# --- logprobs --------------------------------------------------------------------------------
-
-
-def completion_logprobs(
-    tok: PromptTokenizer, entries: list[TokenLogprob], text_offset: int
-) -> tuple[dict[str, Any], int]:
-    """Legacy completions logprobs; `text_offset` is where the first token's text starts in the
-    choice's text. Returns the object and the offset after the last token."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for entry in entries:
-        text = tok.token_text(entry.token_id)
-        tokens.append(text)
-        token_logprobs.append(_finite(entry.logprob))
-        tops.append({tok.token_text(t): _finite(lp) for t, lp in entry.top})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    body = {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-    return body, text_offset
-
-
-def echo_logprobs(
-    tok: PromptTokenizer, prompt_ids: list[int], entries: list[TokenLogprob]
-) -> dict[str, Any]:
-    """The echoed prompt's part of legacy completions logprobs: every prompt token, the first
-    with a null logprob and null alternatives (nothing comes before it), as vLLM returns it."""
-    texts = [tok.token_text(t) for t in prompt_ids]
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-    return {
-        "tokens": texts,
-        "token_logprobs": [None] + [_finite(e.logprob) for e in entries],
-        "top_logprobs": [None]
-        + [{tok.token_text(t): _finite(lp) for t, lp in e.top} for e in entries],
-        "text_offset": offsets,
-    }
+def token_names(plan: RequestPlan, tok: PromptTokenizer) -> TokenNames:
+    return TokenNames(tok, as_ids=plan.tokens_as_ids)
 
 
 def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
     return {key: first[key] + then[key] for key in first}
-
-
-def chat_logprobs(tok: PromptTokenizer, entries: list[TokenLogprob]) -> dict[str, Any]:
-    def item(token_id: int, logprob: float) -> dict[str, Any]:
-        raw = tok.token_bytes(token_id)
-        return {"token": tok.token_text(token_id), "logprob": _finite(logprob), "bytes": list(raw)}
-
-    content = [
-        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-        for e in entries
-    ]
-    return {"content": content, "refusal": None}
 
 
 # --- full bodies -----------------------------------------------------------------------------
@@ -118,6 +71,7 @@ def chat_logprobs(tok: PromptTokenizer, entries: list[TokenLogprob]) -> dict[str
 def completion_body(
     plan: RequestPlan, choices: list[ChoiceAssembler], tok: PromptTokenizer
 ) -> dict[str, Any]:
+    names = token_names(plan, tok)
     out = []
     for choice in choices:
         prefix = plan.prompt_of(choice.index).text if plan.echo else ""
@@ -128,12 +82,15 @@ def completion_body(
             "finish_reason": choice.finish_reason,
         }
         if plan.logprobs is not None:
-            item["logprobs"] = completion_logprobs(tok, choice.logprobs, len(prefix))[0]
+            item["logprobs"] = completion_logprobs(names, choice.logprobs, len(prefix))[0]
             if plan.echo:
-                prompt = echo_logprobs(
-                    tok, plan.prompt_of(choice.index).token_ids, choice.prompt_logprobs
-                )
+                ids = plan.prompt_of(choice.index).token_ids
+                prompt = echo_logprobs(names, ids, choice.prompt_logprobs, plan.logprobs)
                 item["logprobs"] = _joined(prompt, item["logprobs"])
+        if plan.prompt_logprobs is not None:
+            item["prompt_logprobs"] = prompt_logprobs(
+                names, choice.prompt_logprobs, plan.prompt_logprobs
+            )
         if plan.return_routed_experts:
             item["routed_experts"] = choice.routed_rows
         out.append(item)
@@ -150,19 +107,22 @@ def completion_body(
 def chat_body(
     plan: RequestPlan, choices: list[ChoiceAssembler], tok: PromptTokenizer
 ) -> dict[str, Any]:
+    names = token_names(plan, tok)
     out = []
     for choice in choices:
         message, finish_reason = _chat_message(plan, choice)
         item: dict[str, Any] = {
             "index": choice.index,
             "message": message,
-            "logprobs": chat_logprobs(tok, choice.logprobs) if plan.logprobs is not None else None,
+            "logprobs": chat_logprobs(names, choice.logprobs)
+            if plan.logprobs is not None
+            else None,
             "finish_reason": finish_reason,
         }
         if plan.return_routed_experts:
             item["routed_experts"] = choice.routed_rows
         out.append(item)
-    return {
+    body = {
         "id": plan.request_id,
         "object": "chat.completion",
         "created": plan.created,
@@ -170,6 +130,11 @@ def chat_body(
         "choices": out,
         "usage": plan_usage(plan, choices),
     }
+    if plan.prompt_logprobs is not None:  # one prompt, whatever n: the first choice's
+        body["prompt_logprobs"] = prompt_logprobs(
+            names, choices[0].prompt_logprobs, plan.prompt_logprobs
+        )
+    return body
 
 
 def _chat_message(plan: RequestPlan, choice: ChoiceAssembler) -> tuple[dict[str, Any], str | None]:
@@ -230,6 +195,7 @@ def update_chunk(
     and `finish_reason` the reason the reader gives (a chat choice that called tools).
     `prompt`: the choice whose echoed prompt this chunk carries, with its prompt logprobs."""
     text = prefix + update.text
+    names = token_names(plan, tok)
     item: dict[str, Any]
     if plan.kind == "completion":
         item = {
@@ -240,13 +206,12 @@ def update_chunk(
         }
         if plan.logprobs is not None:
             item["logprobs"], _ = completion_logprobs(
-                tok, update.logprobs, text_offset + len(prefix)
+                names, update.logprobs, text_offset + len(prefix)
             )
             if prompt is not None:
                 ids = plan.prompt_of(index).token_ids
-                item["logprobs"] = _joined(
-                    echo_logprobs(tok, ids, prompt.prompt_logprobs), item["logprobs"]
-                )
+                echoed = echo_logprobs(names, ids, prompt.prompt_logprobs, plan.logprobs)
+                item["logprobs"] = _joined(echoed, item["logprobs"])
     else:
         delta: dict[str, Any] = {"content": text} if text or update.finish_reason is None else {}
         if message is not None:
@@ -254,7 +219,9 @@ def update_chunk(
         item = {
             "index": index,
             "delta": delta,
-            "logprobs": chat_logprobs(tok, update.logprobs) if plan.logprobs is not None else None,
+            "logprobs": chat_logprobs(names, update.logprobs)
+            if plan.logprobs is not None
+            else None,
             "finish_reason": finish_reason or update.finish_reason,
         }
     if plan.return_routed_experts:

@@ -24,6 +24,7 @@ from services.gateway.api.protocol_openai import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from services.gateway.plan.bad_words import bad_words_token_ids
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.sampling_params import sampling_params
 from services.gateway.plan.structured_outputs import grammar_param, grammar_ref
@@ -63,6 +64,13 @@ class RequestPlan:
     grammar_param: str | None = None  # the request field `grammar` came from (for a 400)
     tools: ToolCalling | None = None  # chat: how the output is read as tool calls
     reasoning: ReasoningParserName = ""  # chat: the parser that splits off the reasoning
+    # vLLM's: the request's `prompt_logprobs` (returned as such; echo's are in `logprobs`).
+    prompt_logprobs: int | None = None
+    include_stop: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name `token_id:<id>`
+    cache_salt: str | None = None
+    priority: int = 0
 
     @property
     def num_choices(self) -> int:
@@ -96,6 +104,8 @@ class RequestPlan:
                     grammar=self.grammar,
                     return_routed_experts=self.return_routed_experts,
                     routed_experts_prompt_start=self.routed_experts_prompt_start,
+                    cache_salt=self.cache_salt,
+                    priority=self.priority,
                 )
             )
         return out
@@ -116,10 +126,19 @@ def plan_completion(
 ) -> RequestPlan:
     check_model_name(req.model, model)
     check_request(req, settings, model)
+    keep = req.truncate_prompt_tokens
     try:
-        prompts = [tok.completion_prompt(p, token_limit=model.max_model_len) for p in req.prompt]
+        prompts = [
+            truncated(tok.completion_prompt(p, token_limit=_limit(keep, model)), keep, tok)
+            for p in req.prompt
+        ]
     except PromptTooLong as exc:
         raise prompt_too_long(exc.num_tokens, model, "prompt") from None
+    words = bad_words_token_ids(req.bad_words, tok) if req.bad_words else []
+    # echo with logprobs (lm-eval's loglikelihood requests) wants the prompt's logprobs too:
+    # one computation serves both, with the larger number of alternatives.
+    asked = [req.prompt_logprobs, req.logprobs if req.echo else None]
+    prompt_logprobs = max((k for k in asked if k is not None), default=None)
     samplings = []
     for prompt in prompts:
         max_tokens = check_prompt(
@@ -131,11 +150,13 @@ def plan_completion(
             min_tokens=req.min_tokens,
             default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
         )
-        # echo with logprobs (lm-eval's loglikelihood requests): the prompt's logprobs too.
-        prompt_logprobs = req.logprobs if req.echo else None
         samplings.append(
             sampling_params(
-                req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs
+                req,
+                max_tokens=max_tokens,
+                logprobs=req.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                bad_words_token_ids=words,
             )
         )
     return _plan(
@@ -157,15 +178,17 @@ def plan_chat(
     check_model_name(req.model, model)
     check_request(req, settings, model)
     tools, tool_grammar = plan_tools(req, settings.tool_call_parser)
+    keep = req.truncate_prompt_tokens
     try:
         prompt = tok.chat_prompt(
             req.messages,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            token_limit=model.max_model_len,
+            token_limit=_limit(keep, model),
             tools=req.tools,
             template_kwargs=req.chat_template_kwargs,
         )
+        prompt = truncated(prompt, keep, tok)
     except PromptTooLong as exc:
         raise prompt_too_long(exc.num_tokens, model, "messages") from None
     max_tokens = check_prompt(
@@ -177,7 +200,14 @@ def plan_chat(
         min_tokens=req.min_tokens,
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    words = bad_words_token_ids(req.bad_words, tok) if req.bad_words else []
+    sampling = sampling_params(
+        req,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        bad_words_token_ids=words,
+    )
     plan = _plan(
         "chat",
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -236,4 +266,25 @@ def _plan(
         ),
         user=req.user,
         grammar_param=grammar_param(req.response_format, req.structured_outputs),
+        prompt_logprobs=req.prompt_logprobs,
+        include_stop=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        tokens_as_ids=req.return_tokens_as_token_ids,
+        cache_salt=req.cache_salt,
+        priority=req.priority,
     )
+
+
+def _limit(keep: int | None, model: ModelInfo) -> int | None:
+    """The token limit of tokenization: the context, unless the prompt is to be truncated (then
+    its length does not matter; the body's size bounds it)."""
+    return model.max_model_len if keep is None else None
+
+
+def truncated(prompt: TokenizedPrompt, keep: int | None, tok: PromptTokenizer) -> TokenizedPrompt:
+    """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (its text, for echo,
+    then the decoded ids)."""
+    if keep is None or len(prompt.token_ids) <= keep:
+        return prompt
+    ids = prompt.token_ids[-keep:]
+    return TokenizedPrompt(ids, tok.decode(ids, skip_special_tokens=False))

@@ -17,10 +17,12 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    bad_words_token_ids: list[list[int]] | None = None,
 ) -> SamplingParams:
     """`max_tokens` is the checked value (see validation.check_prompt); `logprobs` the number of
     top alternatives per token when logprobs were asked for (0 = the chosen token only), and
-    `prompt_logprobs` the same for the prompt's tokens (completions' echo with logprobs)."""
+    `prompt_logprobs` the same for the prompt's tokens (the request's `prompt_logprobs`, or
+    completions' echo with logprobs); `bad_words_token_ids` the tokenized `bad_words`."""
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -35,6 +37,8 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=dict(req.logit_bias or {}),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words_token_ids=bad_words_token_ids or [],
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )

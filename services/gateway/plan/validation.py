@@ -45,6 +45,26 @@ def _check_common(req: SamplingFields, settings: GatewaySettings, model: ModelIn
         _check_token_id(token, model, "stop_token_ids")
     for token in req.logit_bias or {}:
         _check_token_id(token, model, "logit_bias")
+    for token in req.allowed_token_ids or []:
+        _check_token_id(token, model, "allowed_token_ids")
+    if req.prompt_logprobs is not None:
+        if req.prompt_logprobs > settings.max_logprobs:
+            raise invalid_request(
+                f"prompt_logprobs must be at most {settings.max_logprobs}, got "
+                f"{req.prompt_logprobs}",
+                "prompt_logprobs",
+            )
+        if req.stream:  # vLLM's rule: they come whole, with the first token
+            raise invalid_request(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
+    keep = req.truncate_prompt_tokens
+    if keep is not None and keep > model.max_model_len:
+        raise invalid_request(
+            f"truncate_prompt_tokens ({keep}) is larger than the model's maximum context length "
+            f"({model.max_model_len})",
+            "truncate_prompt_tokens",
+        )
     if req.routed_experts_prompt_start is not None and not req.return_routed_experts:
         raise invalid_request(
             "routed_experts_prompt_start needs return_routed_experts to be true",

@@ -3,10 +3,13 @@
 Per token, in order: count it, record its logprobs, render it (incremental detokenizer), run the
 text through the stop-string matcher. Rules:
 - The stop/eos token that finished the output counts as a completion token (as vLLM counts
-  it) and keeps its logprob entry, but is never rendered as text.
+  it) and keeps its logprob entry, but is not rendered as text unless the request asks for
+  its stop in the output (`include_stop`, vLLM's include_stop_str_in_output; a special token
+  still renders as nothing while special tokens are skipped).
 - A stop string ends the choice at the token that completed it: later tokens of that delta are
-  neither counted nor returned, and the text ends right before the stop string. The caller
-  must then abort the scheduler request (the scheduler does not see stop strings).
+  neither counted nor returned, and the text ends right before the stop string (after it, with
+  `include_stop`). The caller must then abort the scheduler request (the scheduler does not
+  see stop strings).
 - When the output ends, the detokenizer's and the matcher's held-back text is released.
 """
 
@@ -25,6 +28,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the top alternatives, best first
+    rank: int | None = None  # prompt tokens: the tokens at least as likely (vLLM's rank)
 
 
 @dataclass
@@ -64,14 +68,17 @@ class ChoiceAssembler:
         logprobs: bool,
         routed_experts: bool,
         prompt_logprobs: bool = False,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.index = index
         self._prompt_ids = prompt_ids
         self._want_prompt_logprobs = prompt_logprobs
         # One per prompt token after the first (its logprob given the tokens before it).
         self.prompt_logprobs: list[TokenLogprob] = []
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self._stops = StopStringMatcher(stop)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._stops = StopStringMatcher(stop, include=include_stop)
+        self._include_stop = include_stop
         self._want_logprobs = logprobs
         self._want_routed = routed_experts
         self.text = ""
@@ -104,7 +111,11 @@ class ChoiceAssembler:
         rows = _routed_rows(delta) if self._want_routed else []
         prompt_rows = len(rows) - len(delta.token_ids)
         update.routed_rows.extend(rows[: max(prompt_rows, 0)])
-        hidden_last = delta.finish_reason == "stop" and delta.stop_token_id is not None
+        hidden_last = (
+            delta.finish_reason == "stop"
+            and delta.stop_token_id is not None
+            and not self._include_stop
+        )
         k = len(delta.top_token_ids or []) // max(len(delta.token_ids), 1)
         for i, token in enumerate(delta.token_ids):
             self.num_tokens += 1
@@ -165,11 +176,15 @@ def _prompt_entries(delta: RequestDelta, prompt_ids: list[int]) -> list[TokenLog
     k = len(ids) // len(values) if values else 0
     if len(top) != len(ids) or len(ids) != k * len(values):
         return None
+    ranks = delta.prompt_ranks
+    if ranks is not None and len(ranks) != len(values):
+        return None
     return [
         TokenLogprob(
             prompt_ids[i + 1],
             value,
             list(zip(ids[i * k : (i + 1) * k], top[i * k : (i + 1) * k], strict=True)),
+            ranks[i] if ranks is not None else None,
         )
         for i, value in enumerate(values)
     ]

@@ -8,7 +8,8 @@ the window starts inside the prompt so that tokenizers which drop a leading spac
 of a decode (SentencePiece) render the first output token as it reads in context.
 
 Invariant: the concatenation of everything `push` and `flush` returned equals
-`tokenizer.decode(output_ids)` for byte-level tokenizers.
+`tokenizer.decode(output_ids, skip_special_tokens)` for byte-level tokenizers (special tokens
+are skipped unless the request says otherwise, as in vLLM).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PromptTokenizer, prompt_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: PromptTokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix = 0  # start of the decode window
         self._read = len(self._ids)  # tokens before this are already emitted as text
@@ -30,8 +34,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one output token; return the text it completes (often "", while held back)."""
         self._ids.append(token_id)
-        emitted = self._tok.decode(self._ids[self._prefix : self._read])
-        window = self._tok.decode(self._ids[self._prefix :])
+        emitted = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        window = self._tok.decode(self._ids[self._prefix :], self._skip)
         if len(window) > len(emitted) and not window.endswith(REPLACEMENT):
             self._prefix, self._read = self._read, len(self._ids)
             return window[len(emitted) :]
@@ -40,7 +44,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the output: whatever was held back (a dangling partial character
         comes out as U+FFFD, as a full decode would render it)."""
-        emitted = self._tok.decode(self._ids[self._prefix : self._read])
-        window = self._tok.decode(self._ids[self._prefix :])
+        emitted = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        window = self._tok.decode(self._ids[self._prefix :], self._skip)
         self._prefix = self._read = len(self._ids)
         return window[len(emitted) :] if len(window) > len(emitted) else ""

@@ -82,7 +82,10 @@ class Generation:
                 stop=plan.stop,
                 logprobs=plan.logprobs is not None,
                 routed_experts=plan.return_routed_experts,
-                prompt_logprobs=plan.echo and plan.logprobs is not None,
+                prompt_logprobs=plan.prompt_logprobs is not None
+                or (plan.echo and plan.logprobs is not None),
+                include_stop=plan.include_stop,
+                skip_special_tokens=plan.skip_special_tokens,
             )
             for i in range(plan.num_choices)
         ]

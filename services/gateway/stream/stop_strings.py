@@ -4,7 +4,8 @@ Text arrives in pieces (one per token); a stop string may straddle pieces. The m
 back the longest tail of the unemitted text that could still grow into a stop string, and
 searches held + new text together, so:
 - no emitted text ever contains (the start of) a stop string that later completes, and
-- the output ends right before the earliest stop string in the full text.
+- the output ends right before the earliest stop string in the full text (or right after it,
+  when the request asks for the stop string in the output).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ class StopCheck:
 
 
 class StopStringMatcher:
-    def __init__(self, stops: list[str]) -> None:
+    """`include`: the output ends right after the stop string instead (vLLM's
+    include_stop_str_in_output); at one position the first listed string is the one matched."""
+
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         self._held = ""
         self.stopped = False
 
@@ -30,11 +35,12 @@ class StopStringMatcher:
         if not self.stops:
             return StopCheck(piece, False)
         text = self._held + piece
-        first = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if first >= 0:
+        found = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
+        if found:
+            first, stop = min(found, key=lambda hit: hit[0])
             self.stopped = True
             self._held = ""
-            return StopCheck(text[:first], True)
+            return StopCheck(text[: first + len(stop) if self.include else first], True)
         keep = self._partial_tail(text)
         self._held = text[len(text) - keep :] if keep else ""
         return StopCheck(text[: len(text) - keep], False)

@@ -157,3 +157,40 @@ def test_prompt_logprobs_come_with_the_first_delta_and_must_fit_the_prompt(
         delta = RequestDelta(request_id="x", start_index=0, token_ids=[5], logprobs=[-0.1], **wrong)
         update = bad.consume(delta)  # type: ignore[arg-type]
         assert update.finish_reason == "error" and "prompt logprobs" in (update.error or "")
+
+
+def test_included_stop_token_and_stop_string(tokenizer: PromptTokenizer) -> None:
+    """include_stop_str_in_output: a normal stop token is rendered, eos (special) still renders
+    as nothing, and a stop string stays in the text."""
+    ids = tokenizer.encode(" one two.", add_special_tokens=False)
+    choice = assembler(tokenizer, include_stop=True)
+    choice.consume(
+        RequestDelta(
+            request_id="x",
+            start_index=0,
+            token_ids=ids,
+            finish_reason="stop",
+            stop_token_id=ids[-1],
+        )
+    )
+    assert choice.text == tokenizer.decode(ids) == " one two."
+    choice = assembler(tokenizer, include_stop=True)
+    for d in deltas([*ids, EOS], 2, finish_reason="stop", stop_token_id=EOS):
+        choice.consume(d)
+    assert choice.text == " one two."
+    choice = assembler(tokenizer, stop=["two"], include_stop=True)
+    for d in deltas(ids, 1, finish_reason="length"):
+        choice.consume(d)
+    assert choice.text == " one two" and choice.finish_reason == "stop"
+
+
+def test_special_tokens_kept_when_not_skipped(tokenizer: PromptTokenizer) -> None:
+    im_start = tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
+    ids = [*tokenizer.encode(" a", add_special_tokens=False), im_start, EOS]
+    kept = assembler(tokenizer, skip_special_tokens=False)
+    skipped = assembler(tokenizer)
+    for d in deltas(ids, 2, finish_reason="stop", stop_token_id=EOS):
+        kept.consume(d)
+        skipped.consume(d)
+    assert kept.text == " a<|im_start|>"  # the eos that stopped it is still not rendered
+    assert skipped.text == " a"

@@ -70,3 +70,36 @@ def test_matches_a_search_of_the_whole_text(text: str, stops: list[str], cuts: l
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     assert run(stops, chunks) == expected(stops, chunks)
+
+
+def run_including(stops: list[str], chunks: list[str]) -> tuple[str, bool]:
+    matcher = StopStringMatcher(stops, include=True)
+    out = ""
+    for chunk in chunks:
+        check = matcher.feed(chunk)
+        out += check.text
+        if check.stopped:
+            return out, True
+    return out + matcher.flush(), False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc\n😀", max_size=40),
+    stops=st.lists(st.text(alphabet="abc\n😀", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8),
+)
+def test_included_stop_string_ends_the_output(text: str, stops: list[str], cuts: list[int]) -> None:
+    """include_stop_str_in_output: the same stop point, and the output goes on to the end of
+    the stop string found there (the first listed of those starting at that position)."""
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    excluded, stopped = expected(stops, chunks)
+    got, got_stopped = run_including(stops, chunks)
+    assert got_stopped == stopped
+    if not stopped:
+        assert got == excluded
+        return
+    seen = "".join(chunks)
+    at = [s for s in stops if seen.find(s) == len(excluded)]
+    assert at and got == excluded + at[0]

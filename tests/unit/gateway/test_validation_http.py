@@ -195,6 +195,26 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
         "structured_outputs",
     ),
+    # vLLM's extra sampling parameters
+    ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {"allowed_token_ids": [1, VOCAB]}, "allowed_token_ids"),
+    ("chat", {"allowed_token_ids": [1, -1]}, "allowed_token_ids"),
+    ("chat", {"allowed_token_ids": "1"}, "allowed_token_ids"),
+    ("completions", {"bad_words": ["ok", "  "]}, "bad_words"),
+    ("chat", {"bad_words": ["w"] * 129}, "bad_words"),
+    ("chat", {"bad_words": [" word" * 70]}, "bad_words"),  # more tokens than a word may have
+    ("completions", {"bad_words": "word"}, "bad_words"),
+    ("completions", {"prompt_logprobs": 6}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("chat", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("chat", {"truncate_prompt_tokens": MAX_LEN + 1}, "truncate_prompt_tokens"),
+    # truncated to the whole context: no room left for output
+    ("completions", {"prompt": list(range(10, 110)), "truncate_prompt_tokens": MAX_LEN}, "prompt"),
+    ("completions", {"cache_salt": ""}, "cache_salt"),
+    ("chat", {"priority": 2**31}, "priority"),
+    ("chat", {"skip_special_tokens": "maybe"}, "skip_special_tokens"),
     # routed experts on a dense model
     ("chat", {"return_routed_experts": True}, "return_routed_experts"),
     ("completions", {"routed_experts_prompt_start": 0}, "routed_experts_prompt_start"),
