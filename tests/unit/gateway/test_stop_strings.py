@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from services.gateway.stream.stop_strings import StopStringMatcher
 
 
-def run(stops: list[str], chunks: list[str]) -> tuple[str, bool]:
-    matcher = StopStringMatcher(stops)
+def run(stops: list[str], chunks: list[str], include: bool = False) -> tuple[str, bool]:
+    matcher = StopStringMatcher(stops, include=include)
     out = ""
     for chunk in chunks:
         check = matcher.feed(chunk)
@@ -72,17 +72,6 @@ def test_matches_a_search_of_the_whole_text(text: str, stops: list[str], cuts: l
     assert run(stops, chunks) == expected(stops, chunks)
 
 
-def run_including(stops: list[str], chunks: list[str]) -> tuple[str, bool]:
-    matcher = StopStringMatcher(stops, include=True)
-    out = ""
-    for chunk in chunks:
-        check = matcher.feed(chunk)
-        out += check.text
-        if check.stopped:
-            return out, True
-    return out + matcher.flush(), False
-
-
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="abc\n😀", max_size=40),
@@ -95,7 +84,7 @@ def test_included_stop_string_ends_the_output(text: str, stops: list[str], cuts:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     excluded, stopped = expected(stops, chunks)
-    got, got_stopped = run_including(stops, chunks)
+    got, got_stopped = run(stops, chunks, include=True)
     assert got_stopped == stopped
     if not stopped:
         assert got == excluded

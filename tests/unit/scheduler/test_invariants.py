@@ -1,12 +1,15 @@
 """Pool bookkeeping invariants checked after every step of a randomized workload with prefix
-sharing, chunking, preemption, aborts, failed steps and a worker restart."""
+sharing, chunking, preemption, aborts, failed steps and a worker restart, under each
+scheduling policy."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
 
-from services.scheduler.config import SchedulerConfig
+import pytest
+
+from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.request import RequestStatus
 from services.scheduler.scheduler import Scheduler
 from shared.protocol import StepResult
@@ -37,12 +40,20 @@ def check_pool(s: Scheduler) -> None:
     assert set(s.requests) == {r.request_id for r in [*s.running, *s.waiting]}
 
 
-def test_randomized_workload_keeps_the_pool_consistent() -> None:
+@pytest.mark.parametrize(("policy", "seed"), [("fcfs", 11), ("priority", 5)])
+def test_randomized_workload_keeps_the_pool_consistent(policy: SchedulingPolicy, seed: int) -> None:
+    """Chunking, prefix sharing, preemption, aborts, failed steps and a worker restart; under
+    the priority policy with mixed priorities and arrivals (victims before and after the
+    request that lacks a block), the waiting queue always in (priority, arrival) order."""
     config = SchedulerConfig(
-        block_size=BS, num_gpu_blocks=40, max_num_seqs=8, max_num_batched_tokens=24
+        block_size=BS,
+        num_gpu_blocks=40,
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        scheduling_policy=policy,
     )
     d = Driver(Scheduler(config, "s0"), WorkerDouble(block_size=BS))
-    rng = random.Random(11)
+    rng = random.Random(seed)
     prefixes = [[rng.randrange(10, 999) for _ in range(n)] for n in (4, 8, 13)]
     prompts: dict[str, int] = {}
     aborted: set[str] = set()
@@ -51,7 +62,13 @@ def test_randomized_workload_keeps_the_pool_consistent() -> None:
             rid = f"r{step}"
             prompt = [*rng.choice(prefixes), *(rng.randrange(10, 999) for _ in range(5))]
             prompts[rid] = len(prompt)
-            d.scheduler.add_request(submit(rid, prompt, max_tokens=rng.randrange(1, 40)))
+            max_tokens = rng.randrange(1, 40)
+            if policy == "fcfs":
+                msg = submit(rid, prompt, max_tokens=max_tokens)
+            else:
+                priority, arrival = rng.randrange(-1, 3), rng.uniform(0, 100)
+                msg = submit(rid, prompt, max_tokens, priority=priority, arrival_time=arrival)
+            d.scheduler.add_request(msg)
         if rng.random() < 0.03 and d.scheduler.requests:
             rid = rng.choice(sorted(d.scheduler.requests))
             d.scheduler.abort_request(rid)
@@ -72,6 +89,9 @@ def test_randomized_workload_keeps_the_pool_consistent() -> None:
                 for delta in deltas:
                     d.client.apply(stream, delta)
         check_pool(d.scheduler)
+        if policy == "priority":
+            keys = [(r.priority, r.arrival_time, r.arrival_seq) for r in d.scheduler.waiting]
+            assert keys == sorted(keys)
     d.run()
     check_pool(d.scheduler)
     assert d.scheduler.kv.num_free_blocks == 39

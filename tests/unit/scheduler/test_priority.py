@@ -10,7 +10,6 @@ catches a prefix hit on a block whose KV was never written.
 
 from __future__ import annotations
 
-import random
 from collections import deque
 
 import pytest
@@ -24,7 +23,6 @@ from services.scheduler.waiting_queue import PriorityWaitingQueue, waiting_queue
 from shared.config import SchedulerSettings
 from shared.protocol import ProgressCheckpoint, SamplingParams, StepResult, WorkerReady
 from tests.unit.scheduler.driver import Driver, submit
-from tests.unit.scheduler.test_invariants import check_pool
 from tests.unit.scheduler.worker_double import WorkerDouble, token_at
 
 BS = 4
@@ -201,59 +199,6 @@ def test_requeued_requests_keep_their_place_by_priority() -> None:
     assert [q.request_id for q in d.scheduler.waiting] == ["w", "r", "v"]
     d.run()
     assert_exact_outputs(d, {"r": 2, "w": 2, "v": 2}, 4)
-
-
-def test_a_randomized_priority_workload_keeps_the_pool_consistent() -> None:
-    """Chunking, prefix sharing, preemption of victims before and after the request that lacks
-    a block, aborts, failed steps and a worker restart, with mixed priorities."""
-    d = make(num_gpu_blocks=40, max_num_seqs=8, max_num_batched_tokens=24)
-    rng = random.Random(5)
-    prefixes = [[rng.randrange(10, 999) for _ in range(n)] for n in (4, 8, 13)]
-    prompts: dict[str, int] = {}
-    aborted: set[str] = set()
-    for step in range(600):
-        if step < 400 and rng.random() < 0.3:
-            rid = f"r{step}"
-            prompt = [*rng.choice(prefixes), *(rng.randrange(10, 999) for _ in range(5))]
-            prompts[rid] = len(prompt)
-            priority, arrival = rng.randrange(-1, 3), rng.uniform(0, 100)
-            msg = submit(
-                rid, prompt, max_tokens=rng.randrange(1, 40), priority=priority,
-                arrival_time=arrival,
-            )  # fmt: skip
-            d.scheduler.add_request(msg)
-        if rng.random() < 0.03 and d.scheduler.requests:
-            rid = rng.choice(sorted(d.scheduler.requests))
-            d.scheduler.abort_request(rid)
-            aborted.add(rid)
-        if step == 300:
-            d.scheduler.reset_worker_state("w1")
-            d.worker = WorkerDouble(block_size=BS, incarnation="w1")
-        plan = d.scheduler.schedule()
-        if plan is not None:
-            d.plans.append(plan)
-            if rng.random() < 0.03:
-                d.worker.run(plan)  # it ran, but its result was lost
-                result = StepResult(step_id=plan.step_id, worker_id="w", error="flaky")
-                out = d.scheduler.update_from_output(plan, result)
-            else:
-                out = d.scheduler.update_from_output(plan, d.worker.run(plan))
-            for stream, deltas in out.deltas.items():
-                for delta in deltas:
-                    d.client.apply(stream, delta)
-        check_pool(d.scheduler)
-        keys = [(r.priority, r.arrival_time, r.arrival_seq) for r in d.scheduler.waiting]
-        assert keys == sorted(keys)
-    d.run()
-    check_pool(d.scheduler)
-    assert d.scheduler.kv.num_free_blocks == 39
-    assert d.scheduler.num_preemptions > 0
-    for rid, n in prompts.items():
-        if rid in aborted or d.client.finish.get(rid) == "error":
-            continue
-        tokens = d.client.outputs[rid]
-        assert tokens == [token_at(rid, p) for p in range(n, n + len(tokens))]
-        assert d.client.finish[rid] == "length"
 
 
 # ------------------------------------------------------------------------------------ fcfs
