@@ -46,7 +46,7 @@ MODES = {
     "negative": GenerationMode.NEGATIVE,
     "sampling": GenerationMode.POSITIVE,
 }
-#: (route, mode, examples): 110 requests in all.
+#: (route, mode, examples): 140 requests in all.
 PLAN = [
     ("/v1/completions", "positive", 15),
     ("/v1/completions", "negative", 15),
@@ -54,6 +54,9 @@ PLAN = [
     ("/v1/chat/completions", "positive", 15),
     ("/v1/chat/completions", "negative", 15),
     ("/v1/chat/completions", "sampling", 15),
+    ("/v1/responses", "positive", 10),
+    ("/v1/responses", "negative", 10),
+    ("/v1/responses", "sampling", 10),
     ("/tokenize", "positive", 10),
     ("/detokenize", "positive", 10),
 ]
@@ -64,7 +67,10 @@ BASES: dict[str, dict[str, Any]] = {
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": MAX_TOKENS,
     },
+    "/v1/responses": {"input": "What is the capital of France?", "max_output_tokens": MAX_TOKENS},
 }
+#: Each route's prompt fields: the "sampling" cases keep the base's.
+PROMPT_FIELDS = {"prompt", "messages", "input", "instructions"}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +119,7 @@ def test_fuzzed_bodies_never_get_a_5xx(
     url = f"{mesh.url('gateway')}{route}"
     http = httpx.Client(timeout=120)
     schema = spec["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    fields = set(schema["properties"]) - {"prompt", "messages"}
+    fields = set(schema["properties"]) - PROMPT_FIELDS
 
     @settings(
         max_examples=examples,
@@ -140,7 +146,10 @@ def test_fuzzed_bodies_never_get_a_5xx(
             error = resp.json()["error"]
             assert error["message"] and error["type"], context
         elif resp.headers["content-type"].startswith("text/event-stream"):
-            check_stream(resp.text, context)
+            if route == "/v1/responses":
+                check_response_events(resp.text, context)
+            else:
+                check_stream(resp.text, context)
         else:
             assert isinstance(resp.json(), dict), context
 
@@ -172,11 +181,13 @@ def bounded(body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     body = dict(body)
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
         if _number(body.get(key)) and body[key] > MAX_TOKENS:
             body[key] = MAX_TOKENS
     if body.get("max_tokens") is None:  # absent or null: the rest of the context
         body["max_tokens"] = MAX_TOKENS
+    if body.get("max_output_tokens") is None:  # the Responses API's name for it
+        body["max_output_tokens"] = MAX_TOKENS
     if _number(body.get("n")) and body["n"] > MAX_N:
         body["n"] = MAX_N
     if isinstance(body.get("prompt"), list) and len(body["prompt"]) > MAX_PROMPTS:
@@ -196,3 +207,19 @@ def check_stream(text: str, context: str) -> None:
         assert event.startswith("data: "), context
         payload = json.loads(event.removeprefix("data: "))
         assert "error" not in payload, context
+
+
+def check_response_events(text: str, context: str) -> None:
+    """A 200 Responses stream: typed JSON events numbered in order, ending in the response's
+    completion (no failure event)."""
+    events = [e for e in text.split("\n\n") if e]
+    types = []
+    for i, event in enumerate(events):
+        head, data = event.split("\n", 1)
+        payload = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {payload['type']}", context
+        assert payload["sequence_number"] == i, context
+        types.append(payload["type"])
+    assert types[0] == "response.created", context
+    assert types[-1] in ("response.completed", "response.incomplete"), context
+    assert "error" not in types and "response.failed" not in types, context

@@ -16,6 +16,7 @@ aborts the running choices; a non-streaming request watches the connection while
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -34,10 +35,14 @@ from services.gateway.api.protocol_openai import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    parse_request,
 )
+from services.gateway.api.responses_api import ResponsesRequest, responses_error, to_chat_body
+from services.gateway.api.responses_output import response_from_chat, response_id
 from services.gateway.frontend import Frontend
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.stream.generation import Generation
+from services.gateway.stream.responses_events import ResponseEvents, response_events
 from shared.logs import bind_request_id
 from shared.stopping import result_or_none
 
@@ -108,6 +113,24 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
 
+    @router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        """The Responses API, served by the chat path: the body is translated to a chat body
+        and planned as one (responses_api.py); only the answer's shape differs."""
+        arrival = time.monotonic()
+        frontend = _frontend(get_frontend)
+        frontend.check_accepting()
+        raw = await _body(frontend, request)
+        req = parse_request(ResponsesRequest, raw, max_depth=frontend.settings.max_json_depth)
+        chat = json.dumps(to_chat_body(req), ensure_ascii=False).encode()
+        try:
+            plan = await frontend.plan_chat(chat)
+            plan = await frontend.compile_grammar(plan)
+        except OpenAIError as exc:
+            raise responses_error(exc) from None
+        frontend.check_serving()
+        return await _generate(frontend, request, plan, arrival, req)
+
     return router
 
 
@@ -125,8 +148,13 @@ def _frontend(get_frontend: FrontendGetter) -> Frontend:
 
 
 async def _generate(
-    frontend: Frontend, request: Request, plan: RequestPlan, arrival: float
+    frontend: Frontend,
+    request: Request,
+    plan: RequestPlan,
+    arrival: float,
+    responses: ResponsesRequest | None = None,
 ) -> Response:
+    """`responses`: the request came to /v1/responses, and is answered in that API's shape."""
     bind_request_id(plan.request_id)
     handle = await frontend.client.submit(plan)
     settings = frontend.settings
@@ -134,8 +162,9 @@ async def _generate(
         handle, frontend.tokenizer, settings.request_timeout_s, arrival, settings.progress_timeout_s
     )
     if plan.stream:
+        events = generation.stream() if responses is None else _events(generation, responses)
         return StreamingResponse(
-            _closing(generation), media_type="text/event-stream", headers=SSE_HEADERS
+            _closing(generation, events), media_type="text/event-stream", headers=SSE_HEADERS
         )
     try:
         body = await _unless_disconnected(request, generation.collect())
@@ -144,12 +173,20 @@ async def _generate(
     if body is None:
         log.info("client went away; aborted %s", plan.request_id)
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(body)
+    return JSONResponse(body if responses is None else response_from_chat(body, responses))
 
 
-async def _closing(generation: Generation) -> AsyncIterator[str]:
+def _events(generation: Generation, req: ResponsesRequest) -> AsyncIterator[str]:
+    plan = generation.plan
+    events = ResponseEvents(
+        req, response_id=response_id(plan.request_id), created_at=plan.created, model=plan.model
+    )
+    return response_events(generation.chunks(), events)
+
+
+async def _closing(generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
-        async for event in generation.stream():
+        async for event in events:
             yield event
     finally:
         generation.close()  # never awaits: safe inside a cancelled stream

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.api.errors import OpenAIError
@@ -38,6 +39,15 @@ log = logging.getLogger(__name__)
 
 #: Reasons counted by request_success_total (vLLM's finished reasons); errors are not success.
 SUCCESS_REASONS = frozenset({"stop", "length", "abort"})
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """A stream's failure: its message, OpenAI error type and HTTP status."""
+
+    message: str
+    type: str
+    status: int
 
 
 class RequestTimedOut(Exception):
@@ -168,7 +178,17 @@ class Generation:
         """SSE events: per choice a first chunk (chat: the role; completions with echo: the
         prompt), content chunks, a chunk with the finish reason; the usage chunk when asked
         for; then `data: [DONE]`. A failure mid-stream (the engine's, a timeout, the gateway
-        shutting down) is an error event, then [DONE].
+        shutting down) is an error event, then [DONE]."""
+        async for chunk in self.chunks():
+            if isinstance(chunk, StreamError):
+                yield error_event(chunk.message, chunk.type, chunk.status)
+            else:
+                yield sse(chunk)
+        yield DONE
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any] | StreamError]:
+        """The stream's chunks in order, as dicts; a failure is a StreamError, the last item.
+        Other shapes of a stream (the Responses API's events) are made from these.
 
         A choice's first chunk goes out with its first update from the engine (its first
         token, or its end), as vLLM's does: sent at once, it would tell a client that measures
@@ -181,14 +201,13 @@ class Generation:
             async for index, update in self.updates():
                 if update.error is not None:
                     status, type_ = engine_error_status(update)
-                    yield error_event(update.error, type_, status)
-                    yield DONE
+                    yield StreamError(update.error, type_, status)
                     return
                 if not opened[index]:
                     opened[index] = True
                     first, offsets[index] = self._first_chunk(index)
                     if first is not None:
-                        yield sse(self._with_usage(first, index))
+                        yield self._with_usage(first, index)
                 message, finish_reason = self._read_message(readers[index], update)
                 said = message if message is not None else update.text
                 if not (said or update.logprobs or update.routed_rows or update.finish_reason):
@@ -202,18 +221,15 @@ class Generation:
                     message=message,
                     finish_reason=finish_reason,
                 )
-                yield sse(self._with_usage(chunk, index))
+                yield self._with_usage(chunk, index)
         except RequestTimedOut as exc:
-            yield error_event(exc.message, "timeout_error", 504)
-            yield DONE
+            yield StreamError(exc.message, "timeout_error", 504)
             return
         except OpenAIError as exc:  # failed from the gateway's side (shutting down)
-            yield error_event(exc.message, exc.type, exc.status)
-            yield DONE
+            yield StreamError(exc.message, exc.type, exc.status)
             return
         if plan.include_usage:
-            yield sse(usage_chunk(plan, self.choices))
-        yield DONE
+            yield usage_chunk(plan, self.choices)
 
     def _with_usage(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
         """With continuous usage stats (vLLM's), the chunk carries its choice's usage so far."""
