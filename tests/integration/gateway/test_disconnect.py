@@ -4,7 +4,6 @@ slots take new requests."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -22,12 +21,7 @@ CHAT = {
 }
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, serve=True) as harness:
-        yield harness
+pytestmark = pytest.mark.harness(serve=True)
 
 
 async def test_stream_disconnect_mid_stream_aborts_every_choice(

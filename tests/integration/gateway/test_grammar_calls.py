@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,7 @@ def chat(**extra: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, grammar_timeout_s=0.5) as gw:
-        yield gw
+pytestmark = pytest.mark.harness(grammar_timeout_s=0.5)
 
 
 async def test_an_invalid_spec_is_a_400_naming_the_field_and_nothing_is_queued(

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -19,23 +17,13 @@ from prometheus_client import REGISTRY
 
 from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 EOS = 2
 ANSWER = " The capital of France is Paris. Ça va? 😀👍🏽 日本"
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, serve=True) as harness:
-        yield harness
-
-
-@pytest.fixture
-def client(gateway: GatewayHarness) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+pytestmark = pytest.mark.harness(serve=True)
 
 
 def pieces(request_id: str, ids: list[int], size: int, **last: Any) -> list[RequestDelta]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from openai.types.responses import (
 from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta, SubmitRequest
 from tests.support.grammar_server import grammar_service
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 EOS = 2
 INSTRUCTIONS = "Answer in one short sentence."
@@ -47,37 +46,14 @@ TOOLS: Any = [{"type": "function", "name": "get_weather", "parameters": WEATHER}
 CHAT_TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(
-        redis_url, tokenizer, smollm2_dir, serve=True, tool_call_parser="hermes"
-    ) as harness:
-        yield harness
-
-
-@pytest.fixture
-def client(gateway: GatewayHarness) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+pytestmark = pytest.mark.harness(serve=True, tool_call_parser="hermes")
 
 
 async def reply(
     gw: GatewayHarness, sub: SubmitRequest, ids: list[int], finish: str = "stop"
 ) -> None:
     """`ids` one a delta, then the end-of-turn token when the request stops."""
-    ids = [*ids, EOS] if finish == "stop" else ids
-    for i, token in enumerate(ids):
-        last = i == len(ids) - 1
-        await gw.reply(
-            RequestDelta(
-                request_id=sub.request_id,
-                start_index=i,
-                token_ids=[token],
-                finish_reason=finish if last else None,  # type: ignore[arg-type]
-                stop_token_id=EOS if last and finish == "stop" else None,
-            )
-        )
+    await gw.reply_tokens(sub, ids, finish)
 
 
 async def chat_prompt(

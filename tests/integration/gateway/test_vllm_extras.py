@@ -7,31 +7,19 @@ is the `openai` package (its `extra_body`, as a vLLM user sends these)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import openai
 import pytest
 
 from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 EOS = 2
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, serve=True) as harness:
-        yield harness
-
-
-@pytest.fixture
-def client(gateway: GatewayHarness) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+pytestmark = pytest.mark.harness(serve=True)
 
 
 async def test_sampling_extras_reach_the_scheduler(

@@ -1,5 +1,7 @@
-"""Gateway test fixtures: the SmolLM2 tokenizer (loaded once), a tiny MoE model dir, and a
-gateway harness with the default settings (modules that need others define their own)."""
+"""Gateway test fixtures: the SmolLM2 tokenizer (loaded once), a tiny MoE model dir, and the
+gateway harness, with the settings a module names in its `harness` marker
+(`pytestmark = pytest.mark.harness(max_model_len=64)`; gateway_harness's keywords) or the
+defaults."""
 
 from __future__ import annotations
 
@@ -44,7 +46,9 @@ def moe_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 @pytest.fixture
 async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
+    request: pytest.FixtureRequest, redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
 ) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir) as harness:
+    marker = request.node.get_closest_marker("harness")
+    options = marker.kwargs if marker is not None else {}
+    async with gateway_harness(redis_url, tokenizer, smollm2_dir, **options) as harness:
         yield harness

@@ -115,18 +115,26 @@ class GatewayHarness:
         end-of-turn token (a "stop"), as a scheduler would."""
         submit = await self.next_submit()
         ids = self.tokenizer.encode(text, add_special_tokens=False)
+        await self.reply_tokens(submit, ids, size=-(-len(ids) // pieces))
+
+    async def reply_tokens(
+        self, submit: SubmitRequest, ids: list[int], finish: str = "stop", size: int = 1
+    ) -> None:
+        """Answer `submit` with `ids` in deltas of `size` tokens, as a scheduler would; a
+        "stop" ends with the end-of-turn token, which the last delta names."""
         eos = self.tokenizer.hf.eos_token_id
-        size = -(-len(ids) // pieces)
-        chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
+        stop = finish == "stop"
+        ids = [*ids, eos] if stop else list(ids)
+        starts = range(0, len(ids), max(size, 1))
+        for start in starts:
+            last = start == starts[-1]
             await self.reply(
                 RequestDelta(
                     request_id=submit.request_id,
-                    start_index=i * size,
-                    token_ids=chunk + ([eos] if last else []),
-                    finish_reason="stop" if last else None,
-                    stop_token_id=eos if last else None,
+                    start_index=start,
+                    token_ids=ids[start : start + size],
+                    finish_reason=finish if last else None,  # type: ignore[arg-type]
+                    stop_token_id=eos if last and stop else None,
                 )
             )
 

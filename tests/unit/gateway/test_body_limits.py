@@ -32,19 +32,7 @@ CHAT: dict[str, Any] = {
 }
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(
-        redis_url,
-        tokenizer,
-        smollm2_dir,
-        max_json_depth=DEPTH,
-        max_body_bytes=MAX_BYTES,
-        max_model_len=64,
-    ) as harness:
-        yield harness
+pytestmark = pytest.mark.harness(max_json_depth=DEPTH, max_body_bytes=MAX_BYTES, max_model_len=64)
 
 
 def arrays(levels: int) -> Any:

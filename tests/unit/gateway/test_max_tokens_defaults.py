@@ -8,25 +8,17 @@ for `max_tokens` and `max_completion_tokens` alike.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta, SubmitRequest
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 MAX_LEN = 64
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, max_model_len=MAX_LEN) as h:
-        yield h
+pytestmark = pytest.mark.harness(max_model_len=MAX_LEN)
 
 
 async def submitted(gateway: GatewayHarness, path: str, body: dict[str, Any]) -> SubmitRequest:

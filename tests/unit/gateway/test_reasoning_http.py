@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.gateway.plan.tokenization import PromptTokenizer
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 BODY: dict[str, Any] = {
     "model": MODEL_NAME,
@@ -25,12 +22,7 @@ THOUGHT = "The user asks for the capital of France. It is Paris."
 OUTPUT = f"<think>\n{THOUGHT}\n</think>\n\nParis."
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, reasoning_parser="qwen3") as h:
-        yield h
+pytestmark = pytest.mark.harness(reasoning_parser="qwen3")
 
 
 async def test_thinking_apart_from_the_answer_in_a_body(gateway: GatewayHarness) -> None:

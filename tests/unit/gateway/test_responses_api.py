@@ -57,7 +57,6 @@ from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.generation import StreamError
 from services.gateway.stream.responses_events import ResponseEvents, response_events
 from shared.config import GatewaySettings
-from shared.protocol import RequestDelta
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 
 DEPTH = 64
@@ -522,22 +521,8 @@ async def parsing(
 async def reply(gw: GatewayHarness, text: str, finish: str) -> None:
     """Answer the next request with `text`'s ids one token a delta (then the end-of-turn token
     when it stops), as a scheduler does."""
-    sub = await gw.next_submit()
     ids = gw.tokenizer.encode(text, add_special_tokens=False)
-    eos = gw.tokenizer.hf.eos_token_id
-    if finish == "stop":
-        ids = [*ids, eos]
-    for i, token in enumerate(ids):
-        last = i == len(ids) - 1
-        await gw.reply(
-            RequestDelta(
-                request_id=sub.request_id,
-                start_index=i,
-                token_ids=[token],
-                finish_reason=finish if last else None,  # type: ignore[arg-type]
-                stop_token_id=eos if last and finish == "stop" else None,
-            )
-        )
+    await gw.reply_tokens(await gw.next_submit(), ids, finish)
 
 
 async def chat_answers(

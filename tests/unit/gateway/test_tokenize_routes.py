@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,7 @@ from services.gateway.api.protocol_openai import ChatMessage
 from services.gateway.plan.tokenization import PromptTokenizer
 from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
 
-
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(redis_url, tokenizer, smollm2_dir, max_model_len=2048) as h:
-        yield h
+pytestmark = pytest.mark.harness(max_model_len=2048)
 
 
 async def test_tokenize_prompt_and_roundtrip(

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.gateway.plan.tokenization import PromptTokenizer
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
 BODY: dict[str, Any] = {
@@ -29,14 +26,7 @@ OUTPUT = (
 )
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(
-        redis_url, tokenizer, smollm2_dir, tool_call_parser="llama3_json"
-    ) as harness:
-        yield harness
+pytestmark = pytest.mark.harness(tool_call_parser="llama3_json")
 
 
 def calls_of(calls: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

@@ -7,15 +7,12 @@ context is cut to 64 tokens so "too long" is cheap to build.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.gateway.plan.tokenization import PromptTokenizer
 from shared.protocol import RequestDelta
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness
 
 MAX_LEN = 64
 VOCAB = 49152
@@ -23,14 +20,7 @@ COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
-@pytest.fixture
-async def gateway(
-    redis_url: str, tokenizer: PromptTokenizer, smollm2_dir: Path
-) -> AsyncIterator[GatewayHarness]:
-    async with gateway_harness(
-        redis_url, tokenizer, smollm2_dir, max_model_len=MAX_LEN, max_n=4, max_logprobs=5
-    ) as harness:
-        yield harness
+pytestmark = pytest.mark.harness(max_model_len=MAX_LEN, max_n=4, max_logprobs=5)
 
 
 def msg(role: str = "user", content: Any = "Hi") -> dict[str, Any]:
