@@ -13,6 +13,7 @@ from typing import Any
 
 from services.gateway.api.auth import ApiKeyAuth
 from services.gateway.api.errors import OpenAIError
+from services.gateway.api.responses_api import ResponsesRequest
 from services.gateway.mesh.groups import MeshView
 from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
@@ -114,6 +115,10 @@ class Frontend:
     async def plan_chat(self, raw: bytes) -> RequestPlan:
         plan: RequestPlan = await self.planning.run("chat", raw)
         return plan
+
+    async def plan_responses(self, raw: bytes) -> tuple[RequestPlan, ResponsesRequest]:
+        planned: tuple[RequestPlan, ResponsesRequest] = await self.planning.run("responses", raw)
+        return planned
 
     async def compile_grammar(self, plan: RequestPlan) -> RequestPlan:
         """The plan with its structured-output grammar compiled (GrammarRef.key set), before

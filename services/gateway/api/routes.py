@@ -16,7 +16,6 @@ aborts the running choices; a non-streaming request watches the connection while
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -35,9 +34,8 @@ from services.gateway.api.protocol_openai import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    parse_request,
 )
-from services.gateway.api.responses_api import ResponsesRequest, responses_error, to_chat_body
+from services.gateway.api.responses_api import ResponsesRequest, responses_error
 from services.gateway.api.responses_output import response_from_chat, response_id
 from services.gateway.frontend import Frontend
 from services.gateway.plan.request_plan import RequestPlan
@@ -120,11 +118,8 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         arrival = time.monotonic()
         frontend = _frontend(get_frontend)
         frontend.check_accepting()
-        raw = await _body(frontend, request)
-        req = parse_request(ResponsesRequest, raw, max_depth=frontend.settings.max_json_depth)
-        chat = json.dumps(to_chat_body(req), ensure_ascii=False).encode()
+        plan, req = await frontend.plan_responses(await _body(frontend, request))
         try:
-            plan = await frontend.plan_chat(chat)
             plan = await frontend.compile_grammar(plan)
         except OpenAIError as exc:
             raise responses_error(exc) from None

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from services.gateway.api.errors import invalid_request
+from services.gateway.api.errors import OpenAIError, invalid_request
 from services.gateway.api.protocol_openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,6 +23,7 @@ from services.gateway.api.protocol_openai import (
     TokenizeRequest,
     parse_request,
 )
+from services.gateway.api.responses_api import ResponsesRequest, responses_error, to_chat_body
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.request_plan import (
     RequestPlan,
@@ -49,6 +50,16 @@ class Planner:
     def chat(self, raw: bytes) -> RequestPlan:
         req = self._parse(ChatCompletionRequest, raw)
         return plan_chat(req, self.tokenizer, self.model, self.settings)
+
+    def responses(self, raw: bytes) -> tuple[RequestPlan, ResponsesRequest]:
+        """The Responses API: its body, and the plan of the chat body that serves it
+        (responses_api.py); a 400 from the chat path names the field the client sent."""
+        req = self._parse(ResponsesRequest, raw)
+        chat = json.dumps(to_chat_body(req), ensure_ascii=False).encode()
+        try:
+            return self.chat(chat), req
+        except OpenAIError as exc:
+            raise responses_error(exc) from None
 
     def tokenize(self, raw: bytes) -> bytes:
         """vLLM's /tokenize: a prompt (special tokens added by default) or chat messages (the

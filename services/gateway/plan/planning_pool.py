@@ -50,7 +50,7 @@ from shared.metrics import metric_name
 
 log = logging.getLogger(__name__)
 
-Task = Literal["completion", "chat", "tokenize", "detokenize"]
+Task = Literal["completion", "chat", "responses", "tokenize", "detokenize"]
 
 #: ~1 ms of tokenization on the dev machine (about a thousand tokens of text).
 INLINE_BELOW_BYTES = 4096

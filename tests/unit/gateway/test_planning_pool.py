@@ -53,6 +53,30 @@ async def test_large_bodies_are_planned_in_a_process_like_small_ones_inline(
     assert tokenized["tokens"] == inline.prompts[0].token_ids
 
 
+async def test_a_large_responses_body_is_planned_in_a_process(pool: PlanningPool) -> None:
+    """The Responses API's body is parsed and translated where its chat plan is made: off the
+    event loop when it is large, with a 400 naming the Responses field either way."""
+
+    def body(**fields: object) -> bytes:
+        return json.dumps(
+            {"input": "Once upon a time", "instructions": "Be brief.", **fields}
+        ).encode()
+
+    small, large = (
+        body(max_output_tokens=4),
+        body(max_output_tokens=4, pad="x" * INLINE_BELOW_BYTES),
+    )
+    assert len(small) < INLINE_BELOW_BYTES <= len(large)
+    inline_plan, inline_req = await pool.run("responses", small)
+    remote_plan, remote_req = await pool.run("responses", large)
+    assert remote_plan.prompts == inline_plan.prompts
+    assert remote_req.instructions == inline_req.instructions == "Be brief."
+    assert remote_plan.samplings[0].max_tokens == 4
+    with pytest.raises(OpenAIError) as err:
+        await pool.run("responses", body(max_output_tokens=10**6, pad="x" * INLINE_BELOW_BYTES))
+    assert err.value.status == 400 and err.value.param == "max_output_tokens"
+
+
 async def test_errors_cross_back_intact(pool: PlanningPool) -> None:
     large = completion("Hi", pad="x" * INLINE_BELOW_BYTES, n=0)
     with pytest.raises(OpenAIError) as err:
