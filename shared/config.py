@@ -25,6 +25,9 @@ from pydantic_settings import (
 
 from shared.setting_files import FileSettingsSource
 
+#: vLLM's --scheduling-policy (SchedulerSettings.scheduling_policy).
+SchedulingPolicy = Literal["fcfs", "priority"]
+
 
 class MeshSettings(BaseSettings):
     """`MESHLLM_*` variables, and `MESHLLM_*_FILE` files (which rank above the variables)."""
@@ -199,7 +202,7 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # priority other than 0; "priority" serves the lowest SubmitRequest.priority first (arrival
     # breaking ties) and preempts the least urgent running request (services/scheduler/
     # waiting_queue.py).
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
     step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
     # Plan step N+1 while the worker runs step N (the worker feeds its sampled tokens forward).

@@ -3,8 +3,6 @@ announced (its KV capacity and block size are authoritative: they describe real 
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.scheduler.kv.kv_cache_spec import (
@@ -17,12 +15,9 @@ from services.scheduler.kv.kv_cache_spec import (
 )
 from services.scheduler.spec.lookahead import lookahead_of
 from services.scheduler.structured_output.reasoning import ReasoningConfig
-from shared.config import SchedulerSettings
+from shared.config import SchedulerSettings, SchedulingPolicy
 from shared.kv.groups import KVGroupSpec
 from shared.protocol import WorkerReady
-
-# SchedulerSettings.scheduling_policy (vLLM's --scheduling-policy; waiting_queue.py).
-SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 class SchedulerConfig(BaseModel):

@@ -21,6 +21,7 @@ import pytest
 from openai.types.responses import ResponseTextDeltaEvent
 
 from tests.e2e.conftest import E2E_ENV
+from tests.e2e.test_tool_calls import WEATHER
 from tests.support.mesh import Mesh
 
 pytestmark = pytest.mark.e2e
@@ -39,14 +40,6 @@ CITY = {
         "country": {"enum": ["France", "Italy", "Spain"]},
     },
     "required": ["city", "country"],
-}
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
 }
 TOOLS: Any = [
     {"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER}
