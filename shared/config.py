@@ -25,7 +25,7 @@ from pydantic_settings import (
 
 from shared.setting_files import FileSettingsSource
 
-#: vLLM's --scheduling-policy (SchedulerSettings.scheduling_policy).
+#: vLLM's --scheduling-policy (SchedulingSettings.scheduling_policy).
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
@@ -116,7 +116,18 @@ class ModelSettings(MeshSettings):
     block_size: int = 16
 
 
-class GatewaySettings(CommonSettings, ModelSettings):
+class SchedulingSettings(MeshSettings):
+    """Read by the scheduler, which applies the policy, and by the gateway, which refuses a
+    request `priority` the policy would refuse before anything is queued or streamed."""
+
+    # vLLM's --scheduling-policy: "fcfs" serves requests in arrival order and refuses a request
+    # priority other than 0; "priority" serves the lowest SubmitRequest.priority first (arrival
+    # breaking ties) and preempts the least urgent running request (services/scheduler/
+    # waiting_queue.py).
+    scheduling_policy: SchedulingPolicy = "fcfs"
+
+
+class GatewaySettings(CommonSettings, ModelSettings, SchedulingSettings):
     port: int = 8000
     api_keys: str = ""  # comma-separated; empty = no auth on /v1
     max_pending_requests: int = 256  # past this, 429
@@ -189,7 +200,7 @@ class SpeculativeSettings(MeshSettings):
     spec_model: str = ""
 
 
-class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
+class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings, SchedulingSettings):
     port: int = 8001
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
@@ -198,11 +209,6 @@ class SchedulerSettings(CommonSettings, ModelSettings, SpeculativeSettings):
     # leaves room in each for others: a request whose prompt is mostly cached is not kept
     # waiting a whole long prefill's step for its first token.
     long_prefill_token_threshold: int = Field(0, ge=0)
-    # vLLM's --scheduling-policy: "fcfs" serves requests in arrival order and refuses a request
-    # priority other than 0; "priority" serves the lowest SubmitRequest.priority first (arrival
-    # breaking ties) and preempts the least urgent running request (services/scheduler/
-    # waiting_queue.py).
-    scheduling_policy: SchedulingPolicy = "fcfs"
     enable_prefix_caching: bool = True
     step_timeout_s: float = 60.0  # a worker silent this long during a step is declared dead
     # Plan step N+1 while the worker runs step N (the worker feeds its sampled tokens forward).

@@ -63,10 +63,12 @@ def test_fcfs_refuses_a_priority(smollm2_dir: Path) -> None:
     with Mesh(env=E2E_ENV) as fcfs:
         client = openai.OpenAI(base_url=fcfs.api, api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
-        with pytest.raises(openai.BadRequestError, match="priority scheduling is not enabled"):
-            client.completions.create(
-                model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 1}
-            )
+        for stream in (False, True):  # a stream too: a 400, not a 200 with an error event
+            with pytest.raises(openai.BadRequestError, match="priority scheduling is not enabled"):
+                client.completions.create(
+                    model=model, prompt="Hi", max_tokens=2, stream=stream,
+                    extra_body={"priority": 1},
+                )  # fmt: skip
         ok = client.completions.create(
             model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 0}
         )

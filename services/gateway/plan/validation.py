@@ -37,6 +37,14 @@ def check_request(
 def _check_common(req: SamplingFields, settings: GatewaySettings, model: ModelInfo) -> None:
     if req.n > settings.max_n:
         raise invalid_request(f"n must be between 1 and {settings.max_n}, got {req.n}", "n")
+    if req.priority and settings.scheduling_policy == "fcfs":
+        # The scheduler refuses it too; refused here, a stream gets a 400 instead of a 200
+        # whose only event is the error.
+        raise invalid_request(
+            "priority scheduling is not enabled (MESHLLM_SCHEDULING_POLICY=fcfs); "
+            f"priority must be 0, got {req.priority}",
+            "priority",
+        )
     if req.stream_options is not None and not req.stream:
         raise invalid_request(
             "stream_options is only allowed when stream is true", "stream_options"

@@ -19,7 +19,7 @@ EOS = 2
 PROMPT = "The capital of France is"
 
 
-pytestmark = pytest.mark.harness(serve=True)
+pytestmark = pytest.mark.harness(serve=True, scheduling_policy="priority")
 
 
 async def test_sampling_extras_reach_the_scheduler(
@@ -30,7 +30,7 @@ async def test_sampling_extras_reach_the_scheduler(
         "bad_words": ["Paris", " Paris", "New York"],
         "truncate_prompt_tokens": 3,
         "cache_salt": "tenant-a",
-        "priority": 0,
+        "priority": -7,
     }
     task = asyncio.create_task(
         client.completions.create(
@@ -44,7 +44,7 @@ async def test_sampling_extras_reach_the_scheduler(
     words = [tokenizer.encode(w, add_special_tokens=False) for w in ("Paris", " Paris")]
     words += [tokenizer.encode(w, add_special_tokens=False) for w in ("New York", " New York")]
     assert sub.sampling.bad_words_token_ids == words  # " Paris" is "Paris" again: once
-    assert sub.cache_salt == "tenant-a" and sub.priority == 0
+    assert sub.cache_salt == "tenant-a" and sub.priority == -7
     await gateway.reply(
         RequestDelta(
             request_id=sub.request_id, start_index=0, token_ids=[11, 5], finish_reason="length"

@@ -204,6 +204,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("completions", {"prompt": list(range(10, 110)), "truncate_prompt_tokens": MAX_LEN}, "prompt"),
     ("completions", {"cache_salt": ""}, "cache_salt"),
     ("chat", {"priority": 2**31}, "priority"),
+    # the default fcfs policy takes no priority; a stream gets the 400 too, not an error event
+    ("chat", {"priority": -1}, "priority"),
+    ("completions", {"priority": 1, "stream": True}, "priority"),
     ("chat", {"skip_special_tokens": "maybe"}, "skip_special_tokens"),
     # routed experts on a dense model
     ("chat", {"return_routed_experts": True}, "return_routed_experts"),
