@@ -111,6 +111,39 @@ def test_a_stream_says_the_same(client: openai.OpenAI, model_name: str) -> None:
     assert last.response.usage == whole.usage  # type: ignore[union-attr]
 
 
+def test_logprobs_are_the_chat_endpoints(client: openai.OpenAI, model_name: str) -> None:
+    """include message.output_text.logprobs: the chat endpoint's logprobs of the same greedy
+    tokens, whole and streamed."""
+    chat = client.chat.completions.create(
+        model=model_name, messages=CONVERSATION, temperature=0, max_tokens=MAX_TOKENS,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    kw: Any = {
+        "model": model_name,
+        "input": QUESTION,
+        "instructions": INSTRUCTIONS,
+        "temperature": 0,
+        "max_output_tokens": MAX_TOKENS,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 3,
+    }
+    resp = client.responses.create(**kw)
+    (part,) = resp.output[0].content  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    assert [entry.model_dump() for entry in part.logprobs] == expected
+    assert all(len(entry.top_logprobs or []) == 3 for entry in part.logprobs)
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [
+        entry.model_dump(include={"token", "logprob"})
+        for e in events
+        if isinstance(e, ResponseTextDeltaEvent)
+        for entry in e.logprobs
+    ]
+    assert streamed == [{"token": x["token"], "logprob": x["logprob"]} for x in expected]
+
+
 def test_max_output_tokens_cuts_the_response(client: openai.OpenAI, model_name: str) -> None:
     resp = client.responses.create(
         model=model_name, input=QUESTION, temperature=0, max_output_tokens=3

@@ -195,7 +195,11 @@ class ResponsesRequest(ApiModel):
     store: bool | None = None  # accepted; the response says false
     user: str | None = None
     metadata: dict[str, str] | None = None
+    # "message.output_text.logprobs" returns each output token's logprob, with top_logprobs
+    # alternatives (0-20, OpenAI's range). The other values ask for data of items meshllm never
+    # outputs (searches, images, encrypted reasoning): there is nothing to add.
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
     # Declared only to be refused (each needs state meshllm does not keep).
     previous_response_id: str | None = None
@@ -241,14 +245,9 @@ class ResponsesRequest(ApiModel):
                 )
         return value
 
-    @field_validator("include")
-    @classmethod
-    def _include(cls, value: list[str] | None) -> list[str] | None:
-        # The other values ask for data of items meshllm never outputs (searches, images,
-        # encrypted reasoning): there is nothing to add, so they are harmless.
-        if value and "message.output_text.logprobs" in value:
-            raise ValueError("message.output_text.logprobs: logprobs are not supported here")
-        return value
+    @property
+    def output_logprobs(self) -> bool:
+        return self.include is not None and "message.output_text.logprobs" in self.include
 
     @field_validator("truncation")
     @classmethod
@@ -380,8 +379,9 @@ def _validated(cls: type[M], item: dict[str, Any], param: str) -> M:
 
 
 def to_chat_body(req: ResponsesRequest) -> dict[str, Any]:
-    """The /v1/chat/completions body that serves `req` (one choice; a stream with usage last,
-    which response.completed carries). 400 for an input item meshllm cannot take."""
+    """The /v1/chat/completions body that serves `req`: one choice, always a stream with usage
+    last, whose chunks build the Response whether or not the client streams it
+    (responses_events.py). 400 for an input item meshllm cannot take."""
     messages = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     messages += input_messages(req.input)
     extras = req.model_extra or {}
@@ -399,9 +399,11 @@ def to_chat_body(req: ResponsesRequest) -> dict[str, Any]:
     }
     body.update({k: v for k, v in given.items() if v is not None})
     body["parallel_tool_calls"] = req.parallel_tool_calls
-    if req.stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+    if req.output_logprobs:  # top_logprobs alone returns nothing (OpenAI's and vLLM's rule)
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
     return body
 
 

@@ -1,13 +1,17 @@
-"""The Response object of POST /v1/responses, built from what the chat path produced.
+"""The Response object of POST /v1/responses and its output items (responses_events.py builds
+them from the chat path's stream, for a streamed response and a whole one alike).
 
 Shapes are OpenAI's (the `openai` client's `Response` model validates them). `output` holds, in
 the order the model writes them: a reasoning item when a reasoning parser split off thinking
 (its text as a `reasoning_text` part, no summary: vLLM's shape), a message item with one
-`output_text` part, and one `function_call` item per tool call (`call_id` is the chat call's
+`output_text` part (a second one when the model writes text again after a tool call), and one
+`function_call` item per tool call (`call_id` is the chat call's
 id, which a follow-up's function_call_output names). An answer with nothing in it is still an
 (empty) message, so a client that reads `output[0]` finds one. A response cut short (by
 max_output_tokens or the context) is `incomplete`, and so is its last item, the one that was
 cut. The settings the request ran with are echoed, as OpenAI does; `store` is always false.
+With `include: ["message.output_text.logprobs"]` an output_text part lists its tokens'
+logprobs, each with `top_logprobs` alternatives.
 """
 
 from __future__ import annotations
@@ -35,12 +39,16 @@ def reasoning_item(item_id: str, text: str, status: ItemStatus) -> dict[str, Any
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`logprobs`: the chat path's logprobs entries (token, logprob, bytes, top_logprobs), which
+    are the Responses API's too."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str, status: ItemStatus) -> dict[str, Any]:
-    content = [output_text(text)] if status != "in_progress" else []
+def message_item(
+    item_id: str, text: str, status: ItemStatus, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [output_text(text, logprobs)] if status != "in_progress" else []
     return {
         "type": "message",
         "id": item_id,
@@ -116,39 +124,6 @@ def response_object(
     }
 
 
-def response_from_chat(body: dict[str, Any], req: ResponsesRequest) -> dict[str, Any]:
-    """The non-streamed Response from a chat.completion body (one choice)."""
-    choice = body["choices"][0]
-    message = choice["message"]
-    status, details = status_of(choice["finish_reason"])
-    item_status: ItemStatus = "completed"
-    output: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        output.append(reasoning_item(new_item_id("rs"), message["reasoning_content"], item_status))
-    calls = message.get("tool_calls") or []
-    if message.get("content") or not (output or calls):
-        output.append(message_item(new_item_id("msg"), message.get("content") or "", item_status))
-    for call in calls:
-        function = call["function"]
-        output.append(
-            function_call_item(
-                new_item_id("fc"), call["id"], function["name"], function["arguments"], item_status
-            )
-        )
-    if status != "completed":
-        output[-1]["status"] = "incomplete"
-    return response_object(
-        req,
-        response_id=response_id(body["id"]),
-        created_at=body["created"],
-        model=body["model"],
-        status=status,
-        output=output,
-        usage=response_usage(body.get("usage")),
-        incomplete_details=details,
-    )
-
-
 def _settings(req: ResponsesRequest) -> dict[str, Any]:
     """What the request ran with, as OpenAI echoes it (OpenAI's defaults where it was silent:
     the chat path's too)."""
@@ -175,4 +150,5 @@ def _settings(req: ResponsesRequest) -> dict[str, Any]:
         "previous_response_id": None,
         "metadata": req.metadata,
         "user": req.user,
+        "top_logprobs": req.top_logprobs,
     }

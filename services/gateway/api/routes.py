@@ -36,10 +36,10 @@ from services.gateway.api.protocol_openai import (
     TokenizeRequest,
 )
 from services.gateway.api.responses_api import ResponsesRequest, responses_error
-from services.gateway.api.responses_output import response_from_chat, response_id
+from services.gateway.api.responses_output import response_id
 from services.gateway.frontend import Frontend
 from services.gateway.plan.request_plan import RequestPlan
-from services.gateway.stream.generation import Generation
+from services.gateway.stream.generation import Generation, StreamError
 from services.gateway.stream.responses_events import ResponseEvents, response_events
 from shared.logs import bind_request_id
 from shared.stopping import result_or_none
@@ -156,27 +156,44 @@ async def _generate(
     generation = Generation(
         handle, frontend.tokenizer, settings.request_timeout_s, arrival, settings.progress_timeout_s
     )
-    if plan.stream:
-        events = generation.stream() if responses is None else _events(generation, responses)
+    # A Responses body's chat plan is always a stream (responses_api.to_chat_body).
+    streamed = plan.stream if responses is None else responses.stream
+    if streamed:
+        events = (
+            generation.stream()
+            if responses is None
+            else response_events(generation.chunks(), _response_events(generation, responses))
+        )
         return StreamingResponse(
             _closing(generation, events), media_type="text/event-stream", headers=SSE_HEADERS
         )
+    work = generation.collect() if responses is None else _whole_response(generation, responses)
     try:
-        body = await _unless_disconnected(request, generation.collect())
+        body = await _unless_disconnected(request, work)
     finally:
         generation.close()
     if body is None:
         log.info("client went away; aborted %s", plan.request_id)
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(body if responses is None else response_from_chat(body, responses))
+    return JSONResponse(body)
 
 
-def _events(generation: Generation, req: ResponsesRequest) -> AsyncIterator[str]:
+def _response_events(generation: Generation, req: ResponsesRequest) -> ResponseEvents:
     plan = generation.plan
-    events = ResponseEvents(
+    return ResponseEvents(
         req, response_id=response_id(plan.request_id), created_at=plan.created, model=plan.model
     )
-    return response_events(generation.chunks(), events)
+
+
+async def _whole_response(generation: Generation, req: ResponsesRequest) -> dict[str, Any]:
+    """A Response that is not streamed: built from the chat stream's chunks, as a streamed one
+    is (its chat body is always a stream), so both say the same. A failure is its HTTP error."""
+    events = _response_events(generation, req)
+    async for chunk in generation.chunks():
+        if isinstance(chunk, StreamError):
+            raise OpenAIError(chunk.status, chunk.message, type_=chunk.type, code=chunk.code)
+        events.feed(chunk)
+    return events.whole_response()
 
 
 async def _closing(generation: Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:

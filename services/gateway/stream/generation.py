@@ -43,11 +43,12 @@ SUCCESS_REASONS = frozenset({"stop", "length", "abort"})
 
 @dataclass(frozen=True)
 class StreamError:
-    """A stream's failure: its message, OpenAI error type and HTTP status."""
+    """A stream's failure: its message, OpenAI error type, HTTP status and error code."""
 
     message: str
     type: str
     status: int
+    code: str | None = None
 
 
 class RequestTimedOut(Exception):
@@ -223,10 +224,10 @@ class Generation:
                 )
                 yield self._with_usage(chunk, index)
         except RequestTimedOut as exc:
-            yield StreamError(exc.message, "timeout_error", 504)
+            yield StreamError(exc.message, "timeout_error", 504, exc.code)
             return
         except OpenAIError as exc:  # failed from the gateway's side (shutting down)
-            yield StreamError(exc.message, exc.type, exc.status)
+            yield StreamError(exc.message, exc.type, exc.status, exc.code)
             return
         if plan.include_usage:
             yield usage_chunk(plan, self.choices)

@@ -16,15 +16,23 @@ the whole Response (responses_output.py builds it, as it builds a non-streamed o
 (the chat stream's error) closes the open item, and is an `error` event, then
 `response.failed` with what was output until then.
 
-A message that resumes after a tool call is a second message item, as it was written; a
-non-streamed response, built from the chat body's one content string, has one.
+A message that resumes after a tool call is a second message item, as it was written.
+
+A response that is not streamed is built here too, from the same chunks: it is the Response
+that response.completed carries (`whole_response`), so the two shapes never differ.
+
+Logprobs (include "message.output_text.logprobs"): a chat chunk's logprobs belong to the text it
+carries, or, when the chat stream held that text back (a possible stop string or tool call), to
+the text a later chunk carries. They go with the next message text, on its
+`response.output_text.delta`. Tokens that became reasoning (with the marker that ends it) or a
+tool call are not listed.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.gateway.api.responses_api import ResponsesRequest
@@ -65,12 +73,13 @@ class _Item:
     text: str = ""  # the reasoning, the message's text or the call's arguments
     call_id: str = ""
     name: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a message's tokens
 
     def body(self, status: ItemStatus) -> dict[str, Any]:
         if self.kind == "reasoning":
             return reasoning_item(self.id, self.text, status)
         if self.kind == "message":
-            return message_item(self.id, self.text, status)
+            return message_item(self.id, self.text, status, self.logprobs)
         arguments = self.text if status != "in_progress" else ""
         return function_call_item(self.id, self.call_id, self.name, arguments, status)
 
@@ -90,6 +99,7 @@ class ResponseEvents:
         self.calls: dict[int, _Item] = {}  # by their chat index
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self._logprobs: list[dict[str, Any]] = []  # of tokens whose text is still to come
         self._sequence = 0
 
     def start(self) -> list[dict[str, Any]]:
@@ -105,11 +115,18 @@ class ResponseEvents:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if self.req.output_logprobs:
+                self._logprobs += (choice.get("logprobs") or {}).get("content") or []
+                if not delta.get("content") and (
+                    delta.get("reasoning_content") or self._in("reasoning")
+                ):
+                    self._logprobs = []  # the reasoning's tokens, or its end marker's
             if delta.get("reasoning_content"):
                 events += self._text("reasoning", delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text("message", delta["content"])
             for part in delta.get("tool_calls") or []:
+                self._logprobs = []  # the call's tokens
                 events += self._call_part(part)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         return events
@@ -126,6 +143,12 @@ class ResponseEvents:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [*events, self._event(kind, response=response)]
 
+    def whole_response(self) -> dict[str, Any]:
+        """The finished Response (what finish's last event carries), for a request that was not
+        streamed."""
+        response: dict[str, Any] = self.finish()[-1]["response"]
+        return response
+
     def fail(self, error: StreamError) -> list[dict[str, Any]]:
         """The open item closed as cut short, an `error` event, and response.failed."""
         events = self._close("incomplete")
@@ -139,6 +162,9 @@ class ResponseEvents:
         return events
 
     # --- items ------------------------------------------------------------------------------
+
+    def _in(self, kind: ItemKind) -> bool:
+        return self.current is not None and self.current.kind == kind
 
     def _text(self, kind: ItemKind, text: str) -> list[dict[str, Any]]:
         events = []
@@ -154,7 +180,8 @@ class ResponseEvents:
         fields: dict[str, Any] = {"item_id": item.id, "output_index": item.index}
         fields.update(content_index=0, delta=text)
         if kind == "message":
-            fields["logprobs"] = []
+            fields["logprobs"], self._logprobs = self._logprobs, []
+            item.logprobs += fields["logprobs"]
         return [*events, self._event(delta_type, **fields)]
 
     def _call_part(self, part: dict[str, Any]) -> list[dict[str, Any]]:
@@ -212,7 +239,8 @@ class ResponseEvents:
         else:
             done: dict[str, Any] = {**self._at(item), "text": item.text}
             if item.kind == "message":
-                events.append(self._event("response.output_text.done", **done, logprobs=[]))
+                done["logprobs"] = item.logprobs
+                events.append(self._event("response.output_text.done", **done))
             else:
                 events.append(self._event("response.reasoning_text.done", **done))
             part = self._part(item)
@@ -226,7 +254,7 @@ class ResponseEvents:
     def _part(item: _Item) -> dict[str, Any] | None:
         """The item's content part, with its text so far (a call has none)."""
         if item.kind == "message":
-            return output_text(item.text)
+            return output_text(item.text, item.logprobs)
         if item.kind == "reasoning":
             return {"type": "reasoning_text", "text": item.text}
         return None

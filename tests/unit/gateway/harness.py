@@ -118,25 +118,49 @@ class GatewayHarness:
         await self.reply_tokens(submit, ids, size=-(-len(ids) // pieces))
 
     async def reply_tokens(
-        self, submit: SubmitRequest, ids: list[int], finish: str = "stop", size: int = 1
+        self,
+        submit: SubmitRequest,
+        ids: list[int],
+        finish: str = "stop",
+        size: int = 1,
+        top: int | None = None,
     ) -> None:
         """Answer `submit` with `ids` in deltas of `size` tokens, as a scheduler would; a
-        "stop" ends with the end-of-turn token, which the last delta names."""
+        "stop" ends with the end-of-turn token, which the last delta names. `top`: each token
+        with its logprob and `top` alternatives (scripted_logprobs)."""
         eos = self.tokenizer.hf.eos_token_id
         stop = finish == "stop"
         ids = [*ids, eos] if stop else list(ids)
         starts = range(0, len(ids), max(size, 1))
         for start in starts:
             last = start == starts[-1]
+            chunk = ids[start : start + size]
             await self.reply(
                 RequestDelta(
                     request_id=submit.request_id,
                     start_index=start,
-                    token_ids=ids[start : start + size],
+                    token_ids=chunk,
                     finish_reason=finish if last else None,  # type: ignore[arg-type]
                     stop_token_id=eos if last and stop else None,
+                    **(scripted_logprobs(start, len(chunk), top) if top is not None else {}),
                 )
             )
+
+
+#: The alternatives scripted_logprobs names: tokens at the end of SmolLM2's vocabulary.
+ALTERNATIVE_IDS = range(49100, 49120)
+
+
+def scripted_logprobs(start: int, n: int, top: int) -> dict[str, list[Any]]:
+    """A delta's logprobs for its `n` tokens from output position `start`: position p's token
+    has logprob -(p + 1) / 8, and its `top` alternatives are ALTERNATIVE_IDS in order, each
+    one lower than the one before, from that."""
+    logprobs = [-(p + 1) / 8 for p in range(start, start + n)]
+    return {
+        "logprobs": logprobs,
+        "top_token_ids": [ALTERNATIVE_IDS[j] for _ in logprobs for j in range(top)],
+        "top_logprobs": [lp - j for lp in logprobs for j in range(top)],
+    }
 
 
 def load_tokenizer(hf_dir: Path) -> PromptTokenizer:

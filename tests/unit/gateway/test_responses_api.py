@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +52,19 @@ from services.gateway.api.responses_api import (
     responses_param,
     to_chat_body,
 )
-from services.gateway.api.responses_output import response_from_chat
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.planner import Planner
 from services.gateway.plan.tokenization import PromptTokenizer
 from services.gateway.stream.generation import StreamError
 from services.gateway.stream.responses_events import ResponseEvents, response_events
 from shared.config import GatewaySettings
-from tests.unit.gateway.harness import MODEL_NAME, GatewayHarness, gateway_harness
+from shared.protocol import SubmitRequest
+from tests.unit.gateway.harness import (
+    ALTERNATIVE_IDS,
+    MODEL_NAME,
+    GatewayHarness,
+    gateway_harness,
+)
 
 DEPTH = 64
 #: A small context, so that "too long" is cheap to build.
@@ -92,6 +99,10 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 
+#: Every chat body the translation writes is a stream with usage last.
+STREAMED = {"stream": True, "stream_options": {"include_usage": True}}
+
+
 def request(**fields: Any) -> ResponsesRequest:
     return parse_request(ResponsesRequest, json.dumps(fields).encode(), max_depth=DEPTH)
 
@@ -110,6 +121,7 @@ def test_a_string_input_is_one_user_message_after_the_instructions() -> None:
     assert chat_of(input="Hi") == {
         "messages": [{"role": "user", "content": "Hi"}],
         "parallel_tool_calls": True,
+        **STREAMED,
     }
     assert chat_of(input="Hi", instructions="Be brief.")["messages"] == [
         {"role": "system", "content": "Be brief."},
@@ -254,6 +266,7 @@ def test_settings_and_vllm_extras_reach_the_chat_body() -> None:
         "top_p": 0.9,
         "user": "u-1",
         "parallel_tool_calls": True,
+        **STREAMED,
     }
 
 
@@ -296,10 +309,21 @@ def test_function_tools_and_tool_choice() -> None:
     assert "tool_choice" not in chat_of(input="Hi", tools=TOOLS)  # the chat path's default
 
 
-def test_a_stream_asks_for_the_usage_chunk() -> None:
-    chat = chat_of(input="Hi", stream=True)
-    assert (chat["stream"], chat["stream_options"]) == (True, {"include_usage": True})
-    assert "stream" not in chat_of(input="Hi", stream=False)
+def test_the_chat_body_is_always_a_stream_with_usage() -> None:
+    """A Response is built from the chat stream's chunks whether or not it is streamed."""
+    for stream in (True, False):
+        chat = chat_of(input="Hi", stream=stream)
+        assert {k: chat[k] for k in STREAMED} == STREAMED
+
+
+def test_logprobs_are_asked_for_by_include() -> None:
+    include = ["message.output_text.logprobs"]
+    chat = chat_of(input="Hi", include=include, top_logprobs=5)
+    assert (chat["logprobs"], chat["top_logprobs"]) == (True, 5)
+    chat = chat_of(input="Hi", include=["reasoning.encrypted_content", *include])
+    assert (chat["logprobs"], chat["top_logprobs"]) == (True, 0)
+    # top_logprobs alone returns none (OpenAI's rule, and vLLM's)
+    assert "logprobs" not in chat_of(input="Hi", top_logprobs=5)
 
 
 # --- 400s -------------------------------------------------------------------------------------
@@ -363,7 +387,8 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"input": "Hi", "conversation": {"id": "conv_1"}}, "conversation", "response store"),
     ({"input": "Hi", "background": True}, "background", "response store"),
     ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, "prompt", "saved prompts"),
-    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include", "logprobs"),
+    ({"input": "Hi", "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"input": "Hi", "top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
     ({"input": "Hi", "truncation": "auto"}, "truncation", "never trimmed"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
     ({"input": "Hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16 pairs"),
@@ -518,28 +543,46 @@ async def parsing(
         yield harness
 
 
-async def reply(gw: GatewayHarness, text: str, finish: str) -> None:
+async def reply(gw: GatewayHarness, text: str, finish: str, top: int | None) -> SubmitRequest:
     """Answer the next request with `text`'s ids one token a delta (then the end-of-turn token
-    when it stops), as a scheduler does."""
+    when it stops), as a scheduler does; with logprobs when the request asked for them."""
     ids = gw.tokenizer.encode(text, add_special_tokens=False)
-    await gw.reply_tokens(await gw.next_submit(), ids, finish)
+    submit = await gw.next_submit()
+    assert submit.sampling.logprobs == top
+    await gw.reply_tokens(submit, ids, finish, top=top)
+    return submit
 
 
-async def chat_answers(
-    gw: GatewayHarness, req: ResponsesRequest, text: str, finish: str = "stop"
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The chat body and the chat stream's chunks serving `req`, each answered with `text`."""
-    chat = to_chat_body(req)
-    posted = asyncio.create_task(gw.http.post("/v1/chat/completions", json=chat))
-    await reply(gw, text, finish)
+@dataclass
+class Answered:
+    whole: dict[str, Any]  # the Response to the request not streamed
+    events: list[dict[str, Any]]  # the stream's events, to the same tokens
+    submit: SubmitRequest  # what the scheduler got for the first
+
+
+async def answers(gw: GatewayHarness, text: str, finish: str = "stop", **fields: Any) -> Answered:
+    """POST /v1/responses with `fields`, not streamed and then streamed, each answered with
+    `text`. The Response is validated by the `openai` client's model, and so is every event."""
+    req = request(**fields)
+    top = (req.top_logprobs or 0) if req.output_logprobs else None
+    posted = asyncio.create_task(gw.http.post("/v1/responses", json=fields))
+    submit = await reply(gw, text, finish, top)
     whole = await posted
     assert whole.status_code == 200, whole.text
-    streamed = req.model_copy(update={"stream": True})
-    posted = asyncio.create_task(gw.http.post("/v1/chat/completions", json=to_chat_body(streamed)))
-    await reply(gw, text, finish)
+    Response.model_validate(whole.json())
+    posted = asyncio.create_task(gw.http.post("/v1/responses", json={**fields, "stream": True}))
+    await reply(gw, text, finish, top)
+    streamed = await posted
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    return Answered(whole.json(), parsed_events(streamed.text), submit)
+
+
+async def chat_chunks(gw: GatewayHarness, req: ResponsesRequest, text: str) -> list[dict[str, Any]]:
+    """The chat stream's chunks serving `req`, answered with `text`."""
+    posted = asyncio.create_task(gw.http.post("/v1/chat/completions", json=to_chat_body(req)))
+    await reply(gw, text, "stop", None)
     lines = (await posted).text.splitlines()
-    chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line[:7] == "data: {"]
-    return whole.json(), chunks
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line[:7] == "data: {"]
 
 
 async def events_of(
@@ -552,7 +595,11 @@ async def events_of(
             yield chunk
 
     translator = ResponseEvents(req, response_id="resp_1", created_at=1, model=MODEL_NAME)
-    text = "".join([event async for event in response_events(fed(), translator)])
+    return parsed_events("".join([event async for event in response_events(fed(), translator)]))
+
+
+def parsed_events(text: str) -> list[dict[str, Any]]:
+    """SSE `event:`/`data:` pairs, each event validated by its `openai` model."""
     blocks = text.split("\n\n")
     assert blocks[-1] == ""  # every event ends with a blank line
     events = []
@@ -611,28 +658,30 @@ def text_deltas(events: list[dict[str, Any]], kind: str) -> str:
 
 
 def same_but_ids(streamed: dict[str, Any], whole: dict[str, Any]) -> None:
-    """Two Responses to the same tokens are equal but for their ids and creation times."""
+    """Two Responses to the same tokens are equal but for their ids (the items' and the tool
+    calls') and creation times."""
 
     def scrubbed(response: dict[str, Any]) -> str:
         out = {**response, "id": "", "created_at": 0}
-        return re.sub(r'"(rs|msg|fc)_[0-9a-f]{32}"', '"item"', json.dumps(out, sort_keys=True))
+        text = json.dumps(out, sort_keys=True)
+        return re.sub(r'"((rs|msg|fc)_[0-9a-f]{32}|call_[0-9a-f]+)"', '"id"', text)
 
     assert scrubbed(streamed) == scrubbed(whole)
 
 
 async def test_a_text_answer(plain: GatewayHarness) -> None:
     answer = "The capital of France is Paris."
-    req = request(model=MODEL_NAME, input="Capital of France?", instructions="Be brief.")
-    body, chunks = await chat_answers(plain, req, answer)
-    whole = response_from_chat(body, req)
-    Response.model_validate(whole)
-    assert whole["id"] == "resp_" + body["id"].removeprefix("chatcmpl-")
+    fields = {"model": MODEL_NAME, "input": "Capital of France?", "instructions": "Be brief."}
+    answered = await answers(plain, answer, **fields)
+    whole = answered.whole
+    chat_id = answered.submit.request_id.removesuffix("-0")  # its choice 0
+    assert whole["id"] == "resp_" + chat_id.removeprefix("chatcmpl-")
     assert (whole["object"], whole["status"], whole["model"]) == (
         "response",
         "completed",
         MODEL_NAME,
     )
-    assert whole["created_at"] == body["created"]
+    assert abs(whole["created_at"] - time.time()) < 60
     (message,) = whole["output"]
     assert message["type"] == "message" and message["id"].startswith("msg_")
     assert (message["role"], message["status"]) == ("assistant", "completed")
@@ -640,20 +689,21 @@ async def test_a_text_answer(plain: GatewayHarness) -> None:
         {"type": "output_text", "text": answer, "annotations": [], "logprobs": []}
     ]
     assert Response.model_validate(whole).output_text == answer
-    usage = body["usage"]
+    prompt = len(answered.submit.prompt_token_ids)
+    output = len(plain.tokenizer.encode(answer, add_special_tokens=False)) + 1
     assert whole["usage"] == {
-        "input_tokens": usage["prompt_tokens"],
+        "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": len(plain.tokenizer.encode(answer, add_special_tokens=False)) + 1,
+        "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage["total_tokens"],
+        "total_tokens": prompt + output,
     }
     assert whole["incomplete_details"] is None and whole["error"] is None
     assert whole["instructions"] == "Be brief."
     assert (whole["store"], whole["tools"], whole["tool_choice"]) == (False, [], "none")
     assert whole["text"] == {"format": {"type": "text"}}
 
-    events = await events_of(req, list(chunks))
+    events = answered.events
     assert events[-1]["type"] == "response.completed"
     assert [i["type"] for i in replayed(events)] == ["message"]
     assert text_deltas(events, "response.output_text.delta") == answer
@@ -664,38 +714,36 @@ async def test_a_text_answer(plain: GatewayHarness) -> None:
 async def test_an_answer_cut_by_max_output_tokens_is_incomplete(plain: GatewayHarness) -> None:
     answer = "The capital of France is"
     n = len(plain.tokenizer.encode(answer, add_special_tokens=False))
-    req = request(input="Capital of France?", max_output_tokens=n)
-    body, chunks = await chat_answers(plain, req, answer, finish="length")
-    whole = response_from_chat(body, req)
-    Response.model_validate(whole)
+    answered = await answers(
+        plain, answer, "length", input="Capital of France?", max_output_tokens=n
+    )
+    whole = answered.whole
     assert (whole["status"], whole["incomplete_details"]) == (
         "incomplete",
         {"reason": "max_output_tokens"},
     )
     assert whole["max_output_tokens"] == n and whole["usage"]["output_tokens"] == n
     assert whole["output"][0]["status"] == "incomplete"
-    events = await events_of(req, list(chunks))
+    events = answered.events
     assert events[-1]["type"] == "response.incomplete"
     assert replayed(events)[0]["status"] == "incomplete"
     same_but_ids(events[-1]["response"], whole)
 
 
 async def test_an_empty_answer_is_an_empty_message(plain: GatewayHarness) -> None:
-    req = request(input="Say nothing.")
-    body, chunks = await chat_answers(plain, req, "")
-    whole = response_from_chat(body, req)
+    answered = await answers(plain, "", input="Say nothing.")
+    whole = answered.whole
     assert [(i["type"], i["content"][0]["text"]) for i in whole["output"]] == [("message", "")]
-    events = await events_of(req, list(chunks))
-    assert [i["type"] for i in replayed(events)] == ["message"]
-    same_but_ids(events[-1]["response"], whole)
+    assert [i["type"] for i in replayed(answered.events)] == ["message"]
+    same_but_ids(answered.events[-1]["response"], whole)
 
 
 async def test_reasoning_is_its_own_item(parsing: GatewayHarness) -> None:
     thought = "The user asks for the capital of France. It is Paris."
-    req = request(input="Capital of France?")
-    body, chunks = await chat_answers(parsing, req, f"<think>\n{thought}\n</think>\n\nParis.")
-    whole = response_from_chat(body, req)
-    Response.model_validate(whole)
+    answered = await answers(
+        parsing, f"<think>\n{thought}\n</think>\n\nParis.", input="Capital of France?"
+    )
+    whole = answered.whole
     reasoning, message = whole["output"]
     assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
     assert reasoning["summary"] == []
@@ -703,7 +751,7 @@ async def test_reasoning_is_its_own_item(parsing: GatewayHarness) -> None:
     assert message["content"][0]["text"] == "\n\nParis."
     assert Response.model_validate(whole).output_text == "\n\nParis."
 
-    events = await events_of(req, list(chunks))
+    events = answered.events
     assert [i["type"] for i in replayed(events)] == ["reasoning", "message"]
     assert text_deltas(events, "response.reasoning_text.delta") == f"\n{thought}\n"
     assert text_deltas(events, "response.output_text.delta") == "\n\nParis."
@@ -716,21 +764,22 @@ async def test_tool_calls_are_function_call_items(parsing: GatewayHarness) -> No
         f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>\n'
         for name, args in calls
     )
-    req = request(input="Weather and time in Paris?", tools=TOOLS, tool_choice="auto")
-    body, chunks = await chat_answers(
-        parsing, req, f"<think>\nTwo tools.\n</think>\n\nChecking.\n{written}"
+    answered = await answers(
+        parsing,
+        f"<think>\nTwo tools.\n</think>\n\nChecking.\n{written}",
+        input="Weather and time in Paris?",
+        tools=TOOLS,
+        tool_choice="auto",
     )
-    assert body["choices"][0]["finish_reason"] == "tool_calls"
-    whole = response_from_chat(body, req)
-    Response.model_validate(whole)
+    whole = answered.whole
     assert whole["status"] == "completed"
     kinds = [item["type"] for item in whole["output"]]
     assert kinds == ["reasoning", "message", "function_call", "function_call"]
-    chat_calls = body["choices"][0]["message"]["tool_calls"]
-    for item, call, (name, args) in zip(whole["output"][2:], chat_calls, calls, strict=True):
+    for item, (name, args) in zip(whole["output"][2:], calls, strict=True):
         assert item["id"].startswith("fc_") and item["status"] == "completed"
-        assert (item["call_id"], item["name"]) == (call["id"], name)
+        assert item["call_id"].startswith("call_") and item["name"] == name
         assert json.loads(item["arguments"]) == args
+    assert len({item["call_id"] for item in whole["output"][2:]}) == 2
     assert whole["output"][1]["content"][0]["text"] == "\n\nChecking.\n"
     assert whole["tools"] == [
         {"type": "function", "description": "Weather", "strict": None, **TOOLS[0]},
@@ -738,27 +787,73 @@ async def test_tool_calls_are_function_call_items(parsing: GatewayHarness) -> No
     ]
     assert whole["tool_choice"] == "auto"
 
-    events = await events_of(req, list(chunks))
+    events = answered.events
     items = replayed(events)
     assert [i["type"] for i in items] == kinds
     assert [json.loads(i["arguments"]) for i in items[2:]] == [args for _, args in calls]
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert [(i["name"], i["arguments"]) for i in added[2:]] == [(n, "") for n, _ in calls]
-    # Two streams, two sets of call ids; each stream's are its chat stream's.
-    chunk_ids = [
-        p["id"] for c in chunks for ch in c["choices"] for p in ch["delta"].get("tool_calls", [])
-    ]
-    assert [i["call_id"] for i in items[2:]] == chunk_ids
-    for item, call in zip(whole["output"][2:], chat_calls, strict=True):
-        item["call_id"] = call["id"] = "call"
-    for item in events[-1]["response"]["output"][2:]:
-        item["call_id"] = "call"
     same_but_ids(events[-1]["response"], whole)
+
+
+async def test_text_after_a_tool_call_is_a_second_message_in_both_shapes(
+    parsing: GatewayHarness,
+) -> None:
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+    answered = await answers(
+        parsing, f"Checking.\n{call}Done.", input="Time?", tools=TOOLS, tool_choice="auto"
+    )
+    kinds = [(i["type"], i.get("content", [{}])[0].get("text")) for i in answered.whole["output"]]
+    assert kinds == [("message", "Checking.\n"), ("function_call", None), ("message", "\nDone.")]
+    same_but_ids(answered.events[-1]["response"], answered.whole)
+
+
+async def test_logprobs_of_the_message_text(parsing: GatewayHarness) -> None:
+    """include message.output_text.logprobs: each token of the message's text with its logprob
+    and top_logprobs alternatives; the reasoning's tokens are not listed."""
+    answer = "Paris, of course."
+    answered = await answers(
+        parsing,
+        f"<think>\nEasy.\n</think>\n\n{answer}",
+        input="Capital of France?",
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    tok = parsing.tokenizer
+    _, message = answered.whole["output"]
+    text = message["content"][0]["text"]
+    logprobs = message["content"][0]["logprobs"]
+    # The message's tokens: the last ones, after the reasoning's and its end marker's.
+    marked = len(tok.encode("<think>\nEasy.\n</think>", add_special_tokens=False))
+    n = len(tok.encode(f"<think>\nEasy.\n</think>\n\n{answer}", add_special_tokens=False))
+    assert "".join(entry["token"] for entry in logprobs) == text == f"\n\n{answer}"
+    assert [entry["logprob"] for entry in logprobs] == [
+        -(p + 1) / 8 for p in range(n - len(logprobs), n)
+    ]
+    assert n - len(logprobs) == marked
+    for entry in logprobs:
+        assert entry["bytes"] == list(entry["token"].encode())
+        alternatives = entry["top_logprobs"]
+        assert [a["token"] for a in alternatives] == [tok.decode([i]) for i in ALTERNATIVE_IDS[:2]]
+        assert [a["logprob"] for a in alternatives] == [entry["logprob"] - j for j in range(2)]
+    events = answered.events
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [x for e in deltas for x in e["logprobs"]] == logprobs
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == logprobs
+    assert answered.whole["top_logprobs"] == 2
+    same_but_ids(events[-1]["response"], answered.whole)
+
+
+async def test_top_logprobs_alone_returns_no_logprobs(plain: GatewayHarness) -> None:
+    answered = await answers(plain, "Paris.", input="Capital of France?", top_logprobs=3)
+    assert answered.whole["output"][0]["content"][0]["logprobs"] == []
+    assert answered.whole["top_logprobs"] == 3
 
 
 async def test_a_failure_mid_stream_fails_the_response(plain: GatewayHarness) -> None:
     req = request(input="Capital of France?")
-    _, chunks = await chat_answers(plain, req, "The capital of France is Paris.")
+    chunks = await chat_chunks(plain, req, "The capital of France is Paris.")
     cut: list[dict[str, Any] | StreamError] = [
         *chunks[:4],
         StreamError("the engine failed", "internal_server_error", 500),
