@@ -25,7 +25,8 @@ Logprobs (include "message.output_text.logprobs"): a chat chunk's logprobs belon
 carries, or, when the chat stream held that text back (a possible stop string or tool call), to
 the text a later chunk carries. They go with the next message text, on its
 `response.output_text.delta`. Tokens that became reasoning (with the marker that ends it) or a
-tool call are not listed.
+tool call are not listed; those left at the end with no text (the stop token) go on a last
+delta with no text, as the chat endpoint lists them.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ class ResponseEvents:
         events: list[dict[str, Any]] = []
         if self.current is None and not self.output:
             events += self._open("message")  # an empty answer is still a message
+        if self._logprobs and self._in("message"):
+            # Tokens with no text of their own at the end (the stop token): listed, as the
+            # chat endpoint lists them, on a delta with no text.
+            events += self._text("message", "")
         events += self._close("completed" if status == "completed" else "incomplete")
         usage = response_usage(self.usage)
         response = self._response(status, usage=usage, incomplete_details=details)

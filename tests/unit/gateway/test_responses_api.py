@@ -823,10 +823,12 @@ async def test_logprobs_of_the_message_text(parsing: GatewayHarness) -> None:
     _, message = answered.whole["output"]
     text = message["content"][0]["text"]
     logprobs = message["content"][0]["logprobs"]
-    # The message's tokens: the last ones, after the reasoning's and its end marker's.
+    # The message's tokens: the last ones, after the reasoning's and its end marker's, and the
+    # end-of-turn token last (the chat endpoint lists it too).
     marked = len(tok.encode("<think>\nEasy.\n</think>", add_special_tokens=False))
-    n = len(tok.encode(f"<think>\nEasy.\n</think>\n\n{answer}", add_special_tokens=False))
-    assert "".join(entry["token"] for entry in logprobs) == text == f"\n\n{answer}"
+    n = len(tok.encode(f"<think>\nEasy.\n</think>\n\n{answer}", add_special_tokens=False)) + 1
+    assert "".join(entry["token"] for entry in logprobs[:-1]) == text == f"\n\n{answer}"
+    assert logprobs[-1]["token"] == tok.hf.eos_token
     assert [entry["logprob"] for entry in logprobs] == [
         -(p + 1) / 8 for p in range(n - len(logprobs), n)
     ]
