@@ -54,7 +54,11 @@ def plan_usage(plan: RequestPlan, choices: list[ChoiceAssembler]) -> dict[str, A
     those of each prompt's first choice, the one that computed (or found) its prefix, from the
     group's own cache or the Redis tier alike (the scheduler counts both at admission)."""
     cached = sum(choices[p * plan.n].num_cached_tokens for p in range(len(plan.prompts)))
-    return usage(plan.num_prompt_tokens, sum(c.num_tokens for c in choices), cached)
+    counted = usage(plan.num_prompt_tokens, sum(c.num_tokens for c in choices), cached)
+    if plan.reasoning:  # OpenAI's field: how many of the completion tokens were reasoning
+        reasoning = sum(c.reasoning_tokens for c in choices)
+        counted["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return counted
 
 
 def token_names(plan: RequestPlan, tok: PromptTokenizer) -> TokenNames:
@@ -145,6 +149,7 @@ def _chat_message(plan: RequestPlan, choice: ChoiceAssembler) -> tuple[dict[str,
     if reader is None or choice.finish_reason is None:
         return {"role": "assistant", "content": choice.text}, choice.finish_reason
     output = reader.feed(choice.text).then(reader.finish())
+    choice.count_reasoning(reader.reasoning_chars)
     message: dict[str, Any] = {"role": "assistant", "content": output.content}
     if plan.reasoning:
         message["reasoning_content"] = output.reasoning or None

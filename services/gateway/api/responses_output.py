@@ -82,17 +82,17 @@ def status_of(finish_reason: str | None) -> tuple[Status, dict[str, Any] | None]
 
 
 def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Chat usage in the Responses API's names. Reasoning tokens are not counted apart (the
-    chat path counts output tokens only); cache writes are OpenAI's explicit prompt caching,
-    which meshllm's prefix cache does not need."""
+    """Chat usage in the Responses API's names. Cache writes are OpenAI's explicit prompt
+    caching, which meshllm's prefix cache does not need."""
     if usage is None:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": usage["total_tokens"],
     }
 

@@ -15,6 +15,7 @@ text through the stop-string matcher. Rules:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from services.gateway.plan.tokenization import PromptTokenizer
@@ -88,6 +89,10 @@ class ChoiceAssembler:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_cached_tokens = 0
+        # Output tokens that were reasoning (with a reasoning parser; count_reasoning).
+        self.reasoning_tokens = 0
+        # The detokenized text's length after each output token: which token wrote a char.
+        self._text_ends: list[int] = []
 
     @property
     def finished(self) -> bool:
@@ -126,19 +131,34 @@ class ChoiceAssembler:
             is_last = i == len(delta.token_ids) - 1
             if hidden_last and is_last and token == delta.stop_token_id:
                 break
-            check = self._stops.feed(self._detok.push(token))
+            piece = self._detok.push(token)
+            self._text_ends.append((self._text_ends[-1] if self._text_ends else 0) + len(piece))
+            check = self._stops.feed(piece)
             update.text += check.text
             if check.stopped:
                 update.finish_reason = "stop"
                 update.stopped_on_string = True
                 break
         if update.finish_reason is None and delta.finish_reason is not None:
-            check = self._stops.feed(self._detok.flush())
+            rest = self._detok.flush()
+            if self._text_ends:
+                self._text_ends[-1] += len(rest)  # the last tokens' held-back text
+            check = self._stops.feed(rest)
             update.text += check.text + self._stops.flush()
             update.finish_reason = "stop" if check.stopped else delta.finish_reason
             update.stopped_on_string = check.stopped
         self._absorb(update)
         return update
+
+    def count_reasoning(self, chars: int) -> None:
+        """Set reasoning_tokens from the reasoning's length in the text (its end marker
+        included): the tokens whose text starts within it (vLLM counts the tokens up to the
+        end marker's)."""
+        ends = self._text_ends
+        if chars <= 0 or not ends:
+            self.reasoning_tokens = 0
+        else:  # token i starts where token i - 1 ends
+            self.reasoning_tokens = bisect_left(ends, chars, 0, len(ends) - 1) + 1
 
     def _fail(self, update: ChoiceUpdate, message: str) -> ChoiceUpdate:
         update.error = message

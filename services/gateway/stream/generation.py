@@ -209,7 +209,7 @@ class Generation:
                     first, offsets[index] = self._first_chunk(index)
                     if first is not None:
                         yield self._with_usage(first, index)
-                message, finish_reason = self._read_message(readers[index], update)
+                message, finish_reason = self._read_message(index, readers[index], update)
                 said = message if message is not None else update.text
                 if not (said or update.logprobs or update.routed_rows or update.finish_reason):
                     continue  # held back (partial character, possible stop string or call)
@@ -241,7 +241,7 @@ class Generation:
         return chunk
 
     def _read_message(
-        self, reader: MessageReader | None, update: ChoiceUpdate
+        self, index: int, reader: MessageReader | None, update: ChoiceUpdate
     ) -> tuple[MessageDelta | None, str | None]:
         """The update's text read for reasoning and tool calls, and the finish reason the calls
         make (None without a reader, or before the choice ends)."""
@@ -250,7 +250,9 @@ class Generation:
         message = reader.feed(update.text)
         if update.finish_reason is None:
             return message, None
-        return message.then(reader.finish()), reader.finish_reason(update.finish_reason)
+        message = message.then(reader.finish())
+        self.choices[index].count_reasoning(reader.reasoning_chars)
+        return message, reader.finish_reason(update.finish_reason)
 
     def _first_chunk(self, index: int) -> tuple[dict[str, Any] | None, int]:
         """A choice's opening chunk (chat: the role; completions with echo: the prompt) and

@@ -55,6 +55,12 @@ class MessageReader:
         self._tools: ToolCallReader | None = tool_call_reader(tools) if tools else None
 
     @property
+    def reasoning_chars(self) -> int:
+        """How much of the text was reasoning (ReasoningReader.reasoning_chars); 0 without a
+        reasoning parser."""
+        return self._reasoning.reasoning_chars if self._reasoning else 0
+
+    @property
     def called(self) -> bool:
         return self._tools is not None and self._tools.called
 

@@ -36,8 +36,22 @@ class ReasoningReader:
         self.parser = parser
         self._state: Literal["start", "reasoning", "content"] = "start"
         self._held = ""
+        self._fed = 0  # chars fed
+        self._content = 0  # chars returned as content
+
+    @property
+    def reasoning_chars(self) -> int:
+        """How much of the text fed so far was reasoning: its tags included, what is held
+        back not (after finish, nothing is)."""
+        return self._fed - self._content - len(self._held)
 
     def feed(self, text: str) -> Split:
+        self._fed += len(text)
+        out = self._feed(text)
+        self._content += len(out.content)
+        return out
+
+    def _feed(self, text: str) -> Split:
         text, self._held = self._held + text, ""
         out = Split()
         if self._state == "start":
@@ -68,4 +82,5 @@ class ReasoningReader:
         held, self._held = self._held, ""
         if self._state == "reasoning" or (self._state == "start" and self.parser == "deepseek_r1"):
             return Split(reasoning=held)
+        self._content += len(held)
         return Split(content=held)

@@ -13,11 +13,16 @@ from services.gateway.stream.tool_calls import joined_calls
 
 
 def split(parser: ReasoningParserName, pieces: list[str]) -> tuple[str, str, list[Split]]:
+    """The reasoning and the content read from `pieces`; the reader's reasoning_chars is
+    checked against them: the text but the content, tags included."""
     reader = ReasoningReader(parser)
     outputs = [reader.feed(p) for p in pieces]
     outputs.append(reader.finish())
     reasoning = "".join(o.reasoning for o in outputs)
     content = "".join(o.content for o in outputs)
+    text = "".join(pieces)
+    assert text.endswith(content)
+    assert reader.reasoning_chars == len(text) - len(content)
     return reasoning, content, outputs
 
 
@@ -58,8 +63,11 @@ def test_qwen3_output_without_a_thinking_block_is_all_content(text: str) -> None
 def test_reasoning_streams_before_its_end_tag_comes() -> None:
     reader = ReasoningReader("qwen3")
     assert reader.feed("<think>Hm").reasoning == "Hm"
+    assert reader.reasoning_chars == len("<think>Hm")
     assert reader.feed("m, </th") == Split(reasoning="m, ")  # the tag's start is held
+    assert reader.reasoning_chars == len("<think>Hmm, ")  # not yet counted either
     assert reader.feed("ink>Paris") == Split(content="Paris")
+    assert reader.reasoning_chars == len("<think>Hmm, </think>")
 
 
 def test_the_answer_after_thinking_is_read_for_tool_calls() -> None:

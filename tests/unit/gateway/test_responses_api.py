@@ -750,6 +750,8 @@ async def test_reasoning_is_its_own_item(parsing: GatewayHarness) -> None:
     assert reasoning["content"] == [{"type": "reasoning_text", "text": f"\n{thought}\n"}]
     assert message["content"][0]["text"] == "\n\nParis."
     assert Response.model_validate(whole).output_text == "\n\nParis."
+    thinking = parsing.tokenizer.encode(f"<think>\n{thought}\n</think>", add_special_tokens=False)
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": len(thinking)}
 
     events = answered.events
     assert [i["type"] for i in replayed(events)] == ["reasoning", "message"]
