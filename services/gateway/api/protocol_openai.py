@@ -110,6 +110,8 @@ def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)]
+#: OpenAI's reasoning effort levels (chat's `reasoning_effort`, Responses' `reasoning.effort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 
 
 class ApiModel(BaseModel):
@@ -428,6 +430,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     # vLLM's: variables for the chat template (Qwen3's `enable_thinking`, for one).
     chat_template_kwargs: TemplateKwargs = None
+    # OpenAI's; as vLLM does, the template gets it as its variable `reasoning_effort` (gpt-oss's
+    # reads it; other templates ignore it), unless chat_template_kwargs sets that variable.
+    reasoning_effort: ReasoningEffort | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -461,6 +466,13 @@ class ChatCompletionRequest(SamplingFields):
     def max_new_tokens(self) -> int | None:
         """`max_completion_tokens` is OpenAI's newer name and wins when both are given."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def template_variables(self) -> dict[str, Any] | None:
+        """What the chat template gets besides messages and tools."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 class TokenizeRequest(ApiModel):

@@ -28,7 +28,12 @@ from pydantic import (
 )
 
 from services.gateway.api.errors import OpenAIError, invalid_request, param_path
-from services.gateway.api.protocol_openai import TOOL_CHOICES, ApiModel, SamplingFields
+from services.gateway.api.protocol_openai import (
+    TOOL_CHOICES,
+    ApiModel,
+    ReasoningEffort,
+    SamplingFields,
+)
 
 M = TypeVar("M", bound=ApiModel)
 
@@ -173,6 +178,14 @@ class ToolChoiceFunction(ApiModel):
     name: str
 
 
+class ReasoningConfig(ApiModel):
+    """`effort` is the chat endpoint's reasoning_effort (a template variable). The reasoning
+    comes back as its text, so a `summary` kind changes nothing."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(ApiModel):
     """POST /v1/responses. Unknown fields are ignored, but for chat sampling fields (vLLM's
     extras), which are passed on to the chat body (PASSED_THROUGH)."""
@@ -201,6 +214,7 @@ class ResponsesRequest(ApiModel):
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: Literal["auto", "disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
     # Declared only to be refused (each needs state meshllm does not keep).
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
@@ -396,6 +410,7 @@ def to_chat_body(req: ResponsesRequest) -> dict[str, Any]:
         "response_format": req.text.format.chat() if req.text and req.text.format else None,
         "tools": [tool.chat() for tool in req.tools] if req.tools is not None else None,
         "tool_choice": _chat_tool_choice(req.tool_choice),
+        "reasoning_effort": req.reasoning.effort if req.reasoning else None,
     }
     body.update({k: v for k, v in given.items() if v is not None})
     body["parallel_tool_calls"] = req.parallel_tool_calls

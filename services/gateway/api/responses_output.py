@@ -151,4 +151,5 @@ def _settings(req: ResponsesRequest) -> dict[str, Any]:
         "metadata": req.metadata,
         "user": req.user,
         "top_logprobs": req.top_logprobs,
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
     }

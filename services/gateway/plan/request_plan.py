@@ -186,7 +186,7 @@ def plan_chat(
             continue_final_message=req.continue_final_message,
             token_limit=_limit(keep, model),
             tools=req.tools,
-            template_kwargs=req.chat_template_kwargs,
+            template_kwargs=req.template_variables,
         )
         prompt = truncated(prompt, keep, tok)
     except PromptTooLong as exc:

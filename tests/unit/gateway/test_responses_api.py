@@ -270,6 +270,11 @@ def test_settings_and_vllm_extras_reach_the_chat_body() -> None:
     }
 
 
+def test_reasoning_effort_is_the_chat_reasoning_effort() -> None:
+    assert chat_of(input="Hi", reasoning={"effort": "low"})["reasoning_effort"] == "low"
+    assert "reasoning_effort" not in chat_of(input="Hi", reasoning={"summary": "auto"})
+
+
 def test_text_format_is_the_response_format() -> None:
     assert "response_format" not in chat_of(input="Hi", text={"format": {"type": "text"}})
     assert "response_format" not in chat_of(input="Hi", text={})
@@ -388,6 +393,7 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
     ({"input": "Hi", "background": True}, "background", "response store"),
     ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, "prompt", "saved prompts"),
     ({"input": "Hi", "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"input": "Hi", "reasoning": {"effort": "max"}}, "reasoning.effort", "Input should be"),
     ({"input": "Hi", "top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
     ({"input": "Hi", "truncation": "auto"}, "truncation", "never trimmed"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
@@ -702,6 +708,7 @@ async def test_a_text_answer(plain: GatewayHarness) -> None:
     assert whole["instructions"] == "Be brief."
     assert (whole["store"], whole["tools"], whole["tool_choice"]) == (False, [], "none")
     assert whole["text"] == {"format": {"type": "text"}}
+    assert whole["reasoning"] == {"effort": None, "summary": None}
 
     events = answered.events
     assert events[-1]["type"] == "response.completed"

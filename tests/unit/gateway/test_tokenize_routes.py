@@ -93,3 +93,40 @@ async def test_chat_template_kwargs_reach_the_template(redis_url: str, smollm2_d
         submit = await gw.next_submit()
         assert tok.decode(submit.prompt_token_ids) == "Hi Bonjour"
         posted.cancel()
+
+
+#: gpt-oss's templates read `reasoning_effort`; this one only says it.
+EFFORT_TEMPLATE = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+    "{% if reasoning_effort is defined %} effort={{ reasoning_effort }}{% endif %}"
+)
+
+
+async def test_reasoning_effort_reaches_the_template(redis_url: str, smollm2_dir: Path) -> None:
+    """As vLLM passes it: chat's reasoning_effort and Responses' reasoning.effort become the
+    template's `reasoning_effort`; chat_template_kwargs, when it sets that variable, wins."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    hf.chat_template = EFFORT_TEMPLATE
+    tok = PromptTokenizer(hf)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1}
+    bodies = [
+        ("/v1/chat/completions", chat, "Hi"),
+        ("/v1/chat/completions", {**chat, "reasoning_effort": "low"}, "Hi effort=low"),
+        (
+            "/v1/chat/completions",
+            {**chat, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "x"}},
+            "Hi effort=x",
+        ),
+        ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "high"}}, "Hi effort=high"),
+        ("/v1/responses", {"input": "Hi", "reasoning": {"summary": "auto"}}, "Hi"),
+    ]
+    async with gateway_harness(redis_url, tok, smollm2_dir) as gw:
+        for path, body, prompt in bodies:
+            posted = asyncio.create_task(gw.http.post(path, json=body))
+            submit = await gw.next_submit()
+            assert tok.decode(submit.prompt_token_ids) == prompt, body
+            await gw.reply_tokens(submit, [11], "length")
+            assert (await posted).status_code == 200

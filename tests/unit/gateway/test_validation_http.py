@@ -152,6 +152,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("chat", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ("chat", {"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ("chat", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     # streaming
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     # unsupported OpenAI fields are refused, not ignored
