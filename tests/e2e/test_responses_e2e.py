@@ -91,14 +91,19 @@ def test_greedy_output_is_the_chat_endpoints(client: openai.OpenAI, model_name: 
     assert again.output_text == expected
 
 
-def test_a_stream_says_the_same(client: openai.OpenAI, model_name: str) -> None:
-    kw: Any = {
+def greedy_question(model_name: str) -> dict[str, Any]:
+    """CONVERSATION as a Responses request, greedy."""
+    return {
         "model": model_name,
         "input": QUESTION,
         "instructions": INSTRUCTIONS,
         "temperature": 0,
         "max_output_tokens": MAX_TOKENS,
     }
+
+
+def test_a_stream_says_the_same(client: openai.OpenAI, model_name: str) -> None:
+    kw = greedy_question(model_name)
     whole = client.responses.create(**kw)
     events = list(client.responses.create(stream=True, **kw))
     deltas = [e.delta for e in events if isinstance(e, ResponseTextDeltaEvent)]
@@ -120,15 +125,8 @@ def test_logprobs_are_the_chat_endpoints(client: openai.OpenAI, model_name: str)
     )  # fmt: skip
     assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
     expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
-    kw: Any = {
-        "model": model_name,
-        "input": QUESTION,
-        "instructions": INSTRUCTIONS,
-        "temperature": 0,
-        "max_output_tokens": MAX_TOKENS,
-        "include": ["message.output_text.logprobs"],
-        "top_logprobs": 3,
-    }
+    kw = {**greedy_question(model_name), "include": ["message.output_text.logprobs"]}
+    kw["top_logprobs"] = 3
     resp = client.responses.create(**kw)
     (part,) = resp.output[0].content  # type: ignore[union-attr]
     assert part.type == "output_text" and part.logprobs is not None
