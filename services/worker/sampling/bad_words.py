@@ -106,6 +106,14 @@ class BadWords:
         shifted.index_put_((rows, place), token_ids.to(torch.int32))
         self.window.copy_(shifted[:, :width])
 
+    def saved_window(self) -> torch.Tensor:
+        """A copy of the windows, for restore_window (a verify step's provisional records)."""
+        self._sync()
+        return self.window.clone()
+
+    def restore_window(self, saved: torch.Tensor) -> None:
+        self.window.copy_(saved)
+
     def in_batch(self, batch_pos: torch.Tensor, scratch: int) -> BatchEntries:
         """The (batch row, banned token) entries of this step: every word of a row in the batch
         (`batch_pos[row]` >= 0) whose prefix ends its row's window; the others at `scratch`."""

@@ -262,6 +262,13 @@ class SamplingState:
                 accumulate=True,
             )
 
+    def provisional(self) -> ProvisionalRecords:
+        """Records to take back: a verify step records each position's drafts before it draws
+        the next position (its penalties, min_tokens and bad words see the drafts before it,
+        as plain decoding would have seen them as outputs), then takes them all back and
+        records the tokens it accepted. No host sync."""
+        return ProvisionalRecords(self)
+
     # ---- the step ----------------------------------------------------------------------
 
     @property
@@ -529,3 +536,42 @@ def grammar_first(
         return token_ids
     allowed = allowed_mask(bitmask, bitmask_index, vocab_size)
     return torch.where(drawn, token_ids, allowed.to(torch.uint8).argmax(dim=1))
+
+
+class ProvisionalRecords:
+    """SamplingState.provisional: record_sampled calls that `undo` takes back. What a record
+    changes: num_output and the bad-words windows (restored from copies taken here: [rows]
+    and [rows, width], small) and the penalties' output counts (the recorded tokens counted
+    off again: a [rows, V] copy would cost more than the step)."""
+
+    def __init__(self, state: SamplingState) -> None:
+        self.state = state
+        self._num_output = state.num_output.clone()
+        words = state.bad_words
+        self._window = words.saved_window() if words.reads_history else None
+        self._recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        state = self.state
+        if not state.counts_outputs:
+            return
+        state.record_sampled(rows, token_ids)
+        self._recorded.append((rows, token_ids))
+
+    def undo(self) -> None:
+        state = self.state
+        if not self._recorded:
+            return
+        state.num_output.copy_(self._num_output)
+        if self._window is not None:
+            state.bad_words.restore_window(self._window)
+        if state.output_counts is not None:
+            rows = torch.cat([r for r, _ in self._recorded]).to(state.device, torch.int64)
+            tokens = torch.cat([t for _, t in self._recorded]).to(state.device, torch.int64)
+            valid = (tokens >= 0) & (tokens < state.vocab_size)
+            state.output_counts.index_put_(
+                (rows, tokens.clamp(0, state.vocab_size - 1)),
+                -valid.to(torch.int32),
+                accumulate=True,
+            )
+        self._recorded.clear()

@@ -7,10 +7,10 @@ correction/bonus and sets `num_tokens` to T+a+1, so rejected drafts vanish from 
 KV (slots the scheduler reserved as lookahead) is overwritten by later steps before anything
 attends to it, and the scheduler never registers those slots in the prefix cache.
 
-Proposing skips requests whose sampling reads per-row history the verification rows would see
-stale (repetition/frequency/presence penalties, min_tokens not yet reached, and bad words of two
-tokens or more, whose match reads the latest outputs): those decode one token per step,
-unchanged.
+Every sampled request is proposed for, whatever its sampling: where it reads what was output
+(repetition/frequency/presence penalties, min_tokens, bad words of two tokens or more), the
+verify step draws each position with the drafts before it recorded as outputs
+(verify_step.py), so each position samples as plain decoding would.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from services.worker.spec.feature_drafter import FeatureDrafter, FeatureHead
 from services.worker.spec.mtp import load_mtp_head
 from services.worker.spec.ngram import NgramProposer
 from services.worker.spec.proposals import Proposal, ProposalBook
-from shared.protocol import SamplingParams, StepPlan
+from shared.protocol import StepPlan
 
 if TYPE_CHECKING:
     from services.worker.models.base import CausalLM
@@ -106,18 +106,6 @@ def stage_drafts(
         batch.token_ids[row, start:end] = drafts_i
         counts[i] = len(drafts_i)
     return counts
-
-
-def may_speculate(params: SamplingParams | None, num_output_tokens: int) -> bool:
-    """Whether verification rows of this request sample as plain decoding would."""
-    if params is None:
-        return False
-    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
-        return False
-    # A draft's row would match the words against the outputs before the step's earlier drafts.
-    if any(len(word) > 1 for word in params.bad_words_token_ids):
-        return False
-    return num_output_tokens >= params.min_tokens
 
 
 class Drafter:
@@ -241,8 +229,7 @@ class Drafter:
         for i, row in enumerate(rows.tolist()):
             num_tokens = int(batch.num_tokens[row])
             room = batch.max_model_len - 1 - num_tokens
-            num_output = num_tokens - int(batch.num_prompt_tokens[row])
-            if room > 0 and may_speculate(batch.sampling[row], num_output):
+            if room > 0 and batch.sampling[row] is not None:
                 ks[i] = min(self.config.num_spec_tokens, room)
         proposals: list[Proposal | None] = [None] * len(rows)
         if self.draft_model is None and self.features is None:  # prompt lookup: point masses

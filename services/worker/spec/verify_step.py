@@ -77,7 +77,7 @@ def verify_and_sample(
     checks = RejectionChecks.find(runner, rows, verified, k)
 
     grammar = (bitmask, bitmask_first)
-    if not checks.proposals and sampler.rows_repeatable:
+    if not checks.proposals and sampler.rows_repeatable and not sampler.counts_outputs:
         # one upload for the gather and the sampler's state rows and positions
         staged = runner._to_device(np.stack([flat, rows[req], verified[req] + j]))
         logits = runner.compute_logits(hidden[staged[0]])
@@ -85,6 +85,7 @@ def verify_and_sample(
     else:
         logits = runner.compute_logits(hidden[runner._to_device(flat)])
         draws, logprobs, top = _draw_by_position(runner, logits, rows, verified, k, grammar, checks)
+        # (it recorded each position's drafts for the next, and took them back)
     runner.mark_phase("drawn")
     decided = checks.decide(runner, rows, verified)
 
@@ -196,13 +197,20 @@ def _draw_by_position(
     checks: RejectionChecks,
 ) -> tuple[np.ndarray, np.ndarray, Top]:
     """One sampler call per position j over the requests with a row j (each state row at most
-    once per call), keeping the checked rows' distributions for rejection sampling. The
+    once per call), keeping the checked rows' distributions for rejection sampling. Where the
+    sampling reads what was output (penalties, min_tokens, bad words), position j sees the
+    drafts before it recorded as outputs (SamplingState.provisional). The
     outputs stay on the device until the loop is done, then come back in one copy: a
     read-back per position would wait for the GPU k + 1 times a step."""
     offsets = np.cumsum(k + 1) - (k + 1)  # each request's first logits row
     picked: list[tuple[np.ndarray, SamplerOutput]] = []
+    history = runner.sampler.provisional()
     for j in range(int(k.max()) + 1):
         sel = np.flatnonzero(k >= j)
+        if j:  # position j's history holds the drafts before it, as plain decoding's would
+            drafts = runner.batch.token_ids[rows[sel], verified[sel] + j - 1]
+            recorded = runner._to_device(np.stack([rows[sel], drafts]))
+            history.record(recorded[0], recorded[1])
         checked = checks.rows_at(j, sel)
         out = _sample(
             runner, logits[runner._to_device(offsets[sel] + j)], rows, verified, grammar, sel, j,
@@ -210,6 +218,7 @@ def _draw_by_position(
         )  # fmt: skip
         checks.collect(out, checked, runner)
         picked.append((sel, out))
+    history.undo()  # the caller records the tokens accepted
     draws = np.full((len(k), len(picked)), -1, dtype=np.int64)
     logprobs = np.zeros(draws.shape, dtype=np.float32)
     tokens = torch.cat([out.token_ids.to(torch.int64) for _, out in picked]).cpu().numpy()

@@ -104,6 +104,45 @@ def test_seeded_sampling_equals_no_speculation(smollm2_dir, model_and_config, pr
             torch.testing.assert_close(gen.top_logprobs, ref.top_logprobs, rtol=0, atol=1e-4)
 
 
+def history_params(kind: str, baseline: dict[str, list[int]]) -> SamplingParams:
+    """Sampling that reads what was output: each verify position must see the drafts before
+    it as outputs."""
+    if kind == "penalties-greedy":
+        return GREEDY.model_copy(update={"repetition_penalty": 1.3, "presence_penalty": 0.4})
+    if kind == "penalties-seeded":
+        return SEEDED.model_copy(
+            update={"repetition_penalty": 1.2, "frequency_penalty": 0.3, "logprobs": 2}
+        )
+    if kind == "min-tokens":  # chat2 ends before 16 tokens unless held to it
+        return GREEDY.model_copy(update={"min_tokens": NEW_TOKENS})
+    # bad words: chat0's free output with a two-token word of it banned from position 5 on
+    word = baseline["chat0"][4:6]
+    return GREEDY.model_copy(update={"bad_words_token_ids": [word]})
+
+
+@pytest.mark.parametrize(
+    "kind", ["penalties-greedy", "penalties-seeded", "min-tokens", "bad-words"]
+)
+def test_sampling_that_reads_the_outputs_equals_no_speculation(
+    smollm2_dir, model_and_config, prompts, baseline, kind: str
+):
+    params = history_params(kind, baseline)
+    plain = engine(smollm2_dir, model_and_config, None).generate(prompts, params)
+    spec = engine(smollm2_dir, model_and_config, NGRAM)
+    out = spec.generate(prompts, params)
+    assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
+    assert spec.scheduler.spec.stats.num_accepted_tokens > 0
+    if kind == "min-tokens":
+        assert len(baseline["chat2"]) < NEW_TOKENS == len(out["chat2"].token_ids)
+    if kind == "bad-words":
+        assert out["chat0"].token_ids[:4] == baseline["chat0"][:4]
+        assert out["chat0"].token_ids != baseline["chat0"]
+    if params.logprobs:
+        for rid, gen in out.items():
+            assert gen.top_token_ids == plain[rid].top_token_ids
+            torch.testing.assert_close(gen.logprobs, plain[rid].logprobs, rtol=0, atol=1e-4)
+
+
 def drafting_on_worker(
     smollm2_dir, model_and_config, chain: bool, **options: object
 ) -> InProcessEngine:
@@ -120,7 +159,11 @@ def drafting_on_worker(
 
 
 @pytest.mark.parametrize("chain", [False, True], ids=["on-host", "chained-on-device"])
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "params",
+    [GREEDY, SEEDED, SEEDED.model_copy(update={"presence_penalty": 0.5})],
+    ids=["greedy", "seeded", "penalized"],  # penalized: verified on the host, chain or not
+)
 def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
     smollm2_dir, model_and_config, prompts, params, chain: bool
 ):
@@ -135,7 +178,9 @@ def test_drafts_on_the_worker_planned_ahead_equal_no_speculation(
     out = spec.generate(prompts, params, pipeline=True, overlap=chain, ahead=3)
     assert {r: g.token_ids for r, g in out.items()} == {r: g.token_ids for r, g in plain.items()}
     assert spec.planned_ahead > 0  # verify steps went out before the previous result
-    assert spec.launched_ahead > 0 or not chain  # and were launched before it was finished
+    # and were launched before it was finished, unless the sampling reads what was output
+    # (a penalty): then each verify step waits for the tokens before it
+    assert (spec.launched_ahead > 0) == (chain and not params.presence_penalty)
     stats = spec.scheduler.spec.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     if params is GREEDY:  # the copying prompt's drafts stand: fewer steps in all

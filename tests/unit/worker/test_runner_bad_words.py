@@ -76,8 +76,8 @@ def test_a_preempted_request_resumes_its_window_from_the_outputs_resent(tiny: Pa
 
 
 def test_verify_steps_record_for_a_row_with_words(tmp_path: Path) -> None:
-    # The row with words does not speculate (spec/drafts.py may_speculate); the other one's
-    # verify steps still sample and record it, so its window must follow there too.
+    # Both rows speculate: the row with words draws each verify position with the drafts
+    # before it in its window (SamplingState.provisional), then keeps the accepted tokens'.
     make_tiny_llama(tmp_path, vocab_size=64)  # the prompt holds nearly every token: drafts
     spec = SpeculativeConfig(method="ngram", num_spec_tokens=3, prompt_lookup_min=1)
     prompts = {"a": list(range(3, 64)), "b": [5, 9, 3, 7, 5, 9, 3, 7, 5, 9]}

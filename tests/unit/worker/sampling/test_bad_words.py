@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from services.worker.sampling import SamplingState
-from services.worker.spec.drafts import may_speculate
 from shared.protocol import SamplingParams
 
 V = 64
@@ -260,10 +259,3 @@ def test_out_of_vocabulary_ids_and_empty_words_are_refused_before_any_change() -
     with pytest.raises(ValueError, match="bad_words_token_ids"):
         state.add_request(0, empty, [1], [])
     assert 0 in state.bad_words  # the row's request is still the one before
-
-
-def test_requests_with_longer_words_are_not_speculated() -> None:
-    # A verification row would match against the outputs before the step's earlier drafts.
-    assert not may_speculate(SamplingParams(bad_words_token_ids=[[5], [1, 2]]), 3)
-    assert may_speculate(SamplingParams(bad_words_token_ids=[[5], [6]]), 3)
-    assert may_speculate(SamplingParams(), 3)
