@@ -71,7 +71,10 @@ class ChoiceAssembler:
         prompt_logprobs: bool = False,
         include_stop: bool = False,
         skip_special_tokens: bool = True,
+        reasoning: bool = False,
     ) -> None:
+        """`reasoning`: a reasoning parser reads the text, so count_reasoning will be asked
+        (each token's text end is kept for it)."""
         self.index = index
         self._prompt_ids = prompt_ids
         self._want_prompt_logprobs = prompt_logprobs
@@ -91,8 +94,9 @@ class ChoiceAssembler:
         self.num_cached_tokens = 0
         # Output tokens that were reasoning (with a reasoning parser; count_reasoning).
         self.reasoning_tokens = 0
-        # The detokenized text's length after each output token: which token wrote a char.
-        self._text_ends: list[int] = []
+        # The detokenized text's length after each output token (with `reasoning` only):
+        # which token wrote a char.
+        self._text_ends: list[int] | None = [] if reasoning else None
 
     @property
     def finished(self) -> bool:
@@ -132,7 +136,8 @@ class ChoiceAssembler:
             if hidden_last and is_last and token == delta.stop_token_id:
                 break
             piece = self._detok.push(token)
-            self._text_ends.append((self._text_ends[-1] if self._text_ends else 0) + len(piece))
+            if (ends := self._text_ends) is not None:
+                ends.append((ends[-1] if ends else 0) + len(piece))
             check = self._stops.feed(piece)
             update.text += check.text
             if check.stopped:
@@ -141,7 +146,7 @@ class ChoiceAssembler:
                 break
         if update.finish_reason is None and delta.finish_reason is not None:
             rest = self._detok.flush()
-            if self._text_ends:
+            if self._text_ends:  # (None or empty: nothing to add to)
                 self._text_ends[-1] += len(rest)  # the last tokens' held-back text
             check = self._stops.feed(rest)
             update.text += check.text + self._stops.flush()
@@ -155,6 +160,8 @@ class ChoiceAssembler:
         included): the tokens whose text starts within it (vLLM counts the tokens up to the
         end marker's)."""
         ends = self._text_ends
+        if chars > 0 and ends is None:
+            raise ValueError("count_reasoning needs an assembler made with reasoning=True")
         if chars <= 0 or not ends:
             self.reasoning_tokens = 0
         else:  # token i starts where token i - 1 ends

@@ -97,6 +97,7 @@ class Generation:
                 or (plan.echo and plan.logprobs is not None),
                 include_stop=plan.include_stop,
                 skip_special_tokens=plan.skip_special_tokens,
+                reasoning=bool(plan.reasoning),
             )
             for i in range(plan.num_choices)
         ]

@@ -38,18 +38,17 @@ def test_text_equals_decode_and_eos_counted_not_rendered(tokenizer: PromptTokeni
     assert choice.finish_reason == "stop"
 
 
+def stopped_on_last(ids: list[int]) -> RequestDelta:
+    """All of `ids` in one delta, the last one the stop token that finished it."""
+    return RequestDelta(
+        request_id="x", start_index=0, token_ids=ids, finish_reason="stop", stop_token_id=ids[-1]
+    )
+
+
 def test_non_special_stop_token_id_is_not_rendered(tokenizer: PromptTokenizer) -> None:
     ids = tokenizer.encode(" one two.", add_special_tokens=False)
     choice = assembler(tokenizer)
-    choice.consume(
-        RequestDelta(
-            request_id="x",
-            start_index=0,
-            token_ids=ids,
-            finish_reason="stop",
-            stop_token_id=ids[-1],
-        )
-    )
+    choice.consume(stopped_on_last(ids))
     assert choice.text == tokenizer.decode(ids[:-1])
     assert choice.num_tokens == len(ids)
 
@@ -164,15 +163,7 @@ def test_included_stop_token_and_stop_string(tokenizer: PromptTokenizer) -> None
     as nothing, and a stop string stays in the text."""
     ids = tokenizer.encode(" one two.", add_special_tokens=False)
     choice = assembler(tokenizer, include_stop=True)
-    choice.consume(
-        RequestDelta(
-            request_id="x",
-            start_index=0,
-            token_ids=ids,
-            finish_reason="stop",
-            stop_token_id=ids[-1],
-        )
-    )
+    choice.consume(stopped_on_last(ids))
     assert choice.text == tokenizer.decode(ids) == " one two."
     choice = assembler(tokenizer, include_stop=True)
     for d in deltas([*ids, EOS], 2, finish_reason="stop", stop_token_id=EOS):
