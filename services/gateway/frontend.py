@@ -1,7 +1,7 @@
 """The gateway's working parts, held together for the HTTP routes: settings, tokenizer, model
-facts, auth, the planning pool, the bus client, the mesh view and the grammar service's
-client. Everything here answers from a raw body to a plan or a JSON body; the routes only
-add HTTP (status codes, streaming, disconnects)."""
+facts, auth, the planning pool, the bus client, the mesh view (through its heartbeat reader)
+and the grammar service's client. Everything here answers from a raw body to a plan or a JSON
+body; the routes only add HTTP (status codes, streaming, disconnects)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from services.gateway.api.auth import ApiKeyAuth
 from services.gateway.api.errors import OpenAIError
 from services.gateway.api.responses_api import ResponsesRequest
 from services.gateway.mesh.groups import MeshView
+from services.gateway.mesh.heartbeat_reader import HeartbeatReader
 from services.gateway.plan.grammar_client import GrammarClient
 from services.gateway.plan.model_info import ModelInfo
 from services.gateway.plan.planner import Planner
@@ -35,7 +36,7 @@ class Frontend:
     tokenizer: PromptTokenizer
     model: ModelInfo
     client: GatewayBusClient
-    mesh: MeshView
+    heartbeats: HeartbeatReader
     grammars: GrammarClient
     router: Router
     streams: Streams
@@ -57,11 +58,17 @@ class Frontend:
                 type_="service_unavailable",
             )
 
-    def check_serving(self) -> None:
+    @property
+    def mesh(self) -> MeshView:
+        return self.heartbeats.view
+
+    async def check_serving(self) -> None:
         """503 + Retry-After while no ready worker group serves this model: a request accepted
         now would wait in the queue for a scheduler that may never come. Called after the body
-        is validated, so a client's own mistake is reported first (its 400 precedes this)."""
-        serving = self.mesh.serving(self.model.name, time.time())
+        is validated, so a client's own mistake is reported first (its 400 precedes this).
+        A group that has only just lapsed gets one beat interval to be heard again
+        (HeartbeatReader.serving) before the request is refused."""
+        serving = await self.heartbeats.serving(self.model.name)
         if not serving.ok:
             # About one beat interval: a group that becomes ready is known after its next beat.
             retry_after = max(1, math.ceil(self.settings.heartbeat_interval_s))

@@ -70,10 +70,9 @@ class GatewayService(Service):
         s = self.settings
         # Recent beats are replayed: a restarted gateway is ready as soon as it has loaded.
         history_s = history_for(self.settings.heartbeat_interval_s)
-        self.mesh_reader = HeartbeatReader(
-            self.bus, self.streams.heartbeats, self.mesh, history_s=history_s
-        )
-        self.mesh_reader.start()
+        reader = HeartbeatReader(self.bus, self.streams.heartbeats, self.mesh, history_s=history_s)
+        reader.start()
+        self.mesh_reader = reader
         self.kv_reader = KVEventsReader(
             self.bus, self.streams.kv_events, self.router.index, history_s=HISTORY_S
         )
@@ -98,7 +97,7 @@ class GatewayService(Service):
         await self.rpc.start()
         grammars = GrammarClient(self.rpc, self.streams.calls("grammar"), s.grammar_timeout_s)
         self.frontend = Frontend(
-            s, tokenizer, model, client, self.mesh, grammars, self.router, self.streams
+            s, tokenizer, model, client, reader, grammars, self.router, self.streams
         )
         self.frontend.planning.warm_up()
 

@@ -98,7 +98,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend.check_accepting()
         plan = await frontend.plan_completion(await _body(frontend, request))
         plan = await frontend.compile_grammar(plan)
-        frontend.check_serving()
+        await frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
 
     @router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
@@ -108,7 +108,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
         frontend.check_accepting()
         plan = await frontend.plan_chat(await _body(frontend, request))
         plan = await frontend.compile_grammar(plan)
-        frontend.check_serving()
+        await frontend.check_serving()
         return await _generate(frontend, request, plan, arrival)
 
     @router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
@@ -123,7 +123,7 @@ def openai_router(get_frontend: FrontendGetter) -> APIRouter:
             plan = await frontend.compile_grammar(plan)
         except OpenAIError as exc:
             raise responses_error(exc) from None
-        frontend.check_serving()
+        await frontend.check_serving()
         return await _generate(frontend, request, plan, arrival, req)
 
     return router

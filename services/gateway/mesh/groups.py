@@ -19,6 +19,9 @@ from shared.protocol.health import GroupLoad, GroupRole
 ALIVE_INTERVALS = 3
 """A scheduler is alive while its last beat is younger than this many of its beat intervals:
 one late beat is jitter, three missed ones a dead (or partitioned) process."""
+LAPSE_GRACE_INTERVALS = 1
+"""A group that stopped beating within this many intervals past its alive window has lapsed,
+not gone: a request is held that long for its next beat before the 503 (MeshView.grace_s)."""
 FORGET_INTERVALS = 100
 """Records this stale are dropped, so instances that left for good do not pile up."""
 
@@ -145,6 +148,26 @@ class MeshView:
         else:
             detail = count
         return Serving(False, f"no ready worker group for model {model!r} ({detail})")
+
+    def grace_s(self, model: str, now: float) -> float:
+        """How long a request for `model` that cannot be served now should wait for the next
+        beats before its 503: one beat interval when a ready scheduler serving `model` fell out
+        of its alive window less than LAPSE_GRACE_INTERVALS ago, else 0.
+
+        Such a lapse is more often a late reading than a dead process: a gateway whose event
+        loop was held (a long request's work) answers its next request before its beat reader
+        has read the beats that came meanwhile, and a loaded host can delay a beat past the
+        window. A scheduler that did die is refused one interval later than before; a mesh
+        with no scheduler at all is refused at once."""
+        waits = [
+            r.interval_s
+            for r in self._schedulers.values()
+            if r.serves(model)
+            and r.ready
+            and not r.alive(now)
+            and now - r.last_beat < (ALIVE_INTERVALS + LAPSE_GRACE_INTERVALS) * r.interval_s
+        ]
+        return max(waits, default=0.0)
 
     def _forget(self, now: float) -> None:
         stale = [

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.gateway.mesh.groups import ALIVE_INTERVALS, MeshView
+from services.gateway.mesh.groups import ALIVE_INTERVALS, MeshView, Serving
 from shared.bus import Bus
 from shared.protocol import Heartbeat
 
@@ -63,6 +63,19 @@ class HeartbeatReader:
         it with a timeout). Lets a caller wait for a mesh state without polling."""
         async with self._changed:
             await self._changed.wait_for(lambda: predicate(self.view))
+
+    async def serving(self, model: str) -> Serving:
+        """The view's answer for `model` now, except that a group which has only just lapsed
+        (MeshView.grace_s) is given one beat interval for its next beat to be read: a late
+        reading, or a beat held up on a loaded host, is not a dead group."""
+        serving = self.view.serving(model, time.time())
+        grace_s = 0.0 if serving.ok else self.view.grace_s(model, time.time())
+        if grace_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await self.wait_for(lambda v: v.serving(model, time.time()).ok)
+            serving = self.view.serving(model, time.time())
+        return serving
 
     async def _read(self, last_ids: dict[str, str]) -> None:
         """Runs for the gateway's life. The bus retries through Redis outages itself; anything

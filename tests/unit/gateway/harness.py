@@ -218,7 +218,7 @@ async def gateway_harness(
     await rpc.start()
     grammars = GrammarClient(rpc, streams.calls("grammar"), settings.grammar_timeout_s)
     router = Router.from_settings(settings)
-    frontend = Frontend(settings, tokenizer, model, client, mesh, grammars, router, streams)
+    frontend = Frontend(settings, tokenizer, model, client, reader, grammars, router, streams)
     app = FastAPI()
     app.include_router(openai_router(lambda: frontend))
     server: uvicorn.Server | None = None

@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from services.gateway.mesh.groups import ALIVE_INTERVALS, FORGET_INTERVALS, MeshView
+from services.gateway.mesh.groups import (
+    ALIVE_INTERVALS,
+    FORGET_INTERVALS,
+    LAPSE_GRACE_INTERVALS,
+    MeshView,
+)
 from services.gateway.mesh.heartbeat_reader import history_for, history_start_id
 from shared.protocol import Heartbeat
 
@@ -159,6 +164,27 @@ def test_prefill_and_decode_groups_serve_only_together(
         assert serving.groups == tuple(sorted(r[0] for r in roles if r != "decode"))
     else:
         assert serving.reason == f"no ready worker group for model 'smol' ({detail})"
+
+
+def test_a_ready_group_just_out_of_its_alive_window_gets_one_interval_of_grace() -> None:
+    v = view(beat(100.0, interval_s=0.5))
+    window = ALIVE_INTERVALS * 0.5
+    assert v.grace_s(MODEL, 100.0 + window - 0.01) == 0.0  # still alive: nothing to wait for
+    assert v.grace_s(MODEL, 100.0 + window) == 0.5
+    assert v.grace_s(MODEL, 100.0 + window + LAPSE_GRACE_INTERVALS * 0.5 - 0.01) == 0.5
+    assert v.grace_s(MODEL, 100.0 + window + LAPSE_GRACE_INTERVALS * 0.5) == 0.0  # gone
+
+
+@pytest.mark.parametrize(
+    "lapsed",
+    [
+        beat(100.0, ready=False),  # it was not serving before it stopped beating
+        beat(100.0, model="other"),  # it serves another model
+    ],
+)
+def test_only_a_lapsed_scheduler_that_served_the_model_gets_grace(lapsed: Heartbeat) -> None:
+    assert view(lapsed).grace_s(MODEL, 100.0 + ALIVE_INTERVALS + 0.1) == 0.0
+    assert MeshView(1.0).grace_s(MODEL, 100.0) == 0.0  # no scheduler ever: refused at once
 
 
 def test_the_reader_replays_recent_history() -> None:
