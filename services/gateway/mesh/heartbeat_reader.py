@@ -71,10 +71,19 @@ class HeartbeatReader:
         serving = self.view.serving(model, time.time())
         grace_s = 0.0 if serving.ok else self.view.grace_s(model, time.time())
         if grace_s > 0:
+            started = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace_s):
                     await self.wait_for(lambda v: v.serving(model, time.time()).ok)
             serving = self.view.serving(model, time.time())
+            # Each one is worth an operator's look: beats this late are a loaded host, a
+            # blocked event loop, or the start of a real outage.
+            log.warning(
+                "worker groups for %r fell out of their alive window; after %.2f s: %s",
+                model,
+                time.monotonic() - started,
+                "heard again" if serving.ok else serving.reason,
+            )
         return serving
 
     async def _read(self, last_ids: dict[str, str]) -> None:
