@@ -37,6 +37,10 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
                 _check_range(dtype, int(value.min()), int(value.max()))
             return value.astype(dtype, copy=False).tolist()
         if isinstance(value, list | tuple):
+            if kind is int and all(type(v) is int for v in value):  # the common case, fast
+                if value:
+                    _check_range(dtype, min(value), max(value))
+                return list(value)
             out = []
             for v in value:
                 if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):

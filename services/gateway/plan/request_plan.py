@@ -129,7 +129,12 @@ def plan_completion(
     keep = req.truncate_prompt_tokens
     try:
         prompts = [
-            truncated(tok.completion_prompt(p, token_limit=_limit(keep, model)), keep, tok)
+            truncated(
+                tok.completion_prompt(p, token_limit=_limit(keep, model), echo=req.echo),
+                keep,
+                tok,
+                echo=req.echo,
+            )
             for p in req.prompt
         ]
     except PromptTooLong as exc:
@@ -281,10 +286,12 @@ def _limit(keep: int | None, model: ModelInfo) -> int | None:
     return model.max_model_len if keep is None else None
 
 
-def truncated(prompt: TokenizedPrompt, keep: int | None, tok: PromptTokenizer) -> TokenizedPrompt:
+def truncated(
+    prompt: TokenizedPrompt, keep: int | None, tok: PromptTokenizer, *, echo: bool = True
+) -> TokenizedPrompt:
     """vLLM's truncate_prompt_tokens: only the prompt's last `keep` tokens (its text, for echo,
-    then the decoded ids)."""
+    then the decoded ids; empty without echo)."""
     if keep is None or len(prompt.token_ids) <= keep:
         return prompt
     ids = prompt.token_ids[-keep:]
-    return TokenizedPrompt(ids, tok.decode(ids, skip_special_tokens=False))
+    return TokenizedPrompt(ids, tok.decode(ids, skip_special_tokens=False) if echo else "")

@@ -37,7 +37,7 @@ class PromptTooLong(Exception):
 @dataclass(frozen=True)
 class TokenizedPrompt:
     token_ids: list[int]
-    text: str  # the prompt as text: what the client sent, or the decoded ids (for echo)
+    text: str  # the prompt as text: what the client sent, or the decoded ids (for echo; else "")
 
 
 #: tokenizer_config.json classes that are transformers' generic fast tokenizer
@@ -104,16 +104,18 @@ class PromptTokenizer:
         return list(encoding.ids)
 
     def completion_prompt(
-        self, prompt: str | list[int], *, token_limit: int | None = None
+        self, prompt: str | list[int], *, token_limit: int | None = None, echo: bool = True
     ) -> TokenizedPrompt:
         """A completions prompt: text is tokenized with the tokenizer's special tokens (its BOS,
-        if it has one); token ids are taken as they are, and decoded (for echo) only once they
-        are known to fit `token_limit`."""
+        if it has one); token ids are taken as they are, and decoded (for `echo`, the only
+        reader of their text) once they are known to fit `token_limit`. Without echo their
+        text is left empty: decoding 512 ids costs more than the rest of planning them."""
         if isinstance(prompt, str):
             return TokenizedPrompt(self.encode(prompt, token_limit=token_limit), prompt)
         if token_limit is not None and len(prompt) > token_limit:
             raise PromptTooLong(len(prompt))
-        return TokenizedPrompt(list(prompt), self.decode(prompt, skip_special_tokens=False))
+        text = self.decode(prompt, skip_special_tokens=False) if echo else ""
+        return TokenizedPrompt(list(prompt), text)
 
     def render_chat(
         self,

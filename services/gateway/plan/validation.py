@@ -166,8 +166,9 @@ def check_prompt(
     limit = model.max_model_len
     if len(prompt_ids) >= limit:  # before the per-token loop: a long prompt is refused at once
         raise prompt_too_long(len(prompt_ids), model, prompt_param)
-    for token in prompt_ids:
-        _check_token_id(token, model, prompt_param)
+    if min(prompt_ids) < 0 or max(prompt_ids) >= model.vocab_size:
+        for token in prompt_ids:  # name the first one outside
+            _check_token_id(token, model, prompt_param)
     if max_tokens is None:
         room = limit - len(prompt_ids)
         if default_max_tokens is not None and default_max_tokens <= room:

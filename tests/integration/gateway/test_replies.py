@@ -246,6 +246,37 @@ async def test_completion_echo_and_logprobs_shape(
     assert echoed.choices[0].text == "The capital of France is" + tokenizer.decode(ids)
 
 
+@pytest.mark.parametrize("echo", [True, False])
+@pytest.mark.parametrize("keep", [None, 3])
+async def test_token_id_prompts_are_echoed_as_their_text(
+    gateway: GatewayHarness,
+    client: openai.AsyncOpenAI,
+    tokenizer: PromptTokenizer,
+    echo: bool,
+    keep: int | None,
+) -> None:
+    """A token-id prompt's text is decoded only for echo (truncated first, when asked)."""
+    prompt = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    ids = tokenizer.encode(" Paris.", add_special_tokens=False)
+    extra = {} if keep is None else {"truncate_prompt_tokens": keep}
+    task = asyncio.create_task(
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=len(ids), echo=echo, extra_body=extra
+        )
+    )
+    sub = await gateway.next_submit()
+    seen = prompt if keep is None else prompt[-keep:]
+    assert sub.prompt_token_ids == seen
+    await gateway.reply(
+        RequestDelta(
+            request_id=sub.request_id, start_index=0, token_ids=ids, finish_reason="length"
+        )
+    )
+    text = (await task).choices[0].text
+    echoed = tokenizer.decode(seen, skip_special_tokens=False) if echo else ""
+    assert text == echoed + tokenizer.decode(ids)
+
+
 async def test_chat_logprobs_tokens_and_bytes(
     gateway: GatewayHarness, client: openai.AsyncOpenAI, tokenizer: PromptTokenizer
 ) -> None:

@@ -463,6 +463,27 @@ def test_int32_bounds_are_inclusive() -> None:
         SubmitRequest(request_id="r", prompt_token_ids=np.array([2**32]), reply_stream="s")
 
 
+@pytest.mark.parametrize(
+    ("ids", "kept"),
+    [
+        ([3, 1, 2], [3, 1, 2]),  # plain ints: the fast path, order kept
+        ((3, 1), [3, 1]),
+        ([3, 2.0], [3, 2]),  # an integral float among ints: the checked path
+        ([np.int64(5), 1], [5, 1]),
+    ],
+)
+def test_packed_int_lists_are_taken_as_ints(ids: Any, kept: list[int]) -> None:
+    msg = SubmitRequest(request_id="r", prompt_token_ids=ids, reply_stream="s")
+    assert msg.prompt_token_ids == kept
+    assert all(type(t) is int for t in msg.prompt_token_ids)
+
+
+@pytest.mark.parametrize("ids", [[1, True], [1, 2.5], [1, "2"], [None]])
+def test_packed_int_lists_refuse_what_is_not_an_int(ids: list[Any]) -> None:
+    with pytest.raises(ValueError, match="int items"):
+        SubmitRequest(request_id="r", prompt_token_ids=ids, reply_stream="s")
+
+
 def test_rejects_a_body_that_breaks_the_schema() -> None:
     error = reason_of(envelope("submit", 1, {"request_id": "r", "reply_stream": "s"}))
     assert error.reason == "invalid"
