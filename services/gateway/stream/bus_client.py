@@ -37,7 +37,8 @@ from redis.exceptions import ResponseError
 from services.gateway.api.errors import OpenAIError, invalid_request
 from services.gateway.plan.request_plan import RequestPlan
 from services.gateway.stream.reply_dedup import MalformedDelta, ReplyCursor
-from shared.bus import Bus, BusUnavailable
+from services.gateway.stream.submit_batcher import SubmitBatcher
+from shared.bus import Bus, BusUnavailable, PublishRefused
 from shared.protocol import AbortRequest, RequestDelta, SubmitRequest, TokenDelta
 from shared.streams import Streams
 
@@ -139,6 +140,7 @@ class GatewayBusClient:
         self.destination = destination or (lambda _request: streams.requests)
         self.released = released or (lambda _request_id: None)
         self._subs: dict[str, _SubRequest] = {}
+        self.submits = SubmitBatcher(bus)
         self._reader: asyncio.Task[None] | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -160,6 +162,7 @@ class GatewayBusClient:
 
     async def stop(self) -> None:
         self._closing.set()
+        await self.submits.close()
         for task in (self._reader, self._keeper):
             if task is not None:
                 task.cancel()
@@ -204,13 +207,19 @@ class GatewayBusClient:
             self._subs[req.request_id] = _SubRequest(handle, choice, ReplyCursor(req.request_id))
         self._idle.clear()
         try:
-            await self.bus.publish_many(routed)  # type: ignore[arg-type]
-        except (BusUnavailable, ConnectionError) as exc:
+            await self.submits.publish(routed)  # type: ignore[arg-type]
+        except (BusUnavailable, ConnectionError, PublishRefused) as exc:
             handle.open.clear()
             for req in requests:
                 self._release(req.request_id)
+            what = "is unreachable"
+            if isinstance(exc, PublishRefused):  # some choices may be queued: take them back
+                what = "refused the request"
+                written = [r.request_id for r, i in zip(requests, exc.ids, strict=True) if i]
+                if written:
+                    self.abort_soon(written, "error")
             raise OpenAIError(
-                503, f"the request queue is unreachable: {exc}", type_="service_unavailable"
+                503, f"the request queue {what}: {exc}", type_="service_unavailable"
             ) from None
         log.info(
             "submitted %s: %d choice(s), seed %d%s",
