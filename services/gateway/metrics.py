@@ -90,6 +90,8 @@ class ChoiceTimer:
         self.arrival = time.monotonic() if arrival is None else arrival
         self._last: float | None = None
         self._done = False
+        # Looked up once: `labels()` takes a lock and a dict lookup, and a stream asks per token.
+        self._itl = INTER_TOKEN_LATENCY.labels(model_name)
 
     def tokens(self, count: int) -> None:
         """`count` tokens arrived now. The first arrival gives the TTFT; tokens that came with
@@ -102,7 +104,7 @@ class ChoiceTimer:
         else:
             gap = (now - self._last) / count
             for _ in range(count):
-                INTER_TOKEN_LATENCY.labels(self.model_name).observe(gap)
+                self._itl.observe(gap)
         self._last = now
 
     def finished(self, finish_reason: str, generated_tokens: int) -> None:

@@ -36,8 +36,12 @@ from services.gateway.stream.tool_calls import joined_calls
 DONE = "data: [DONE]\n\n"
 
 
+#: One encoder for every chunk: json.dumps with non-default options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {_ENCODER.encode(payload)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
