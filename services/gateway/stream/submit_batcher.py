@@ -15,7 +15,6 @@ not its failure), or the batch's error when Redis could not be reached at all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from redis.exceptions import ResponseError
 
@@ -41,17 +40,22 @@ class SubmitBatcher:
         return await future
 
     async def close(self) -> None:
-        """Wait for what was handed over to be sent."""
-        if self._sender is not None:
-            with contextlib.suppress(Exception):
-                await self._sender
+        """Wait for what was handed over to be sent (or to fail)."""
+        if self._sender is not None and not self._sender.done():
+            await asyncio.wait([self._sender])
 
     async def _send(self) -> None:
         # Started as a task, this runs after the rest of the loop turn that made it: the
         # admissions of that turn are already waiting.
-        while self._pending:
-            batch, self._pending = self._pending, []
-            await self._send_batch(batch)
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._send_batch(batch)
+        finally:  # cancelled (the loop is closing): no caller is left waiting for good
+            leftover, self._pending = self._pending, []
+            for _items, future in leftover:
+                if not future.done():
+                    future.set_exception(ConnectionError("the gateway is stopping"))
 
     async def _send_batch(self, batch: list[tuple[Items, asyncio.Future[list[str]]]]) -> None:
         flat = [item for items, _ in batch for item in items]

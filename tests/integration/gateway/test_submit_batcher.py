@@ -83,6 +83,30 @@ async def test_a_refused_entry_fails_only_its_own_caller(bus: Bus, redis_url: st
     assert [*ok_before, refused.ids[0], *ok_after] == await stream_ids(redis_url, "s:d")
 
 
+async def test_a_stopped_sender_leaves_no_caller_waiting(bus: Bus, redis_url: str) -> None:
+    """Cancelled with one pipeline on its way and a call waiting for the next (the loop is
+    closing), the sender fails both callers rather than leaving them to wait for good."""
+    raw = aioredis.Redis.from_url(redis_url)
+    await raw.client_pause(10_000, all=False)  # writes wait: the first pipeline stays in flight
+    try:
+        batcher = SubmitBatcher(bus)
+        first = asyncio.create_task(batcher.publish([("s:e", abort(1))]))
+        while batcher.pipelines == 0:
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(batcher.publish([("s:e", abort(2))]))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not second.done()
+        assert batcher._sender is not None
+        batcher._sender.cancel()
+        async with asyncio.timeout(WAIT_S):
+            results = await asyncio.gather(first, second, return_exceptions=True)
+            await batcher.close()
+        assert all(isinstance(r, ConnectionError) for r in results)
+    finally:
+        await raw.client_unpause()
+        await raw.aclose()
+
+
 async def test_a_burst_of_requests_is_queued_in_few_pipelines(gateway: GatewayHarness) -> None:
     body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 1}
     posts = [
