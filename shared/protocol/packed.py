@@ -14,6 +14,7 @@ consumer that trusted it.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any
 
 import numpy as np
@@ -56,8 +57,13 @@ def _unpacker(dtype: str, itemsize: int, kind: type) -> Any:
     return validate
 
 
+@functools.cache
+def _int_info(dtype: str) -> np.iinfo:
+    return np.iinfo(np.dtype(dtype))  # built once per dtype, not per checked list
+
+
 def _check_range(dtype: str, low: int, high: int) -> None:
-    info = np.iinfo(np.dtype(dtype))
+    info = _int_info(dtype)
     if low < info.min or high > info.max:
         bad = low if low < info.min else high
         raise ValueError(f"{bad} does not fit {info.dtype} [{info.min}, {info.max}]")

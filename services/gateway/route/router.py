@@ -131,24 +131,15 @@ class Router:
         self._routed[candidate.group] = kept
         return routed, finished
 
-    def queued(self, candidate: Candidate) -> int:
-        return candidate.load.num_waiting + self.since_beat(candidate)[0]
-
     def load(self, candidate: Candidate) -> int:
         """Requests running or queued on the group, by its beat and our routing since."""
-        routed, finished = self.since_beat(candidate)
-        beat_load = candidate.load.num_running + candidate.load.num_waiting
-        return max(0, beat_load + routed - finished)
+        return _load(candidate, self.since_beat(candidate))
 
     def finished(self, request_id: str, now: float) -> None:
         """A request routed with this id ended (its last reply, an abort, a failure)."""
         routed = self._by_id.pop(request_id, None)
         if routed is not None:
             routed.finished_at = now
-
-    def full(self, candidate: Candidate) -> bool:
-        bound = self.max_queued_per_group
-        return bound > 0 and self.queued(candidate) >= bound
 
     # --- choosing ------------------------------------------------------------------------
 
@@ -165,15 +156,19 @@ class Router:
         A `request_id` given here must be reported `finished` when the request ends."""
         if not candidates:
             return Decision(None, "no ready group")
-        total = sum(self.queued(c) for c in candidates)
+        # One pass over each group's routed requests serves every count below.
+        since = {c.group: self.since_beat(c) for c in candidates}
+        queued = {c.group: c.load.num_waiting + since[c.group][0] for c in candidates}
+        total = sum(queued.values())
         if self.max_queued_total and total >= self.max_queued_total:
             return Decision(None, f"{total} requests queued (bound {self.max_queued_total})")
-        open_ = [c for c in candidates if not self.full(c)]
+        bound = self.max_queued_per_group
+        open_ = [c for c in candidates if not (bound > 0 and queued[c.group] >= bound)]
         if not open_:
             return Decision(None, f"every group has {self.max_queued_per_group} requests queued")
         hashes = self._hashes(open_, prompt, cache_salt)
         overlaps = {c.group: self.index.overlap(c.group, hashes.get(c.group, [])) for c in open_}
-        chosen, balanced = self._pick(open_, overlaps, hashes)
+        chosen, balanced = self._pick(open_, overlaps, hashes, since)
         block_size = self.index.block_size(chosen.group) or 1
         routed = Routed(request_id, now)
         self._routed.setdefault(chosen.group, []).append(routed)
@@ -193,6 +188,7 @@ class Router:
         open_: list[Candidate],
         overlaps: dict[str, int],
         hashes: dict[str, list[BlockHash]],
+        since: dict[str, tuple[int, int]],
     ) -> tuple[Candidate, bool]:
         """The chosen group, and whether the balance rule chose it."""
         ordered = sorted(open_, key=lambda c: c.group)
@@ -201,9 +197,8 @@ class Router:
             return ordered[self._turn % len(ordered)], False
 
         def cost(c: Candidate) -> tuple[float, int, int]:
-            """(cost, load, -overlap): the load counted once (each count is a pass over the
-            group's routed requests)."""
-            load = self.load(c)
+            """(cost, load, -overlap)."""
+            load = _load(c, since[c.group])
             if self.policy == "least_load":
                 return float(load), load, 0
             blocks = len(hashes.get(c.group, []))
@@ -247,3 +242,10 @@ class Router:
                 self.index.drop(group)
                 for routed in self._routed.pop(group, ()):
                     self._by_id.pop(routed.request_id, None)
+
+
+def _load(candidate: Candidate, since: tuple[int, int]) -> int:
+    """A group's requests running or queued: its beat's, with `since` (Router.since_beat)."""
+    routed, finished = since
+    beat_load = candidate.load.num_running + candidate.load.num_waiting
+    return max(0, beat_load + routed - finished)
