@@ -131,10 +131,6 @@ class Router:
         self._routed[candidate.group] = kept
         return routed, finished
 
-    def load(self, candidate: Candidate) -> int:
-        """Requests running or queued on the group, by its beat and our routing since."""
-        return _load(candidate, self.since_beat(candidate))
-
     def finished(self, request_id: str, now: float) -> None:
         """A request routed with this id ended (its last reply, an abort, a failure)."""
         routed = self._by_id.pop(request_id, None)
@@ -198,7 +194,7 @@ class Router:
 
         def cost(c: Candidate) -> tuple[float, int, int]:
             """(cost, load, -overlap)."""
-            load = _load(c, since[c.group])
+            load = group_load(c, since[c.group])
             if self.policy == "least_load":
                 return float(load), load, 0
             blocks = len(hashes.get(c.group, []))
@@ -244,8 +240,9 @@ class Router:
                     self._by_id.pop(routed.request_id, None)
 
 
-def _load(candidate: Candidate, since: tuple[int, int]) -> int:
-    """A group's requests running or queued: its beat's, with `since` (Router.since_beat)."""
+def group_load(candidate: Candidate, since: tuple[int, int]) -> int:
+    """A group's requests running or queued: its beat's, corrected by `since` (Router.since_beat:
+    routed there after the beat, and finished since)."""
     routed, finished = since
     beat_load = candidate.load.num_running + candidate.load.num_waiting
     return max(0, beat_load + routed - finished)
