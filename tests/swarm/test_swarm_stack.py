@@ -48,6 +48,11 @@ def steps_of_group(stack: SwarmStack, slot: int) -> float:
         return 0.0  # its container is not running (yet)
 
 
+def paired_groups(stack: SwarmStack) -> set[int]:
+    """Groups whose scheduler and worker tasks are both running."""
+    return set(stack.tasks("scheduler")) & set(stack.tasks("worker"))
+
+
 def test_stack_serves_with_secrets_from_files(swarm_stack: SwarmStack) -> None:
     client = openai.OpenAI(base_url=swarm_stack.api, api_key=API_KEY, max_retries=0, timeout=300)
     reply = client.chat.completions.create(
@@ -94,9 +99,17 @@ def test_scale_up_adds_a_group_that_serves(swarm_stack: SwarmStack) -> None:
             time.sleep(1)
         ended = len(requests.outcomes)
         requests.wait_for(ended + 6, timeout=300)
+        # A group serves as soon as its worker beats ready; Swarm calls its tasks "running"
+        # only after their first passing health check (interval 5 s, a probe of seconds on a
+        # busy machine), which can come later than that.
+        while paired_groups(swarm_stack) != {1, 2}:
+            assert time.monotonic() < deadline, swarm_stack.health()
+            time.sleep(1)
+        running = time.monotonic() - started
     print(
         f"\nscale 1 -> 2: group 2 ready in the gateway's view after {in_gateway or serving:.1f} s,"
-        f" ran its first step after {serving:.1f} s; {requests.summary()}"
+        f" ran its first step after {serving:.1f} s, both tasks running (healthy) after"
+        f" {running:.1f} s; {requests.summary()}"
     )
     assert requests.failures() == []
     assert set(swarm_stack.tasks("scheduler")) == set(swarm_stack.tasks("worker")) == {1, 2}
