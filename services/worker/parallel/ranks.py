@@ -33,7 +33,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -105,8 +105,14 @@ class FollowerRanks:
                     raise RankDied(f"rank {follower.rank} is gone: {exc}") from exc
 
     def dead(self) -> list[tuple[int, int | None]]:
-        """(rank, exit code) of every follower that is no longer running."""
-        return [(f.rank, f.process.exitcode) for f in self.followers if not f.process.is_alive()]
+        """(rank, exit code) of every follower that is no longer running. By the process's
+        sentinel (a pipe the child's exit closes), not is_alive(): once anything else in this
+        process has reaped the child, is_alive() says True for good (CPython #92881); the exit
+        code is then unknown (None)."""
+        exited = set(wait([f.process.sentinel for f in self.followers], timeout=0))
+        return [
+            (f.rank, f.process.exitcode) for f in self.followers if f.process.sentinel in exited
+        ]
 
     async def watch(self, stopping: asyncio.Event, interval_s: float = 0.5) -> None:
         """Return when stopping; raise RankDied as soon as a follower exits."""
