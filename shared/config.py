@@ -90,6 +90,9 @@ class CommonSettings(MeshSettings):
     # Freed heap glibc holds is handed back to the OS this often (shared/heap_trim.py; 0 = never).
     malloc_trim_interval_s: float = Field(60.0, ge=0)
     shutdown_timeout_s: float = 30.0
+    # The service's event loop and HTTP parser: uvloop and httptools (as uvicorn[standard] and
+    # vLLM's API server run), or the standard library's asyncio and h11 (pure Python).
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # A gateway's reply stream expires this long after the gateway last refreshed it (every
     # heartbeat): a dead gateway's stream disappears, a live one's never does. Schedulers give
     # the same expiry to a reply stream they re-create by writing to it after it expired.

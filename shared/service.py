@@ -210,6 +210,7 @@ class Service(abc.ABC):
             "group": self.settings.group,
             "version": package_version(),
             "python": sys.version.split()[0],
+            "event_loop": loop_name(asyncio.get_running_loop()),
             "started_at": self.started_at,
             "uptime_s": round(time.time() - self.started_at, 3),
             "started": self.started,
@@ -282,6 +283,7 @@ async def serve(
     sock = sock or bind_socket(settings.host, settings.port)
     config = uvicorn.Config(
         build_admin_app(service),
+        http="httptools" if settings.event_loop == "uvloop" else "h11",
         log_config=None,
         access_log=False,
         lifespan="off",
@@ -377,6 +379,21 @@ async def _finish(task: asyncio.Task[Any], timeout: float) -> int:
     return 0
 
 
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a service's process runs on (CommonSettings.event_loop); None: asyncio's."""
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
+def loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    """ "uvloop.Loop" or "asyncio.<class>": which loop a process really runs on."""
+    cls = type(loop)
+    return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
+
+
 def run_service(service: Service) -> None:
     """Entry point of every `services/<name>/__main__.py`; exits the process with its status."""
     settings = service.settings
@@ -385,7 +402,8 @@ def run_service(service: Service) -> None:
     # (py-spy's dump without installing it; the signal handler runs even with the loop stuck).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        status = asyncio.run(serve(service, freeze_heap=True))
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            status = runner.run(serve(service, freeze_heap=True))
     except OSError as exc:
         log.error("%s", exc)
         status = 1

@@ -3,8 +3,9 @@
 # benchmarks (`make gpu-bundle`; bench/gpu/run.sh installs and uses it there). The folders are
 # git-ignored and travel with the tree:
 #   .whl/       cp312 manylinux x86_64 wheels of what the GPU image lacks (the service stack:
-#               fastapi, uvicorn, pydantic(-core, -settings), redis-py, hiredis, msgpack,
-#               jsonschema, prometheus-client, httpx, openai, xgrammar) and their dependencies,
+#               fastapi, uvicorn, uvloop, httptools, pydantic(-core, -settings), redis-py,
+#               hiredis, msgpack, jsonschema, prometheus-client, httpx, openai, xgrammar) and
+#               their dependencies,
 #               pinned to this venv's versions (the ones CI tests). The image's own torch,
 #               triton, transformers, numpy, tokenizers, safetensors, huggingface-hub stay out.
 #   .tokenizer/ the embedded SmolLM2's tokenizer files and config.json (no weights): the
@@ -24,7 +25,7 @@ TOKDIR=${TOKDIR:-.tokenizer}
 PIP=("$VENV_PY" -m pip)
 
 # Resolved with their dependencies; none of them needs a package the image has.
-STACK=(fastapi uvicorn pydantic pydantic-core pydantic-settings redis hiredis msgpack jsonschema
+STACK=(fastapi uvicorn uvloop httptools pydantic pydantic-core pydantic-settings redis hiredis msgpack jsonschema
     prometheus-client httpx openai)
 # Without dependencies: xgrammar's other requirements (torch, triton, transformers, numpy) are
 # the image's, and pip would otherwise fetch a multi-GB torch.

@@ -110,6 +110,7 @@ def test_admin_auth(mesh: Mesh, name: str) -> None:
     state = mesh.admin_state(name)
     assert state["service"] == name and state["started"] is True
     assert state["config"]["admin_token"] == "***"
+    assert state["event_loop"] == "uvloop.Loop"  # CommonSettings.event_loop's default
 
 
 @pytest.mark.parametrize("name", SHELLS)
@@ -175,9 +176,12 @@ def test_drain_action_then_sigterm() -> None:
 
 
 def test_without_admin_token_actions_are_disabled() -> None:
-    with Mesh(services=("grammar",), env={**FAST_BEATS, "MESHLLM_ADMIN_TOKEN": ""}) as m:
+    env = {**FAST_BEATS, "MESHLLM_ADMIN_TOKEN": "", "MESHLLM_EVENT_LOOP": "asyncio"}
+    with Mesh(services=("grammar",), env=env) as m:
         base = m.url("grammar")
-        assert httpx.get(f"{base}/admin/state").status_code == 200
+        state = httpx.get(f"{base}/admin/state")
+        assert state.status_code == 200
+        assert state.json()["event_loop"].startswith("asyncio.")  # the standard library's
         resp = httpx.post(f"{base}/admin/actions/drain")
         assert resp.status_code == 403
         assert "MESHLLM_ADMIN_TOKEN" in resp.json()["error"]["message"]
