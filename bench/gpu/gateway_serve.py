@@ -310,6 +310,10 @@ def main() -> None:
     p.add_argument("--cost-only", action="store_true", help="step 1 only (gateway vs direct)")
     p.add_argument("--datasets-only", action="store_true", help="steps 2-5 only")
     p.add_argument("--dry-run", action="store_true", help="tiny random model on CPU")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="MESHLLM_X=VALUE",
+        help="a setting for every service (repeatable), e.g. MESHLLM_EVENT_LOOP=asyncio",
+    )  # fmt: skip
     p.add_argument("--out", default="")
     p.add_argument("--logs", default="", help="on failure: services' logs and state here")
     args = p.parse_args()
@@ -342,12 +346,18 @@ def main() -> None:
             MESHLLM_NUM_THREADS="1",
         )
     work = Path(tempfile.mkdtemp(prefix="gateway-serve-"))
+    for setting in args.set:
+        key, sep, value = setting.partition("=")
+        if not (sep and key.startswith("MESHLLM_")):
+            p.error(f"--set {setting!r}: expected MESHLLM_<NAME>=<value>")
+        env[key] = value
     served = model_dir(shape, tokenizer_dir(args.tokenizer), work / "llama-3-8b-shape", context)
     env["MESHLLM_MODEL"] = str(served)
     vocab = json.loads((served / "config.json").read_text())["vocab_size"]
     args.served = served  # the tokenizer vllm bench serve writes its prompts with
     results: dict[str, Any] = {
         "model": "llama-3-8b shape, random weights, SmolLM2 tokenizer", "clients": args.client,
+        "settings": dict(s.partition("=")[::2] for s in args.set),
     }  # fmt: skip
     mesh = Mesh(services=("gateway", "scheduler", "worker"), env=env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
