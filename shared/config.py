@@ -154,6 +154,10 @@ class GatewaySettings(CommonSettings, ModelSettings, SchedulingSettings):
     # Processes that parse and tokenize bodies of 4 KiB or more (services/gateway/plan/
     # planning_pool.py), so a large body never blocks the event loop. Each holds a tokenizer.
     planning_processes: int = Field(2, ge=1)
+    # Gateway processes serving the API on its one port, as vLLM's --api-server-count: each a
+    # whole gateway (its own reply stream, planning processes and mesh view) taking the
+    # connections the kernel hands it; /metrics sums them (services/gateway/api_processes.py).
+    api_processes: int = Field(1, ge=1)
     # Routing among worker groups (services/gateway/route): "kv" weighs each group's cached
     # prefix of the prompt against its load, "least_load" takes the least loaded group,
     # "round_robin" takes them in turn.

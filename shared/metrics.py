@@ -8,7 +8,10 @@ dashboards translate by prefix.
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.responses import Response
 
 PREFIX = "meshllm:"
@@ -20,5 +23,10 @@ def metric_name(name: str) -> str:
 
 
 def metrics_response(registry: CollectorRegistry = REGISTRY) -> Response:
-    """The Prometheus text exposition of `registry`, with its proper content type."""
+    """The Prometheus text exposition of `registry`, with its proper content type. Under
+    prometheus-client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR: a gateway's API
+    processes), the default registry's view is every process's values, merged."""
+    if registry is REGISTRY and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -49,11 +49,19 @@ log = logging.getLogger(__name__)
 READY_PING_TIMEOUT_S = 2.0
 FIRST = asyncio.FIRST_COMPLETED
 
+# multiprocess_mode: how a gateway's API processes combine (shared/metrics.py); ready only
+# when every live one is.
 SERVICE_READY = Gauge(
-    metric_name("service_ready"), "1 when the service's last readiness check passed", ["service"]
+    metric_name("service_ready"),
+    "1 when the service's last readiness check passed",
+    ["service"],
+    multiprocess_mode="livemin",
 )
 SERVICE_START_TIME = Gauge(
-    metric_name("service_start_time_seconds"), "Unix time the service object was made", ["service"]
+    metric_name("service_start_time_seconds"),
+    "Unix time the service object was made",
+    ["service"],
+    multiprocess_mode="min",
 )
 
 
@@ -296,6 +304,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, shutdown.set)
+    # `kill -USR2 <pid>`: drain as the admin action does (the process stays up, not ready).
+    loop.add_signal_handler(signal.SIGUSR2, service.begin_drain)
     log.info("%s listening on %s:%s", service.name, *sock.getsockname()[:2])
 
     status = 0
@@ -340,7 +350,7 @@ async def serve(
             log.exception("closing %s failed", service.name)
         sock.close()
         # Removed only now: a second Ctrl-C during the drain must not raise KeyboardInterrupt.
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             loop.remove_signal_handler(sig)
     return status
 
@@ -394,8 +404,9 @@ def loop_name(loop: asyncio.AbstractEventLoop) -> str:
     return f"{cls.__module__.split('.')[0]}.{cls.__qualname__}"
 
 
-def run_service(service: Service) -> None:
-    """Entry point of every `services/<name>/__main__.py`; exits the process with its status."""
+def run_service(service: Service, sock: socket.socket | None = None) -> None:
+    """Entry point of every `services/<name>/__main__.py`; exits the process with its status.
+    `sock`: a listening socket to serve on (a gateway's API processes share one)."""
     settings = service.settings
     configure_logging(service.name, settings.instance_id, settings.log_level, settings.log_json)
     # `kill -USR1 <pid>`: every thread's Python stack on stderr, for a process that hangs
@@ -403,7 +414,7 @@ def run_service(service: Service) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            status = runner.run(serve(service, freeze_heap=True))
+            status = runner.run(serve(service, sock=sock, freeze_heap=True))
     except OSError as exc:
         log.error("%s", exc)
         status = 1

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from services.gateway.service import GatewayService
     from shared.config import GatewaySettings
+
+    settings = GatewaySettings()
+    if settings.api_processes > 1:
+        import sys
+
+        from services.gateway.api_processes import serve_api_processes
+
+        sys.exit(serve_api_processes(settings))
+    from services.gateway.service import GatewayService
     from shared.service import run_service
 
-    run_service(GatewayService(GatewaySettings()))
+    run_service(GatewayService(settings))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ body; the routes only add HTTP (status codes, streaming, disconnects)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -137,7 +138,7 @@ class Frontend:
         return dataclasses.replace(plan, grammar=grammar)
 
     async def close(self) -> None:
-        self.planning.close()
+        await asyncio.to_thread(self.planning.close, wait=True)
 
     def models(self) -> dict[str, Any]:
         card = {

@@ -25,6 +25,7 @@ from fastapi import APIRouter
 
 from services.gateway.api.errors import OpenAIError
 from services.gateway.api.routes import openai_router
+from services.gateway.api_processes import ApiProcess
 from services.gateway.frontend import Frontend
 from services.gateway.mesh.groups import MeshView
 from services.gateway.mesh.heartbeat_reader import HeartbeatReader, history_for
@@ -55,9 +56,10 @@ def shutting_down() -> OpenAIError:
 class GatewayService(Service):
     name = "gateway"
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, api_process: ApiProcess | None = None) -> None:
         super().__init__(settings)
         self.settings: GatewaySettings = settings
+        self.api_process = api_process  # one of several on the port (MESHLLM_API_PROCESSES)
         self.frontend: Frontend | None = None
         self.mesh = MeshView(settings.heartbeat_interval_s)
         self.mesh_reader: HeartbeatReader | None = None
@@ -100,6 +102,8 @@ class GatewayService(Service):
             s, tokenizer, model, client, reader, grammars, self.router, self.streams
         )
         self.frontend.planning.warm_up()
+        if self.api_process is not None:
+            self.api_process.mark_started()
 
     def _destination(self, request: SubmitRequest) -> str:
         assert self.frontend is not None  # requests are submitted only through it
@@ -117,6 +121,15 @@ class GatewayService(Service):
 
     async def run(self) -> None:
         await self.stopping.wait()
+
+    def begin_drain(self) -> asyncio.Task[bool]:
+        """One API process's drain is all of theirs: they share the port, and a client must
+        not keep reaching the ones still taking requests."""
+        first = self._drain_task is None
+        task = super().begin_drain()
+        if first and self.api_process is not None:
+            self.api_process.drain_siblings()
+        return task
 
     async def drain(self) -> None:
         if self.frontend is None:
@@ -150,7 +163,12 @@ class GatewayService(Service):
         details["checks"]["model"] = "ok" if loaded else "loading"
         serving = self.mesh.serving(self.served_model(), time.time())
         details["checks"]["workers"] = serving.reason
-        return ready and loaded and serving.ok, details
+        siblings = True
+        if self.api_process is not None:  # the port is ready when every process behind it is
+            started, count = self.api_process.started_count(), self.api_process.count
+            siblings = started == count
+            details["checks"]["api_processes"] = "ok" if siblings else f"{started} of {count}"
+        return ready and loaded and serving.ok and siblings, details
 
     def routes(self) -> list[APIRouter]:
         return [openai_router(lambda: self.frontend)]
@@ -169,6 +187,8 @@ class GatewayService(Service):
                 "accepting": self.frontend.accepting,
                 "api_keys": self.frontend.auth.enabled,
             }
+        if self.api_process is not None:
+            out["api_process"] = self.api_process.describe()
         out["mesh"] = {
             "schedulers": [asdict(r) for r in self.mesh.schedulers(time.time())],
             "beats_read": self.mesh_reader.beats_read if self.mesh_reader else 0,

@@ -60,6 +60,7 @@ WORKER_NICENESS = 10
 REQUESTS_PLANNING = Gauge(
     metric_name("gateway_requests_planning"),
     "Requests being parsed, templated and tokenized in the gateway's planning processes",
+    multiprocess_mode="livesum",
 )
 
 
@@ -97,9 +98,13 @@ class PlanningPool:
         finally:
             REQUESTS_PLANNING.dec()
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the processes; `wait`: until they have exited. A gateway's own exit needs the
+        wait when it is a multiprocessing child (an API process): its exit closes the work
+        queue's feeder before the pool's manager thread has sent the stop messages, and then
+        joins the processes, which never get them."""
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(wait=wait, cancel_futures=True)
             self._executor = None
 
     def _pool(self) -> ProcessPoolExecutor:

@@ -21,16 +21,28 @@ from services.gateway.route.router import Candidate, Decision, Router
 from shared.metrics import metric_name
 
 GROUP_WAITING = Gauge(
-    metric_name("group_num_requests_waiting"), "Requests queued in a group", ["group"]
+    metric_name("group_num_requests_waiting"),
+    "Requests queued in a group",
+    ["group"],
+    multiprocess_mode="mostrecent",
 )
 GROUP_RUNNING = Gauge(
-    metric_name("group_num_requests_running"), "Requests in a group's running batch", ["group"]
+    metric_name("group_num_requests_running"),
+    "Requests in a group's running batch",
+    ["group"],
+    multiprocess_mode="mostrecent",
 )
 GROUP_KV_USAGE = Gauge(
-    metric_name("group_kv_cache_usage_perc"), "A group's KV cache usage, 0 to 1", ["group"]
+    metric_name("group_kv_cache_usage_perc"),
+    "A group's KV cache usage, 0 to 1",
+    ["group"],
+    multiprocess_mode="mostrecent",
 )
 GROUP_CACHED_BLOCKS = Gauge(
-    metric_name("group_cached_blocks"), "Prefix blocks a group reports holding", ["group"]
+    metric_name("group_cached_blocks"),
+    "Prefix blocks a group reports holding",
+    ["group"],
+    multiprocess_mode="mostrecent",
 )
 ROUTER_DECISIONS = Counter(
     metric_name("router_decisions"), "Requests routed, by policy and group", ["policy", "group"]

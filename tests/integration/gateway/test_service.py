@@ -6,7 +6,10 @@ scheduler with a ready worker group beats for the served model."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from services.gateway.api_processes import ApiProcess
 from services.gateway.service import GatewayService
 from shared.bus import Bus
 from shared.config import GatewaySettings
@@ -74,7 +78,12 @@ class SchedulerSide:
 
 @asynccontextmanager
 async def running_gateway(
-    redis_url: str, smollm2_dir: Path, *, scheduler_ready: bool = True, **overrides: Any
+    redis_url: str,
+    smollm2_dir: Path,
+    *,
+    scheduler_ready: bool = True,
+    api_process: ApiProcess | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, SchedulerSide, asyncio.Task[int], asyncio.Event]]:
     """The gateway under serve(), and the scheduler's side beating (ready or not) from before
     the gateway starts; yields once the gateway's model is loaded (ready, when the scheduler
@@ -98,10 +107,13 @@ async def running_gateway(
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     shutdown = asyncio.Event()
-    task = asyncio.create_task(serve(GatewayService(settings), sock=sock, shutdown=shutdown))
+    service = GatewayService(settings, api_process)
+    task = asyncio.create_task(serve(service, sock=sock, shutdown=shutdown))
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
         try:
-            if scheduler_ready:
+            if api_process is not None:  # its own checks pass; its siblings' are the test's
+                await wait_ready(client, loaded_and_serving)
+            elif scheduler_ready:
                 await wait_ready(client)
             else:
                 await wait_ready(client, loaded_and_sees_the_scheduler)
@@ -116,6 +128,11 @@ async def running_gateway(
 
 def _is_200(resp: httpx.Response) -> bool:
     return resp.status_code == 200
+
+
+def loaded_and_serving(resp: httpx.Response) -> bool:
+    checks = resp.json()["checks"]
+    return checks.get("model") == "ok" and checks.get("workers") == "ok"
 
 
 def loaded_and_sees_the_scheduler(resp: httpx.Response) -> bool:
@@ -317,3 +334,26 @@ async def test_a_restarted_gateway_learns_the_mesh_from_the_stream_history(
         shutdown.set()
         await asyncio.wait_for(task, 30)
         await bus.close()
+
+
+async def test_an_api_process_is_ready_only_once_its_siblings_have_started(
+    redis_url: str, smollm2_dir: Path
+) -> None:
+    """MESHLLM_API_PROCESSES: the port answers ready only when every process behind it would
+    serve. Here this process is API process 0 of 2 and its sibling's flag is not set yet."""
+    parent = subprocess.Popen(["sleep", "60"])  # stands in for the parent (gets the drain)
+    place = ApiProcess(0, 2, parent.pid, started=[0, 0])
+    try:
+        async with running_gateway(redis_url, smollm2_dir, api_process=place) as (client, *_):
+            resp = await client.get("/ready")
+            assert resp.status_code == 503
+            assert resp.json()["checks"]["api_processes"] == "1 of 2"  # itself only
+            place.started[1] = 1
+            ready = await wait_ready(client)
+            assert ready["checks"]["api_processes"] == "ok"
+            state = await client.get("/admin/state", headers={"Authorization": "Bearer admin"})
+            assert state.json()["api_process"] == {"index": 0, "count": 2, "pid": os.getpid()}
+        # Its drain at shutdown asked the parent to drain the siblings too (SIGUSR2).
+        assert parent.wait(10) == -signal.SIGUSR2
+    finally:
+        parent.kill()
