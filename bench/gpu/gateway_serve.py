@@ -111,9 +111,20 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of one process so far (/proc/<pid>/stat, clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time so far of a process and its descendants (a gateway's API
+    processes and planning processes): its own, its reaped children's, and each live child's
+    in turn (/proc, clock ticks). A process gone meanwhile counts 0."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [
+            int(child)
+            for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()
+        ]
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(c) for c in children)
 
 
 class RunCosts:
