@@ -89,6 +89,9 @@ class ApiProcess:
 def api_process_main(process: ApiProcess, sock: socket.socket) -> None:
     """An API process: a gateway on the shared socket, dying with the parent."""
     die_with_parent(process.parent_pid)
+    # A sibling's drain relayed before this process has its handler (it is still importing)
+    # must not kill it (SIGUSR2's default); serve() takes the signal over once it runs.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     from services.gateway.service import GatewayService
 
     base = GatewaySettings()
@@ -170,7 +173,7 @@ class ApiProcesses:
             for sentinel in wait(list(running), timeout=0.5):
                 process = running.pop(sentinel)
                 process.join()
-                with contextlib.suppress(Exception):  # its live gauges leave the sums
+                with contextlib.suppress(OSError):  # its live gauges leave the sums
                     multiprocess.mark_process_dead(process.pid)
                 code = process.exitcode
                 if not self.stopping:
