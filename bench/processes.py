@@ -115,6 +115,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants (a gateway's API and planning
+    processes): each live one's own and that of its children it has reaped (0 for any gone)."""
+    ticks = 0
+    for member in (pid, *descendants(pid)):
+        try:
+            ticks += sum(int(f) for f in _stat_fields(member)[11:15])  # u/s time, reaped kids'
+        except OSError:
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def service_pids(launcher_pid: int, names: tuple[str, ...]) -> dict[str, int]:
     """The pid of each named service (`services.<name>`, or `redis-server`) under a launcher."""
     pids = {}

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import signal
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 from bench import serve, vllm_client
 from bench.gpu.clocks import ClockSampler
 from bench.gpu.mesh_decode import TINY, run_batch, scrape, start_phases
+from bench.processes import tree_cpu_seconds
 from services.worker.models.random_init import PRESETS
 from shared.model.source import resolve_model
 from tests.support.mesh import Mesh
@@ -110,23 +110,6 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items() if k in keys}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time so far of a process and its descendants (a gateway's API
-    processes and planning processes): its own, its reaped children's, and each live child's
-    in turn (/proc, clock ticks). A process gone meanwhile counts 0."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        children = [
-            int(child)
-            for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()
-        ]
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
-    return ticks / os.sysconf("SC_CLK_TCK") + sum(cpu_seconds(c) for c in children)
-
-
 class RunCosts:
     """What one run cost besides its wall time: the scheduler's steps (and their mean wall
     time), each service process's CPU time per output token, and the GPU's clocks and power
@@ -137,7 +120,7 @@ class RunCosts:
         self.mesh = mesh
         self.pids = {name: proc.pid for name, proc in mesh.procs.items()}
         self.metrics = scrape(mesh)
-        self.cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self.cpu = {name: tree_cpu_seconds(pid) for name, pid in self.pids.items()}
 
     def since(self, output_tokens: int) -> dict[str, Any]:
         now = scrape(self.mesh)
@@ -148,7 +131,7 @@ class RunCosts:
             "step_ms_mean": round(1000 * step_s / steps, 2) if steps else None,
         }
         for name, pid in self.pids.items():
-            used = cpu_seconds(pid) - self.cpu[name]
+            used = tree_cpu_seconds(pid) - self.cpu[name]
             out[f"{name}_cpu_us_per_token"] = round(1e6 * used / max(output_tokens, 1), 1)
         if gpu := self.clocks.stop():
             out["gpu"] = gpu
