@@ -10,7 +10,10 @@ torch SDPA, torch ops, one split):
   batch 64 at 4k, fp8 batch 1 at 32k;
 - paged prefill attention (causal; vs SDPA on contiguous K/V), the dense prefill path's
   implementations on packed fresh spans (eager: SDPA's cuDNN graph is built on the host), KV
-  insert with fused RoPE, RMSNorm+residual, the pinned staged host->device copy.
+  insert with fused RoPE, RMSNorm+residual, the pinned staged host->device copy;
+- `F.linear` at a Llama-3-8B layer's fused weights (qkv, o, gate_up, down) and 64 / 128 / 256 /
+  8,192 rows through cuBLASLt against cuBLAS (torch's default), the library torch's
+  `preferred_blas_library` picks (#36: cuBLAS runs the decode GEMMs at 75-92% of their limit).
 
 Times are per call inside a CUDA graph (the worker runs decode in graphs, so launch overhead is
 not counted), median of replays, inputs rotated across copies that together exceed L2 so each
@@ -392,6 +395,35 @@ def time_staged_copy(report: Report) -> None:
     )  # fmt: skip
 
 
+# (N, K) of a Llama-3-8B layer's fused weights, as the worker multiplies them.
+LAYER_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                 "down": (4096, 14336)}  # fmt: skip
+BLAS_ROWS = (64, 128, 256, 8192)
+
+
+def time_blas(report: Report) -> None:
+    """The same `F.linear` captured under cuBLASLt and under cuBLAS (the baseline)."""
+    default = torch.backends.cuda.preferred_blas_library()
+    try:
+        for name, (n, k) in LAYER_LINEARS.items():
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(copies_for(n * k * 2))]  # fmt: skip
+            for m in BLAS_ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                calls = [lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws]
+                torch.backends.cuda.preferred_blas_library("cublas")
+                ms_cublas = graph_ms(calls)
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                ms_lt = graph_ms(calls)
+                report.timing(
+                    "linear cuBLASLt (graph)", f"{name} {n}x{k} M={m}", ms_lt,
+                    bytes_moved=gemv_bytes(m, n, k), flops=2 * m * n * k,
+                    baseline="cuBLAS graph", baseline_ms=ms_cublas,
+                )  # fmt: skip
+    finally:
+        torch.backends.cuda.preferred_blas_library(default)
+
+
 PARTS: list[tuple[str, Callable[[Report], Any]]] = [
     ("hbm", time_hbm_ceiling),
     ("gemv", time_gemv),
@@ -401,6 +433,7 @@ PARTS: list[tuple[str, Callable[[Report], Any]]] = [
     ("kv_insert", time_kv_insert),
     ("rmsnorm", time_rmsnorm),
     ("staged_copy", time_staged_copy),
+    ("blas", time_blas),
 ]
 
 
