@@ -340,18 +340,20 @@ def main() -> None:
             MESHLLM_NUM_THREADS="1",
         )
     work = Path(tempfile.mkdtemp(prefix="gateway-serve-"))
+    settings: dict[str, str] = {}
     for setting in args.set:
         key, sep, value = setting.partition("=")
         if not (sep and key.startswith("MESHLLM_")):
             p.error(f"--set {setting!r}: expected MESHLLM_<NAME>=<value>")
-        env[key] = value
+        settings[key] = value
+    env.update(settings)
     served = model_dir(shape, tokenizer_dir(args.tokenizer), work / "llama-3-8b-shape", context)
     env["MESHLLM_MODEL"] = str(served)
     vocab = json.loads((served / "config.json").read_text())["vocab_size"]
     args.served = served  # the tokenizer vllm bench serve writes its prompts with
     results: dict[str, Any] = {
         "model": "llama-3-8b shape, random weights, SmolLM2 tokenizer", "clients": args.client,
-        "settings": dict(s.partition("=")[::2] for s in args.set),
+        "settings": settings,
     }  # fmt: skip
     mesh = Mesh(services=("gateway", "scheduler", "worker"), env=env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
