@@ -20,13 +20,15 @@ CACHE=${CACHE:-$HOME/.cache/meshllm/wheels}
 VLLM=vllm==0.34.0
 # What `vllm bench serve` imports beyond torch, numpy, transformers, tokenizers, tqdm, pyyaml,
 # requests, psutil, sentencepiece and pillow (the GPU image's) and the GPU bundle's .whl/
-# (pydantic, fastapi, openai, msgpack, opentelemetry-api, ...). Found by running it in a
-# Python that had only those: each missing import, one at a time.
+# (pydantic, fastapi, openai, msgpack, opentelemetry-api, uvloop, ...). Found by running it in a
+# Python that had only those: each missing import, one at a time. uvloop came from here until the
+# services ran on it (pyproject): the bundle's copy keeps a carry of the tree, .whl/, .redisbin/,
+# .tokenizer/ and these two parts under the 64 MiB a GPU call carries.
 REQUIRES=(aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 cachetools==8.0.3
     cbor2==6.3.0 cloudpickle==3.1.3 einops==0.8.2 frozenlist==1.8.0 llguidance==1.9.1
     msgspec==0.23.0 multidict==7.2.1 openai-harmony==0.0.8 orjson==3.13.0
     partial-json-parser==0.2.1.1.post7 propcache==0.5.4 py-cpuinfo==9.0.0 pybase64==1.5.1
-    pyzmq==27.3.0 uvloop==0.23.0 watchfiles==1.3.0 yarl==1.25.1 setuptools==84.2.1)
+    pyzmq==27.3.0 watchfiles==1.3.0 yarl==1.25.1 setuptools==84.2.1)
 # Here only: the dev venv has no pillow (the GPU image has, with torchvision).
 LOCAL_ONLY=(pillow==13.0.0)
 TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp
